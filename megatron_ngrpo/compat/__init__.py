@@ -1,0 +1,1 @@
+"""Compatibility layers (CPU redirection of megatron-core's CUDA calls)."""

