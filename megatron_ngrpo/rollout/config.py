@@ -1,0 +1,61 @@
+"""Configuration of rollout generation and of the engines."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_ngrpo.configuration import fail
+
+
+@dataclass
+class VLLMConfig:
+    """Construction options of the vLLM engine (``vllm.LLM`` arguments)."""
+
+    tensor_parallel: int = 1
+    dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
+    max_model_len: int = 4096
+    gpu_memory_utilization: float = 0.6
+    # On CPU the memory fraction is applied to node RAM: give the KV cache in bytes instead.
+    kv_cache_memory_bytes: int = 512 * 2**20
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    enforce_eager: bool = True
+    # In-process engine (no worker subprocess); required for in-process weight sync on CPU.
+    in_process: bool = True
+
+    def validate(self) -> None:
+        if self.tensor_parallel < 1:
+            fail("tensor_parallel", self.tensor_parallel, "must be >= 1")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            fail("gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")
+        if self.max_model_len < 1:
+            fail("max_model_len", self.max_model_len, "must be >= 1")
+
+
+@dataclass
+class RolloutConfig:
+    # "megatron" (built-in, default, runs anywhere) or "vllm".
+    engine: str = "megatron"
+    n: int = 4  # G, responses per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 8192
+    stop: list[str] = field(default_factory=list)
+    # Megatron engine: generate with a separate copy of the weights instead of the policy itself.
+    separate_copy: bool = False
+    # Megatron engine: max sequences decoded at once (0 = whole batch).
+    max_batch_size: int = 0
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+
+    def validate(self) -> None:
+        if self.engine not in ("megatron", "vllm"):
+            fail("engine", self.engine, "expected 'megatron' or 'vllm'")
+        if self.n < 1:
+            fail("n", self.n, "must be >= 1")
+        if self.temperature <= 0:
+            fail("temperature", self.temperature, "must be > 0 for RL rollouts")
+        if not 0 < self.top_p <= 1:
+            fail("top_p", self.top_p, "must be in (0, 1]")
+        if self.max_new_tokens < 1:
+            fail("max_new_tokens", self.max_new_tokens, "must be >= 1")
