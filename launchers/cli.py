@@ -1,0 +1,269 @@
+"""``ngrpo-launch`` / ``python -m launchers``: run recipes locally (torchrun) or on Slurm.
+
+    ngrpo-launch recipes                                  the recipe table
+    ngrpo-launch memory r1-7b [--nodes 4]                 expected GPU memory per rank
+    ngrpo-launch run r1-7b --executor slurm --config configs/ngrpo_r1_7b.yaml --account A --partition P \\
+        --container-image IMG --mount /lustre:/lustre [--dryrun | --detach] [a.b=c ...]
+    ngrpo-launch status EXPERIMENT [--wait]
+    ngrpo-launch logs EXPERIMENT [--job NAME]
+    ngrpo-launch cancel EXPERIMENT
+
+``run`` waits for the jobs (unless ``--detach``) and exits 1 when one did not succeed; ``status``
+exits 1 when a job failed (or, with ``--wait``, did not succeed). Bad input exits 2 with a
+one-line error. Experiments live under $NEMORUN_HOME (default ~/.nemo_run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from megatron_ngrpo.configuration import ConfigError
+from launchers import recipes
+from launchers.memory import GIB
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    key, value = text.split("=", 1)
+    return key, value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ngrpo-launch", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("recipes", help="list the recipes")
+    m = sub.add_parser("memory", help="expected GPU memory per rank of a recipe")
+    m.add_argument("recipe")
+    m.add_argument("--nodes", type=int)
+
+    r = sub.add_parser("run", help="run a recipe's task (train, eval, conversion)")
+    r.add_argument("recipe")
+    r.add_argument("overrides", nargs="*", metavar="a.b=c", help="config overrides (last wins)")
+    r.add_argument("--task", choices=recipes.TASKS, default="train")
+    r.add_argument("--executor", choices=("local", "slurm"), default="local")
+    r.add_argument("--config", action="append", default=[],
+                   help="YAML config of the train/eval entry point (repeatable, later files win)")
+    r.add_argument("--hf-path", help="HF checkpoint directory (default: MODELS_DIR/<recipe's hf_name>)")
+    r.add_argument("--models-dir", default=os.environ.get("NGRPO_MODELS_DIR", "/models"),
+                   help="directory holding the HF checkpoints (env NGRPO_MODELS_DIR; default /models)")
+    r.add_argument("--checkpoint", help="megatron checkpoint (convert-megatron)")
+    r.add_argument("--output", help="output directory (conversions)")
+    r.add_argument("--nodes", type=int, help="nodes (within the recipe's range)")
+    r.add_argument("--procs-per-node", type=int, help="ranks per node (default: the recipe's)")
+    r.add_argument("--gpus-per-node", type=int, help="GPUs requested per node (default: the recipe's)")
+    r.add_argument("--module", help="entry module replacing megatron_ngrpo.train / .eval")
+    r.add_argument("--disaggregated", action="store_true",
+                   help="heterogeneous Slurm job: a rollout group (vLLM servers) + the training group")
+    r.add_argument("--rollout-nodes", type=int, help="nodes of the rollout group")
+    r.add_argument("--rollout-command", help="command of the rollout group instead of `vllm serve ...`")
+    r.add_argument("--title", help="experiment title (default ngrpo-<recipe>-<task>)")
+    r.add_argument("--dryrun", action="store_true", help="print the job scripts, submit nothing")
+    r.add_argument("--detach", action="store_true", help="return after submission (Slurm)")
+    s = r.add_argument_group("slurm")
+    s.add_argument("--account", default=os.environ.get("NGRPO_SLURM_ACCOUNT", "ngrpo"))
+    s.add_argument("--partition", default=os.environ.get("NGRPO_SLURM_PARTITION"))
+    s.add_argument("--time", help="time limit (default: the recipe's)")
+    s.add_argument("--container-image", help="container image (pyxis/enroot)")
+    s.add_argument("--mount", action="append", default=[], metavar="SRC:DST", help="container mount")
+    s.add_argument("--env", action="append", default=[], type=_key_value, metavar="KEY=VALUE",
+                   help="environment variable of the job (e.g. NCCL_SOCKET_IFNAME=ib0)")
+    s.add_argument("--packager", choices=("git", "none"), default=None,
+                   help="git: archive the committed HEAD into the job (Slurm default); "
+                        "none: run this checkout in place (local default)")
+    s.add_argument("--rdzv-port", type=int, default=29500, help="torchrun c10d port on the head node")
+    s.add_argument("--exclusive", action=argparse.BooleanOptionalAction, default=None,
+                   help="whole nodes (default: yes for GPU jobs)")
+    s.add_argument("--mem", help="memory per node (e.g. 0 = all)")
+    s.add_argument("--group-wait", type=int, default=None,
+                   help="hetjob: seconds between group starts and between monitor checks")
+
+    for name in ("status", "logs", "cancel"):
+        q = sub.add_parser(name, help=f"{name} of a submitted experiment")
+        q.add_argument("experiment", help="experiment id (or title: its latest run)")
+        if name == "status":
+            q.add_argument("--wait", action="store_true", help="wait until every job has ended")
+        if name == "logs":
+            q.add_argument("--job", help="job name (default: all)")
+    return p
+
+
+def cmd_recipes() -> int:
+    print(f"{'recipe':10} {'nodes':>7} {'GPUs':>5} {'TP':>3} {'PP':>3} {'DP':>3} {'vLLM TP':>7} "
+          f"{'train GiB':>9} {'vLLM GiB':>8}  summary")
+    for r in recipes.RECIPES.values():
+        print(f"{r.name:10} {f'{r.min_nodes}-{r.max_nodes}':>7} {r.gpus_per_node:>5} {r.tensor_parallel:>3} "
+              f"{r.pipeline_parallel:>3} {r.data_parallel(r.nodes):>3} {r.vllm_tensor_parallel:>7} "
+              f"{r.train_memory().total / GIB:>9.1f} {r.vllm_memory().reserved / GIB:>8.1f}  {r.summary}")
+    return 0
+
+
+def memory_table(recipe: recipes.Recipe, nodes: int | None = None) -> str:
+    """Markdown breakdown of the expected memory per GPU (docs/LAUNCHING.md shows these)."""
+    nodes = nodes or recipe.nodes
+    recipe.validate(nodes)
+    t, v = recipe.train_memory(nodes), recipe.vllm_memory()
+    gib = lambda b: f"{b / GIB:.1f}"  # noqa: E731
+    rows = [
+        ("layout", f"{nodes} node(s) × {recipe.procs_per_node}: TP {recipe.tensor_parallel}, "
+                   f"PP {recipe.pipeline_parallel}, DP {recipe.data_parallel(nodes)}, "
+                   f"SP {'on' if recipe.sequence_parallel else 'off'}, "
+                   f"recompute {'full' if recipe.recompute else 'off'}, {recipe.seq_len} tokens/micro-batch"),
+        ("parameters on the busiest rank", f"{t.params / 1e9:.3f} B"),
+        ("weights (bf16)", gib(t.weights)),
+        ("grads (fp32 main grads)", gib(t.grads)),
+        ("Adam + master (fp32, ÷DP)", gib(t.optimizer)),
+        ("activations", gib(t.activations)),
+        ("logits + CE", gib(t.logits)),
+        ("CUDA context, NCCL, slack", gib(t.overhead)),
+        ("**training total**", f"**{gib(t.total)}**"),
+        ("vLLM reserved (gpu_memory_utilization)",
+         f"{gib(v.reserved)} ({recipe.vllm_gpu_memory_utilization}, vLLM TP {recipe.vllm_tensor_parallel})"),
+        ("vLLM weights / KV cache", f"{gib(v.weights)} / {gib(v.kv_cache)}"),
+        ("KV capacity", f"{v.kv_tokens:,} tokens = {v.kv_tokens // recipe.seq_len} sequences of {recipe.seq_len}"),
+        ("**training + vLLM reserved**", f"**{gib(t.total + v.reserved)}**"),
+    ]
+    lines = [f"| {recipe.name} | GiB per GPU |", "|---|---|"] + [f"| {a} | {b} |" for a, b in rows]
+    return "\n".join(lines)
+
+
+def make_plan(args: argparse.Namespace):
+    from launchers import experiment
+    from launchers.executors import Cluster
+
+    recipe = recipes.get(args.recipe)
+    layout = {k: v for k, v in (("procs_per_node", args.procs_per_node),
+                                 ("gpus_per_node", args.gpus_per_node),
+                                 ("rollout_nodes", args.rollout_nodes)) if v is not None}
+    recipe = dataclasses.replace(recipe, **layout)
+    packager = args.packager or ("git" if args.executor == "slurm" else "none")
+    if args.executor == "local" and packager != "none":
+        raise ConfigError("--packager git: the local executor runs this checkout in place")
+    group_wait = {} if args.group_wait is None else dict(group_start_wait=args.group_wait,
+                                                          group_monitor_wait=args.group_wait)
+    cluster = Cluster(account=args.account, partition=args.partition, time=args.time,
+                      container_image=args.container_image, container_mounts=list(args.mount),
+                      env=dict(args.env), packager=packager, rdzv_port=args.rdzv_port,
+                      exclusive=args.exclusive, mem=args.mem, **group_wait)
+    for o in args.overrides:
+        if "=" not in o:
+            raise ConfigError(f"override {o!r}: expected key.sub=value")
+    home = os.environ.get("NEMORUN_HOME", "")
+    if args.executor == "slurm" and not args.container_image and "/nemo_run" in home:
+        # NeMo-Run rewrites every "/nemo_run" of a non-container sbatch script to the job directory.
+        raise ConfigError(f"NEMORUN_HOME {home!r}: contains '/nemo_run', which NeMo-Run rewrites in sbatch scripts")
+    for config in args.config:
+        if not Path(config).is_file():
+            raise ConfigError(f"--config {config!r}: no such file")
+    task = recipes.render(
+        recipe, args.task,
+        hf_path=args.hf_path or f"{args.models_dir}/{recipe.hf_name}",
+        configs=tuple(experiment.config_placeholder(i) for i in range(len(args.config))),
+        checkpoint=args.checkpoint, output=args.output, nodes=args.nodes,
+        overrides=tuple(args.overrides), module=args.module, code_root=cluster.code_root())
+    tasks = [task]
+    if args.disaggregated:
+        if args.executor != "slurm" or args.task != "train":
+            raise ConfigError("--disaggregated: only for --task train on --executor slurm")
+        rollout = recipes.rollout_server(recipe, args.hf_path or f"{args.models_dir}/{recipe.hf_name}")
+        if args.rollout_command:
+            rollout = dataclasses.replace(rollout, command=recipes.Command(
+                tuple(shlex.split(args.rollout_command)), per_node=True))
+        tasks = [rollout, task]
+    return experiment.Plan(title=args.title or f"ngrpo-{recipe.name}-{args.task}", tasks=tasks,
+                           executor=args.executor, cluster=cluster, time=recipe.time,
+                           configs=[Path(c) for c in args.config])
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from launchers import experiment
+
+    plan = make_plan(args)
+    if args.dryrun:
+        for name, script in experiment.dryrun(plan).items():
+            print(f"# ---- {name} ----\n{script}")
+        return 0
+    exp_id, status = experiment.submit(plan, wait=not args.detach)
+    _print_status(exp_id, status)
+    if args.detach:
+        print(f"submitted; follow with: ngrpo-launch status {exp_id} --wait")
+        return 0
+    for f in experiment.log_files(experiment.load(exp_id)):
+        print(f"log: {f}")
+    bad = experiment.failed(status)
+    if bad:
+        print(f"error: job(s) {', '.join(bad)} did not succeed", file=sys.stderr)
+    return 1 if bad else 0
+
+
+def _print_status(exp_id: str, status: dict) -> None:
+    print(f"experiment {exp_id}")
+    for name, s in status.items():
+        print(f"  {name}: {s}")
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from launchers import experiment
+
+    exp = experiment.load(args.experiment)
+    status = experiment.wait_for(exp) if args.wait else experiment.statuses(exp)
+    _print_status(exp._id, status)
+    if args.wait:
+        return 1 if experiment.failed(status) else 0
+    ended_badly = [n for n, s in status.items()
+                   if s.state not in experiment.PENDING_STATES and s.state != experiment.TERMINAL_OK]
+    return 1 if ended_badly or not status else 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    from launchers import experiment
+
+    files = experiment.log_files(experiment.load(args.experiment), args.job)
+    if not files:
+        print(f"error: no log files for {args.experiment} (job {args.job or 'any'})", file=sys.stderr)
+        return 1
+    for f in files:
+        print(f"==> {f} <==")
+        print(f.read_text(errors="replace"), end="")
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    from launchers import experiment
+
+    exp = experiment.load(args.experiment)
+    for job in exp.jobs:
+        exp.cancel(job.id)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    # Overrides may follow options (argparse stops a positional list at the first option).
+    args, extra = parser.parse_known_args(argv)
+    if extra and (args.cmd != "run" or any(e.startswith("-") for e in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.cmd == "run":
+        args.overrides = [*args.overrides, *extra]
+    try:
+        if args.cmd == "recipes":
+            return cmd_recipes()
+        if args.cmd == "memory":
+            print(memory_table(recipes.get(args.recipe), args.nodes))
+            return 0
+        return {"run": cmd_run, "status": cmd_status, "logs": cmd_logs, "cancel": cmd_cancel}[args.cmd](args)
+    except (ConfigError, LookupError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""NeMo-Run experiments from rendered tasks: dry-run, submit and wait, status, logs.
+
+NeMo-Run 0.11.1 reports a failed job but still returns normally (ENVIRONMENT.md §6): callers
+check :func:`failed` on the statuses returned here.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import nemo_run as run
+
+from launchers.executors import Cluster, local_executor, slurm_executor
+from launchers.recipes import Command, TaskSpec
+
+TERMINAL_OK = "SUCCEEDED"
+PENDING_STATES = ("SUBMITTED", "PENDING", "RUNNING", "UNSUBMITTED")
+
+
+def config_placeholder(index: int) -> str:
+    """Stands for config file ``index`` in rendered commands until the files are staged."""
+    return f"<config{index}>"
+
+
+@dataclass
+class Plan:
+    """What one experiment runs: a single task, or a rollout group + training group (hetjob)."""
+
+    title: str
+    tasks: list[TaskSpec]
+    executor: str  # "local" | "slurm"
+    cluster: Cluster = field(default_factory=Cluster)
+    time: str = "01:00:00"
+    configs: list[Path] = field(default_factory=list)
+
+    @property
+    def heterogeneous(self) -> bool:
+        return len(self.tasks) > 1
+
+
+def stage_configs(plan: Plan) -> tuple[Plan, Path | None]:
+    """Copy the config files to ``$NEMORUN_HOME/configs/<title>_<ns>/`` and point the commands at
+    the copies: the job runs with the configs as submitted, and on Slurm they sit beside the
+    experiments directory, which the nodes must see anyway (scripts and logs live there).
+    Containers get the directory mounted at the same path. Returns the new plan and the staging
+    directory."""
+    if not plan.configs:
+        return plan, None
+    staged = Path(run.config.get_nemorun_home()) / "configs" / f"{plan.title}_{time.time_ns()}"
+    staged.mkdir(parents=True)
+    copies = {}
+    for i, config in enumerate(plan.configs):
+        names = [c.name for c in plan.configs]
+        copy = staged / (config.name if names.count(config.name) == 1 else f"{i}-{config.name}")
+        shutil.copyfile(config, copy)
+        copies[config_placeholder(i)] = str(copy)
+    swap = lambda argv: tuple(copies.get(a, a) for a in argv)  # noqa: E731
+    tasks = [replace(t, command=replace(t.command, argv=swap(t.command.argv))) for t in plan.tasks]
+    cluster = plan.cluster
+    if cluster.container_image:
+        cluster = replace(cluster, container_mounts=[*cluster.container_mounts, f"{staged}:{staged}"])
+    return replace(plan, tasks=tasks, cluster=cluster), staged
+
+
+def _script(cmd: Command) -> run.Script:
+    return run.Script(entrypoint=cmd.argv[0], path=cmd.argv[1], args=list(cmd.argv[2:]))
+
+
+def _torchrun_script(task: TaskSpec, group: int, port: int) -> run.Script:
+    """torchrun spelled out for hetjob group ``group``: its own first host hosts the c10d store
+    (NeMo-Run's launcher would point every group at group 0's head node)."""
+    if task.command.argv[0] != "python":
+        raise ValueError(f"task {task.name}: torchrun runs python commands, not {task.command.argv[0]!r}")
+    torchrun = ("-m", "torch.distributed.run", "--nnodes", str(task.nodes),
+                "--nproc-per-node", str(task.procs_per_node), "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"{run.ExecutorMacros.group_host(group)}:{port}", "--rdzv-id", "1")
+    return _script(Command(("python", *torchrun, *task.command.argv[1:])))
+
+
+def _add(exp: run.Experiment, plan: Plan) -> list[str]:
+    """Adds the plan's job(s) to ``exp``; returns the NeMo-Run job names."""
+    if plan.executor == "local":
+        for task in plan.tasks:
+            exp.add(_script(task.command), executor=local_executor(task, plan.cluster), name=task.name)
+        return [t.name for t in plan.tasks]
+    if not plan.heterogeneous:
+        task = plan.tasks[0]
+        executor = slurm_executor(task, plan.cluster, plan.time, launcher=not task.command.per_node)
+        exp.add(_script(task.command), executor=executor, name=task.name)
+        return [task.name]
+    scripts, executors = [], []
+    for group, task in enumerate(plan.tasks):
+        if group > 0:  # the later groups find the rollout group (group 0) by its first host
+            task = replace(task, env={**task.env, "NGRPO_ROLLOUT_HOST": run.ExecutorMacros.group_host(0),
+                                      "NGRPO_ROLLOUT_NODES": "$SLURM_JOB_NODELIST_HET_GROUP_0"})
+        scripts.append(_script(task.command) if task.command.per_node
+                       else _torchrun_script(task, group, plan.cluster.rdzv_port))
+        # No NeMo-Run launcher: one Slurm task per node; torchrun, if any, is spelled out above.
+        executors.append(slurm_executor(task, plan.cluster, plan.time, launcher=False,
+                                        heterogeneous=group == 0))
+    name = "-".join(t.name for t in plan.tasks)
+    exp.add(scripts, executor=executors, name=name)
+    return [name]
+
+
+def dryrun(plan: Plan) -> dict[str, str]:
+    """The rendered job scripts by job name (Slurm: the sbatch script NeMo-Run would submit;
+    local: the torchrun command line), without submitting anything."""
+    plan, staged = stage_configs(plan)
+    try:
+        with run.Experiment(plan.title, log_level="WARN", enable_goodbye_message=False) as exp:
+            names = _add(exp, plan)
+            exp.dryrun(log=False, delete_exp_dir=False)
+            out = {}
+            for name, job in zip(names, exp.jobs):
+                sbatch = Path(exp._exp_dir) / f"{name}_sbatch.sh"
+                # Local jobs write no script; their dry-run info renders the torchrun command.
+                out[name] = sbatch.read_text() if sbatch.is_file() else str(job._dryrun_info)
+            shutil.rmtree(exp._exp_dir, ignore_errors=True)
+    finally:
+        if staged:
+            shutil.rmtree(staged, ignore_errors=True)
+    return out
+
+
+def submit(plan: Plan, wait: bool = True) -> tuple[str, dict[str, JobStatus]]:
+    """Submit the plan; with ``wait`` block until every job ends. Returns the experiment id and
+    each job's status."""
+    plan, _ = stage_configs(plan)
+    with run.Experiment(plan.title, log_level="WARN", enable_goodbye_message=False) as exp:
+        _add(exp, plan)
+        # Slurm: submit only, then poll below (NeMo-Run's own wait leaves a job group's status
+        # UNKNOWN in this process). Local jobs cannot detach: this blocks until they end.
+        exp.run(detach=True)
+    if plan.executor == "local":  # only the launching process knows local jobs' status
+        return exp._id, statuses(exp)
+    exp = load(exp._id)
+    return exp._id, wait_for(exp) if wait else statuses(exp)
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    state: str  # torchx AppState name: SUCCEEDED, FAILED, RUNNING, ...
+    job_id: str  # Slurm job id, or the local process group's id
+
+    def __str__(self) -> str:
+        return f"{self.state} (job {self.job_id})"
+
+
+def statuses(exp: run.Experiment) -> dict[str, JobStatus]:
+    return {name: JobStatus(str(info["status"]), str(info["job_id"]))
+            for name, info in exp.status(return_dict=True).items()}
+
+
+def load(exp_id: str) -> run.Experiment:
+    """An experiment of this NEMORUN_HOME by id, or by title (its latest run)."""
+    is_id = "_" in exp_id and exp_id.rsplit("_", 1)[1].isdigit()
+    try:
+        return run.Experiment.from_id(exp_id) if is_id else run.Experiment.from_title(exp_id)
+    except (AssertionError, FileNotFoundError):
+        raise LookupError(f"experiment {exp_id!r} not found under {run.config.get_nemorun_home()}") from None
+
+
+def wait_for(exp: run.Experiment, poll_s: float = 2.0, unknown_grace_s: float = 60.0) -> dict[str, JobStatus]:
+    """Poll until no job is pending or running. UNKNOWN counts as pending for
+    ``unknown_grace_s``: sacct lists a job only once slurmdbd has recorded it."""
+    start = time.monotonic()
+    while True:
+        status = statuses(exp)
+        waiting = PENDING_STATES + (("UNKNOWN",) if time.monotonic() - start < unknown_grace_s else ())
+        if not any(s.state in waiting for s in status.values()):
+            return status
+        time.sleep(poll_s)
+
+
+def failed(status: dict[str, JobStatus]) -> list[str]:
+    """Jobs that did not succeed (no job at all counts as a failure)."""
+    return [name for name, s in status.items() if s.state != TERMINAL_OK] or ([] if status else ["<none>"])
+
+
+def log_files(exp: run.Experiment, job: str | None = None) -> list[Path]:
+    """Log files of a job (all jobs when ``job`` is None): Slurm's per-group ``log-*.out`` and
+    the batch script's ``sbatch_*.out``, or torchrun's per-rank logs of local jobs."""
+    files: list[Path] = []
+    for j in exp.jobs:
+        if job is not None and j.id != job:
+            continue
+        job_dir = Path(j.executor.job_dir)
+        files += sorted(job_dir.glob("log-*.out")) + sorted(job_dir.glob("sbatch_*.out"))
+        files += sorted(job_dir.glob("nemo_run/*/*/*/stdout.log"))
+        files += sorted(job_dir.glob("nemo_run/*/*/*/stderr.log"))
+    return files

@@ -1,0 +1,239 @@
+"""Launch recipes: the one table of models, parallel layouts and vLLM settings, and the commands
+(training, evaluation, conversion) they render.
+
+Every number a launch depends on lives in :data:`RECIPES`; :mod:`launchers.memory` turns a recipe
+into the expected GPU memory per rank (``ngrpo-launch memory``, docs/LAUNCHING.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from megatron_ngrpo.configuration import ConfigError
+from megatron_ngrpo.models.config import ModelConfig
+from megatron_ngrpo.models.provider import ArchSpec, check_layout
+from launchers import memory
+
+# Agreed entry points (docs/DEVELOPING.md). Modules run with `python -m`, tools as scripts
+# relative to the code root.
+TRAIN_MODULE = "megatron_ngrpo.train"
+EVAL_MODULE = "megatron_ngrpo.eval"
+HF_TO_MEGATRON = "tools/convert_hf_to_megatron.py"
+MEGATRON_TO_HF = "tools/convert_megatron_to_hf.py"
+# N-GRPO's neighbour-mixing hook inside vLLM (megatron_ngrpo/rollout/vllm_hook.py).
+VLLM_WORKER_EXTENSION = "megatron_ngrpo.rollout.vllm_hook.NeighborMixExtension"
+VLLM_PORT = 8000
+
+TASKS = ("train", "eval", "convert-hf", "convert-megatron")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The architecture numbers of a Qwen2 checkpoint that sizing depends on."""
+
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    tied: bool
+
+    def hf_config(self) -> dict:
+        return dict(model_type="qwen2", num_hidden_layers=self.layers, hidden_size=self.hidden,
+                    intermediate_size=self.ffn, num_attention_heads=self.heads,
+                    num_key_value_heads=self.kv_heads, vocab_size=self.vocab,
+                    tie_word_embeddings=self.tied)
+
+    def spec(self) -> ArchSpec:
+        return ArchSpec.from_dict(self.hf_config(), source="launchers.recipes")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    summary: str
+    # Directory name of the Hugging Face checkpoint under --models-dir.
+    hf_name: str
+    shape: ModelShape
+    nodes: int
+    min_nodes: int
+    max_nodes: int
+    # Ranks per node (= GPUs per node on GPU; gpus_per_node 0 = CPU ranks).
+    procs_per_node: int
+    gpus_per_node: int
+    tensor_parallel: int
+    pipeline_parallel: int
+    sequence_parallel: bool
+    recompute: bool
+    # Tokens of one training micro-batch: one sequence of max prompt + max response (4096 + 8192).
+    seq_len: int
+    rollout_engine: str
+    vllm_tensor_parallel: int
+    vllm_gpu_memory_utilization: float
+    time: str
+    # Nodes of the rollout group of a disaggregated (heterogeneous) job.
+    rollout_nodes: int = 1
+
+    @cached_property
+    def spec(self) -> ArchSpec:
+        return self.shape.spec()
+
+    def world_size(self, nodes: int) -> int:
+        return nodes * self.procs_per_node
+
+    def data_parallel(self, nodes: int) -> int:
+        return self.world_size(nodes) // (self.tensor_parallel * self.pipeline_parallel)
+
+    def validate(self, nodes: int) -> None:
+        """One-line errors for layouts this recipe cannot take on ``nodes`` nodes."""
+        if not self.min_nodes <= nodes <= self.max_nodes:
+            raise ConfigError(f"recipe {self.name}: nodes = {nodes}: expected {self.min_nodes}..{self.max_nodes}")
+        model_parallel = self.tensor_parallel * self.pipeline_parallel
+        if self.world_size(nodes) % model_parallel:
+            raise ConfigError(f"recipe {self.name}: {self.world_size(nodes)} ranks not divisible by TP×PP = {model_parallel}")
+        if self.procs_per_node % self.vllm_tensor_parallel:
+            raise ConfigError(f"recipe {self.name}: vLLM TP = {self.vllm_tensor_parallel} does not divide {self.procs_per_node} ranks per node")
+        check_layout(self.spec, ModelConfig(tensor_parallel=self.tensor_parallel,
+                                            pipeline_parallel=self.pipeline_parallel))
+
+    def train_layout(self, nodes: int | None = None) -> memory.TrainLayout:
+        return memory.TrainLayout(tp=self.tensor_parallel, pp=self.pipeline_parallel,
+                                  dp=self.data_parallel(nodes or self.nodes), tokens=self.seq_len,
+                                  sequence_parallel=self.sequence_parallel, recompute=self.recompute)
+
+    def train_memory(self, nodes: int | None = None) -> memory.TrainMemory:
+        return memory.train_memory(self.spec, self.train_layout(nodes))
+
+    def vllm_memory(self) -> memory.VLLMMemory:
+        return memory.vllm_memory(self.spec, self.vllm_tensor_parallel, self.vllm_gpu_memory_utilization)
+
+    def model_overrides(self, hf_path: str) -> list[str]:
+        return [f"model.hf_path={hf_path}", f"model.tensor_parallel={self.tensor_parallel}",
+                f"model.pipeline_parallel={self.pipeline_parallel}",
+                f"model.sequence_parallel={self.sequence_parallel}", f"model.recompute={self.recompute}"]
+
+    def rollout_overrides(self) -> list[str]:
+        out = [f"rollout.engine={self.rollout_engine}"]
+        if self.rollout_engine == "vllm":
+            out += [f"rollout.vllm.tensor_parallel={self.vllm_tensor_parallel}",
+                    f"rollout.vllm.gpu_memory_utilization={self.vllm_gpu_memory_utilization}",
+                    f"rollout.vllm.max_model_len={self.seq_len}"]
+        return out
+
+
+_H100 = dict(procs_per_node=8, gpus_per_node=8, sequence_parallel=True, recompute=True,
+             seq_len=4096 + 8192, rollout_engine="vllm")
+
+RECIPES: dict[str, Recipe] = {r.name: r for r in [
+    Recipe(
+        name="r1-1.5b", summary="DeepSeek-R1-Distill-Qwen-1.5B, 1 node × 8 H100",
+        hf_name="DeepSeek-R1-Distill-Qwen-1.5B",
+        shape=ModelShape(layers=28, hidden=1536, ffn=8960, heads=12, kv_heads=2, vocab=151936, tied=True),
+        nodes=1, min_nodes=1, max_nodes=2, tensor_parallel=1, pipeline_parallel=1,
+        vllm_tensor_parallel=1, vllm_gpu_memory_utilization=0.35, time="24:00:00", **_H100),
+    Recipe(
+        name="r1-7b", summary="DeepSeek-R1-Distill-Qwen-7B, 2-4 nodes × 8 H100",
+        hf_name="DeepSeek-R1-Distill-Qwen-7B",
+        shape=ModelShape(layers=28, hidden=3584, ffn=18944, heads=28, kv_heads=4, vocab=152064, tied=False),
+        nodes=2, min_nodes=2, max_nodes=4, tensor_parallel=4, pipeline_parallel=1,
+        vllm_tensor_parallel=2, vllm_gpu_memory_utilization=0.4, time="48:00:00", **_H100),
+    Recipe(
+        name="r1-14b", summary="DeepSeek-R1-Distill-Qwen-14B, 4-8 nodes × 8 H100",
+        hf_name="DeepSeek-R1-Distill-Qwen-14B",
+        shape=ModelShape(layers=48, hidden=5120, ffn=13824, heads=40, kv_heads=8, vocab=152064, tied=False),
+        nodes=4, min_nodes=4, max_nodes=8, tensor_parallel=8, pipeline_parallel=1,
+        vllm_tensor_parallel=4, vllm_gpu_memory_utilization=0.4, time="72:00:00", rollout_nodes=2,
+        **_H100),
+    # CPU smoke runs (laptop, CI): testing.tiny's default shape, two gloo ranks with TP 2.
+    Recipe(
+        name="tiny", summary="tiny random Qwen2 (testing.tiny), CPU, 2 ranks, TP 2",
+        hf_name="tiny-qwen2",
+        shape=ModelShape(layers=4, hidden=128, ffn=256, heads=4, kv_heads=2, vocab=512, tied=False),
+        nodes=1, min_nodes=1, max_nodes=2, procs_per_node=2, gpus_per_node=0,
+        tensor_parallel=2, pipeline_parallel=1, sequence_parallel=False, recompute=False,
+        seq_len=256, rollout_engine="megatron", vllm_tensor_parallel=1,
+        vllm_gpu_memory_utilization=0.5, time="00:10:00"),
+]}
+
+
+def get(name: str) -> Recipe:
+    if name not in RECIPES:
+        raise ConfigError(f"recipe {name!r}: unknown (expected one of {', '.join(RECIPES)})")
+    return RECIPES[name]
+
+
+@dataclass(frozen=True)
+class Command:
+    """One process command line, started once per rank under torchrun or, with ``per_node``,
+    once per node."""
+
+    argv: tuple[str, ...]
+    per_node: bool = False
+
+    @classmethod
+    def python(cls, target: str, args: tuple[str, ...], module: bool = True) -> "Command":
+        return cls(("python", *(["-m"] if module else []), target, *args))
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """What to run where: the command and its ranks."""
+
+    name: str
+    command: Command
+    nodes: int
+    procs_per_node: int
+    gpus_per_node: int
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def render(recipe: Recipe, task: str, *, hf_path: str, configs: tuple[str, ...] = (),
+           checkpoint: str | None = None, output: str | None = None, nodes: int | None = None,
+           overrides: tuple[str, ...] = (), module: str | None = None, code_root: str = ".") -> TaskSpec:
+    """The command of ``task`` for ``recipe``. The recipe's overrides come first, so the user's
+    ``overrides`` win (OmegaConf applies dotted overrides in order). ``module`` replaces the
+    train/eval entry module (anything taking ``--config FILE [--config FILE] [a.b=c ...]``; later
+    files override earlier ones); the conversion
+    scripts are found under ``code_root``."""
+    nodes = nodes or recipe.nodes
+    recipe.validate(nodes)
+    if task not in TASKS:
+        raise ConfigError(f"task {task!r}: expected one of {', '.join(TASKS)}")
+    if task in ("train", "eval"):
+        if not configs:
+            raise ConfigError(f"task {task}: --config FILE.yaml is required")
+        entry = module or (TRAIN_MODULE if task == "train" else EVAL_MODULE)
+        args = (*(a for c in configs for a in ("--config", c)), *recipe.model_overrides(hf_path),
+                *recipe.rollout_overrides(),
+                *overrides)
+        return TaskSpec(task, Command.python(entry, args), nodes, recipe.procs_per_node, recipe.gpus_per_node)
+    # Conversion: one node, one rank per model-parallel rank (TP × PP shards are written together).
+    if not output:
+        raise ConfigError(f"task {task}: --output DIR is required")
+    model_parallel = recipe.tensor_parallel * recipe.pipeline_parallel
+    if task == "convert-hf":
+        args = ("--hf-path", hf_path, "--output", output, "--tensor-parallel", str(recipe.tensor_parallel),
+                "--pipeline-parallel", str(recipe.pipeline_parallel), *overrides)
+        script = f"{code_root}/{HF_TO_MEGATRON}"
+    else:
+        if not checkpoint:
+            raise ConfigError("task convert-megatron: --checkpoint DIR is required")
+        args = ("--checkpoint", checkpoint, "--hf-path", hf_path, "--output", output, *overrides)
+        script = f"{code_root}/{MEGATRON_TO_HF}"
+    return TaskSpec(task, Command.python(script, args, module=False), 1, model_parallel,
+                    min(recipe.gpus_per_node, model_parallel))
+
+
+def rollout_server(recipe: Recipe, hf_path: str) -> TaskSpec:
+    """The rollout group of a disaggregated job: one vLLM server per node, data-parallel over the
+    node's GPUs, with N-GRPO's mixing hook."""
+    dp = recipe.gpus_per_node // recipe.vllm_tensor_parallel
+    argv = ("vllm", "serve", hf_path, "--port", str(VLLM_PORT),
+            "--tensor-parallel-size", str(recipe.vllm_tensor_parallel), "--data-parallel-size", str(dp),
+            "--gpu-memory-utilization", str(recipe.vllm_gpu_memory_utilization),
+            "--max-model-len", str(recipe.seq_len), "--worker-extension-cls", VLLM_WORKER_EXTENSION,
+            "--no-enable-prefix-caching")
+    return TaskSpec("rollout", Command(argv, per_node=True),
+                    recipe.rollout_nodes, 1, recipe.gpus_per_node)

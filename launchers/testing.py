@@ -1,0 +1,111 @@
+"""Helpers for the launcher tests: the CLI in a subprocess, the tiny model and config of the smoke
+workload, and the single-host Slurm test cluster of scripts/slurm/."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SLURM_SCRIPTS = REPO / "scripts" / "slurm"
+
+
+@dataclass
+class Launch:
+    """A CLI run started in the background; ``finish()`` waits and returns (rc, output)."""
+
+    proc: subprocess.Popen
+    log: Path
+
+    def finish(self, timeout_s: float = 420) -> tuple[int, str]:
+        try:
+            rc = self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+        return rc, self.log.read_text(errors="replace")
+
+
+def start_cli(args: list[str], env: dict[str, str], log: Path) -> Launch:
+    """``python -m launchers ARGS`` in the background, stdout and stderr to ``log``."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "launchers", *args], cwd=REPO, env=env,
+                                stdout=out, stderr=subprocess.STDOUT)
+    return Launch(proc, log)
+
+
+def experiment_id(output: str) -> str:
+    for line in output.splitlines():
+        if line.startswith("experiment "):
+            return line.split()[1]
+    raise AssertionError(f"no experiment id in the CLI output:\n{output[-3000:]}")
+
+
+def write_smoke_inputs(directory: Path) -> tuple[Path, Path]:
+    """The tiny Qwen2 (config only: megatron initialises the weights) and a config naming it."""
+    from megatron_ngrpo.testing.tiny import write_tiny_hf
+
+    hf = write_tiny_hf(directory / "tiny-qwen2", weights=False)
+    config = directory / "smoke.yaml"
+    config.write_text(f"model:\n  hf_path: {hf}\nsmoke:\n  seq_len: 32\n")
+    return hf, config
+
+
+def write_arithmetic_task(directory: Path) -> Path:
+    """examples/arithmetic's task (tokenizer, tiny Qwen2 config, problems) and a YAML overlay that
+    points configs/tiny_test.yaml at it; returns the overlay."""
+    sys.path.insert(0, str(REPO / "examples" / "arithmetic"))
+    try:
+        from task import write_task
+    finally:
+        sys.path.pop(0)
+    write_task(directory)
+    overlay = directory / "paths.yaml"
+    overlay.write_text(
+        f"tokenizer: {directory / 'tokenizer'}\n"
+        f"model:\n  hf_path: {directory / 'model'}\n"
+        f"data:\n  train:\n    - path: {directory / 'train.jsonl'}\n  template:\n    kind: plain\n"
+        f"    instruction: ''\n")
+    return overlay
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ports_free(base: int, n: int) -> bool:
+    for port in range(base, base + n):
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                return False
+    return True
+
+
+class SlurmCluster:
+    """scripts/slurm/start.sh on enter, stop.sh on exit, on ports nobody else uses.
+
+    ``env`` is the environment for clients: SLURM_CONF of this cluster."""
+
+    def __init__(self, state: Path):
+        self.state = state
+        base = next(b for b in (random.randrange(20000, 40000, 4) for _ in range(100)) if _ports_free(b, 4))
+        self.script_env = {**os.environ, "NGRPO_SLURM_PORT_BASE": str(base)}
+        self.env = {**os.environ, "SLURM_CONF": str(state / "etc" / "slurm.conf")}
+
+    def start(self) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(SLURM_SCRIPTS / "start.sh"), str(self.state)],
+                              env=self.script_env, capture_output=True, text=True, timeout=240)
+
+    def stop(self) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(SLURM_SCRIPTS / "stop.sh"), str(self.state)],
+                              env=self.script_env, capture_output=True, text=True, timeout=120)

@@ -1,0 +1,106 @@
+"""The trainer's configuration: every package's section composed, plus the checks that span
+sections (parallel layout vs the architecture and the world size, batch arithmetic, files).
+
+Everything here runs before any process group starts; each problem is one :class:`ConfigError`
+line naming the field and value.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_ngrpo.configuration import ConfigError, fail, load
+from megatron_ngrpo.data.config import DataConfig
+from megatron_ngrpo.grpo.config import GRPOConfig, OptimConfig, TrainConfig, ValidationConfig
+from megatron_ngrpo.mixing.config import MixingConfig
+from megatron_ngrpo.models.config import ModelConfig
+from megatron_ngrpo.rewards.config import RewardConfig
+from megatron_ngrpo.rollout.config import RolloutConfig
+
+
+@dataclass
+class NGRPOConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mixing: MixingConfig = field(default_factory=MixingConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: ValidationConfig = field(default_factory=ValidationConfig)
+    # Tokenizer name (megatron_ngrpo.data.tokenizer: deepseek-r1-distill-qwen, qwen2) or folder.
+    tokenizer: str = "deepseek-r1-distill-qwen"
+
+    def validate(self) -> None:
+        """Cross-section checks (each section validated itself already)."""
+        from megatron_ngrpo.models.provider import ArchSpec, check_layout
+
+        spec = ArchSpec.from_hf(self.model.hf_path)
+        check_layout(spec, self.model)
+        if self.mixing.enabled and self.mixing.k > (self.model.num_real_tokens or spec.vocab_size):
+            fail("mixing.k", self.mixing.k, "larger than the vocabulary")
+        if self.rollout.engine == "megatron" and self.mixing.enabled and self.mixing.strategy != "neighbor":
+            fail("mixing.strategy", self.mixing.strategy, "the megatron rollout engine implements 'neighbor' only")
+        t = self.train
+        dp = data_parallel_size(self.model)
+        for name in ("prompts_per_step", "mini_batch_prompts"):
+            if getattr(t, name) % dp:
+                fail(f"train.{name}", getattr(t, name),
+                     f"must be divisible by the data-parallel size {dp} (world {world_size()} / "
+                     f"TP {self.model.tensor_parallel} / PP {self.model.pipeline_parallel})")
+        per_rank = t.mini_batch_prompts // dp * self.rollout.n
+        if not t.max_tokens_per_micro_batch and per_rank % t.micro_batch_size:
+            fail("train.micro_batch_size", t.micro_batch_size,
+                 f"must divide the {per_rank} responses per DP rank of a mini-batch "
+                 f"(mini_batch_prompts / DP × rollout.n)")
+        if t.load and t.load != "random":
+            _require_checkpoint("train.load", t.load)
+        elif not t.load and not any(Path(self.model.hf_path).glob("*.safetensors")):
+            fail("train.load", t.load, f"empty means the HF weights of model.hf_path, but "
+                 f"{self.model.hf_path} has no *.safetensors (use a checkpoint or 'random')")
+        _require_tokenizer(self.tokenizer)
+        for i, source in enumerate(self.data.train):
+            if source.path and Path(source.path).suffix and not _data_file(source.path).is_file():
+                fail(f"data.train[{i}].path", source.path, "file not found")
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def data_parallel_size(model: ModelConfig) -> int:
+    mp = model.tensor_parallel * model.pipeline_parallel
+    if world_size() % mp:
+        fail("model.tensor_parallel", model.tensor_parallel,
+             f"TP {model.tensor_parallel} × PP {model.pipeline_parallel} does not divide the "
+             f"world size {world_size()}")
+    return world_size() // mp
+
+
+def load_config(paths: list[str] | str | None, overrides: list[str] | None = None) -> NGRPOConfig:
+    """YAML file(s) + ``a.b=c`` overrides → a validated :class:`NGRPOConfig` (ConfigError)."""
+    return load(NGRPOConfig, paths, overrides)
+
+
+def _require_checkpoint(field_name: str, path: str) -> None:
+    p = Path(path)
+    if not ((p / "megatron_ngrpo.json").is_file() or (p / "latest").is_file()):
+        fail(field_name, path, "not a megatron_ngrpo checkpoint or run directory")
+
+
+def _require_tokenizer(name: str) -> None:
+    from megatron_ngrpo.data.paths import shared_data_dir
+
+    if (shared_data_dir() / "tokenizers" / name).is_dir() or Path(name).is_dir():
+        return
+    raise ConfigError(f"config field 'tokenizer' = {name!r}: neither a shared tokenizer name nor a folder")
+
+
+def _data_file(path: str) -> Path:
+    from megatron_ngrpo.data.paths import shared_data_dir
+
+    p = Path(path)
+    return p if p.is_absolute() or p.is_file() else shared_data_dir() / p

@@ -1,0 +1,252 @@
+"""The Megatron checkpoint layout shared by trainer, conversion and engines (docs/DEVELOPING.md).
+
+A checkpoint directory holds ``megatron_ngrpo.json`` (metadata: HF config dict, writer layout,
+padded vocab, ...), ``config.json`` (the HF config, so the directory builds its own model), the
+tokenizer / generation-config files when known, and a megatron ``dist_checkpointing`` checkpoint of
+``{"model": chunk.sharded_state_dict()}`` (VPP: ``model0``, ``model1``, ...) plus any extra sharded
+entries (optimizer, RNG, ...). A run directory holds ``iter_0000010/``... and a ``latest`` file
+naming the newest complete one. Everything is written to a hidden sibling directory and renamed
+into place, so a directory that exists is complete.
+
+dist_checkpointing reshards on load (any TP/PP/VPP), with one exception handled here: the padded
+vocab size is a multiple of ``make_vocab_size_divisible_by × TP``, so it can differ between the
+writer's and the reader's TP. Then the embedding / output rows are read whole and re-padded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_ngrpo.conversion.mapping import ConversionError, Kind, raise_if, tp_shard
+from megatron_ngrpo.models.config import ModelConfig
+from megatron_ngrpo.models.provider import padded_vocab_size, unwrap
+
+META_FILE = "megatron_ngrpo.json"
+LATEST_FILE = "latest"
+FORMAT_VERSION = 1
+_VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+# ---------------------------------------------------------------- metadata and paths
+
+def checkpoint_meta(cfg: ModelConfig, **extra) -> dict:
+    """Metadata of a checkpoint of a model built from ``cfg`` by this process group (``extra``:
+    e.g. ``step=10``)."""
+    from megatron_ngrpo.models.provider import params_dtype
+
+    hf_config = json.loads((Path(cfg.hf_path) / "config.json").read_text())
+    tp = cfg.tensor_parallel
+    return {
+        "format_version": FORMAT_VERSION,
+        "hf_config": hf_config,
+        "hf_path": str(cfg.hf_path),
+        "tensor_parallel": tp,
+        "pipeline_parallel": cfg.pipeline_parallel,
+        "virtual_pipeline": cfg.virtual_pipeline,
+        "make_vocab_size_divisible_by": cfg.make_vocab_size_divisible_by,
+        "padded_vocab_size": padded_vocab_size(hf_config["vocab_size"], tp, cfg.make_vocab_size_divisible_by),
+        "num_real_tokens": cfg.num_real_tokens,
+        "dtype": str(params_dtype(cfg)).removeprefix("torch."),
+        **extra,
+    }
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory, or the one named by ``latest`` in a run directory."""
+    path = Path(path)
+    if (path / LATEST_FILE).is_file():
+        name = (path / LATEST_FILE).read_text().strip()
+        path = path / name
+    if not (path / META_FILE).is_file():
+        raise ConversionError(f"{path}: not a megatron_ngrpo checkpoint (no {META_FILE}, no {LATEST_FILE})")
+    return path
+
+
+def read_meta(path: str | Path) -> dict:
+    path = resolve_checkpoint(path)
+    return json.loads((path / META_FILE).read_text())
+
+
+def model_config_for(path: str | Path, tp: int = 1, pp: int = 1, vpp: int | None = None,
+                     dtype: str | None = None) -> ModelConfig:
+    """A ModelConfig building the checkpoint's model in layout (tp, pp, vpp)."""
+    path = resolve_checkpoint(path)
+    meta = read_meta(path)
+    return ModelConfig(hf_path=str(path), tensor_parallel=tp, pipeline_parallel=pp, virtual_pipeline=vpp,
+                       make_vocab_size_divisible_by=meta["make_vocab_size_divisible_by"],
+                       num_real_tokens=meta.get("num_real_tokens"), dtype=dtype or meta.get("dtype", "auto"),
+                       layer_spec="local")
+
+
+def write_latest(run_dir: str | Path, name: str) -> None:
+    """Atomically point ``run_dir/latest`` at checkpoint ``name`` (call on one rank)."""
+    tmp = Path(run_dir) / f".{LATEST_FILE}.tmp"
+    tmp.write_text(name + "\n")
+    os.replace(tmp, Path(run_dir) / LATEST_FILE)
+
+
+def _rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _barrier(collective: bool) -> None:
+    if collective and dist.is_initialized():
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def atomic_directory(final: str | Path, overwrite: bool = False, collective: bool = True):
+    """Yield an empty temporary sibling of ``final``; rename it to ``final`` when the block ends
+    without error, remove it otherwise. ``collective``: every rank enters (rank 0 manages the
+    directory; barriers around), else only the calling process."""
+    final = Path(final)
+    if final.exists() and not overwrite:
+        raise ConversionError(f"{final}: output exists (pass overwrite to replace it)")
+    tmp = final.parent / f".{final.name}.partial"
+    if _rank0() or not collective:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    _barrier(collective)
+    try:
+        yield tmp
+        _barrier(collective)
+    except BaseException:
+        if _rank0() or not collective:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if _rank0() or not collective:
+        old = final.parent / f".{final.name}.old"
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    _barrier(collective)
+
+
+# ---------------------------------------------------------------- save / load
+
+def _sharded_state_dict(chunks: list) -> dict:
+    if len(chunks) == 1:
+        return {"model": unwrap(chunks[0]).sharded_state_dict()}
+    return {f"model{i}": unwrap(c).sharded_state_dict() for i, c in enumerate(chunks)}
+
+
+def save_megatron_checkpoint(model_chunks: list, directory: str | Path, meta: dict,
+                             extra: dict | None = None, aux_from: str | Path | None = None,
+                             overwrite: bool = False) -> Path:
+    """Write a checkpoint of ``model_chunks`` (+ ``extra`` sharded entries) atomically. Every rank
+    calls it. ``meta`` from :func:`checkpoint_meta`; tokenizer / generation files are copied from
+    ``aux_from`` (default ``meta["hf_path"]``) when present."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_ngrpo.conversion.hf_io import copy_aux_files
+
+    if "hf_config" not in meta:
+        raise ConversionError("checkpoint metadata lacks 'hf_config' (build it with checkpoint_meta)")
+    directory = Path(directory)
+    state = {**_sharded_state_dict(model_chunks), **(extra or {})}
+    with atomic_directory(directory, overwrite=overwrite) as tmp:
+        dist_checkpointing.save(state, str(tmp))
+        if _rank0():
+            (tmp / "config.json").write_text(json.dumps(meta["hf_config"], indent=2))
+            aux = aux_from or meta.get("hf_path")
+            if aux and Path(aux).is_dir() and Path(aux).resolve() != directory.resolve():
+                copy_aux_files(aux, tmp)
+            (tmp / META_FILE).write_text(json.dumps(meta, indent=2, default=str))
+    return directory
+
+
+def _flat_sharded_tensors(state: dict) -> list:
+    """(parent dict, key, ShardedTensor) for every ShardedTensor, factories expanded."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    out = []
+
+    def walk(d):
+        for k, v in (d.items() if isinstance(d, dict) else enumerate(d)):
+            if isinstance(v, ShardedTensor):
+                out.append((d, k, v))
+            elif isinstance(v, ShardedTensorFactory):
+                walk({k: v.build()})
+            elif isinstance(v, (dict, list)):
+                walk(v)
+
+    walk(state)
+    return out
+
+
+def _check_against(stored: dict, state: dict, source: str) -> list:
+    """One error (on every rank of the model-parallel group) listing missing / wrongly shaped
+    tensors; returns the vocab tensors whose only difference is the padded row count."""
+    from megatron.core import parallel_state as ps
+
+    missing, wrong, repad = [], [], []
+    seen = set()
+    for parent, k, sh in _flat_sharded_tensors(state):
+        if sh.key in seen and sh.key not in _VOCAB_KEYS:
+            continue
+        seen.add(sh.key)
+        if sh.key not in stored:
+            missing.append(sh.key)
+            continue
+        got = tuple(stored[sh.key].global_shape)
+        if got == tuple(sh.global_shape):
+            continue
+        if sh.key in _VOCAB_KEYS and got[1:] == tuple(sh.global_shape[1:]):
+            repad.append((parent, k, sh, got))
+        else:
+            wrong.append(f"{sh.key} {got} (expected {tuple(sh.global_shape)})")
+    raise_if(source, ps.get_model_parallel_group(), missing=missing, wrong_shape=wrong)
+    return repad
+
+
+@torch.no_grad()
+def load_megatron_checkpoint(model_chunks: list, directory: str | Path, extra: dict | None = None,
+                             strict: bool = True) -> tuple[dict, dict]:
+    """Load a checkpoint (or a run directory's ``latest``) into ``model_chunks`` in their current
+    layout. ``extra``: further sharded entries to load (returned loaded). Returns ``(meta, loaded
+    extra)``. Missing / wrongly shaped tensors raise one :class:`ConversionError` listing them
+    before anything is loaded."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    directory = resolve_checkpoint(directory)
+    meta = read_meta(directory)
+    state = {**_sharded_state_dict(model_chunks), **(extra or {})}
+    stored = dist_checkpointing.load_tensors_metadata(str(directory))
+    repad = _check_against(stored, state, str(directory))
+    whole = {}
+    for parent, k, sh, shape in repad:  # read the whole (other-padded) rows, re-pad after load
+        buf = torch.empty(shape, dtype=sh.data.dtype)
+        # Whole tensor on every rank: exactly one main replica (replica_id 0) in the world.
+        parent[k] = ShardedTensor.from_rank_offsets(sh.key, buf, replica_id=dist.get_rank())
+        whole[id(parent), k] = (buf, sh.data)
+    loaded, missing, _unexpected = dist_checkpointing.load(  # unexpected: e.g. optimizer state
+        state, str(directory), strict=StrictHandling.RETURN_ALL)
+    raise_if(str(directory), ps.get_model_parallel_group(), missing=sorted(missing))
+    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    for buf, target in whole.values():
+        padded = target.shape[0] * tp
+        full = buf[:padded] if buf.shape[0] >= padded else torch.cat(
+            [buf, buf.new_zeros(padded - buf.shape[0], *buf.shape[1:])])
+        target.copy_(tp_shard(Kind.VOCAB, full, tp, rank))
+    for key, chunk in zip(_sharded_state_dict(model_chunks), model_chunks):
+        model = unwrap(chunk)
+        current = model.state_dict()
+        sd = loaded[key]
+        for name in _VOCAB_KEYS:  # re-padded rows were copied into the parameters above
+            if name in sd and isinstance(sd[name], torch.Tensor) and sd[name].shape != current[name].shape:
+                sd[name] = current[name]
+        model.load_state_dict(sd, strict=strict)
+    return meta, {k: loaded[k] for k in (extra or {})}

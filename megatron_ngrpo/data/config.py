@@ -1,0 +1,91 @@
+"""Configuration of problem sources and of the training prompt set."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_ngrpo.configuration import ConfigError, fail
+from megatron_ngrpo.data.templates import TemplateConfig
+
+ANSWER_LISTS = ("alternatives", "first", "join")
+
+
+@dataclass
+class SourceConfig:
+    """One file (or hub dataset) of problems.
+
+    ``name`` alone picks a registry entry (``megatron_ngrpo.data.datasets.REGISTRY``); fields
+    set next to it override the entry. Without a registry name, ``path`` is required.
+    """
+
+    name: str = ""
+    # Local .json/.jsonl/.parquet (relative: to the working directory, else the shared data folder), else a hub
+    # dataset name loaded with `datasets.load_dataset(path, split=split)`.
+    path: str = ""
+    split: str = "train"
+    # Dotted field paths; integer parts index lists ("prompt.0.content").
+    problem_key: str = ""
+    answer_key: str = ""
+    # A list-valued answer: "alternatives" (each one accepted, e.g. Minerva), "first", "join".
+    answer_list: str = ""
+    # AIME/AMC: answers are integers ("025" → "25", 142.0 → "142", "336^\circ" → "336").
+    integer_answers: bool | None = None
+    # Grader of the source's answers: "math" or "mcq".
+    kind: str = ""
+    # Keep only the first `limit` rows (0 = all).
+    limit: int = 0
+
+    def validate(self) -> None:
+        if not self.name and not self.path:
+            fail("path", self.path, "a source needs a registry name or a path")
+        if self.answer_list and self.answer_list not in ANSWER_LISTS:
+            fail("answer_list", self.answer_list, f"expected one of {ANSWER_LISTS}")
+        if self.kind and self.kind not in ("math", "mcq"):
+            fail("kind", self.kind, "expected 'math' or 'mcq'")
+        if self.limit < 0:
+            fail("limit", self.limit, "must be >= 0")
+
+
+def validate_sources(sources: list[SourceConfig], name: str) -> None:
+    """``validate()`` each source of the list field ``name``; errors name ``name[i].field``."""
+    for i, source in enumerate(sources):
+        try:
+            source.validate()
+        except ConfigError as e:
+            raise ConfigError(str(e).replace("config field '", f"config field '{name}[{i}].", 1)) from None
+
+
+def _default_train() -> list[SourceConfig]:
+    # DeepScaleR-Preview is not obtainable here; its AIME part + MATH levels 3-5 + MATH train
+    # are the best stand-ins (shared/data/README.md), deduplicated.
+    return [SourceConfig(name="deepscaler_aime"), SourceConfig(name="simplerl_math_lv3to5"),
+            SourceConfig(name="deepscaler_math_train")]
+
+
+@dataclass
+class DataConfig:
+    train: list[SourceConfig] = field(default_factory=_default_train)
+    # Prompts longer than this (tokens, after templating) are dropped (paper: 4096).
+    max_prompt_tokens: int = 4096
+    # Drop repeated problems across and within the train files (whitespace/case-normalised).
+    dedup: bool = True
+    # Drop train problems that appear in these benchmarks (same normalisation).
+    decontaminate: list[str] = field(default_factory=lambda: ["aime24", "aime25", "amc23",
+                                                              "amc22_23", "math500"])
+    # Refuse a file when more than this fraction of its rows is malformed.
+    max_bad_fraction: float = 0.01
+    template: TemplateConfig = field(default_factory=TemplateConfig)
+    # Shuffling of the prompt batches (per epoch, reproducible from seed and epoch).
+    shuffle: bool = True
+    seed: int = 1234
+    # `datasets` cache folder (None = its default).
+    cache_dir: str | None = None
+
+    def validate(self) -> None:
+        if not self.train:
+            fail("train", self.train, "at least one training source is needed")
+        validate_sources(self.train, "train")
+        if self.max_prompt_tokens < 1:
+            fail("max_prompt_tokens", self.max_prompt_tokens, "must be >= 1")
+        if not 0 <= self.max_bad_fraction <= 1:
+            fail("max_bad_fraction", self.max_bad_fraction, "must be in [0, 1]")

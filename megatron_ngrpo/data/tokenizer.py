@@ -1,0 +1,140 @@
+"""Tokenizers, offline: DeepSeek-R1-Distill-Qwen rebuilt from its parts, plain Qwen2, any HF dir.
+
+The R1-Distill ``tokenizer.json`` is not available here, and its ``tokenizer_config.json`` names
+``LlamaTokenizerFast``, so ``AutoTokenizer`` on that folder silently builds a broken 3-token
+tokenizer. :func:`build_r1_distill_tokenizer` follows shared/data/README.md's tested recipe
+instead (Qwen2 byte-level BPE + the 22 added tokens + bos post-processor + the chat template).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from megatron_ngrpo.data.paths import shared_data_dir
+
+R1_DISTILL = "deepseek-r1-distill-qwen"
+QWEN2 = "qwen2"
+
+BOS = "<｜begin▁of▁sentence｜>"
+EOS = "<｜end▁of▁sentence｜>"
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Added after the 151,643 Qwen2 BPE tokens, in id order from 151643; True = special (dropped by
+# skip_special_tokens).
+R1_ADDED_TOKENS = (
+    (EOS, True), ("<｜User｜>", False), ("<｜Assistant｜>", False), (BOS, True),
+    ("<|EOT|>", False), ("<think>", False), ("</think>", False), ("<|quad_start|>", True),
+    ("<|quad_end|>", True), ("<|vision_start|>", True), ("<|vision_end|>", True),
+    ("<|vision_pad|>", True), ("<|image_pad|>", True), ("<|video_pad|>", True),
+    ("<tool_call>", False), ("</tool_call>", False), ("<|fim_prefix|>", False),
+    ("<|fim_middle|>", False), ("<|fim_suffix|>", False), ("<|fim_pad|>", False),
+    ("<|repo_name|>", False), ("<|file_sep|>", False),
+)
+FIRST_ADDED_ID = 151643
+BOS_ID = 151646
+
+
+def _byte_level_bpe(folder: Path, added: Sequence[tuple[str, bool]], first_added_id: int):
+    """Qwen2's byte-level BPE (NFC, regex split, ByteLevel) from vocab.json + merges.txt, with
+    ``added`` (content, special) tokens from ``first_added_id`` on."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    model = models.BPE.from_file(str(folder / "vocab.json"), str(folder / "merges.txt"),
+                                 unk_token=None, byte_fallback=False)
+    tok = Tokenizer(model)
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    # One at a time and in order: add_tokens/add_special_tokens assign ids sequentially.
+    for content, special in added:
+        token = AddedToken(content, special=special, normalized=False)
+        (tok.add_special_tokens if special else tok.add_tokens)([token])
+    ids = [tok.token_to_id(c) for c, _ in added]
+    if ids != list(range(first_added_id, first_added_id + len(added))):
+        raise ValueError(f"{folder}: added tokens got ids {ids}; is vocab.json the 151,643-token Qwen2 one?")
+    return tok
+
+
+def build_r1_distill_tokenizer(folder: str | Path):
+    """The DeepSeek-R1-Distill-Qwen tokenizer from ``vocab.json`` + ``merges.txt`` +
+    ``tokenizer_config.json`` (chat template) in ``folder``; 151,665 ids, bos prepended."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    folder = Path(folder)
+    tok = _byte_level_bpe(folder, R1_ADDED_TOKENS, FIRST_ADDED_ID)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, BOS_ID)])
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=EOS,
+        model_max_length=config.get("model_max_length", 16384), clean_up_tokenization_spaces=False)
+    wrapped.chat_template = config["chat_template"]
+    return wrapped
+
+
+def load_qwen2_tokenizer(folder: str | Path):
+    """The plain Qwen2 tokenizer: the same BPE with the added tokens of its tokenizer_config
+    (``<|endoftext|>`` = eos = pad, ``<|im_start|>``, ``<|im_end|>``), no bos. Built directly
+    rather than by ``AutoTokenizer`` (same ids, without the slow vocabulary conversion). The
+    shared copy's chat template was altered by its test fixture, so none is set: use the plain
+    template with it (templates.py)."""
+    from transformers import PreTrainedTokenizerFast
+
+    folder = Path(folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    decoder = sorted(config["added_tokens_decoder"].items(), key=lambda kv: int(kv[0]))
+    added = [(t["content"], bool(t.get("special", True))) for _, t in decoder]
+    tok = _byte_level_bpe(folder, added, int(decoder[0][0]))
+    eos = config.get("eos_token") or "<|endoftext|>"
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=config.get("pad_token") or eos,
+                                      model_max_length=config.get("model_max_length", 32768),
+                                      clean_up_tokenization_spaces=False)
+    if "template ends here" not in (config.get("chat_template") or ""):
+        wrapped.chat_template = config.get("chat_template")
+    return wrapped
+
+
+def _parts_kind(folder: Path) -> str | None:
+    """"r1" or "qwen2" for a folder of BPE parts without tokenizer.json, else None."""
+    config_path = folder / "tokenizer_config.json"
+    if (folder / "tokenizer.json").is_file() or not (folder / "vocab.json").is_file() or not config_path.is_file():
+        return None
+    config = json.loads(config_path.read_text())
+    if config.get("tokenizer_class") == "LlamaTokenizerFast" and BOS in json.dumps(config.get("bos_token"),
+                                                                                   ensure_ascii=False):
+        return "r1"
+    return "qwen2" if config.get("tokenizer_class") == "Qwen2Tokenizer" else None
+
+
+def load_tokenizer(name_or_path: str | Path):
+    """A tokenizer by name or folder.
+
+    Names: ``deepseek-r1-distill-qwen`` and ``qwen2`` (the shared data's tokenizers folder).
+    Folders: R1-Distill parts without ``tokenizer.json`` are rebuilt by the recipe; anything
+    else goes to ``AutoTokenizer`` (a full HF model or tokenizer folder).
+    """
+    name = str(name_or_path)
+    shared = shared_data_dir() / "tokenizers"
+    if name in (R1_DISTILL, QWEN2):
+        folder = shared / name
+        if not folder.is_dir():
+            raise FileNotFoundError(f"tokenizer {name!r}: folder {folder} not found (set NGRPO_SHARED)")
+        return build_r1_distill_tokenizer(folder) if name == R1_DISTILL else load_qwen2_tokenizer(folder)
+    folder = Path(name)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"tokenizer {name!r}: not a known name ({R1_DISTILL}, {QWEN2}) "
+                                f"nor a folder")
+    kind = _parts_kind(folder)
+    if kind == "r1":
+        return build_r1_distill_tokenizer(folder)
+    if kind == "qwen2":
+        return load_qwen2_tokenizer(folder)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))

@@ -1,0 +1,72 @@
+"""`python -m megatron_ngrpo.eval --config FILE.yaml [a.b=c ...]`: evaluate a policy, or re-grade.
+
+The engine comes from ``megatron_ngrpo.rollout.factory.build_engine(rollout, model,
+checkpoint=...)`` (rollout.engine: megatron | vllm). Under torchrun every rank generates (the
+Megatron engine is collective) and only rank 0 writes the outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from megatron_ngrpo.configuration import ConfigError, load
+
+
+def build_graders(reward_cfg) -> dict:
+    """Kind → grader: math benchmarks get the math grader, mcq ones the letter grader."""
+    import dataclasses
+
+    from megatron_ngrpo.rewards.registry import build_grader
+
+    return {kind: build_grader(dataclasses.replace(reward_cfg, name=kind)) for kind in ("math", "mcq")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron_ngrpo.eval", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", action="append", default=[], help="YAML file (repeatable, later wins)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. sampling.n=4")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    from megatron_ngrpo.eval.config import EvalConfig
+
+    try:
+        cfg = load(EvalConfig, args.config, args.overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    from megatron_ngrpo.eval.report import to_markdown
+    from megatron_ngrpo.eval.runner import evaluate, load_benchmarks, regrade
+
+    graders = build_graders(cfg.reward)
+    try:
+        if cfg.regrade:
+            result = regrade(cfg.regrade, graders, ks=cfg.ks or None, out_dir=cfg.output_dir)
+        else:
+            from megatron_ngrpo.data.tokenizer import load_tokenizer
+            from megatron_ngrpo.rollout.factory import build_engine
+
+            tokenizer = load_tokenizer(cfg.tokenizer)
+            benchmarks = load_benchmarks(list(cfg.benchmarks) + list(cfg.extra_benchmarks), cfg.limit)
+            engine = build_engine(cfg.rollout, cfg.model, checkpoint=cfg.checkpoint or None)
+            is_main = int(os.environ.get("RANK", "0")) == 0
+            result = evaluate(engine, tokenizer, benchmarks, cfg.sampling.params(), graders,
+                              template=cfg.template, ks=cfg.ks or None,
+                              out_dir=cfg.output_dir if is_main else None,
+                              prompts_per_call=cfg.prompts_per_call, progress=is_main)
+            if not is_main:
+                return 0
+    finally:
+        for grader in graders.values():
+            grader.close()
+    print(to_markdown(result))
+    print(f"outputs: {cfg.output_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Configuration of `python -m megatron_ngrpo.eval`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_ngrpo.configuration import fail
+from megatron_ngrpo.data.config import SourceConfig, validate_sources
+from megatron_ngrpo.data.templates import TemplateConfig
+from megatron_ngrpo.models.config import ModelConfig
+from megatron_ngrpo.rewards.config import RewardConfig
+from megatron_ngrpo.rollout.config import RolloutConfig
+from megatron_ngrpo.rollout.types import SamplingParams
+
+
+@dataclass
+class EvalSamplingConfig:
+    """Paper defaults (N-GRPO §4.1, App. B.3): n = 32, T = 0.6, top-p 0.95, 8192 new tokens."""
+
+    n: int = 32
+    temperature: float = 0.6
+    top_p: float = 0.95
+    top_k: int = -1
+    max_new_tokens: int = 8192
+    seed: int = 0
+
+    def params(self, stop_token_ids: list[int] | None = None) -> SamplingParams:
+        return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              max_new_tokens=self.max_new_tokens, seed=self.seed,
+                              stop_token_ids=list(stop_token_ids or []))
+
+    def validate(self) -> None:
+        if self.n < 1:
+            fail("n", self.n, "must be >= 1")
+        if self.temperature < 0:
+            fail("temperature", self.temperature, "must be >= 0")
+        if not 0 < self.top_p <= 1:
+            fail("top_p", self.top_p, "must be in (0, 1]")
+        if self.max_new_tokens < 1:
+            fail("max_new_tokens", self.max_new_tokens, "must be >= 1")
+
+
+@dataclass
+class EvalConfig:
+    # Registry names (megatron_ngrpo.data.datasets.REGISTRY) or files. Paper: aime25, amc23,
+    # math500 (+ GPQA-Diamond, not shipped); aime24 is the validation set.
+    benchmarks: list[str] = field(default_factory=lambda: ["aime25", "amc23", "math500"])
+    # Further benchmark files with their own field mapping, e.g. a local GPQA-Diamond:
+    # {path: gpqa.jsonl, problem_key: question, answer_key: letter, kind: mcq}.
+    extra_benchmarks: list[SourceConfig] = field(default_factory=list)
+    # First `limit` problems of each benchmark (0 = all), for smoke runs.
+    limit: int = 0
+    tokenizer: str = "deepseek-r1-distill-qwen"
+    # Policy architecture (HF config dir) and layout; required unless `regrade` is set.
+    model: ModelConfig | None = None
+    # Megatron checkpoint directory (engine megatron); "" = the HF weights in model.hf_path.
+    checkpoint: str = ""
+    # Engine choice (rollout.engine: megatron | vllm) and its options; mixing is always off.
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    sampling: EvalSamplingConfig = field(default_factory=EvalSamplingConfig)
+    template: TemplateConfig = field(default_factory=TemplateConfig)
+    # Grading: reward.name is ignored (math benchmarks use the math grader, mcq ones the letter
+    # grader); shaping terms are not used.
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    # Pass@k values; empty = 1, 2, 4, ..., n.
+    ks: list[int] = field(default_factory=list)
+    # Prompts per engine.generate call (progress granularity).
+    prompts_per_call: int = 64
+    output_dir: str = "outputs/eval"
+    # A previous output_dir: re-grade its generations (no model, no engine).
+    regrade: str = ""
+
+    def validate(self) -> None:
+        if not self.benchmarks and not self.extra_benchmarks:
+            fail("benchmarks", self.benchmarks, "at least one benchmark is needed")
+        validate_sources(self.extra_benchmarks, "extra_benchmarks")
+        if self.limit < 0:
+            fail("limit", self.limit, "must be >= 0")
+        if self.model is None and not self.regrade:
+            fail("model", self.model, "required (model.hf_path=...) unless regrade is set")
+        bad = [k for k in self.ks if not 1 <= k <= self.sampling.n]
+        if bad:
+            fail("ks", self.ks, f"each k must be in [1, sampling.n = {self.sampling.n}]")
+        if self.prompts_per_call < 1:
+            fail("prompts_per_call", self.prompts_per_call, "must be >= 1")

@@ -1,0 +1,99 @@
+"""Per-step training metrics: phase timers, data-parallel reduction, JSONL + TensorBoard output.
+
+Only global rank 0 writes; every rank takes part in the reductions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+class PhaseTimer:
+    """Wall-clock seconds per named phase (``with timer("rollout"): ...``), summed per step."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def report(self) -> dict[str, float]:
+        return {f"time/{k}": v for k, v in self.seconds.items()}
+
+
+def dp_sums(values: dict[str, float], group=None) -> dict[str, float]:
+    """Sum each value over the data-parallel group (float64, one all-reduce)."""
+    if not values:
+        return {}
+    from megatron.core import parallel_state as ps
+
+    from megatron_ngrpo.compat.cpu import device
+
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device())
+    dist.all_reduce(t, group=group or ps.get_data_parallel_group())
+    return dict(zip(keys, t.tolist()))
+
+
+def dp_max(values: dict[str, float], group=None) -> dict[str, float]:
+    if not values:
+        return {}
+    from megatron.core import parallel_state as ps
+
+    from megatron_ngrpo.compat.cpu import device
+
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group or ps.get_data_parallel_group())
+    return dict(zip(keys, t.tolist()))
+
+
+class MetricsWriter:
+    """``metrics.jsonl`` (one object per step) and TensorBoard scalars under ``run_dir``."""
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True):
+        self.active = dist.get_rank() == 0
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self._tb = None
+        if self.active:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.active:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self._tb is not None:
+            for k, v in metrics.items():
+                self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+
+    def truncate(self, step: int) -> None:
+        """Drop lines of steps after ``step`` (a resumed run rewrites them)."""
+        if not self.active or not self.path.is_file():
+            return
+        lines = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
+        self.path.write_text("".join(ln + "\n" for ln in lines))
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()

@@ -1,0 +1,455 @@
+"""The N-GRPO training loop on megatron-core.
+
+One rollout step (``Trainer.train_step``):
+
+1. prompts: the step's global batch (resumable :class:`~megatron_ngrpo.data.batches.PromptBatches`),
+   split over data-parallel ranks by prompt, so every group stays on one rank;
+2. neighbour table: computed at start and every ``mixing.refresh_every`` updates
+   (:func:`~megatron_ngrpo.mixing.neighbors.neighbor_table_for_model`), checkpointed;
+3. rollout through the engine (``rollout.factory.build_engine``), seeded by (seed, step) and
+   keyed by the prompt's position in the step, so a resumed run regenerates the same responses;
+4. rewards (grader + shaping), optional DRA adjustment, group advantages, zero-variance filter;
+5. old log-probs (recomputed on the replayed history, or the engine's), reference log-probs
+   (frozen initial weights), the rollout/trainer log-prob gap and optional TIS weights;
+6. ``epochs_per_rollout`` passes over mini-batches of ``mini_batch_prompts`` prompts: globally
+   normalised loss, gradients through megatron's schedule, clipped megatron optimizer step, LR
+   schedule;
+7. metrics (JSONL, TensorBoard), checkpoints (atomic, keep-last-N), optional validation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_ngrpo.config import NGRPOConfig
+from megatron_ngrpo.grpo.advantages import compute_advantages, group_ids, zero_variance_groups
+from megatron_ngrpo.grpo.checkpoint import (
+    checkpoint_meta,
+    iter_dir,
+    latest_checkpoint,
+    load_training_checkpoint,
+    save_training_checkpoint,
+)
+from megatron_ngrpo.grpo.logprobs import TokenBatch, batch_logprobs
+from megatron_ngrpo.grpo.metrics import MetricsWriter, PhaseTimer, dp_max, dp_sums
+from megatron_ngrpo.grpo.update import UpdateSettings, loss_and_grads, wrap_for_training
+
+logger = logging.getLogger(__name__)
+BEST_FILE = "best"
+
+
+class ReferencePolicy:
+    """The frozen initial weights: a CPU copy swapped into the policy's parameters for the
+    reference pass (``swap``, no extra device memory), or a second model (``copy``)."""
+
+    def __init__(self, chunks: list, mode: str, model_cfg):
+        from megatron_ngrpo.models.provider import build_model, unwrap
+
+        self.mode = mode
+        if mode == "swap":
+            self.saved = [[p.detach().to("cpu", copy=True) for p in unwrap(c).parameters()] for c in chunks]
+            self.model = None
+        else:
+            self.model = build_model(model_cfg)
+            with torch.no_grad():
+                for own, src in zip(self.model, chunks, strict=True):
+                    for p, q in zip(unwrap(own).parameters(), unwrap(src).parameters(), strict=True):
+                        p.copy_(q)
+            for c in self.model:
+                c.requires_grad_(False)
+
+    @contextlib.contextmanager
+    def active(self, chunks: list):
+        """Yield model chunks computing the reference policy (restores the policy on exit)."""
+        from megatron_ngrpo.models.provider import unwrap
+
+        if self.model is not None:
+            yield self.model
+            return
+        params = [list(unwrap(c).parameters()) for c in chunks]
+        current = [[p.detach().to("cpu", copy=True) for p in ps] for ps in params]
+        with torch.no_grad():
+            for ps, ref in zip(params, self.saved):
+                for p, r in zip(ps, ref):
+                    p.copy_(r)
+        try:
+            yield chunks
+        finally:
+            with torch.no_grad():
+                for ps, cur in zip(params, current):
+                    for p, c in zip(ps, cur):
+                        p.copy_(c)
+
+
+class Trainer:
+    """Builds everything from one validated :class:`NGRPOConfig` and runs the loop.
+
+    Call :meth:`setup` (initialises torch.distributed and megatron's parallel state) then
+    :meth:`run`. Every rank runs the same code.
+    """
+
+    def __init__(self, cfg: NGRPOConfig):
+        self.cfg = cfg
+        self.step = 0
+        self.updates = 0
+        self.table: torch.Tensor | None = None
+        self.table_updates = -1  # self.updates when the table was computed
+        self.best: dict | None = None
+
+    # ---- set-up ----------------------------------------------------------------------------
+    def setup(self) -> None:
+        from megatron.core import parallel_state as ps
+
+        from megatron_ngrpo.compat.cpu import device
+        from megatron_ngrpo.data.batches import PromptBatches
+        from megatron_ngrpo.data.datasets import load_train_set
+        from megatron_ngrpo.data.tokenizer import load_tokenizer
+        from megatron_ngrpo.models.provider import ArchSpec, build_model
+        from megatron_ngrpo.parallel import init_distributed, initialize_model_parallel
+        from megatron_ngrpo.rewards.registry import build_reward
+        from megatron_ngrpo.rollout.factory import build_engine
+
+        cfg = self.cfg
+        init_distributed()
+        initialize_model_parallel(cfg.model.tensor_parallel, cfg.model.pipeline_parallel,
+                                  cfg.model.virtual_pipeline, seed=cfg.train.seed)
+        self.device = device()
+        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.spec = ArchSpec.from_hf(cfg.model.hf_path)
+        self.num_real_tokens = cfg.model.num_real_tokens or self.spec.vocab_size
+        self.run_dir = Path(cfg.train.run_dir)
+        if dist.get_rank() == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            from megatron_ngrpo.configuration import to_yaml
+
+            (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
+        self.tokenizer = load_tokenizer(cfg.tokenizer)
+        self.examples = load_train_set(cfg.data, self.tokenizer)
+        self.prompts = PromptBatches(self.examples, cfg.train.prompts_per_step, seed=cfg.data.seed,
+                                     shuffle=cfg.data.shuffle)
+        self.total_steps = cfg.train.max_steps or cfg.train.num_epochs * self.prompts.batches_per_epoch
+        self.updates_per_step = cfg.train.epochs_per_rollout * (cfg.train.prompts_per_step // cfg.train.mini_batch_prompts)
+
+        chunks = build_model(cfg.model)
+        self._load_initial_weights(chunks)
+        self._set_embedding_grad(chunks)
+        self.reference = ReferencePolicy(chunks, cfg.train.reference, cfg.model) if cfg.grpo.needs_reference else None
+        self.chunks = wrap_for_training(chunks, self._ddp_config())
+        self.optimizer, self.scheduler = self._build_optimizer()
+        self.reward_fn = build_reward(cfg.reward, cfg.rollout.max_new_tokens)
+        self.engine = build_engine(cfg, self.chunks)
+        self.settings = UpdateSettings(
+            temperature=cfg.rollout.temperature, micro_batch_size=cfg.train.micro_batch_size,
+            max_tokens=cfg.train.max_tokens_per_micro_batch, vocab_limit=self.num_real_tokens,
+            max_response_len=cfg.rollout.max_new_tokens)
+        self.metrics = MetricsWriter(self.run_dir, cfg.train.tensorboard)
+        latest = latest_checkpoint(self.run_dir) if cfg.train.resume else None
+        if latest is not None:
+            self._resume(latest)
+
+    def _load_initial_weights(self, chunks: list) -> None:
+        from megatron_ngrpo.conversion.checkpoint import load_megatron_checkpoint
+        from megatron_ngrpo.conversion.hf_io import load_hf_into_megatron
+
+        load = self.cfg.train.load
+        if load == "random":
+            return  # megatron's seeded initialisation (tests)
+        if load:
+            load_megatron_checkpoint(chunks, load)
+        else:
+            with torch.no_grad():
+                load_hf_into_megatron(chunks, self.cfg.model.hf_path)
+
+    def _set_embedding_grad(self, chunks: list) -> None:
+        from megatron_ngrpo.mixing.embedding import mixing_embedding
+
+        for c in chunks:
+            emb = mixing_embedding(c)
+            if emb is not None:
+                emb.embedding_grad = self.cfg.mixing.embedding_grad
+
+    def _ddp_config(self):
+        from megatron.core.distributed import DistributedDataParallelConfig
+
+        return DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            use_distributed_optimizer=self.cfg.optim.distributed_optimizer)
+
+    def _build_optimizer(self):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        from megatron_ngrpo.models.provider import params_dtype, unwrap
+
+        o = self.cfg.optim
+        dtype = params_dtype(self.cfg.model)
+        optimizer = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+            adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
+            clip_grad=o.clip_grad, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+            params_dtype=dtype, use_distributed_optimizer=o.distributed_optimizer), self.chunks)
+        unwrap(self.chunks[0]).config.grad_scale_func = optimizer.scale_loss
+        total = max(self.total_steps * self.updates_per_step, 1)
+        scheduler = OptimizerParamScheduler(
+            optimizer, init_lr=0.0 if o.warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
+            lr_warmup_steps=o.warmup_steps, lr_decay_steps=total, lr_decay_style=o.lr_schedule,
+            start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=total,
+            wd_incr_style="constant")
+        return optimizer, scheduler
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def _trainer_state(self) -> dict:
+        return {"step": self.step, "updates": self.updates, "data": self.prompts.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "neighbor_table": self.table,
+                "table_updates": self.table_updates, "best": self.best}
+
+    def save(self) -> Path:
+        meta = checkpoint_meta(self.cfg.model, config=dataclasses.asdict(self.cfg))
+        protect = (self.best["checkpoint"],) if self.best else ()
+        return save_training_checkpoint(self.run_dir, self.step, self.chunks, meta, self.optimizer,
+                                        self._trainer_state(), self.cfg.train.keep_last, protect)
+
+    def _resume(self, path: Path) -> None:
+        state = load_training_checkpoint(path, self.chunks, self.optimizer)
+        self.step, self.updates = int(state["step"]), int(state["updates"])
+        self.prompts.load_state_dict(state["data"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.table, self.table_updates = state["neighbor_table"], int(state["table_updates"])
+        self.best = state.get("best")
+        self.metrics.truncate(self.step)
+        logger.info("resumed from %s at step %d", path, self.step)
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def run(self) -> None:
+        from tqdm import tqdm
+
+        cfg = self.cfg.train
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step",
+                   disable=not (cfg.progress and dist.get_rank() == 0))
+        try:
+            while self.step < self.total_steps:
+                metrics = self.train_step()
+                self.step += 1
+                saved = False
+                if self.cfg.eval.every and (self.step % self.cfg.eval.every == 0 or self.step == self.total_steps):
+                    metrics.update(self.validate())
+                    saved = self._keep_if_best(metrics)
+                if not saved and cfg.save_every and (self.step % cfg.save_every == 0 or self.step == self.total_steps):
+                    self.save()
+                if self.step % cfg.log_every == 0 or self.step == self.total_steps:
+                    self.metrics.write(self.step, metrics)
+                bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics.get('kl', 0):.4f}")
+                bar.update()
+        finally:
+            bar.close()
+            self.metrics.close()
+            self.reward_fn.close()
+
+    def train_step(self) -> dict[str, float]:
+        cfg = self.cfg
+        timer = PhaseTimer()
+        batch = next(self.prompts)
+        per_rank = len(batch) // self.dp_size
+        start = self.dp_rank * per_rank
+        mine = batch[start:start + per_rank]
+        out: dict[str, float] = {}
+
+        with timer("neighbor_table"):
+            out["mixing/table_refreshed"] = float(self._refresh_table())
+        with timer("rollout"):
+            rollout = self._generate([ex.prompt_ids for ex in mine], keys=list(range(start, start + per_rank)))
+        with timer("reward"):
+            texts = rollout.texts or [self.tokenizer.decode(r, skip_special_tokens=True) for r in rollout.response_ids]
+            rewards = self.reward_fn(texts, [mine[i].problem.answers for i in rollout.prompt_index],
+                                     rollout.response_lengths, rollout.finish_reasons)
+            scores = torch.tensor(rewards.total, dtype=torch.float64)
+            groups = group_ids(rollout.prompt_index)
+            if cfg.grpo.dra.enabled:
+                scores = self._dra(scores, groups, texts, rollout.response_ids)
+            advantages = compute_advantages(scores, groups, cfg.grpo.advantage, cfg.grpo.adv_eps)
+            active = (~zero_variance_groups(scores, groups) if cfg.grpo.filter_zero_variance
+                      else torch.ones(len(scores), dtype=torch.bool))
+        tb = TokenBatch.from_rollout(rollout, pad_id=self._pad_id(), device=self.device)
+        extras = self._logprob_extras(tb, rollout, timer, out)
+        tb = tb.with_extras(advantages=advantages.to(self.device), active=active.to(self.device), **extras)
+        if cfg.train.dump_generations:
+            self._dump(rollout, texts, rewards, advantages)
+
+        with timer("update"):
+            out.update(self._update(tb))
+        out.update(self._rollout_metrics(rollout, rewards, scores, active))
+        out.update(dp_max(timer.report()))
+        out["lr"] = self.optimizer.param_groups[0]["lr"]
+        return out
+
+    # ---- rollout pieces ----------------------------------------------------------------------
+    def _refresh_table(self) -> bool:
+        """(Re)compute the neighbour table when due; hand it to the engine. True if recomputed."""
+        from megatron_ngrpo.mixing.neighbors import neighbor_table_for_model
+
+        mixing = self.cfg.mixing
+        if not (mixing.enabled and mixing.strategy == "neighbor"):
+            return False
+        due = self.table is None or (mixing.refresh_every and
+                                     self.updates - self.table_updates >= mixing.refresh_every)
+        if due:
+            self.table = neighbor_table_for_model(self.chunks, mixing, self.num_real_tokens,
+                                                  self.tokenizer.all_special_ids).cpu()
+            self.table_updates = self.updates
+        return bool(due)
+
+    def _generate(self, prompts: list[list[int]], keys: list[int]):
+        from megatron_ngrpo.rollout.types import SamplingParams
+
+        r = self.cfg.rollout
+        eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+        params = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                max_new_tokens=r.max_new_tokens, stop=list(r.stop), stop_token_ids=eos,
+                                seed=(self.cfg.train.seed * 1_000_003 + self.step) % 2**31)
+        self.engine.sync_weights(self.chunks)
+        # Engines without the setter rebuild their own table from the synced weights (the same
+        # table while mixing.refresh_every is 1); see docs/STATUS_trainer.md.
+        if self.table is not None and hasattr(self.engine, "set_neighbor_table"):
+            self.engine.set_neighbor_table(self.table)
+        mixing = self.cfg.mixing if self.cfg.mixing.enabled else None
+        return self.engine.generate(prompts, params, mixing=mixing, keys=keys)
+
+    def _pad_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return int(pad if pad is not None else self.tokenizer.eos_token_id or 0)
+
+    def _dra(self, scores, groups, texts, response_ids) -> torch.Tensor:
+        from megatron_ngrpo.grpo.dra import TfidfEmbedder, dra_rewards, policy_embeddings, similarity
+
+        d = self.cfg.grpo.dra
+        emb = (TfidfEmbedder(d.ngram, d.hash_dim)(texts) if d.embedder == "tfidf"
+               else policy_embeddings(self.chunks, response_ids))
+        return dra_rewards(scores, similarity(emb), groups if d.scope == "group" else None).double()
+
+    def _logprob_extras(self, tb: TokenBatch, rollout, timer: PhaseTimer, out: dict) -> dict:
+        """Old / reference log-probs, TIS weights and the rollout-vs-trainer gap (label-aligned)."""
+        g, s = self.cfg.grpo, self.settings
+        engine_lp = tb.label_aligned(rollout.logprobs)
+        extras = {}
+        mask = tb.mask
+        with timer("old_logprobs"):
+            if g.old_logprobs == "recompute":
+                old = batch_logprobs(self.chunks, tb, s.temperature, s.micro_batch_size, s.vocab_limit, s.max_tokens)
+                gap = (old - engine_lp).abs() * mask
+                sums = dp_sums({"gap": float(gap.sum()), "n": float(mask.sum())})
+                out["logprob_gap/mean_abs"] = sums["gap"] / max(sums["n"], 1.0)
+                out["logprob_gap/max_abs"] = dp_max({"m": float(gap.max()) if gap.numel() else 0.0})["m"]
+            else:
+                old = engine_lp
+        extras["old_logprobs"] = old
+        if self.reference is not None:
+            with timer("ref_logprobs"), self.reference.active(self.chunks) as ref_chunks:
+                extras["ref_logprobs"] = batch_logprobs(ref_chunks, tb, s.temperature, s.micro_batch_size,
+                                                        s.vocab_limit, s.max_tokens)
+        if g.tis_cap is not None:
+            extras["tis_weight"] = torch.exp(old - engine_lp).clamp(max=g.tis_cap) * mask
+        return extras
+
+    # ---- the update --------------------------------------------------------------------------
+    def _update(self, tb: TokenBatch) -> dict[str, float]:
+        t = self.cfg.train
+        rows_per_mini = t.mini_batch_prompts // self.dp_size * self.cfg.rollout.n
+        totals: dict[str, float] = {}
+        n = skipped = 0
+        first = None
+        for _ in range(t.epochs_per_rollout):
+            for start in range(0, tb.num_rows, rows_per_mini):
+                mini = tb.micro_batch(list(range(start, min(start + rows_per_mini, tb.num_rows))))
+                stats = loss_and_grads(self.chunks, mini, self.cfg.grpo, self.settings)
+                first = first or stats
+                if stats["normaliser"] == 0:  # nothing active anywhere: no signal, no step
+                    skipped += 1
+                    grad_norm = 0.0
+                else:
+                    _, grad_norm, _ = self.optimizer.step()
+                self.scheduler.step(1)
+                self.updates += 1
+                n += 1
+                stats["grad_norm"] = float(grad_norm or 0.0)
+                for k, v in stats.items():
+                    totals[k] = max(totals.get(k, v), v) if k == "ratio_max" else totals.get(k, 0.0) + v
+        out = {k: (v if k == "ratio_max" else v / n) for k, v in totals.items() if k not in ("tokens", "normaliser")}
+        # On the first mini-batch the policy is still the rollout policy: with engine old
+        # log-probs, |log-ratio| there is the rollout/trainer gap.
+        out["first_update/abs_log_ratio"] = first["abs_log_ratio"]
+        out["skipped_updates"] = float(skipped)
+        return out
+
+    # ---- metrics -----------------------------------------------------------------------------
+    def _rollout_metrics(self, rollout, rewards, scores, active) -> dict[str, float]:
+        lengths = torch.tensor(rollout.response_lengths, dtype=torch.float64)
+        local = {
+            "n": float(len(lengths)), "r": float(scores.sum()), "r2": float((scores ** 2).sum()),
+            "raw": float(sum(rewards.total)), "correct": float(sum(rewards.correct)),
+            "len": float(lengths.sum()), "truncated": float(sum(f == "length" for f in rollout.finish_reasons)),
+            "mixed": float(len(rollout.mixes)), "filtered": float((~active).sum()),
+        }
+        s = dp_sums(local)
+        n = max(s["n"], 1.0)
+        mean = s["r"] / n
+        out = {
+            "reward/mean": mean, "reward/std": max(s["r2"] / n - mean * mean, 0.0) ** 0.5,
+            "reward/raw_mean": s["raw"] / n, "accuracy": s["correct"] / n,
+            "response_length/mean": s["len"] / n, "response_length/truncated_frac": s["truncated"] / n,
+            "mixing/mixed_token_frac": s["mixed"] / max(s["len"], 1.0), "filtered_frac": s["filtered"] / n,
+        }
+        out["response_length/max"] = dp_max({"m": float(lengths.max()) if len(lengths) else 0.0})["m"]
+        return out
+
+    def _dump(self, rollout, texts, rewards, advantages) -> None:
+        from megatron.core import parallel_state as ps
+
+        if ps.get_tensor_model_parallel_rank() or not ps.is_pipeline_first_stage(ignore_virtual=True):
+            return
+        path = self.run_dir / "generations" / f"step{self.step:07d}_dp{self.dp_rank:03d}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w") as f:
+            for i, text in enumerate(texts):
+                f.write(json.dumps({"prompt_index": rollout.prompt_index[i], "text": text,
+                                    "reward": rewards.total[i], "correct": rewards.correct[i],
+                                    "advantage": float(advantages[i]), "finish": rollout.finish_reasons[i],
+                                    "mixes": rollout.mixes.select([i]).to_json()}) + "\n")
+
+    # ---- validation --------------------------------------------------------------------------
+    def validate(self) -> dict[str, float]:
+        from megatron_ngrpo.eval.runner import evaluate, load_benchmarks
+        from megatron_ngrpo.rewards.registry import build_grader
+
+        v = self.cfg.eval
+        benchmarks = load_benchmarks(v.benchmarks, v.limit)
+        eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+        self.engine.sync_weights(self.chunks)
+        out_dir = self.run_dir / "validation" / f"step{self.step:07d}" if dist.get_rank() == 0 else None
+        grader = build_grader(self.cfg.reward)
+        try:
+            result = evaluate(self.engine, self.tokenizer, benchmarks, v.sampling.params(eos), grader,
+                              template=self.cfg.data.template, out_dir=out_dir, progress=False)
+        finally:
+            grader.close()
+        return {f"val/{k}": float(x) for k, x in result.average.items()}
+
+    def _keep_if_best(self, metrics: dict) -> bool:
+        """Save and remember the checkpoint when mean@n improved; True if it saved."""
+        key = next((k for k in metrics if k.startswith("val/mean@")), None)
+        if not self.cfg.eval.keep_best or key is None:
+            return False
+        if self.best is not None and metrics[key] <= self.best["value"]:
+            return False
+        self.best = {"step": self.step, "metric": key, "value": metrics[key],
+                     "checkpoint": iter_dir(self.run_dir, self.step).name}
+        self.save()
+        if dist.get_rank() == 0:
+            (self.run_dir / BEST_FILE).write_text(json.dumps(self.best) + "\n")
+        return True

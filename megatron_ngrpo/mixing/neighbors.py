@@ -1,0 +1,475 @@
+"""Exact semantic-neighbour table of a (vocab-parallel) embedding matrix (N-GRPO paper Eqs. 7–8,
+App. G): row v of the table is v followed by the k-1 rows most similar to E[v].
+
+Neighbours depend only on the anchor id and the frozen weights, so one [V, k] table per weight
+sync replaces the reference code's per-step [B, V] similarity matmul.
+
+Algorithm (never materialises V×V):
+
+1. The query rows are split into chunks of ``chunk_size`` ids (and, with a data-parallel group,
+   the chunks are shared out among the DP ranks). Each chunk's embedding rows are assembled on
+   every TP rank from the partitions that own them (one all-reduce of [chunk, d]).
+2. Each TP rank scores the chunk against its local rows in fp32 (one matmul; ``cdist`` for L1),
+   masks excluded rows and the anchor itself, and takes a local top-(k-1+margin).
+3. The candidates are re-scored in float64. A rigorous fp32 error bound ``tol`` certifies the
+   result: if the weakest fp32 candidate lies below (the (k-1)-th float64 score - tol), no other
+   local row can reach the true top-(k-1); otherwise every local row whose fp32 score clears
+   that threshold is re-scored in float64 too (rare: near-ties at the candidate boundary).
+   Sorting by (-score64, id) gives the exact local top-(k-1), ties broken by the lower id.
+4. The local lists are all-gathered over TP and merged with the same order (the global
+   top-(k-1) is contained in the union of the local ones); DP shares are all-gathered.
+
+The result equals a brute-force float64 computation (score rounding aside, ties → lower id) and
+is replicated on every rank.
+
+Peak extra memory per rank, with ``c = chunk_size`` and ``V_l`` local rows: ``4·c·V_l`` bytes of
+fp32 chunk scores plus the top-k/index buffers ``(8+4)·c·(k+margin)`` (+ ``4·V_l·d`` for the
+normalised copy under cosine, + ``4·c·d`` for the query chunk); float64 re-scoring works in
+blocks of at most 32 MiB; the near-tie fallback adds ``~40`` bytes per above-threshold
+(query, row) pair of the chunk's uncertified rows. E.g.
+Qwen2.5-1.5B (V_l = 151936, d = 1536) at c = 4096: 2.5 GB of scores + 0.9 GB normalised copy.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron_ngrpo.mixing.config import METRICS, MixingConfig
+
+# Extra fp32 candidates per query beyond k-1: enough that the float64 certificate almost always
+# holds, so the fallback re-scoring runs only on genuine near-ties.
+_MARGIN = 2
+_NORM_EPS = 1e-12
+# Id of "no candidate" (-inf score) entries: above every id, exact in float64.
+_SENTINEL = 2 ** 53
+# Bound on the float64 candidate rows gathered at once for re-scoring.
+_BLOCK_BYTES = 32 * 2**20
+
+
+def build_neighbor_table(
+    weight_local: torch.Tensor,
+    vocab_start: int,
+    k: int,
+    metric: str = "cosine",
+    exclude: torch.Tensor | None = None,
+    chunk_size: int = 4096,
+    tp_group: dist.ProcessGroup | None = None,
+    dp_group: dist.ProcessGroup | None = None,
+    rows: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """Exact top-k neighbour table of the embedding whose rows ``vocab_start ..`` are
+    ``weight_local``.
+
+    Args:
+        weight_local: [V_local, d] this TP rank's contiguous vocab partition (the whole matrix
+            when ``tp_group`` is None or of size 1). Any float dtype; scored in fp32, certified
+            in float64.
+        vocab_start: global id of ``weight_local[0]``.
+        k: table width, anchor included (1 <= k < V).
+        metric: "cosine" (default), "l2" (-squared distance), "l1" (-L1 distance) or "dot".
+        exclude: [V] bool, rows that may never be neighbours (padding, special tokens). Their
+            own table rows still exist (anchor first, then allowed neighbours).
+        chunk_size: query rows scored at once; bounds memory (see module docstring).
+        tp_group: group over which the vocabulary is partitioned.
+        dp_group: group whose ranks share the query chunks (all-gathered at the end).
+        rows: optional (start, stop) global query range; default all V rows.
+
+    Returns:
+        [V, k] int64 (or [stop-start, k] with ``rows``) on ``weight_local``'s device, identical
+        on every rank: row v = [v, n_1, ..., n_{k-1}] ordered by decreasing similarity, ties to
+        the lower id; n_j != v and never excluded.
+    """
+    if metric not in METRICS:
+        raise ValueError(f"metric {metric!r}: expected one of {METRICS}")
+    if weight_local.dim() != 2:
+        raise ValueError(f"weight_local: expected [V_local, d], got shape {tuple(weight_local.shape)}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size {chunk_size}: must be >= 1")
+    device = weight_local.device
+    vocab_size = _check_partitions(weight_local.shape[0], vocab_start, tp_group, device)
+    if not 1 <= k < vocab_size:
+        raise ValueError(f"k = {k}: must satisfy 1 <= k < vocabulary size {vocab_size} (k counts the anchor)")
+    if exclude is None:
+        exclude = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+    exclude = exclude.to(device=device, dtype=torch.bool)
+    if exclude.shape != (vocab_size,):
+        raise ValueError(f"exclude: expected shape ({vocab_size},), got {tuple(exclude.shape)}")
+    allowed = vocab_size - int(exclude.sum())
+    if k > allowed:
+        raise ValueError(f"k = {k}: only {allowed} of {vocab_size} rows are not excluded")
+    start, stop = rows if rows is not None else (0, vocab_size)
+    if not 0 <= start < stop <= vocab_size:
+        raise ValueError(f"rows = {rows}: must satisfy 0 <= start < stop <= {vocab_size}")
+
+    anchors = torch.arange(start, stop, device=device)
+    if k == 1:
+        return anchors.unsqueeze(1)
+    with torch.no_grad():
+        keys = _Keys(weight_local, vocab_start, metric, exclude)
+        if not _all_ranks(keys.finite, tp_group, device):
+            raise ValueError("weight_local: contains non-finite values")
+        my_start, my_stop = _dp_share(start, stop, dp_group)
+        parts = [
+            _chunk_neighbors(keys, c0, min(c0 + chunk_size, my_stop), k - 1, tp_group)
+            for c0 in range(my_start, my_stop, chunk_size)
+        ]
+        mine = torch.cat(parts) if parts else torch.zeros(0, k - 1, dtype=torch.long, device=device)
+        nbrs = _dp_gather(mine, stop - start, dp_group)
+    return torch.cat([anchors.unsqueeze(1), nbrs], dim=1)
+
+
+def neighbor_table_for_model(
+    model_chunk,
+    cfg: MixingConfig,
+    num_real_tokens: int,
+    special_ids=(),
+    output_weight: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The [V_padded, k] table of a megatron GPT model, replicated on every rank.
+
+    The matrix is the first stage's mixing embedding (``cfg.neighbor_source == "input"``, paper)
+    or the last stage's output layer (``"output"``, reference code; pass ``output_weight`` for a
+    tied/shared weight held elsewhere). Excluded rows: padded rows ``>= num_real_tokens``
+    (``cfg.exclude_padded``), ``special_ids`` (``cfg.exclude_special``) and ``cfg.exclude_ids``.
+    Uses megatron's TP and DP groups and broadcasts over the pipeline group from the stage that
+    owns the matrix; without initialised model parallel state it runs single-process.
+    ``model_chunk`` may be a list of (virtual pipeline) chunks.
+    """
+    from megatron.core import parallel_state as ps
+
+    from megatron_ngrpo.mixing.embedding import mixing_embedding
+    from megatron_ngrpo.models.provider import unwrap
+
+    chunks = list(model_chunk) if isinstance(model_chunk, (list, tuple)) else [model_chunk]
+    weight, vocab_start = _source_weight(chunks, cfg.neighbor_source, output_weight, mixing_embedding, unwrap)
+    vocab_size = unwrap(chunks[0]).vocab_size
+    parallel = ps.model_parallel_is_initialized()
+    tp_group = ps.get_tensor_model_parallel_group() if parallel else None
+    dp_group = ps.get_data_parallel_group() if parallel else None
+    pp_group = ps.get_pipeline_model_parallel_group() if parallel else None
+    exclude = exclusion_mask(vocab_size, cfg, num_real_tokens, special_ids)
+
+    table = None
+    if weight is not None:
+        table = build_neighbor_table(weight.detach(), vocab_start, cfg.k, cfg.metric, exclude,
+                                     cfg.chunk_size, tp_group, dp_group)
+    if pp_group is None or dist.get_world_size(pp_group) == 1:
+        if table is None:
+            raise ValueError(f"neighbor_source {cfg.neighbor_source!r}: this model chunk holds no such matrix")
+        return table
+    src = ps.get_pipeline_model_parallel_first_rank() if cfg.neighbor_source == "input" \
+        else ps.get_pipeline_model_parallel_last_rank()
+    if table is None:
+        device = next(chunks[0].parameters()).device
+        table = torch.empty(vocab_size, cfg.k, dtype=torch.long, device=device)
+    dist.broadcast(table, src=src, group=pp_group)
+    return table
+
+
+def exclusion_mask(vocab_size: int, cfg: MixingConfig, num_real_tokens: int, special_ids=()) -> torch.Tensor:
+    """[vocab_size] bool: rows that may never be neighbours under ``cfg``."""
+    if not 0 < num_real_tokens <= vocab_size:
+        raise ValueError(f"num_real_tokens = {num_real_tokens}: must be in [1, {vocab_size}]")
+    exclude = torch.zeros(vocab_size, dtype=torch.bool)
+    if cfg.exclude_padded:
+        exclude[num_real_tokens:] = True
+    ids = list(cfg.exclude_ids) + (list(special_ids) if cfg.exclude_special else [])
+    bad = [i for i in ids if not 0 <= int(i) < vocab_size]
+    if bad:
+        raise ValueError(f"mixing.exclude_ids / special ids {bad}: outside [0, {vocab_size})")
+    if ids:
+        exclude[torch.as_tensor(ids, dtype=torch.long)] = True
+    return exclude
+
+
+# ---- internals ----------------------------------------------------------------------------------
+
+
+class _Keys:
+    """This rank's key rows in the forms the scoring needs (fp32 for scoring, float64 for the
+    certificate) and the fp32 error bound of one score."""
+
+    def __init__(self, weight: torch.Tensor, vocab_start: int, metric: str, exclude: torch.Tensor):
+        self.metric = metric
+        self.start = vocab_start
+        self.n, self.dim = weight.shape
+        self.raw = weight
+        w32 = weight.float()
+        norms = w32.norm(dim=1)
+        if metric == "cosine":
+            w32 = w32 / norms.clamp_min(_NORM_EPS).unsqueeze(1)
+        self.w32 = w32
+        self.norm64 = _row_norms64(weight) if metric == "cosine" else None
+        self.sq32 = norms * norms if metric == "l2" else None
+        excluded = exclude[vocab_start:vocab_start + self.n]
+        self.excluded = excluded if bool(excluded.any()) else None
+        # Largest key magnitude (L2 for dot/l2, L1 for l1) for the error bound, from fp32 sums
+        # (relative error < 1e-4 even for d = 10^4, absorbed by the slack below).
+        self.max_l2 = float(norms.max()) * (1 + 1e-4) if self.n else 0.0
+        self.max_l1 = float(weight.float().abs().sum(1).max()) * (1 + 1e-4) if metric == "l1" and self.n else 0.0
+        self.finite = math.isfinite(self.max_l2) and math.isfinite(self.max_l1)
+        # γ_d with a safety factor 4: any summation order, plus normalisation rounding. TF32 /
+        # reduced-precision matmul on GPU is covered by a coarser unit roundoff.
+        u = 2.0 ** -24
+        if weight.is_cuda and torch.backends.cuda.matmul.allow_tf32:
+            u = 2.0 ** -11
+        self.gamma = 4.0 * (self.dim + 8) * u
+        self._buf: torch.Tensor | None = None
+
+    def _out(self, c: int) -> torch.Tensor:
+        """Reused [c, V_l] fp32 score buffer (fresh pages for every chunk cost page faults)."""
+        if self._buf is None or self._buf.shape[0] < c:
+            self._buf = torch.empty(c, self.n, dtype=torch.float32, device=self.raw.device)
+        return self._buf[:c]
+
+    def scores32(self, q32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """fp32 scores [c, V_l] (shifted by a per-row constant), the shift [c] (float64) so that
+        score ≈ scores32 + shift, and the per-row error bound tol [c] (float64)."""
+        q64 = q32.double()
+        c = q32.shape[0]
+        shift = torch.zeros(c, dtype=torch.float64, device=q32.device)
+        if self.metric == "cosine":
+            s = torch.mm(F.normalize(q32, dim=1, eps=_NORM_EPS), self.w32.T, out=self._out(c))
+            tol = torch.full_like(shift, 3.0 * self.gamma)
+        elif self.metric == "dot":
+            s = torch.mm(q32, self.w32.T, out=self._out(c))
+            tol = self.gamma * q64.norm(dim=1) * self.max_l2
+        elif self.metric == "l2":  # -|q-r|² = 2q·r - |r|² - |q|²; |q|² is a per-row shift
+            s = torch.addmm(self.sq32.unsqueeze(0), q32, self.w32.T, beta=-1.0, alpha=2.0, out=self._out(c))
+            qn = q64.norm(dim=1)
+            shift = -(q64 * q64).sum(1)
+            tol = self.gamma * (2.0 * qn * self.max_l2 + self.max_l2 ** 2 + qn * qn)
+        else:  # l1
+            s = torch.cdist(q32.unsqueeze(0), self.w32.unsqueeze(0), p=1).squeeze(0).neg_()
+            tol = self.gamma * (q64.abs().sum(1) + self.max_l1)
+        return s, shift, tol
+
+    def scores64(self, q: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """float64 scores of queries q [n, d] against local rows ``cols`` [n, m] → [n, m], in
+        blocks of queries so the gathered float64 rows stay within ~_BLOCK_BYTES."""
+        if not q.shape[0]:
+            return torch.zeros(cols.shape, dtype=torch.float64, device=q.device)
+        step = max(1, _BLOCK_BYTES // (8 * max(1, cols.shape[1]) * self.dim))
+        parts = []
+        for i in range(0, q.shape[0], step):
+            q64, c = q[i:i + step].double().unsqueeze(-2), cols[i:i + step]
+            if self.metric == "cosine":  # pair_scores64 with the key norms precomputed
+                qn = torch.linalg.vector_norm(q64, dim=-1).clamp_min(_NORM_EPS)
+                parts.append((q64 * self.raw[c].double()).sum(-1) / (qn * self.norm64[c].clamp_min(_NORM_EPS)))
+            else:
+                parts.append(pair_scores64(q64, self.raw[c].double(), self.metric))
+        return torch.cat(parts)
+
+
+def pair_scores64(q: torch.Tensor, r: torch.Tensor, metric: str) -> torch.Tensor:
+    """Similarity of broadcastable float64 vectors q [..., d] and r [..., d] → [...]: the
+    definition every table is exact against. cosine = q·r / (max(‖q‖, ε)·max(‖r‖, ε)), so a
+    zero row scores 0."""
+    if metric == "cosine":
+        qn = torch.linalg.vector_norm(q, dim=-1).clamp_min(_NORM_EPS)
+        rn = torch.linalg.vector_norm(r, dim=-1).clamp_min(_NORM_EPS)
+        return (q * r).sum(-1) / (qn * rn)
+    if metric == "dot":
+        return (q * r).sum(-1)
+    if metric == "l2":
+        return -((q - r) ** 2).sum(-1)
+    return -(q - r).abs().sum(-1)
+
+
+def _row_norms64(w: torch.Tensor) -> torch.Tensor:
+    """float64 L2 norm of every row [V_l], in row blocks of ~_BLOCK_BYTES."""
+    step = max(1, _BLOCK_BYTES // (8 * max(1, w.shape[1])))
+    return torch.cat([torch.linalg.vector_norm(w[i:i + step].double(), dim=-1) for i in range(0, w.shape[0], step)]) \
+        if w.shape[0] else torch.zeros(0, dtype=torch.float64, device=w.device)
+
+
+def _chunk_neighbors(keys: _Keys, c0: int, c1: int, kk: int, tp_group) -> torch.Tensor:
+    """Global ids [c1-c0, kk] of the kk nearest allowed rows ≠ self of queries c0..c1."""
+    q32 = _query_rows(keys, c0, c1, tp_group)
+    local_scores, local_ids = _local_topk(keys, q32, c0, kk)
+    if not _active(tp_group):
+        return local_ids
+    # One all-gather of (score, id) pairs; ids < 2^53 are exact in float64.
+    packed = torch.cat([local_scores, local_ids.double()], 1)
+    parts = [torch.empty_like(packed) for _ in range(dist.get_world_size(tp_group))]
+    dist.all_gather(parts, packed, group=tp_group)
+    scores = torch.cat([p[:, :kk] for p in parts], 1)
+    ids = torch.cat([p[:, kk:] for p in parts], 1).long()
+    order = _order_by_score_then_id(scores, ids)
+    return torch.gather(ids, 1, order[:, :kk])
+
+
+def _query_rows(keys: _Keys, c0: int, c1: int, tp_group) -> torch.Tensor:
+    """fp32 embedding rows [c1-c0, d] of global ids c0..c1, assembled from their owners."""
+    lo, hi = max(c0, keys.start), min(c1, keys.start + keys.n)
+    q = torch.zeros(c1 - c0, keys.dim, dtype=torch.float32, device=keys.raw.device)
+    if lo < hi:
+        q[lo - c0:hi - c0] = keys.raw[lo - keys.start:hi - keys.start].float()
+    if _active(tp_group):
+        dist.all_reduce(q, group=tp_group)  # exact: every entry has one non-zero contributor
+    return q
+
+
+def _local_topk(keys: _Keys, q32: torch.Tensor, c0: int, kk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact local top-kk per query: float64 scores [c, kk] (-inf where fewer allowed local rows)
+    and global ids [c, kk] (ordered by (-score, id); id = _SENTINEL for -inf entries)."""
+    c = q32.shape[0]
+    s32, shift, tol = keys.scores32(q32)
+    if keys.excluded is not None:
+        s32.masked_fill_(keys.excluded.unsqueeze(0), float("-inf"))
+    self_local = torch.arange(c0, c0 + c, device=q32.device) - keys.start
+    own = (self_local >= 0) & (self_local < keys.n)
+    s32[own.nonzero().squeeze(1), self_local[own]] = float("-inf")
+
+    m = min(kk + _MARGIN, keys.n)
+    vals, cols = _blocked_topk(s32, m)
+    cand64 = keys.scores64(q32, cols).masked_fill_(torch.isneginf(vals), float("-inf"))
+    if m < kk:  # fewer local rows than kk: pad
+        pad = kk - m
+        cand64 = F.pad(cand64, (0, pad), value=float("-inf"))
+        cols = F.pad(cols, (0, pad), value=0)
+        vals = F.pad(vals, (0, pad), value=float("-inf"))
+    # The kk-th best float64 score among candidates is a lower bound of the true kk-th score.
+    bound = torch.topk(cand64, kk, dim=1).values[:, -1]
+    threshold = bound - tol
+    weakest = vals[:, m - 1].double() + shift
+    certified = (m == keys.n) | torch.isneginf(vals[:, m - 1]) | (weakest < threshold)
+
+    sentinel = _SENTINEL
+    ids = torch.where(torch.isneginf(cand64), torch.full_like(cols, sentinel), cols + keys.start)
+    order = _order_by_score_then_id(cand64, ids)[:, :kk]
+    out_scores, out_ids = torch.gather(cand64, 1, order), torch.gather(ids, 1, order)
+
+    retry = (~certified).nonzero().squeeze(1)
+    if retry.numel():
+        out_scores[retry], out_ids[retry] = _rescore_above(
+            keys, q32[retry], s32[retry], (threshold - shift)[retry], kk, sentinel)
+    return out_scores, out_ids
+
+
+def _rescore_above(keys: _Keys, q32, s32, threshold32, kk: int, sentinel: int):
+    """Near-tie fallback: float64 re-scoring of every local row whose fp32 score reaches the
+    threshold (contains the true top-kk by the error bound); exact top-kk per query."""
+    row, col = (s32.double() >= threshold32.unsqueeze(1)).nonzero(as_tuple=True)
+    s64 = keys.scores64(q32[row], col.unsqueeze(1)).squeeze(1)
+    ids = col + keys.start
+    # Sort pairs by (row, -score, id) with stable sorts, least significant key first.
+    order = torch.argsort(ids, stable=True)
+    order = order[torch.argsort(-s64[order], stable=True)]
+    order = order[torch.argsort(row[order], stable=True)]
+    row, s64, ids = row[order], s64[order], ids[order]
+    n = q32.shape[0]
+    counts = torch.bincount(row, minlength=n)
+    first = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(row.numel(), device=row.device) - first[row]
+    keep = rank < kk
+    scores = torch.full((n, kk), float("-inf"), dtype=torch.float64, device=q32.device)
+    out = torch.full((n, kk), sentinel, dtype=torch.long, device=q32.device)
+    scores[row[keep], rank[keep]] = s64[keep]
+    out[row[keep], rank[keep]] = ids[keep]
+    return scores, out
+
+
+def _blocked_topk(s: torch.Tensor, m: int, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-m values and columns per row of s [c, n], in two stages: the m blocks of ``block``
+    columns with the largest maxima contain a top-m set (any other column is ≤ the m-th block
+    maximum ≤ the m-th value taken), so only m·block columns per row are ranked. Several times
+    faster than ``torch.topk`` over long rows on CPU. Ties may resolve to any top-m set (the
+    float64 certificate does not rely on which)."""
+    c, n = s.shape
+    nb = n // block
+    if nb < 4 * m:
+        return torch.topk(s, m, dim=1)
+    maxima = s[:, :nb * block].unfold(1, block, block).amax(-1)  # [c, nb]
+    if nb * block < n:
+        maxima = torch.cat([maxima, s[:, nb * block:].amax(1, keepdim=True)], 1)
+    _, blocks = torch.topk(maxima, m, dim=1)  # [c, m]
+    cols = (blocks.unsqueeze(-1) * block + torch.arange(block, device=s.device)).reshape(c, -1)
+    inside = cols < n
+    cand = torch.gather(s, 1, cols.clamp_max(n - 1)).masked_fill_(~inside, float("-inf"))
+    vals, pos = torch.topk(cand, m, dim=1)
+    return vals, torch.gather(cols, 1, pos)
+
+
+def _order_by_score_then_id(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Column order per row by decreasing score, ties by increasing id. [c, m] → [c, m]."""
+    by_id = torch.argsort(ids, dim=1, stable=True)
+    by_score = torch.argsort(-torch.gather(scores, 1, by_id), dim=1, stable=True)
+    return torch.gather(by_id, 1, by_score)
+
+
+def _check_partitions(v_local: int, vocab_start: int, group, device) -> int:
+    """Global vocabulary size; checks the TP partitions are contiguous and cover [0, V)."""
+    if not _active(group):
+        if vocab_start != 0:
+            raise ValueError(f"vocab_start = {vocab_start}: must be 0 without a tensor-parallel group")
+        return v_local
+    mine = torch.tensor([vocab_start, v_local], dtype=torch.long)
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, mine, group=group)
+    spans = sorted((int(p[0]), int(p[1])) for p in parts)
+    end = 0
+    for s, n in spans:
+        if s != end:
+            raise ValueError(f"vocab partitions {spans}: not contiguous from 0")
+        end = s + n
+    return end
+
+
+def _dp_share(start: int, stop: int, group) -> tuple[int, int]:
+    if not _active(group):
+        return start, stop
+    n, world, rank = stop - start, dist.get_world_size(group), dist.get_rank(group)
+    share = -(-n // world)
+    return min(start + rank * share, stop), min(start + (rank + 1) * share, stop)
+
+
+def _dp_gather(mine: torch.Tensor, total: int, group) -> torch.Tensor:
+    if not _active(group):
+        return mine
+    world = dist.get_world_size(group)
+    share = -(-total // world)
+    padded = F.pad(mine, (0, 0, 0, share - mine.shape[0]), value=-1)
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat(parts)[:total]
+
+
+def _all_ranks(flag: bool, group, device=None) -> bool:
+    """``flag`` and-ed over the group, so that every rank raises together."""
+    if not _active(group):
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return bool(t.item() > 0)
+
+
+def _active(group) -> bool:
+    return group is not None and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def _source_weight(chunks, source: str, output_weight, mixing_embedding, unwrap):
+    """(weight_local, vocab_start) of the neighbour matrix held by these chunks, or (None, 0)."""
+    if source == "input":
+        for chunk in chunks:
+            emb = mixing_embedding(chunk)
+            if emb is not None:
+                return emb.weight, emb.vocab_start_index
+        return None, 0
+    if output_weight is None:
+        for chunk in chunks:
+            inner = unwrap(chunk)
+            if getattr(inner, "post_process", False):
+                output_weight = inner.shared_embedding_or_output_weight() \
+                    if inner.share_embeddings_and_output_weights else inner.output_layer.weight
+                break
+    if output_weight is None:
+        return None, 0
+    from megatron.core import parallel_state as ps
+
+    rank = ps.get_tensor_model_parallel_rank() if ps.model_parallel_is_initialized() else 0
+    return output_weight, rank * output_weight.shape[0]

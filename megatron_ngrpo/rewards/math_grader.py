@@ -1,0 +1,59 @@
+"""Binary correctness reward for math: final answer of a response vs gold answer(s)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from megatron_ngrpo.rewards.equivalence import grade_response, warm_up
+from megatron_ngrpo.rewards.pool import GuardedPool
+
+Gold = str | Sequence[str]
+
+
+class MathGrader:
+    """Scores ``(response_text, gold)`` pairs 1.0/0.0 in worker processes.
+
+    ``gold`` is an answer string or a sequence of acceptable alternatives (Minerva). Every answer
+    gets at most ``timeout_s`` seconds and its worker ``memory_mb`` MiB; a response longer than
+    ``max_response_chars`` (no real 8k-token response is) scores 0 without leaving this
+    process. ``fallback``: use "final answer is" / "Answer:" when there is no ``\\boxed{}``.
+    Use as a context manager (or call :meth:`close`) to stop the workers.
+    """
+
+    def __init__(self, timeout_s: float = 10.0, memory_mb: int = 2048, workers: int = 4,
+                 max_response_chars: int = 200_000, fallback: bool = True):
+        self.max_response_chars = max_response_chars
+        self.fallback = fallback
+        # math-verify's signal timeouts (whole seconds) stop the common slow cases gently,
+        # before the pool has to kill and replace the worker.
+        self._soft_timeout_s = max(1, int(timeout_s / 3))
+        self._pool = GuardedPool(workers, timeout_s, memory_mb,
+                                 preload=["megatron_ngrpo.rewards.equivalence"], warmup=warm_up)
+
+    @property
+    def failures(self) -> dict[str, int]:
+        """Tasks that timed out, crashed their worker or raised (each scored 0)."""
+        return dict(self._pool.failures)
+
+    def score_batch(self, items: Sequence[tuple[str, Gold]]) -> list[float]:
+        scores = [0.0] * len(items)
+        todo, args = [], []
+        for i, (text, gold) in enumerate(items):
+            golds = [gold] if isinstance(gold, str) else list(gold) if isinstance(gold, (list, tuple)) else []
+            if (not isinstance(text, str) or len(text) > self.max_response_chars or not golds
+                    or not all(isinstance(g, str) for g in golds)):
+                continue
+            todo.append(i)
+            args.append((text, golds, self.fallback, self._soft_timeout_s))
+        for i, score in zip(todo, self._pool.map(grade_response, args, default=0.0)):
+            scores[i] = score
+        return scores
+
+    def close(self) -> None:
+        self._pool.close()
+
+    def __enter__(self) -> MathGrader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

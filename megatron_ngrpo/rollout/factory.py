@@ -1,0 +1,35 @@
+"""Build the configured rollout engine for a policy (trainer and evaluation use this)."""
+
+from __future__ import annotations
+
+from megatron_ngrpo.rollout.types import RolloutEngine
+
+
+def tokenizer_kwargs(tokenizer) -> dict:
+    """What the engines need from a HF tokenizer: EOS ids, decoding, special ids (never
+    neighbours)."""
+    if tokenizer is None:
+        return {}
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    return {
+        "eos_token_ids": eos,
+        "decode": lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
+        "special_ids": sorted(set(tokenizer.all_special_ids)),
+    }
+
+
+def build_engine(cfg, model_chunks, tokenizer=None) -> RolloutEngine:
+    """``cfg.rollout.engine``: "megatron" generates with ``model_chunks`` themselves; "vllm" starts
+    a vLLM engine on ``cfg.model.hf_path`` and loads ``model_chunks``' weights into it (so a
+    randomly initialised or resumed policy is what vLLM samples from)."""
+    kwargs = tokenizer_kwargs(tokenizer)
+    if cfg.rollout.engine == "megatron":
+        from megatron_ngrpo.rollout.megatron_engine import MegatronEngine
+
+        return MegatronEngine.from_config(cfg.rollout, model_chunks, cfg.model, **kwargs)
+    from megatron_ngrpo.rollout.vllm_engine import VLLMEngine
+
+    tok_path = getattr(tokenizer, "name_or_path", None) or None
+    engine = VLLMEngine.from_config(cfg.rollout, cfg.model, tokenizer=tok_path, seed=cfg.train.seed)
+    engine.sync_weights(model_chunks)
+    return engine

@@ -1,0 +1,566 @@
+"""Built-in rollout engine: KV-cached generation with the trainer's own Megatron model chunks.
+
+Runs wherever the trainer runs (CPU under the compat shim, GPU, any TP/PP/VPP layout) and needs
+no weight conversion: it calls the policy's ``GPTModel`` chunks with megatron-core's
+``StaticInferenceContext`` (the KV cache lives in the attention layers) and passes hidden states
+between pipeline stages with megatron's inference p2p helpers (``communication_utils``).
+
+Batching follows megatron's static engine (``TextGenerationController``): one prefill over the
+shortest prompt, then one decode step per column for every row in lockstep, where rows whose
+prompt is longer are fed their next prompt token instead of a sample. No row ever sees padding,
+positions are each row's true positions, and the causal mask is megatron's own, so a batched
+row is computed exactly as it would be alone (with any attention backend). Rows sorted by
+prompt length share a batch when ``max_batch_size`` splits the work, and finished rows are
+dropped from the KV cache once they are half of the batch.
+
+Per decode step, on one rank (last pipeline stage, TP rank 0), from the gathered fp32 logits:
+
+* the sample: temperature, top-k, top-p, then an inverse-CDF draw whose uniform is the
+  counter-based hash of ``(seed ^ salt, key, t)`` — deterministic per (seed, sequence key,
+  response position) and independent of batching; padded vocab rows (>= ``num_real_tokens``)
+  have probability 0;
+* the mixing decision (N-GRPO, ALGORITHM.md §1): gate ``decision.gate(rate, seed, key, t)``
+  with ``key = prompt_key * 1000003 + child`` (the vLLM engine's convention), anchor, candidates
+  and weights from :func:`~megatron_ngrpo.mixing.perturbations.decide_for_strategy` (neighbour
+  table for N-GRPO; Soft Thinking, STHT and Gumbel baselines); the emitted token is the anchor
+  (``emit="anchor"``) or the sample; the next step's input embedding is the mixture (plus the
+  STHT noise, which every rank redraws from the same counters), entering through the mixing
+  embedding (:func:`~megatron_ngrpo.mixing.embedding.mixing_inputs`);
+* the log-prob ``log_softmax(logits / T)`` of the emitted token over the real vocabulary (T = 1
+  for greedy), before top-k/top-p;
+* stop ids, stop strings (through the ``decode`` callable) and the thinking-only gate
+  (``stop_after``: no mix at the position whose token completes that text, nor after it).
+
+The decision is broadcast over the model-parallel group as one small tensor, so every rank
+holds the same tokens, records and log-probs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megatron_ngrpo.mixing.decision import gate, gate_uniform
+from megatron_ngrpo.mixing.embedding import MixBatch, mixing_embedding, mixing_inputs
+from megatron_ngrpo.mixing.neighbors import neighbor_table_for_model
+from megatron_ngrpo.mixing.perturbations import NoiseSpec, decide_for_strategy, gaussian_noise
+from megatron_ngrpo.mixing.records import MixRecord
+from megatron_ngrpo.rollout.types import RolloutBatch, RolloutEngine, SamplingParams
+
+# Sequence key of child j of prompt key p (shared with the vLLM engine).
+KEY_STRIDE = 1000003
+# Separates the sampling draws from the mixing gate's draws of the same (seed, key, position).
+_SAMPLE_SALT = 0x5D588B656C078965
+_STOP_WINDOW_EXTRA = 4  # tokens decoded beyond the longest stop text (tokens may decode to < 1 char)
+_RUNNING, _STOP, _LENGTH = 0, 1, 2
+
+
+def sequence_keys(keys: Sequence[int], n: int) -> list[int]:
+    """Gate/sampling key of every response, prompt-major: ``keys[i] * 1000003 + j``."""
+    return [int(k) * KEY_STRIDE + j for k in keys for j in range(n)]
+
+
+class MegatronEngine(RolloutEngine):
+    """Generates with Megatron ``GPTModel`` chunks of this rank (one per virtual stage).
+
+    Args:
+        model_chunks: the policy's chunks (possibly DDP / Float16Module wrapped).
+        num_real_tokens: ids >= this are never sampled, never anchors (padded vocab rows).
+        eos_token_ids: ids that end a response (finish reason "stop"); per-call
+            ``SamplingParams.stop_token_ids`` are added.
+        decode: token ids → text; needed for stop strings, ``stop_after`` and ``texts``.
+        special_ids: ids excluded from neighbour sets (passed to the table builder).
+        neighbor_table: a given [V, k] neighbour table (anchor first, see also
+            :meth:`set_neighbor_table`); None = build it from the model with
+            :func:`~megatron_ngrpo.mixing.neighbors.neighbor_table_for_model` at the first mixed
+            generate after construction or :meth:`sync_weights`.
+        max_batch_size: rows decoded at once (0 = all); rows are grouped by prompt length.
+        max_seq_len: longest prompt + response (default: the model's max_sequence_length).
+        separate_copy: generate with a copy of the weights (built from ``model_cfg``) that
+            :meth:`sync_weights` refreshes, instead of the chunks themselves.
+        model_cfg: the policy's ``ModelConfig`` (only for ``separate_copy``).
+    """
+
+    def __init__(self, model_chunks, num_real_tokens: int, *, eos_token_ids: Sequence[int] = (),
+                 decode: Callable[[list[int]], str] | None = None, special_ids: Sequence[int] = (),
+                 neighbor_table: torch.Tensor | None = None, max_batch_size: int = 0,
+                 max_seq_len: int | None = None, separate_copy: bool = False, model_cfg=None):
+        from megatron_ngrpo.compat.cpu import device
+        from megatron_ngrpo.models.provider import unwrap
+
+        if separate_copy and model_cfg is None:
+            raise ValueError("MegatronEngine(separate_copy=True) needs model_cfg to build the copy")
+        if max_batch_size < 0:
+            raise ValueError(f"MegatronEngine max_batch_size = {max_batch_size}: must be >= 0")
+        self.num_real_tokens = int(num_real_tokens)
+        self.eos_token_ids = [int(i) for i in eos_token_ids]
+        self.decode = decode
+        self.special_ids = [int(i) for i in special_ids]
+        self.max_batch_size = max_batch_size
+        self.separate_copy = separate_copy
+        self._device = device()
+        self._fixed_table = neighbor_table
+        # Per mixing-config key: neighbour table or STHT noise spec, derived from the weights.
+        self._derived: dict[tuple, object] = {}
+        self._src: int | None = None
+        if separate_copy:
+            from megatron_ngrpo.models.provider import build_model
+
+            self.chunks = build_model(model_cfg)
+            self._copy_weights(model_chunks)
+        else:
+            self.chunks = list(model_chunks)
+        inner = unwrap(self.chunks[0])
+        self.config = inner.config
+        self.max_seq_len = int(max_seq_len or inner.max_sequence_length)
+
+    @classmethod
+    def from_config(cls, rollout_cfg, model_chunks, model_cfg, **kwargs) -> "MegatronEngine":
+        """The engine of a ``RolloutConfig`` (``separate_copy``, ``max_batch_size``) for a policy
+        built from ``model_cfg``; kwargs as in the constructor (decode, eos_token_ids, ...)."""
+        from megatron_ngrpo.models.provider import ArchSpec
+
+        num_real = model_cfg.num_real_tokens or ArchSpec.from_hf(model_cfg.hf_path).vocab_size
+        return cls(model_chunks, num_real, max_batch_size=rollout_cfg.max_batch_size,
+                   separate_copy=rollout_cfg.separate_copy, model_cfg=model_cfg, **kwargs)
+
+    # ---- RolloutEngine ----------------------------------------------------------------------
+    def sync_weights(self, model_chunks=None) -> None:
+        """Copy the trainer's weights (``separate_copy``) or adopt ``model_chunks``; the neighbour
+        table (and STHT noise scale) is rebuilt at the next mixed generate."""
+        if model_chunks is not None:
+            if self.separate_copy:
+                self._copy_weights(model_chunks)
+            else:
+                self.chunks = list(model_chunks)
+        self._derived.clear()
+
+    def set_neighbor_table(self, table: torch.Tensor | None) -> None:
+        """Mix with ``table`` [V, k] (anchor first) from now on, e.g. the trainer's table that it
+        refreshes every ``mixing.refresh_every`` updates; None = build it from the weights."""
+        self._fixed_table = table
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, mixing=None,
+                 keys: list[int] | None = None) -> RolloutBatch:
+        mixing = mixing if mixing is not None and mixing.enabled else None
+        self._validate(prompts, params, mixing, keys)
+        keys = list(range(len(prompts))) if keys is None else [int(k) for k in keys]
+        row_prompts = [list(prompts[i]) for i in range(len(prompts)) for _ in range(params.n)]
+        row_keys = sequence_keys(keys, params.n)
+        aux = self._mixing_aux(mixing) if mixing is not None else {}
+        if self._src is None:
+            self._src = _decider_rank()
+        order = sorted(range(len(row_prompts)), key=lambda r: len(row_prompts[r]))
+        size = self.max_batch_size or len(order)
+        out = _Outputs(len(row_prompts), mixing.k if mixing is not None else 1, aux.get("noise"))
+        with self._generation_mode():
+            for start in range(0, len(order), size):
+                rows = order[start:start + size]
+                self._generate_rows(rows, [row_prompts[r] for r in rows], [row_keys[r] for r in rows],
+                                    params, mixing, aux, out)
+        texts = None
+        if self.decode is not None:
+            texts = [_truncate_at_stop(self.decode(r), params.stop) if f == "stop" else self.decode(r)
+                     for r, f in zip(out.responses, out.finish)]
+        return RolloutBatch(
+            prompt_ids=row_prompts, response_ids=out.responses, logprobs=out.logprobs,
+            finish_reasons=out.finish, mixes=out.record(),
+            prompt_index=[i for i in range(len(prompts)) for _ in range(params.n)], texts=texts,
+        )
+
+    # ---- validation (no collectives) --------------------------------------------------------
+    def _validate(self, prompts, params: SamplingParams, mixing, keys) -> None:
+        params.validate()
+        if keys is not None and len(keys) != len(prompts):
+            raise ValueError(f"generate: {len(keys)} keys for {len(prompts)} prompts")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i}: empty")
+            if len(p) >= self.max_seq_len:
+                raise ValueError(f"prompt {i}: {len(p)} tokens, no room for a response within the "
+                                 f"model's max length {self.max_seq_len}")
+            bad = [t for t in p if not 0 <= int(t) < self.num_real_tokens]
+            if bad:
+                raise ValueError(f"prompt {i}: token id {bad[0]} outside [0, {self.num_real_tokens})")
+        if (params.stop or (mixing is not None and mixing.stop_after)) and self.decode is None:
+            raise ValueError("generate: stop strings / mixing.stop_after need the engine's decode callable")
+        if mixing is not None:
+            mixing.validate()
+            if mixing.k > self.num_real_tokens:
+                raise ValueError(f"mixing.k = {mixing.k}: more than the {self.num_real_tokens} real tokens")
+            table = self._fixed_table
+            if mixing.strategy == "neighbor" and table is not None and table.shape[1] != mixing.k:
+                raise ValueError(f"mixing.k = {mixing.k} but the neighbour table has "
+                                 f"{table.shape[1]} columns")
+
+    # ---- weights and neighbour table --------------------------------------------------------
+    def _copy_weights(self, model_chunks) -> None:
+        from megatron_ngrpo.models.provider import unwrap
+
+        with torch.no_grad():
+            for own, src in zip(self.chunks, model_chunks, strict=True):
+                for (name, p), (src_name, q) in zip(unwrap(own).state_dict().items(),
+                                                    unwrap(src).state_dict().items(), strict=True):
+                    if name != src_name:
+                        raise ValueError(f"separate copy: parameter {name} vs {src_name}")
+                    if torch.is_tensor(p):
+                        p.copy_(q)
+
+    def _mixing_aux(self, mixing) -> dict:
+        """What the strategy needs from the weights: ``table`` (neighbor) or ``noise`` (stht),
+        built collectively on first use and cached until :meth:`sync_weights`."""
+        if mixing.strategy == "neighbor":
+            if self._fixed_table is not None:
+                return {"table": self._fixed_table.to(self._device)}
+            key = ("table", mixing.k, mixing.metric, mixing.neighbor_source, mixing.exclude_special,
+                   mixing.exclude_padded, tuple(mixing.exclude_ids))
+            if key not in self._derived:
+                self._derived[key] = neighbor_table_for_model(
+                    self.chunks, mixing, self.num_real_tokens, self.special_ids).to(self._device)
+            return {"table": self._derived[key]}
+        if mixing.strategy == "stht":
+            key = ("noise", mixing.noise_scale)
+            if key not in self._derived:
+                self._derived[key] = self._noise_spec(mixing.noise_scale)
+            return {"noise": self._derived[key]}
+        return {}
+
+    def _noise_spec(self, scale: float) -> NoiseSpec:
+        """STHT σ from the first stage's embedding, broadcast over the pipeline group."""
+        from megatron.core import parallel_state as ps
+
+        sigma = torch.zeros(1, dtype=torch.float64, device=self._device)
+        emb = mixing_embedding(self.chunks[0])
+        if emb is not None:
+            spec = NoiseSpec.from_embedding(emb.weight, self.num_real_tokens, scale,
+                                            emb.vocab_start_index, ps.get_tensor_model_parallel_group())
+            sigma.fill_(spec.sigma)
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            dist.broadcast(sigma, src=ps.get_pipeline_model_parallel_first_rank(),
+                           group=ps.get_pipeline_model_parallel_group())
+        return NoiseSpec(sigma=float(sigma), dim=self.config.hidden_size)
+
+    # ---- the generation loop ----------------------------------------------------------------
+    @contextlib.contextmanager
+    def _generation_mode(self):
+        """eval(), no_grad and no sequence parallelism (static inference does not take it)."""
+        from megatron.core.transformer.utils import set_model_to_sequence_parallel
+
+        from megatron_ngrpo.models.provider import unwrap
+
+        training = [c.training for c in self.chunks]
+        sp = bool(self.config.sequence_parallel)
+        for c in self.chunks:
+            c.eval()
+            if sp:
+                set_model_to_sequence_parallel(unwrap(c), False)
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            for c, t in zip(self.chunks, training):
+                c.train(t)
+                if sp:
+                    set_model_to_sequence_parallel(unwrap(c), True)
+
+    def _generate_rows(self, rows, prompts, keys, params: SamplingParams, mixing, aux: dict,
+                       out: "_Outputs") -> None:
+        """Generate the responses of ``rows`` (indices into ``out``) in one static batch."""
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        b = len(rows)
+        plen = torch.tensor([len(p) for p in prompts])
+        limit = (self.max_seq_len - plen).clamp(max=params.max_new_tokens)
+        total = int((plen + limit).max())
+        tokens = torch.zeros(b, total, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            tokens[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+        state = _RowState(rows=rows, keys=keys, plen=plen, limit=limit, tokens=tokens)
+        if dist.get_rank() == self._src:
+            state.draw(params, mixing)
+        ctx = StaticInferenceContext(b, total)
+        col = int(plen.min())
+        logits = self._forward(tokens[:, :col], ctx, None)
+        ctx.enable_decode_mode()
+        live = torch.arange(b)  # rows held in the KV cache, in cache order
+        while True:
+            producing = (plen[live] <= col) & ~state.done[live]
+            packed = None
+            if dist.get_rank() == self._src:
+                packed = self._decide(logits, live, producing, col, state, params, mixing, aux)
+            packed = self._broadcast(packed, len(live), mixing.k if mixing is not None else 1)
+            mixed, noise = state.apply(packed, live, producing, col, out, params.seed)
+            if bool(state.done.all()):
+                break
+            if 2 * int((~state.done[live]).sum()) <= len(live):
+                keep = ~state.done[live]
+                _compact_kv(ctx, torch.nonzero(keep).flatten().to(self._device))
+                live, packed, mixed = live[keep], packed[keep.to(packed.device)], mixed[keep]
+                noise = None if noise is None else noise[keep]
+            mix = None
+            if bool(mixed.any()):
+                k = (packed.shape[1] - 4) // 2
+                mix = MixBatch(ids=packed[:, 4:4 + k].long().unsqueeze(1).to(self._device),
+                               weights=packed[:, 4 + k:].float().unsqueeze(1).to(self._device),
+                               mask=mixed.unsqueeze(1).to(self._device),
+                               noise=None if noise is None else noise.unsqueeze(1).to(self._device))
+            logits = self._forward(tokens[live, col:col + 1], ctx, mix)
+            col += 1
+
+    def _forward(self, tokens: torch.Tensor, ctx, mix: MixBatch | None) -> torch.Tensor | None:
+        """One KV-cached step over all chunks of this rank: tokens [B, s] → last-position logits
+        [B, V] (gathered over TP) on the last pipeline stage, None elsewhere."""
+        from megatron.core.inference.communication_utils import (
+            recv_from_prev_pipeline_rank_,
+            send_to_next_pipeline_rank,
+        )
+        from megatron.core import parallel_state as ps
+
+        from megatron_ngrpo.models.provider import unwrap
+
+        b, s = tokens.shape
+        tokens = tokens.to(self._device)
+        pos = torch.arange(ctx.sequence_len_offset, ctx.sequence_len_offset + s,
+                           device=self._device).unsqueeze(0).expand(b, s)
+        comm_dtype = torch.float32 if self.config.fp32_residual_connection else self.config.params_dtype
+        pp_group = ps.get_pipeline_model_parallel_group()
+        out = None
+        for chunk in self.chunks:
+            inner = unwrap(chunk)
+            if not inner.pre_process:
+                buf = torch.empty(s, b, self.config.hidden_size, dtype=comm_dtype, device=self._device)
+                recv_from_prev_pipeline_rank_(buf, pp_group)
+                inner.set_input_tensor(buf)
+            with mixing_inputs(chunk, mix):
+                out = chunk(tokens, pos, None, inference_context=ctx, runtime_gather_output=True)
+            if not inner.post_process:
+                send_to_next_pipeline_rank(out.to(comm_dtype).contiguous(), pp_group)
+        ctx.increment_sequence_len_offset(s)
+        return out[:, -1, :] if unwrap(self.chunks[-1]).post_process else None
+
+    def _broadcast(self, packed: torch.Tensor | None, b: int, k: int) -> torch.Tensor:
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_model_parallel_group()
+        if dist.get_world_size(group) == 1:
+            return packed
+        if packed is None:
+            packed = torch.empty(b, 4 + 2 * k, dtype=torch.float64, device=self._device)
+        dist.broadcast(packed, src=self._src, group=group)
+        return packed
+
+    def _decide(self, logits, live, producing, col, state: "_RowState", params: SamplingParams,
+                mixing, aux: dict) -> torch.Tensor:
+        """Tokens, log-probs, mixes and finish codes of the rows in ``live`` → packed [B, 4+2k]
+        float64: token, log-prob, mixed, finish code, ids (k), weights (k)."""
+        b = len(live)
+        k = mixing.k if mixing is not None else 1
+        z = logits.float()  # fp32 logits are masked in place: they are this step's own tensor
+        z[:, self.num_real_tokens:] = float("-inf")
+        temp = params.temperature
+        scaled = z / (temp if temp > 0 else 1.0)
+        t = (col - state.plen[live]).clamp(min=0, max=state.uniform.shape[1] - 1)
+        if temp > 0:
+            token = _sample(scaled, params.top_k, params.top_p, state.uniform[live, t].to(z.device))
+        else:
+            token = z.argmax(dim=-1)
+        packed = torch.zeros(b, 4 + 2 * k, dtype=torch.float64, device=z.device)
+        mixed = torch.zeros(b, dtype=torch.bool)
+        if mixing is not None:
+            mixed = state.gates[live, t] & producing & ~state.mix_off[live]
+            if bool(mixed.any()):
+                sel = torch.nonzero(mixed).flatten()
+                rows = sel.to(z.device)
+                dec = decide_for_strategy(
+                    mixing, logits[rows], mixed[sel], temperature=temp if temp > 0 else 1.0,
+                    num_real_tokens=self.num_real_tokens, table=aux.get("table"),
+                    noise=aux.get("noise"), seed=params.seed,
+                    key=torch.tensor(state.keys)[live[sel]], position=t[sel])
+                if mixing.emit == "anchor":
+                    token[rows] = dec.anchor
+                packed[rows, 4:4 + k] = dec.ids.double()
+                packed[rows, 4 + k:] = dec.weights.double()
+        packed[:, 0] = token.double()
+        packed[:, 1] = (scaled.gather(1, token.unsqueeze(1)).squeeze(1)
+                        - torch.logsumexp(scaled, dim=-1)).double()
+        finish, mix_stop = self._finish(token.cpu(), live, producing, t, state, params, mixing)
+        mixed &= ~mix_stop
+        packed[:, 2] = mixed.double().to(z.device)
+        packed[:, 3] = finish.double().to(z.device)
+        return packed
+
+    def _finish(self, token, live, producing, t, state: "_RowState", params, mixing):
+        """Finish codes [B] and the rows whose token completes ``mixing.stop_after`` (they stop
+        mixing from this position on)."""
+        b = len(live)
+        finish = torch.full((b,), _RUNNING, dtype=torch.long)
+        mix_stop = torch.zeros(b, dtype=torch.bool)
+        stop_ids = torch.tensor(self.eos_token_ids + list(params.stop_token_ids), dtype=torch.long)
+        finish[producing & (t + 1 >= state.limit[live])] = _LENGTH
+        finish[producing & torch.isin(token, stop_ids)] = _STOP
+        stop_after = mixing.stop_after if mixing is not None else ""
+        if not params.stop and not stop_after:
+            return finish, mix_stop
+        texts = list(params.stop) + ([stop_after] if stop_after else [])
+        window = max(len(s) for s in texts) + _STOP_WINDOW_EXTRA
+        for i in torch.nonzero(producing).flatten().tolist():
+            row = int(live[i])
+            tail = self.decode(state.response(row, window - 1) + [int(token[i])])
+            if params.stop and any(s in tail for s in params.stop):
+                finish[i] = _STOP
+            if stop_after and not state.mix_off[row] and stop_after in tail:
+                state.mix_off[row] = True
+                mix_stop[i] = True
+        return finish, mix_stop
+
+
+def _decider_rank() -> int:
+    """Global rank that samples and decides for this model-parallel group: last pipeline
+    stage, TP rank 0."""
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_model_parallel_group()
+    me = dist.get_rank()
+    mine = ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+    if dist.get_world_size(group) == 1:
+        return me
+    from megatron_ngrpo.compat.cpu import device
+
+    flag = torch.tensor([me if mine else -1], dtype=torch.long, device=device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return int(flag)
+
+
+def _compact_kv(ctx, keep: torch.Tensor) -> None:
+    """Drop finished rows from the static KV cache (megatron's ``swap_key_value_dict`` only
+    permutes)."""
+    for layer, (k, v) in ctx.key_value_memory_dict.items():
+        ctx.key_value_memory_dict[layer] = (k[:, keep].contiguous(), v[:, keep].contiguous())
+
+
+def _sample(scaled: torch.Tensor, top_k: int, top_p: float, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw per row: ``scaled`` [B, V] fp32 logits / T (-inf = excluded), ``u`` [B]
+    float64 uniforms in [0, 1) → [B] ids. A counter-based uniform instead of a generator makes
+    the draw a pure function of (seed, key, position): identical on every rank and batching."""
+    v = scaled.shape[-1]
+    if 0 < top_k < v:
+        kth = scaled.topk(top_k, dim=-1).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled.double(), dim=-1)
+    if top_p < 1.0:
+        sp, si = probs.sort(dim=-1, descending=True, stable=True)
+        cum = sp.cumsum(dim=-1)
+        sp = sp.masked_fill(cum - sp >= top_p, 0.0)  # keep the smallest prefix reaching top_p
+        probs = torch.zeros_like(probs).scatter(-1, si, sp)
+    cdf = probs.cumsum(dim=-1)
+    x = (u.to(cdf) * cdf[:, -1]).unsqueeze(-1)
+    idx = torch.searchsorted(cdf, x, right=True).squeeze(-1)
+    last = ((probs > 0).long() * torch.arange(v, device=probs.device)).argmax(dim=-1)
+    return torch.minimum(idx, last)
+
+
+def _truncate_at_stop(text: str, stops: Sequence[str]) -> str:
+    cut = [text.find(s) for s in stops if s in text]
+    return text[: min(cut)] if cut else text
+
+
+@dataclass
+class _Outputs:
+    """Per-response results of one generate call, filled batch by batch (row = response index)."""
+
+    num_rows: int
+    k: int
+    noise: NoiseSpec | None = None  # STHT: mixed rows carry recorded noise
+    responses: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    finish: list = field(default_factory=list)
+    mixes: list = field(default_factory=list)  # (seq [N], pos [N], ids [N,k], weights [N,k], noise [N,d])
+
+    def __post_init__(self):
+        self.responses = [[] for _ in range(self.num_rows)]
+        self.logprobs = [[] for _ in range(self.num_rows)]
+        self.finish = ["length"] * self.num_rows
+
+    def record(self) -> MixRecord:
+        if not self.mixes:
+            return MixRecord.empty(self.num_rows, self.k)
+        seq, pos, ids, w, noise = zip(*self.mixes)
+        return MixRecord(seq=torch.cat(seq), pos=torch.cat(pos), ids=torch.cat(ids), weights=torch.cat(w),
+                         num_seqs=self.num_rows,
+                         noise=None if self.noise is None else torch.cat(noise)).sorted()
+
+
+@dataclass
+class _RowState:
+    """Decode state of one static batch, indexed by batch row (``rows[i]`` = response index):
+    ``tokens`` [B, S] prompt + response buffer, ``ntok`` [B] response lengths, ``done`` [B];
+    ``mix_off`` [B] (past ``stop_after``), ``uniform`` and ``gates`` are kept by the deciding
+    rank only."""
+
+    rows: list
+    keys: list
+    plen: torch.Tensor
+    limit: torch.Tensor
+    tokens: torch.Tensor
+    mix_off: torch.Tensor = None
+    ntok: torch.Tensor = None
+    done: torch.Tensor = None
+    uniform: torch.Tensor = None
+    gates: torch.Tensor = None
+
+    def __post_init__(self):
+        b = len(self.rows)
+        self.mix_off = torch.zeros(b, dtype=torch.bool)
+        self.ntok = torch.zeros(b, dtype=torch.long)
+        self.done = torch.zeros(b, dtype=torch.bool)
+
+    def draw(self, params: SamplingParams, mixing) -> None:
+        """The sampling uniforms ``uniform`` and mixing gates ``gates`` [B, max new tokens] of
+        every (row, response position), drawn at once (deciding rank only)."""
+        keys = torch.tensor(self.keys, dtype=torch.long).unsqueeze(1)
+        t = torch.arange(int(self.limit.max())).unsqueeze(0)
+        self.uniform = gate_uniform(params.seed ^ _SAMPLE_SALT, keys, t)
+        if mixing is not None:
+            self.gates = gate(mixing.rate, params.seed, keys, t)
+
+    def response(self, i: int, last: int) -> list[int]:
+        """The last ``last`` response tokens of batch row ``i``."""
+        end = int(self.plen[i] + self.ntok[i])
+        return self.tokens[i, max(int(self.plen[i]), end - last): end].tolist()
+
+    def apply(self, packed: torch.Tensor, live: torch.Tensor, producing: torch.Tensor, col: int,
+              out: _Outputs, seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Record the broadcast step of rows ``live`` (packed as in ``_decide``) into ``out``;
+        returns the mixed flag [len(live)] (CPU) and, for STHT, the noise [len(live), d] (zero
+        on unmixed rows), redrawn here from the decision's counters (seed, key, t)."""
+        cpu = packed.cpu()
+        token, logp, mixed, finish = cpu[:, 0].long(), cpu[:, 1], cpu[:, 2] > 0, cpu[:, 3].long()
+        idx = torch.nonzero(producing).flatten()
+        rows_b = live[idx]
+        self.tokens[rows_b, col] = token[idx]
+        self.ntok[rows_b] += 1
+        for i, r in zip(idx.tolist(), rows_b.tolist()):
+            resp = self.rows[r]
+            out.responses[resp].append(int(token[i]))
+            out.logprobs[resp].append(float(logp[i]))
+            if finish[i] != _RUNNING:
+                self.done[r] = True
+                out.finish[resp] = "stop" if finish[i] == _STOP else "length"
+        m = torch.nonzero(mixed).flatten()
+        noise = None
+        if len(m):
+            k = (cpu.shape[1] - 4) // 2
+            seq = torch.tensor([self.rows[r] for r in live[m].tolist()], dtype=torch.long)
+            pos = col - self.plen[live[m]]
+            drawn = None
+            if out.noise is not None:
+                keys = torch.tensor(self.keys, dtype=torch.long)[live[m]]
+                drawn = gaussian_noise(seed, keys, pos, out.noise)
+                noise = torch.zeros(len(live), out.noise.dim)
+                noise[m] = drawn
+            out.mixes.append((seq, pos, cpu[m, 4:4 + k].long(), cpu[m, 4 + k:].float(), drawn))
+        return mixed, noise

@@ -1,0 +1,408 @@
+"""Rollout engine on vLLM 0.32 (V1 model runner) with semantic-neighbour mixing.
+
+:class:`VLLMEngine` implements :class:`~megatron_ngrpo.rollout.types.RolloutEngine` on one
+``vllm.LLM`` that carries the mixing hook of :mod:`megatron_ngrpo.rollout.vllm_hook`:
+
+* ``generate`` sends one request per prompt (``n`` children each) opted in with
+  ``SamplingParams(extra_args={"nbr_mix": ...})``, ``logprobs=0`` and the hook's log-prob
+  conversion (``logprobs_mode="raw_logits"`` → ``log_softmax(logits / T)`` of the full
+  distribution, T = 1 for greedy; see the hook's docstring), then pops the hook's records by RPC
+  and returns one :class:`~megatron_ngrpo.mixing.records.MixRecord` for the batch (sequence index
+  = response index, prompt-major; children by ``CompletionOutput.index``; positions relative to
+  the response). Gate keys: ``prompt_key * 1000003 + child``, as in the Megatron engine.
+* The neighbour table (``mixing.neighbors.build_neighbor_table``) is computed here, on the full
+  HF matrix (input embedding or output layer per ``neighbor_source``, padded rows
+  ``>= num_real_tokens`` and special ids excluded), from the checkpoint at start-up and from the
+  synced tensors after every ``sync_weights``, then sent to the workers.
+* ``sync_weights(model_chunks)`` gathers the Megatron shards with HF names
+  (``conversion.mapping.export_hf_tensors``) and reloads them into the live engine: when the
+  worker lives in this process (``in_process`` and TP = 1),
+  ``collective_rpc("reload_weights", weights_iterator=...)`` (tensors passed by reference);
+  with worker processes, a safetensors directory (``weights_path``; RPC arguments must be
+  msgspec-serialisable, tensors are not). Its time is in :attr:`VLLMEngine.last_sync`.
+* Strategies: ``neighbor`` (N-GRPO) and the baselines ``soft_thinking`` / ``stht`` / ``gumbel``
+  (``mixing.perturbations``); the STHT noise scale is computed here from the input embedding.
+* The hook never samples ids ``>= num_real_tokens`` and normalises log-probs over the real ids,
+  like the Megatron engine: replay with ``grpo.logprobs.sequence_logprobs(...,
+  vocab_limit=num_real_tokens)``. ``mixing.stop_after`` is matched on its token ids (the
+  Megatron engine matches decoded text; they agree when the text is one token, e.g.
+  ``"</think>"`` in R1-Distill-Qwen).
+
+Engine settings: prefix caching is off (block hashes see token ids only, so a later prompt could
+reuse KV computed from mixed embeddings), async scheduling is off (the hook reads sampled ids on
+the host every step), and ``VLLM_USE_V2_MODEL_RUNNER=0`` is pinned: on GPU vLLM 0.32 defaults to
+Model Runner V2, which the V1 hook does not patch (V2 route: hook module docstring).
+``VLLM_ENABLE_V1_MULTIPROCESSING`` follows ``VLLMConfig.in_process`` (process-wide environment;
+set it before the first ``vllm.LLM`` of the process). Per-request vLLM seeds are not passed:
+on CPU a seeded request whose prefill is chunked crashes vLLM 0.32 ("CPU Generator does not use
+offset"); ``SamplingParams.seed`` seeds the mixing gate only.
+
+GPU weight sync (untested here): the in-process route passes CUDA tensors straight into
+``reload_weights`` (TP = 1); across processes (TP > 1 or ``in_process=False``) the safetensors
+route works but goes through the file system (``/dev/shm`` when present). The fast routes of
+vLLM 0.32 are its weight-transfer engines (``WeightTransferConfig(backend="nccl")``:
+``init_weight_transfer_engine`` → ``start_weight_update`` / ``update_weights`` /
+``finish_weight_update`` with an NCCL broadcast from the trainer, or the CUDA-IPC engine for
+colocated processes); they are not wired here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+from megatron_ngrpo.mixing.config import MixingConfig
+from megatron_ngrpo.mixing.records import MixRecord
+from megatron_ngrpo.rollout.config import VLLMConfig
+from megatron_ngrpo.rollout.types import RolloutBatch, RolloutEngine, SamplingParams
+from megatron_ngrpo.rollout.vllm_hook import request_options
+
+logger = logging.getLogger(__name__)
+
+HOOK = "megatron_ngrpo.rollout.vllm_hook.NeighborMixExtension"
+EMBED_NAME = "model.embed_tokens.weight"
+OUTPUT_NAME = "lm_head.weight"
+# MixingConfig fields the table / noise spec depend on.
+_TABLE_FIELDS = ("strategy", "k", "metric", "neighbor_source", "exclude_special", "exclude_padded",
+                 "exclude_ids", "noise_scale")
+
+
+class VLLMEngine(RolloutEngine):
+    """A live vLLM engine on the HF checkpoint ``hf_path``.
+
+    Args:
+        hf_path: directory with config.json and safetensors weights (and tokenizer files, if any).
+        cfg: construction options (:class:`~megatron_ngrpo.rollout.config.VLLMConfig`).
+        num_real_tokens: ids ``>=`` this are never sampled, anchors or neighbours (default: the
+            HF vocab size).
+        tokenizer: tokenizer directory (default ``hf_path`` when it has tokenizer files; without
+            one, no texts, stop strings or ``stop_after``).
+        seed: vLLM's engine seed (sampling draws; the mixing gate uses ``SamplingParams.seed``).
+    """
+
+    def __init__(self, hf_path: str | Path, cfg: VLLMConfig | None = None, *,
+                 num_real_tokens: int | None = None, tokenizer: str | Path | None = None,
+                 seed: int = 0):
+        from megatron_ngrpo.models.provider import ArchSpec
+
+        self.cfg = cfg or VLLMConfig()
+        self.cfg.validate()
+        self.hf_path = str(hf_path)
+        self.spec = ArchSpec.from_hf(self.hf_path)
+        self.num_real_tokens = int(num_real_tokens or self.spec.vocab_size)
+        if not 0 < self.num_real_tokens <= self.spec.vocab_size:
+            raise ValueError(f"num_real_tokens = {self.num_real_tokens}: must be in "
+                             f"[1, {self.spec.vocab_size}]")
+        self.tokenizer = _load_tokenizer(tokenizer, self.hf_path)
+        self.special_ids = _special_ids(self.tokenizer)
+        self.max_model_len = self.cfg.max_model_len
+        self.last_sync: dict = {}
+        self._sources: dict[str, torch.Tensor] = {}  # HF name → current matrix for the table
+        self._table_key = None
+        self._table_mixing: MixingConfig | None = None
+        self._sync_dir: tempfile.TemporaryDirectory | None = None
+        self.llm = self._build(seed)
+
+    @classmethod
+    def from_config(cls, rollout_cfg, model_cfg, **kwargs) -> "VLLMEngine":
+        """The engine of ``rollout_cfg.vllm`` for the policy of ``model_cfg`` (its HF directory
+        and ``num_real_tokens``); kwargs as in the constructor."""
+        return cls(model_cfg.hf_path, rollout_cfg.vllm, num_real_tokens=model_cfg.num_real_tokens,
+                   **kwargs)
+
+    # ---- construction -----------------------------------------------------------------------
+    def _build(self, seed: int):
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.cfg.in_process else "1"
+        from vllm import LLM
+
+        gpu = torch.cuda.is_available()
+        dtype = self.cfg.dtype if self.cfg.dtype != "auto" else ("bfloat16" if gpu else "float32")
+        memory = ({"gpu_memory_utilization": self.cfg.gpu_memory_utilization} if gpu
+                  else {"kv_cache_memory_bytes": self.cfg.kv_cache_memory_bytes})
+        kwargs = dict(
+            model=self.hf_path,
+            tokenizer=self.tokenizer.name_or_path if self.tokenizer is not None else None,
+            skip_tokenizer_init=self.tokenizer is None,
+            dtype=dtype,
+            tensor_parallel_size=self.cfg.tensor_parallel,
+            max_model_len=self.cfg.max_model_len,
+            max_num_seqs=self.cfg.max_num_seqs,
+            enforce_eager=self.cfg.enforce_eager,
+            seed=seed,
+            enable_prefix_caching=False,
+            async_scheduling=False,
+            logprobs_mode="raw_logits",
+            worker_extension_cls=HOOK,
+            **memory,
+        )
+        if self.cfg.max_num_batched_tokens is not None:
+            kwargs["max_num_batched_tokens"] = self.cfg.max_num_batched_tokens
+        llm = LLM(**kwargs)
+        llm.collective_rpc("nbr_mix_install", args=(self.num_real_tokens,))
+        return llm
+
+    def close(self) -> None:
+        """Shut the engine down (frees its worker processes / KV cache)."""
+        if getattr(self, "llm", None) is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+        if self._sync_dir is not None:
+            self._sync_dir.cleanup()
+            self._sync_dir = None
+
+    # ---- RolloutEngine ----------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams, mixing: MixingConfig | None = None,
+                 keys: list[int] | None = None) -> RolloutBatch:
+        from vllm import SamplingParams as VSamplingParams
+
+        mixing = mixing if mixing is not None and mixing.enabled else None
+        self._validate(prompts, params, mixing, keys)
+        keys = list(range(len(prompts))) if keys is None else [int(k) for k in keys]
+        call = uuid.uuid4().hex
+        stop_ids = []
+        if mixing is not None:
+            self._ensure_strategy(mixing)
+            if mixing.stop_after:
+                stop_ids = self.tokenizer.encode(mixing.stop_after, add_special_tokens=False)
+        requests = []
+        for i, p in enumerate(prompts):
+            extra = None
+            if mixing is not None:
+                extra = request_options(call, i, keys[i], params.n, params.seed, mixing, stop_ids)
+            requests.append(VSamplingParams(
+                n=params.n, temperature=params.temperature, top_p=params.top_p,
+                top_k=params.top_k if params.top_k > 0 else 0,
+                max_tokens=min(params.max_new_tokens, self.max_model_len - len(p)),
+                stop=list(params.stop) or None, stop_token_ids=list(params.stop_token_ids) or None,
+                logprobs=0, detokenize=self.tokenizer is not None, extra_args=extra))
+        try:
+            outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], requests,
+                                        use_tqdm=False)
+        finally:  # the hook forgets this call's requests even when generation failed
+            records = self.llm.collective_rpc("nbr_mix_pop", args=(call,))[0] if mixing is not None else {}
+        return self._batch(prompts, params.n, outputs, records, mixing.k if mixing is not None else 1)
+
+    def sync_weights(self, model_chunks) -> None:
+        """Load the trainer's weights and refresh the neighbour table.
+
+        ``model_chunks``: this rank's Megatron chunks, any TP/PP layout. The export is a
+        collective over the model-parallel group gathered to global rank 0, which holds the
+        engine; the other ranks call :func:`follow_weight_sync` at the same time.
+        """
+        t0 = time.perf_counter()
+        named = list(_export(model_chunks, self.spec))
+        t1 = time.perf_counter()
+        self.load_weights(named)
+        self.last_sync["export_seconds"] = t1 - t0
+        self.last_sync["seconds"] = time.perf_counter() - t0
+        logger.info("vLLM weight sync: %d tensors, %.3g M params, export %.3f s, total %.3f s",
+                    len(named), self.last_sync["num_params"] / 1e6, t1 - t0, self.last_sync["seconds"])
+
+    # ---- weights and neighbour table --------------------------------------------------------
+    def load_weights(self, named_tensors) -> None:
+        """Reload HF-named tensors (the full set) into the live engine and rebuild the current
+        neighbour table (or STHT noise scale) from them; timings in :attr:`last_sync`."""
+        named = [(name, t.detach()) for name, t in named_tensors]
+        if not named:
+            return
+        t0 = time.perf_counter()
+        if self._worker_in_process:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
+        else:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": self._write_safetensors(named)})
+        t1 = time.perf_counter()
+        self._sources = {n: t for n, t in named if n in (EMBED_NAME, OUTPUT_NAME)}
+        table_seconds = self._refresh_table()
+        self.last_sync = {"load_seconds": t1 - t0, "table_seconds": table_seconds,
+                          "num_params": sum(t.numel() for _, t in named)}
+
+    def _write_safetensors(self, named) -> str:
+        from safetensors.torch import save_file
+
+        path = Path(self._sync_dir_name()) / "model.safetensors"
+        tmp = path.with_suffix(".tmp")
+        save_file({n: t.contiguous().cpu() for n, t in named}, str(tmp))
+        os.replace(tmp, path)
+        return str(path.parent)
+
+    def _ensure_strategy(self, mixing: MixingConfig) -> None:
+        """Send the workers the table (``neighbor``) / noise spec (``stht``) of ``mixing``."""
+        key = tuple(repr(getattr(mixing, f)) for f in _TABLE_FIELDS)
+        if key != self._table_key:
+            self._table_mixing = mixing
+            self._table_key = None
+            self._refresh_table()
+            self._table_key = key
+
+    def _refresh_table(self) -> float:
+        """Rebuild and send the current strategy's table / noise spec (if any); seconds taken."""
+        mixing = self._table_mixing
+        if mixing is None:
+            return 0.0
+        from megatron_ngrpo.mixing.neighbors import build_neighbor_table, exclusion_mask
+        from megatron_ngrpo.mixing.perturbations import NoiseSpec
+
+        t0 = time.perf_counter()
+        table, noise = None, None
+        if mixing.strategy == "neighbor":
+            weight = self._source_matrix(mixing.neighbor_source)
+            exclude = exclusion_mask(weight.shape[0], mixing, self.num_real_tokens, self.special_ids)
+            table = build_neighbor_table(weight, 0, mixing.k, mixing.metric, exclude, mixing.chunk_size)
+        if mixing.strategy == "stht":
+            spec = NoiseSpec.from_embedding(self._source_matrix("input"), self.num_real_tokens,
+                                            mixing.noise_scale)
+            noise = (spec.sigma, spec.dim)
+        if table is not None and not self._worker_in_process:
+            path = Path(self._sync_dir_name()) / "neighbors.pt"
+            torch.save(table.cpu(), path)
+            table = str(path)
+        self.llm.collective_rpc("nbr_mix_set_table", args=(table, noise))
+        return time.perf_counter() - t0
+
+    @property
+    def _worker_in_process(self) -> bool:
+        """True when the (only) worker runs in this process, so tensors can be passed by RPC."""
+        return self.cfg.in_process and self.cfg.tensor_parallel == 1
+
+    def _sync_dir_name(self) -> str:
+        if self._sync_dir is None:
+            self._sync_dir = tempfile.TemporaryDirectory(prefix="ngrpo_vllm_sync_", dir=_shm_or_tmp())
+        return self._sync_dir.name
+
+    def _source_matrix(self, source: str) -> torch.Tensor:
+        """[V, d] matrix whose rows define neighbours: the synced tensors, else the checkpoint."""
+        names = [OUTPUT_NAME, EMBED_NAME] if source == "output" else [EMBED_NAME]
+        for name in names:
+            if name in self._sources:
+                return self._sources[name]
+        for name in names:
+            t = _read_hf_tensor(self.hf_path, name)
+            if t is not None:
+                return t
+        raise ValueError(f"{self.hf_path}: no {names[0]} in the checkpoint")
+
+    # ---- validation and results -------------------------------------------------------------
+    def _validate(self, prompts, params: SamplingParams, mixing, keys) -> None:
+        params.validate()
+        if keys is not None and len(keys) != len(prompts):
+            raise ValueError(f"generate: {len(keys)} keys for {len(prompts)} prompts")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i}: empty")
+            if len(p) >= self.max_model_len:
+                raise ValueError(f"prompt {i}: {len(p)} tokens, no room for a response within "
+                                 f"max_model_len {self.max_model_len}")
+            bad = [t for t in p if not 0 <= int(t) < self.num_real_tokens]
+            if bad:
+                raise ValueError(f"prompt {i}: token id {bad[0]} outside [0, {self.num_real_tokens})")
+        if self.tokenizer is None and (params.stop or (mixing is not None and mixing.stop_after)):
+            raise ValueError("generate: stop strings / mixing.stop_after need a tokenizer (none was found)")
+        if mixing is not None:
+            mixing.validate()
+
+    def _batch(self, prompts, n: int, outputs, records: dict, k: int) -> RolloutBatch:
+        prompt_ids, response_ids, logprobs, finish, texts = [], [], [], [], []
+        for i, out in enumerate(outputs):
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                if c.finish_reason not in ("stop", "length"):
+                    raise RuntimeError(f"prompt {i}, sample {c.index}: vLLM finished with "
+                                       f"{c.finish_reason!r}")
+                tokens = list(c.token_ids)
+                prompt_ids.append(list(prompts[i]))
+                response_ids.append(tokens)
+                logprobs.append([float(d[t].logprob) for d, t in zip(c.logprobs, tokens)])
+                finish.append(c.finish_reason)
+                texts.append(c.text)
+        return RolloutBatch(
+            prompt_ids=prompt_ids, response_ids=response_ids, logprobs=logprobs,
+            finish_reasons=finish, mixes=_mix_record(records, n, [len(r) for r in response_ids], k),
+            prompt_index=[i for i in range(len(prompts)) for _ in range(n)],
+            texts=texts if self.tokenizer is not None else None,
+        )
+
+
+def follow_weight_sync(model_chunks, spec) -> None:
+    """The part of :meth:`VLLMEngine.sync_weights` of the ranks that hold no engine: take part in
+    the gather of ``model_chunks`` (HF ``ArchSpec`` ``spec``) to global rank 0."""
+    for _ in _export(model_chunks, spec):
+        pass
+
+
+def _export(model_chunks, spec):
+    from megatron_ngrpo.conversion.mapping import export_hf_tensors
+
+    return export_hf_tensors(model_chunks, spec, rank0_only=True)
+
+
+def _mix_record(records: dict, n: int, lengths: list[int], k: int) -> MixRecord:
+    """One MixRecord from the hook's ``{req_id: {"index", "child", "mix"}}`` (weights kept
+    exactly as the engine used them). Mixes past a response's end are dropped: with a separate
+    engine-core process a step can run before the front end's stop-string abort arrives."""
+    num_seqs = len(lengths)
+    seq, pos, ids, weights, noise = [], [], [], [], []
+    for rec in records.values():
+        s = rec["index"] * n + rec["child"]
+        for t, i, w, z in rec["mix"]:
+            if t >= lengths[s]:
+                continue
+            seq.append(s)
+            pos.append(t)
+            ids.append(i)
+            weights.append(w)
+            noise.append(z)
+    if not seq:
+        return MixRecord.empty(num_seqs, k)
+    return MixRecord(
+        seq=torch.tensor(seq, dtype=torch.long), pos=torch.tensor(pos, dtype=torch.long),
+        ids=torch.tensor(ids, dtype=torch.long), weights=torch.tensor(weights, dtype=torch.float32),
+        num_seqs=num_seqs,
+        noise=None if noise[0] is None else torch.tensor(noise, dtype=torch.float32),
+    ).sorted()
+
+
+def _load_tokenizer(tokenizer, hf_path: str):
+    path = Path(tokenizer) if tokenizer is not None else Path(hf_path)
+    files = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+    if tokenizer is None and not any((path / f).is_file() for f in files):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def _special_ids(tokenizer) -> list[int]:
+    """Special and special-flagged added tokens: never neighbours (``mixing.exclude_special``)."""
+    if tokenizer is None:
+        return []
+    added = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    return sorted(set(tokenizer.all_special_ids) | added)
+
+
+def _read_hf_tensor(hf_path: str, name: str) -> torch.Tensor | None:
+    """One tensor of a (possibly sharded) safetensors checkpoint, or None."""
+    from safetensors import safe_open
+
+    root = Path(hf_path)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        shard = json.loads(index.read_text())["weight_map"].get(name)
+        files = [root / shard] if shard else []
+    else:
+        files = sorted(root.glob("*.safetensors"))
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            if name in st.keys():
+                return st.get_tensor(name)
+    return None
+
+
+def _shm_or_tmp() -> str | None:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None

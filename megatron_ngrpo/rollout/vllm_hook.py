@@ -1,0 +1,401 @@
+"""Semantic-neighbour mixing inside vLLM 0.32's V1 model runner (ENVIRONMENT.md §4).
+
+Only the model runner sees the logits, the row → request map and the next step's input
+embeddings together, so the hook lives there:
+
+* ``LLM(worker_extension_cls="megatron_ngrpo.rollout.vllm_hook.NeighborMixExtension")`` adds the
+  ``nbr_mix_*`` methods to vLLM's Worker; ``collective_rpc("nbr_mix_install")`` swaps
+  ``worker.model_runner.__class__`` for a subclass with :class:`NeighborMixRunner` in front.
+* ``_update_states``: registers opted-in requests (``SamplingParams(extra_args={"nbr_mix": ...})``,
+  see :func:`request_options`), drawing their gates ``gate_uniform(seed, key, t) < rate`` for
+  every response position t at once (``key = prompt_key * 1000003 + child``), and drops the
+  pending mixes of finished ones (records stay until popped).
+* ``_sample``: for each opted-in row that is not a partial prefill (``discard_request_mask``),
+  whose position is undecided and whose gate fires, takes the anchor, neighbours and weights
+  from the raw logits *before* vLLM's sampler (which edits the logits in place), with
+  ``mixing.perturbations.decide_for_strategy`` (N-GRPO ``neighbor``, or the ``soft_thinking`` /
+  ``stht`` / ``gumbel`` baselines, whose draws are counter-based on the same key and position).
+  Mixes are kept per request, keyed by absolute position. In paper mode (``emit == "anchor"``)
+  the sampled id of a mixed row is replaced by the anchor.
+* ``_preprocess``: writes ``Σ w·embed(ids)`` (+ recorded noise) over the ``inputs_embeds`` rows of
+  pending positions inside each request's scheduled range ``[num_computed, +n)``. A preempted
+  request is re-prefilled from scratch and gets its mixes re-applied. On the token-id path it
+  embeds the scheduled ids itself and passes ``input_ids=None``.
+
+Log-probs. The engine is built with ``logprobs_mode="raw_logits"`` and requests
+``logprobs=0``: vLLM gathers the raw logit ``z[token]`` of each returned token, and ``_sample``
+turns it into ``z[token]/T - logsumexp(z/T)``, the log-probability under the temperature-scaled
+*full* distribution (what the trainer recomputes: ``log_softmax(logits / T)``). vLLM's own modes
+do not give that: ``raw_logprobs`` ignores T and ``processed_logprobs`` is taken after top-k/top-p
+truncation (and disables FlashInfer sampling on GPU). A forced anchor gets the anchor's logit, so
+the returned value is consistent with the emitted token. Greedy rows (T = 0) use T = 1.
+
+Thinking-only gate (``stop_ids``, the ids of e.g. ``"</think>"``): once the emitted tokens end with
+``stop_ids`` the request is never mixed again, and the position that completed them is not mixed.
+
+Tensor parallelism (GPU, untested here): vLLM all-gathers the logits before ``_sample``, every TP
+rank runs the sampler on the same full-vocabulary logits, the gate is a stateless hash and the
+table is replicated, so every rank takes identical decisions with ``tp_group=None`` and no
+communication; ``embed_input_ids`` is vLLM's vocab-parallel embedding (one all-reduce).
+Pipeline parallelism and speculative decoding are refused at install.
+
+GPU notes (untested here):
+
+* vLLM's GPU default is Model Runner V2 (``vllm/v1/worker/gpu/``), which has none of these
+  methods; :mod:`megatron_ngrpo.rollout.vllm_engine` pins ``VLLM_USE_V2_MODEL_RUNNER=0`` so this
+  V1 hook is used. The V2 route (designed, not run; ENVIRONMENT.md §4) is an out-of-tree model
+  class whose ``get_model_state_cls()`` returns a ``DefaultModelState`` subclass overriding
+  ``prepare_inputs_embeds`` (overlay by ``input_batch.req_ids``) and ``custom_sampler``
+  (decide before sampling, skip rows still in prefill); V2 re-sorts the batch every step, so
+  lookups stay keyed by request id as here.
+* The hook reads sampled ids and positions on the host every step: the engine turns async
+  scheduling off. Switching between token ids and embeddings per step needs
+  ``enforce_eager=True`` (or ``enable_prompt_embeds=True`` so CUDA graphs capture the static
+  ``inputs_embeds`` buffer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_ngrpo.mixing import decision
+from megatron_ngrpo.mixing.config import MixingConfig
+from megatron_ngrpo.mixing.perturbations import NoiseSpec, decide_for_strategy
+
+OPTION_KEY = "nbr_mix"
+# Response key of child j of a prompt with key p (shared with the Megatron engine).
+KEY_STRIDE = 1000003
+_GREEDY_EPS = 1e-5  # vLLM's threshold below which a temperature means greedy
+# MixingConfig fields the per-step decision reads (sent with every request).
+_DECISION_FIELDS = ("strategy", "k", "temperature", "gumbel_temperature")
+
+
+def response_key(prompt_key: int, child: int) -> int:
+    return int(prompt_key) * KEY_STRIDE + int(child)
+
+
+def request_options(call: str, index: int, prompt_key: int, n: int, seed: int, mixing: MixingConfig,
+                    stop_ids: list[int]) -> dict:
+    """``extra_args`` of one prompt's request: ``{"nbr_mix": {...}}`` (msgspec-serialisable).
+
+    ``call`` tags the generate call (its records are popped by it), ``index`` is the prompt's
+    index in the call, ``seed`` seeds the gate (and the baselines' draws).
+    """
+    return {OPTION_KEY: dict(call=call, index=int(index), key=int(prompt_key), n=int(n),
+                             seed=int(seed), rate=float(mixing.rate), emit=mixing.emit,
+                             stop_ids=[int(i) for i in stop_ids],
+                             decision={f: getattr(mixing, f) for f in _DECISION_FIELDS})}
+
+
+@dataclass
+class _Request:
+    """Mixing state of one opted-in request."""
+
+    call: str
+    index: int
+    child: int
+    key: int
+    prompt_len: int
+    seed: int
+    gated: set[int]  # response positions t whose gate fires (drawn once, at registration)
+    emit_anchor: bool
+    stop_ids: tuple[int, ...]
+    decision: MixingConfig
+    last_pos: int = -1  # highest absolute position decided so far
+    stopped: bool = False
+    tail: list[int] = field(default_factory=list)  # last len(stop_ids) emitted tokens
+    # absolute position → (ids [k], weights [k], noise [h] or None), until the request finishes
+    pending: dict = field(default_factory=dict)
+    records: list = field(default_factory=list)  # [(abs_pos, ids, weights, noise)]
+
+    def emitted(self, token: int) -> bool:
+        """Track the thinking-only gate; True when ``token`` completes ``stop_ids``."""
+        self.tail.append(token)
+        del self.tail[: -len(self.stop_ids)]
+        if tuple(self.tail) == self.stop_ids:
+            self.stopped = True
+        return self.stopped
+
+
+class _MixState:
+    """Per-runner state: neighbour table, STHT noise spec, opted-in requests, counters."""
+
+    def __init__(self, device, num_real_tokens: int):
+        self.device = device
+        self.num_real_tokens = num_real_tokens
+        self.table: torch.Tensor | None = None
+        self.noise: NoiseSpec | None = None
+        self.requests: dict[str, _Request] = {}
+        self.num_pending = 0
+        # resumed: opted-in requests resumed after preemption; reapplied: mixes overlaid in a
+        # multi-token (re-)prefill range; applied: all overlaid mixes.
+        self.stats = {"resumed": 0, "reapplied": 0, "applied": 0}
+
+    def register(self, new_reqs, max_model_len: int) -> None:
+        """Track the opted-in requests among ``new_reqs`` (vLLM ``NewRequestData``) and draw
+        their gates for every possible response position: one hash call per seed and step,
+        instead of one per decode step."""
+        fresh = []
+        for new in new_reqs:
+            opts = (getattr(new.sampling_params, "extra_args", None) or {}).get(OPTION_KEY)
+            if opts is None or new.req_id in self.requests:
+                continue
+            child = int(new.req_id.split("_", 1)[0]) if opts["n"] > 1 else 0
+            prompt_len = len(new.prompt_token_ids or ())
+            r = _Request(
+                call=opts["call"], index=opts["index"], child=child,
+                key=response_key(opts["key"], child), prompt_len=prompt_len, seed=opts["seed"],
+                gated=set(), emit_anchor=opts["emit"] == "anchor",
+                stop_ids=tuple(opts["stop_ids"]), decision=MixingConfig(**opts["decision"]))
+            self.requests[new.req_id] = r
+            length = min(new.sampling_params.max_tokens or max_model_len, max_model_len - prompt_len)
+            fresh.append((r, opts["rate"], max(length, 0)))
+        by_seed: dict = {}
+        for item in fresh:
+            by_seed.setdefault(item[0].seed, []).append(item)
+        for seed, items in by_seed.items():
+            keys = torch.tensor([r.key for r, _, _ in items]).unsqueeze(1)
+            steps = torch.arange(max(length for _, _, length in items)).unsqueeze(0)
+            rates = torch.tensor([rate for _, rate, _ in items], dtype=torch.float64).unsqueeze(1)
+            fires = decision.gate_uniform(seed, keys, steps) < rates  # [R, T]
+            for (r, _, length), row in zip(items, fires):
+                r.gated = set(torch.nonzero(row[:length]).flatten().tolist())
+
+    def finish(self, req_id: str) -> None:
+        r = self.requests.get(req_id)
+        if r is not None:
+            self.num_pending -= len(r.pending)
+            r.pending.clear()
+
+    def pop(self, call: str) -> dict:
+        out = {}
+        for req_id in [i for i, r in self.requests.items() if r.call == call]:
+            self.finish(req_id)
+            r = self.requests.pop(req_id)
+            mixes = []
+            if r.records:  # one device → host copy per request
+                pos, ids, weights, noise = zip(*r.records)
+                ids, weights = torch.stack(ids).tolist(), torch.stack(weights).tolist()
+                noise = [None] * len(pos) if noise[0] is None else torch.stack(noise).tolist()
+                mixes = [[p - r.prompt_len, *m] for p, *m in zip(pos, ids, weights, noise)]
+            out[req_id] = {"index": r.index, "child": r.child, "mix": mixes}
+        return out
+
+
+class NeighborMixRunner:
+    """Mixin placed in front of vLLM's (CPU/GPU) V1 model runner class by ``nbr_mix_install``."""
+
+    _nm: _MixState
+
+    # ---- request bookkeeping ----------------------------------------------------------------
+    def _update_states(self, scheduler_output):
+        result = super()._update_states(scheduler_output)
+        state = self._nm
+        for req_id in scheduler_output.finished_req_ids:
+            state.finish(req_id)
+        if scheduler_output.scheduled_new_reqs:
+            state.register(scheduler_output.scheduled_new_reqs, self.max_model_len)
+        resumed = scheduler_output.scheduled_cached_reqs.resumed_req_ids
+        state.stats["resumed"] += sum(1 for r in resumed if r in state.requests)
+        return result
+
+    # ---- inputs: overlay pending mixtures ---------------------------------------------------
+    def _preprocess(self, scheduler_output, num_input_tokens, intermediate_tensors=None):
+        out = super()._preprocess(scheduler_output, num_input_tokens, intermediate_tensors)
+        if not self._nm.num_pending:
+            return out
+        rows, entries = self._nm_scheduled_mixes(scheduler_output)
+        if not rows:
+            return out
+        input_ids, inputs_embeds, *rest = out
+        if inputs_embeds is None:  # token-id path: embed the scheduled ids here
+            inputs_embeds = self.inputs_embeds.gpu[:num_input_tokens]
+            inputs_embeds.copy_(self.model.embed_input_ids(self.input_ids.gpu[:num_input_tokens]))
+            input_ids = None
+        ids = torch.stack([e[0] for e in entries])
+        weights = torch.stack([e[1] for e in entries])
+        cand = self.model.embed_input_ids(ids.flatten()).view(*ids.shape, -1)  # [M, k, h]
+        # Same arithmetic as the trainer's MixingVocabParallelEmbedding: Σ w·E in E's dtype, + noise.
+        mix = (weights.to(cand.dtype).unsqueeze(-1) * cand).sum(1)
+        if entries[0][2] is not None:
+            mix = mix + torch.stack([e[2] for e in entries]).to(mix.dtype)
+        index = torch.tensor(rows, dtype=torch.long, device=inputs_embeds.device)
+        inputs_embeds.index_copy_(0, index, mix.to(inputs_embeds.dtype))
+        return (input_ids, inputs_embeds, *rest)
+
+    def _nm_scheduled_mixes(self, scheduler_output):
+        """Flat token rows of this step that carry a pending mix, and those mixes."""
+        state = self._nm
+        batch = self.input_batch
+        num_reqs = batch.num_reqs
+        computed = batch.num_computed_tokens_cpu[:num_reqs].tolist()
+        starts = self.query_start_loc.np[:num_reqs].tolist()
+        scheduled = scheduler_output.num_scheduled_tokens
+        rows, entries = [], []
+        for i, req_id in enumerate(batch.req_ids[:num_reqs]):
+            r = state.requests.get(req_id)
+            if r is None or not r.pending:
+                continue
+            lo, n = computed[i], scheduled[req_id]
+            if n == 1:
+                if lo in r.pending:
+                    rows.append(starts[i])
+                    entries.append(r.pending[lo])
+                continue
+            hits = [p for p in r.pending if lo <= p < lo + n]
+            state.stats["reapplied"] += len(hits)
+            rows += [starts[i] + p - lo for p in hits]
+            entries += [r.pending[p] for p in hits]
+        state.stats["applied"] += len(rows)
+        return rows, entries
+
+    # ---- sampling: decide before vLLM's sampler, fix ids/log-probs after --------------------
+    def _sample(self, logits, spec_decode_metadata):
+        state = self._nm
+        meta = self.input_batch.sampling_metadata
+        num_reqs = self.input_batch.num_reqs
+        if state.num_real_tokens < logits.shape[1]:  # unused vocab rows are never sampled
+            logits[:, state.num_real_tokens:] = float("-inf")
+        temp = self._nm_temperatures(meta, num_reqs, logits.device)
+        lse = None
+        if meta.max_num_logprobs is not None:
+            lse = torch.logsumexp(logits.float() / temp.unsqueeze(1), dim=-1)
+        plan = self._nm_plan(logits, temp) if state.requests else None
+
+        out = super()._sample(logits, spec_decode_metadata)
+
+        if plan is not None:
+            self._nm_commit(plan, out)
+        if lse is not None and out.logprobs_tensors is not None:
+            out.logprobs_tensors.logprobs.div_(temp.unsqueeze(1)).sub_(lse.unsqueeze(1))
+        return out
+
+    @staticmethod
+    def _nm_temperatures(meta, num_reqs: int, device) -> torch.Tensor:
+        """[num_reqs] sampling temperature of each row, 1 for greedy rows (vLLM's convention)."""
+        if meta.temperature is None:  # all greedy
+            return torch.ones(num_reqs, device=device)
+        t = meta.temperature[:num_reqs].float()
+        return torch.where(t < _GREEDY_EPS, torch.ones_like(t), t)
+
+    def _nm_plan(self, logits: torch.Tensor, temp: torch.Tensor):
+        """Rows to watch this step, ``(row, request, absolute position)``, and the decisions of
+        the gated ones, taken on the raw logits."""
+        state = self._nm
+        num_reqs = logits.shape[0]
+        discard = self.discard_request_mask.np[:num_reqs].tolist()
+        positions = self.optimistic_seq_lens_cpu[:num_reqs].tolist()
+        watch = []
+        for i, req_id in enumerate(self.input_batch.req_ids[:num_reqs]):
+            r = state.requests.get(req_id)
+            if r is None or r.stopped or discard[i] or positions[i] <= r.last_pos:
+                continue
+            watch.append((i, r, positions[i]))
+        if not watch:
+            return None
+        gated = [w for w in watch if w[2] - w[1].prompt_len in w[1].gated]
+        temps = temp.tolist() if gated else []
+        groups: dict = {}
+        for w in gated:
+            d = w[1].decision
+            groups.setdefault((temps[w[0]], w[1].seed, d.strategy, d.k, d.temperature,
+                               d.gumbel_temperature), []).append(w)
+        decided = []
+        for members in groups.values():
+            decided += self._nm_decide(logits, members, temps[members[0][0]])
+        return watch, decided
+
+    def _nm_decide(self, logits: torch.Tensor, members, temperature: float) -> list:
+        """Decisions of gated rows sharing temperature, seed and strategy settings."""
+        state = self._nm
+        r0 = members[0][1]
+        rows = torch.tensor([m[0] for m in members], device=logits.device)
+        z = logits.index_select(0, rows)
+        keys = torch.tensor([m[1].key for m in members])
+        steps = torch.tensor([m[2] - m[1].prompt_len for m in members])
+        dec = decide_for_strategy(
+            r0.decision, z, torch.ones(len(members), dtype=torch.bool, device=z.device),
+            temperature=temperature, num_real_tokens=state.num_real_tokens, table=state.table,
+            noise=state.noise, seed=r0.seed, key=keys, position=steps)
+        anchor_logit = z.gather(1, dec.anchor.unsqueeze(1)).squeeze(1).float()
+        rank = (z.float() > anchor_logit.unsqueeze(1)).sum(-1) + 1
+        noise = dec.noise
+        return [(i, r, p, dec.ids[j], dec.weights[j], None if noise is None else noise[j],
+                 dec.anchor[j], anchor_logit[j], rank[j]) for j, (i, r, p) in enumerate(members)]
+
+    def _nm_commit(self, plan, out) -> None:
+        """Force anchors, apply the thinking-only gate, store pending mixes and records."""
+        state = self._nm
+        watch, decided = plan
+        sampled = out.sampled_token_ids
+        lp = out.logprobs_tensors
+        forced = [d for d in decided if d[1].emit_anchor]
+        if forced:
+            rows = torch.tensor([d[0] for d in forced], device=sampled.device)
+            anchors = torch.stack([d[6] for d in forced])
+            sampled[rows, 0] = anchors.to(sampled.dtype)
+            if lp is not None:  # the raw logit and rank of the anchor; converted in _sample
+                lp.logprob_token_ids[rows, 0] = anchors.to(lp.logprob_token_ids.dtype)
+                lp.logprobs[rows, 0] = torch.stack([d[7] for d in forced]).to(lp.logprobs.dtype)
+                lp.selected_token_ranks[rows] = torch.stack([d[8] for d in forced]).to(
+                    lp.selected_token_ranks.dtype)
+        completed = set()
+        stop_rows = [(i, r) for i, r, _ in watch if r.stop_ids]
+        if stop_rows:
+            tokens = sampled[:, 0].tolist()
+            completed = {i for i, r in stop_rows if r.emitted(tokens[i])}
+        for _, r, p in watch:
+            r.last_pos = p
+        for i, r, p, ids, weights, noise, *_ in decided:
+            if i in completed:  # the token that completes stop_ids is never mixed
+                continue
+            r.pending[p] = (ids, weights, noise)
+            r.records.append((p, ids, weights, noise))
+            state.num_pending += 1
+
+
+class NeighborMixExtension:
+    """vLLM worker extension: ``collective_rpc("nbr_mix_...")`` methods on every worker."""
+
+    def nbr_mix_install(self, num_real_tokens: int) -> str:
+        """Put :class:`NeighborMixRunner` in front of the model runner's class (idempotent).
+        Ids ``>= num_real_tokens`` are never sampled (as in the Megatron engine)."""
+        runner = self.model_runner
+        cfg = runner.vllm_config
+        if cfg.parallel_config.pipeline_parallel_size > 1:
+            raise ValueError("neighbour mixing in vLLM: pipeline parallelism is not supported")
+        if cfg.speculative_config is not None:
+            raise ValueError("neighbour mixing in vLLM: speculative decoding is not supported")
+        if cfg.model_config.logprobs_mode != "raw_logits":
+            raise ValueError(f"neighbour mixing in vLLM: logprobs_mode must be 'raw_logits', got "
+                             f"{cfg.model_config.logprobs_mode!r} (the hook converts raw logits)")
+        if getattr(runner, "use_async_scheduling", False):
+            raise ValueError("neighbour mixing in vLLM: async scheduling must be off")
+        if not isinstance(runner, NeighborMixRunner):
+            cls = type(runner)
+            runner.__class__ = type(f"NeighborMix{cls.__name__}", (NeighborMixRunner, cls), {})
+            runner._nm = _MixState(runner.device, int(num_real_tokens))
+        return type(runner).__name__
+
+    def nbr_mix_set_table(self, table, noise: tuple[float, int] | None = None) -> None:
+        """Install the [V, k] neighbour table (a tensor in-process, a ``torch.save`` path for
+        worker processes; None for strategies without one) and the STHT noise ``(sigma, dim)``."""
+        if isinstance(table, str):
+            table = torch.load(table, map_location="cpu", weights_only=True)
+        state = self.model_runner._nm
+        state.table = None if table is None else table.to(device=state.device, dtype=torch.long)
+        state.noise = None if noise is None else NoiseSpec(float(noise[0]), int(noise[1]))
+
+    def nbr_mix_pop(self, call: str) -> dict:
+        """Records of the finished requests of generate call ``call``:
+        ``{req_id: {"index", "child", "mix": [[t, ids, weights, noise], ...]}}`` with ``t`` the
+        response-token index. Forgets those requests."""
+        return self.model_runner._nm.pop(call)
+
+    def nbr_mix_stats(self) -> dict:
+        """Counters since install, plus ``tracked``: requests still held (0 once every call's
+        records were popped)."""
+        state = self.model_runner._nm
+        return dict(state.stats, tracked=len(state.requests))

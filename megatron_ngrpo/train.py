@@ -1,0 +1,45 @@
+"""``python -m megatron_ngrpo.train --config FILE.yaml [a.b=c ...]`` (under torchrun for more
+than one process): N-GRPO training.
+
+The configuration is loaded and checked before any process group starts; a bad value exits with
+status 2 and one line naming the field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from megatron_ngrpo.configuration import ConfigError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron_ngrpo.train", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", action="append", default=[], metavar="FILE",
+                        help="YAML file (repeatable; later files override earlier ones)")
+    parser.add_argument("overrides", nargs="*", metavar="a.b=c", help="dotted config overrides")
+    args = parser.parse_args(argv)
+    from megatron_ngrpo.config import load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from megatron_ngrpo.grpo.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    trainer.setup()
+    trainer.run()
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""Launchers without Slurm: the recipe table and its memory model, the rendered sbatch scripts
+(golden files), CLI input errors, and a real 2-rank torchrun job through NeMo-Run's LocalExecutor.
+
+Regenerate the golden files after an intended change with ``NGRPO_UPDATE_GOLDEN=1 pytest
+tests/test_launchers.py -k golden`` and review the diff.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from launchers import cli, memory, recipes
+from launchers.testing import REPO, experiment_id, start_cli, write_smoke_inputs
+
+GOLDEN = Path(__file__).parent / "golden"
+H100_USABLE = 0.95 * memory.H100_BYTES
+
+
+# ---- recipes and the memory model -----------------------------------------------------------
+
+@pytest.mark.parametrize("name,params", [("r1-1.5b", 1_543_714_304), ("r1-7b", 7_615_616_512),
+                                         ("r1-14b", 14_770_033_664)])
+def test_parameter_count_matches_the_published_models(name, params):
+    # Qwen2.5-1.5B (tied), Qwen2.5-7B and Qwen2.5-14B parameter counts.
+    assert memory.model_params(recipes.get(name).spec) == params
+
+
+def test_parameter_count_matches_transformers():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from megatron_ngrpo.testing.tiny import tiny_hf_config
+
+    cfg = {k: v for k, v in tiny_hf_config().items() if k != "architectures"}
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg))
+    assert memory.model_params(recipes.get("tiny").spec) == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (4, 2), (8, 4)])
+def test_shards_add_up_to_the_model(tp, pp):
+    """Σ over TP×PP ranks of the per-rank parameters = the model + the norms replicated on every
+    TP rank + vocabulary padding + the last stage's copy of a tied output matrix."""
+    from megatron_ngrpo.models.config import ModelConfig
+    from megatron_ngrpo.models.provider import check_layout
+
+    for name in ("r1-1.5b", "r1-7b", "r1-14b"):
+        spec = recipes.get(name).spec
+        try:
+            check_layout(spec, ModelConfig(tensor_parallel=tp, pipeline_parallel=pp))
+        except ValueError:
+            continue
+        h, v = spec.hidden_size, spec.vocab_size
+        padded = memory.padded_vocab_size(v, tp, 128)
+        total = sum(tp * memory.stage_params(spec, tp, pp, s) for s in range(pp))
+        replicated = (tp - 1) * (2 * h * spec.num_layers + h)
+        padding = (padded - v) * h * (1 if spec.tied_embeddings else 2)
+        tied_copy = padded * h if spec.tied_embeddings and pp > 1 else 0
+        assert total == memory.model_params(spec) + replicated + padding + tied_copy, name
+
+
+def test_optimizer_is_sharded_and_the_rest_is_not():
+    r = recipes.get("r1-7b")
+    m2, m4 = r.train_memory(2), r.train_memory(4)
+    assert m2.weights == m4.weights == 2 * m2.params and m2.grads == 4 * m2.params
+    assert m2.optimizer == pytest.approx(12 * m2.params / r.data_parallel(2), abs=1)
+    assert m4.optimizer == pytest.approx(m2.optimizer / 2, abs=1)
+
+
+def test_pipeline_first_stage_keeps_all_layers_in_flight():
+    spec = recipes.get("r1-14b").spec
+    one = memory.layer_activation_bytes(spec, 4096, 4, True)
+    no_recompute = memory.TrainLayout(tp=4, pp=4, dp=2, tokens=4096, recompute=False)
+    assert memory.activation_bytes(spec, no_recompute, 0) == spec.num_layers * one
+    assert memory.activation_bytes(spec, no_recompute, 3) == spec.num_layers // 4 * one
+
+
+@pytest.mark.parametrize("name", ["r1-1.5b", "r1-7b", "r1-14b"])
+def test_recipes_fit_an_h100(name):
+    """Every node count of the range validates, and training plus vLLM's reservation fit in 95%
+    of an H100 even if vLLM keeps its memory during the update."""
+    r = recipes.get(name)
+    for nodes in range(r.min_nodes, r.max_nodes + 1):
+        if r.world_size(nodes) % (r.tensor_parallel * r.pipeline_parallel):
+            continue
+        r.validate(nodes)
+        t, v = r.train_memory(nodes), r.vllm_memory()
+        assert t.total + v.reserved < H100_USABLE, (name, nodes, t.total / 2**30, v.reserved / 2**30)
+        assert v.kv_tokens >= 16 * r.seq_len  # at least 16 full-length sequences per engine
+
+
+def test_docs_show_the_computed_tables():
+    docs = (REPO / "docs" / "LAUNCHING.md").read_text()
+    for name in ("r1-1.5b", "r1-7b", "r1-14b"):
+        assert cli.memory_table(recipes.get(name)) in docs, f"docs/LAUNCHING.md: refresh the {name} table"
+
+
+# ---- CLI input errors (one line, exit 2, nothing submitted) ---------------------------------
+
+@pytest.mark.parametrize("argv,message", [
+    (["run", "r1-70b"], "recipe 'r1-70b': unknown"),
+    (["run", "r1-7b", "--nodes", "9", "--config", "setup.py"], "nodes = 9: expected 2..4"),
+    (["run", "r1-7b", "--executor", "slurm"], "--config FILE.yaml is required"),
+    (["run", "r1-7b", "--config", "nope.yaml"], "--config 'nope.yaml': no such file"),
+    (["run", "r1-7b", "--task", "convert-hf"], "--output DIR is required"),
+    (["run", "tiny", "--procs-per-node", "3", "--config", "setup.py"], "not divisible by TP×PP = 2"),
+    (["run", "r1-7b", "--config", "setup.py", "--disaggregated"], "--disaggregated: only for"),
+])
+def test_cli_rejects_bad_input(argv, message, capsys):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+
+
+# ---- rendered sbatch scripts (golden files) -------------------------------------------------
+
+GOLDEN_CASES = {
+    # one node, 8 ranks per node under one torchrun (the nproc trap), git-packaged code
+    "r1-1.5b": ["run", "r1-1.5b", "--executor", "slurm"],
+    # four nodes, c10d rendezvous on the head node, pyxis container + mounts, NCCL env
+    "r1-7b": ["run", "r1-7b", "--executor", "slurm", "--nodes", "4", "--container-image",
+              "nvcr.io/nvidia/pytorch:25.01-py3", "--mount", "/lustre:/lustre",
+              "--env", "NCCL_SOCKET_IFNAME=ib0", "--env", "NCCL_IB_HCA=mlx5", "grpo.kl_coef=0.01"],
+    # heterogeneous job: vLLM rollout servers + the training group with its own rendezvous
+    "r1-14b": ["run", "r1-14b", "--executor", "slurm", "--disaggregated", "--rollout-nodes", "2"],
+}
+
+
+def normalise(text: str, home: Path) -> str:
+    text = text.replace(str(home), "<NEMORUN_HOME>").replace(str(REPO), "<REPO>")
+    return re.sub(r"(ngrpo-[\w.-]+?)_\d{12,}", r"\1_<ID>", text)
+
+
+@pytest.fixture(scope="module")
+def dryruns(tmp_path_factory):
+    """``ngrpo-launch run ... --dryrun`` of every golden case, all at once."""
+    tmp = tmp_path_factory.mktemp("dryrun")
+    config = tmp / "train.yaml"
+    config.write_text("model: {}\n")
+    env = {**os.environ, "NEMORUN_HOME": str(tmp / "nemorun_home")}
+    return tmp / "nemorun_home", {
+        name: start_cli([*argv, "--config", str(config), "--account", "acct", "--partition", "gpu",
+                         "--dryrun"], env, tmp / f"{name}.log")
+        for name, argv in GOLDEN_CASES.items()}
+
+
+@pytest.mark.parametrize("name", list(GOLDEN_CASES))
+def test_golden_sbatch(name, dryruns):
+    home, runs = dryruns
+    rc, out = runs[name].finish()
+    assert rc == 0, out[-4000:]
+    marker = "# ---- "  # the CLI prints each script after a header line; NeMo-Run's logs precede it
+    script = out[out.index(marker):].split("\n", 1)[1]
+    got = normalise(script, home)
+    path = GOLDEN / f"{name}.sbatch"
+    if os.environ.get("NGRPO_UPDATE_GOLDEN"):
+        path.write_text(got)
+    assert got == path.read_text(), f"{path} differs (NGRPO_UPDATE_GOLDEN=1 to regenerate)"
+
+
+def test_torchrun_gets_one_rank_per_gpu():
+    """The NeMo-Run trap: one Slurm task per node, torchrun starts 8 ranks (not 1) on it."""
+    text = (GOLDEN / "r1-1.5b.sbatch").read_text()
+    assert "#SBATCH --ntasks-per-node=1" in text and "#SBATCH --gpus-per-node=8" in text
+    assert "--nproc-per-node 8" in text
+    het = (GOLDEN / "r1-14b.sbatch").read_text()
+    assert "--nnodes 4 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $het_group_host_1:" in het
+    assert "#SBATCH hetjob" in het and "export NGRPO_ROLLOUT_HOST=$het_group_host_0" in het
+
+
+# ---- a real job through NeMo-Run's LocalExecutor --------------------------------------------
+
+@pytest.fixture(scope="module")
+def local_runs(tmp_path_factory):
+    """Two CLI runs at once: the smoke forward under torchrun (2 gloo ranks, TP 2) and one with a
+    bad config value."""
+    tmp = tmp_path_factory.mktemp("local")
+    hf, config = write_smoke_inputs(tmp)
+    env = {**os.environ, "NEMORUN_HOME": str(tmp / "nemorun_home"), "OMP_NUM_THREADS": "1"}
+    base = ["run", "tiny", "--executor", "local", "--config", str(config), "--module", "launchers.smoke",
+            "--hf-path", str(hf)]
+    ok = start_cli([*base, f"smoke.out={tmp / 'out.json'}", "--title", "local-ok"], env, tmp / "ok.log")
+    bad = start_cli([*base, "smoke.mode=bogus", "--title", "local-bad"], env, tmp / "bad.log")
+    return tmp, ok, bad
+
+
+def test_local_torchrun_job(local_runs):
+    tmp, ok, _ = local_runs
+    rc, out = ok.finish()
+    assert rc == 0, out[-4000:]
+    assert "train: SUCCEEDED" in out and experiment_id(out).startswith("local-ok_")
+    result = json.loads((tmp / "out.json").read_text())
+    assert result["world_size"] == 2 and result["tp"] == 2
+    # megatron's own parameter count on a TP rank = the memory model's
+    spec = recipes.get("tiny").spec
+    assert result["params"] == memory.stage_params(spec, 2, 1, 0)
+    assert abs(result["loss"] - math.log(spec.vocab_size)) < 0.5  # random init: ≈ ln V
+
+
+def test_local_failure_exits_nonzero(local_runs):
+    _, _, bad = local_runs
+    rc, out = bad.finish()
+    assert rc == 1, out[-4000:]
+    assert "train: FAILED" in out and "did not succeed" in out

@@ -1,0 +1,195 @@
+"""Mixing core: neighbour table, mixing embedding, decision op, baselines.
+
+Multi-process cases (TP=1/2/4, DP split, PP=2, TP2×PP2) run in one 4-process launch
+(tests/dist/mixing_worker.py); the single-process tests below cover edge cases and statistics.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_ngrpo.mixing import perturbations as P
+from megatron_ngrpo.mixing.config import MixingConfig
+from megatron_ngrpo.mixing.decision import counter_uniform, gate, gate_uniform
+from megatron_ngrpo.mixing.neighbors import build_neighbor_table, exclusion_mask
+from megatron_ngrpo.testing.multiproc import check, launch
+from megatron_ngrpo.testing.reference import neighbor_table64, splitmix_uniform64
+
+WORKER = Path(__file__).parent / "dist" / "mixing_worker.py"
+MODEL_LAYOUTS = ["model_tp1", "model_tp2", "model_tp4", "model_pp2", "model_tp2_pp2"]
+METRICS = ["cosine", "l2", "l1", "dot"]
+
+
+@pytest.fixture(scope="module")
+def results():
+    return launch(WORKER, nproc=4)
+
+
+# ---- multi-process --------------------------------------------------------------------------
+def test_neighbor_table_tp_dp_equals_bruteforce(results):
+    """Random, tied/duplicate and clustered matrices, 4 metrics, exclusions: TP=1/2/4 (+DP)."""
+    assert check(results, "neighbor_table_matches_bruteforce")["tables_checked"] == 64
+
+
+def test_mixing_embedding_equals_reference(results):
+    """ρ=0 is exactly megatron's embedding; mixed rows and weight grads equal float64 (1e-6)."""
+    assert max(check(results, "embedding_matches_reference").values()) <= 1e-6
+
+
+@pytest.mark.parametrize("name", MODEL_LAYOUTS)
+def test_model_with_mixes_equals_float64_tp1(results, name):
+    """Tiny Qwen2-like GPTModel through megatron's schedule with mixes: logits (forward-only and
+    with backward) and every parameter's grad equal the float64 TP=1 reference; the model's
+    neighbour table (input and output matrix) equals brute force."""
+    assert check(results, name)["max_scaled_err"] <= 4e-6
+
+
+def test_decision_vocab_parallel(results):
+    check(results, "decision_vocab_parallel")
+
+
+def test_baselines_vocab_parallel(results):
+    check(results, "baselines_vocab_parallel")
+
+
+def test_records_replay_through_embedding(results):
+    check(results, "records_replay_through_embedding")
+
+
+# ---- neighbour table, single process --------------------------------------------------------
+@pytest.mark.parametrize("k", [0, -1, 12, 50])
+def test_table_k_out_of_range_raises(k):
+    with pytest.raises(ValueError, match="k = "):
+        build_neighbor_table(torch.randn(12, 4), 0, k)
+
+
+def test_table_bad_inputs_raise():
+    w = torch.randn(12, 4)
+    with pytest.raises(ValueError, match="only 3 of 12 rows"):
+        build_neighbor_table(w, 0, 4, exclude=torch.arange(12) >= 3)
+    with pytest.raises(ValueError, match="metric"):
+        build_neighbor_table(w, 0, 2, metric="cos")
+    with pytest.raises(ValueError, match="exclude"):
+        build_neighbor_table(w, 0, 2, exclude=torch.zeros(11, dtype=torch.bool))
+    with pytest.raises(ValueError, match="non-finite"):
+        build_neighbor_table(w.index_fill(0, torch.tensor([3]), float("nan")), 0, 2)
+
+
+@pytest.mark.parametrize("metric", METRICS)
+def test_table_all_ties_and_chunking(metric):
+    """Identical rows (every score ties: the float64 fallback path) and a zero row; chunk sizes
+    1, 5 and > V; a row range is the matching slice."""
+    w = torch.ones(23, 3)
+    w[7] = 0.0
+    w[9] = torch.tensor([1.0, -2.0, 0.5])
+    ref = neighbor_table64(w, 6, metric)
+    assert ref[0].tolist() == [0, 1, 2, 3, 4, 5] and ref[8].tolist() == [8, 0, 1, 2, 3, 4]
+    for chunk in (1, 5, 4096):
+        assert torch.equal(build_neighbor_table(w, 0, 6, metric, chunk_size=chunk), ref)
+    assert torch.equal(build_neighbor_table(w, 0, 6, metric, rows=(4, 19), chunk_size=5), ref[4:19])
+    assert torch.equal(build_neighbor_table(w, 0, 1, metric), torch.arange(23).unsqueeze(1))
+
+
+def test_table_orders_fp32_indistinguishable_scores_by_float64():
+    """Dot scores 1 + i·2^-25 collapse in fp32; the certificate falls back to float64."""
+    x = torch.arange(40, dtype=torch.float64) * 2.0 ** -13
+    w = torch.stack([torch.ones(40, dtype=torch.float64), x], 1).float()
+    w[0] = torch.tensor([1.0, 2.0 ** -12])  # the query row
+    ref = neighbor_table64(w, 8, "dot")
+    assert ref[0, 1:].tolist() == list(range(39, 32, -1))
+    assert torch.equal(build_neighbor_table(w, 0, 8, "dot", chunk_size=16), ref)
+
+
+def test_table_bf16_weights():
+    w = torch.randn(50, 8).bfloat16()
+    assert torch.equal(build_neighbor_table(w, 0, 4), neighbor_table64(w.float(), 4))
+
+
+def test_exclusion_mask_from_config():
+    cfg = MixingConfig(exclude_ids=[5])
+    m = exclusion_mask(16, cfg, 12, special_ids=[0, 1])
+    assert m.nonzero().squeeze(1).tolist() == [0, 1, 5, 12, 13, 14, 15]
+    cfg = MixingConfig(exclude_special=False, exclude_padded=False)
+    assert not exclusion_mask(16, cfg, 12, special_ids=[0]).any()
+    with pytest.raises(ValueError, match="outside"):
+        exclusion_mask(16, MixingConfig(exclude_ids=[16]), 12)
+
+
+# ---- gate and counter-based draws -----------------------------------------------------------
+def test_gate_uniform_matches_splitmix_spec_and_is_deterministic():
+    key = torch.randint(-2**40, 2**62, (500,))
+    pos = torch.randint(0, 10**6, (500,))
+    for seed in (0, 7, 2**63 + 5, -3):
+        u = gate_uniform(seed, key, pos)
+        assert torch.equal(u, splitmix_uniform64(seed, key.numpy(), pos.numpy()))
+        assert torch.equal(u, gate_uniform(seed, key.tolist(), pos.tolist()))
+        assert ((u >= 0) & (u < 1)).all()
+    assert not torch.equal(gate_uniform(1, key, pos), gate_uniform(2, key, pos))
+    assert not torch.equal(counter_uniform(1, key, pos, 0), counter_uniform(1, key, pos, 1))
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.5])
+def test_gate_fraction_is_binomial(rate):
+    n_seq, n_pos = 400, 500
+    key = torch.arange(n_seq).repeat_interleave(n_pos)
+    pos = torch.arange(n_pos).repeat(n_seq)
+    frac = float(gate(rate, 1234, key, pos).double().mean())
+    n = n_seq * n_pos
+    assert abs(frac - rate) <= 5 * (rate * (1 - rate) / n) ** 0.5
+    assert not gate(0.0, 1, key[:100], pos[:100]).any() and gate(1.0, 1, key[:100], pos[:100]).all()
+
+
+# ---- baselines, single process --------------------------------------------------------------
+def test_stht_noise_sigma_and_statistics():
+    w = torch.randn(40, 64) * 0.3
+    w[30:] = 100.0  # padded rows do not count
+    spec = P.NoiseSpec.from_embedding(w, 30, 0.33)
+    assert spec.dim == 64
+    assert spec.sigma == pytest.approx(0.33 * float(w[:30].double().pow(2).mean().sqrt()), rel=1e-12)
+    n = P.gaussian_noise(5, torch.arange(400), torch.zeros(400, dtype=torch.long), spec).double()
+    assert n.shape == (400, 64)
+    assert abs(float(n.mean())) < 5 * spec.sigma / n.numel() ** 0.5
+    assert float(n.std()) == pytest.approx(spec.sigma, rel=5 * (0.5 / n.numel()) ** 0.5)
+    assert float((n.abs() < spec.sigma).double().mean()) == pytest.approx(0.6827, abs=0.01)
+    assert torch.equal(n, P.gaussian_noise(5, torch.arange(400), torch.zeros(400, dtype=torch.long), spec))
+
+
+def test_gumbel_first_candidate_samples_softmax():
+    """ids[0] of gumbel is the Gumbel-max token: distributed as softmax(z/T)."""
+    z = torch.tensor([2.0, 1.5, 1.0, 0.0, -1.0, 3.0])
+    rows = 20000
+    logits = z.expand(rows, 6)
+    dec = P.gumbel(logits, 3, 1.0, torch.ones(rows, dtype=torch.bool), 6, 9, torch.arange(rows),
+                   torch.zeros(rows, dtype=torch.long))
+    p = torch.softmax(z.double(), 0)
+    freq = torch.bincount(dec.ids[:, 0], minlength=6).double() / rows
+    assert ((freq - p).abs() <= 5 * (p * (1 - p) / rows).sqrt() + 1e-12).all(), (freq, p)
+    assert torch.allclose(dec.weights.double(), torch.softmax(z.double()[dec.ids], -1), atol=1e-6)
+    assert (dec.ids[:, 1:] != dec.ids[:, :1]).all()
+
+
+def test_decide_for_strategy_dispatch():
+    v, rows = 20, 6
+    z = torch.randn(rows, v)
+    mixed = torch.tensor([True, False] * 3)
+    key, pos = torch.arange(rows), torch.zeros(rows, dtype=torch.long)
+    table = neighbor_table64(torch.randn(v, 4), 3)
+    spec = P.NoiseSpec(0.1, 4)
+    kw = dict(temperature=0.7, num_real_tokens=v, table=table, noise=spec, seed=1, key=key, position=pos)
+    for strategy in ("neighbor", "soft_thinking", "stht", "gumbel"):
+        dec = P.decide_for_strategy(MixingConfig(strategy=strategy, k=3), z, mixed, **kw)
+        assert dec.ids.shape == (rows, 3) and torch.equal(dec.mixed, mixed)
+        assert torch.allclose(dec.weights.sum(-1), torch.ones(rows))
+        assert (dec.noise is not None) == (strategy == "stht")
+        if strategy != "gumbel":
+            assert torch.equal(dec.anchor, z.argmax(-1)) and torch.equal(dec.ids[:, 0], dec.anchor)
+    none = P.decide_for_strategy(MixingConfig(strategy="none"), z, mixed, **kw)
+    assert not none.mixed.any() and torch.equal(none.anchor, z.argmax(-1))
+    with pytest.raises(ValueError, match="table"):
+        P.decide_for_strategy(MixingConfig(strategy="neighbor"), z, mixed, temperature=1.0, num_real_tokens=v)
+    with pytest.raises(ValueError, match="NoiseSpec"):
+        P.decide_for_strategy(MixingConfig(strategy="stht"), z, mixed, temperature=1.0, num_real_tokens=v,
+                              key=key, position=pos)
+    with pytest.raises(ValueError, match="k = "):
+        P.soft_thinking(z, v + 1, 1.0, mixed, v)

@@ -1,0 +1,206 @@
+"""Rewards: extraction, normalisation, the grader table (golds from the real eval files), hostile
+inputs under time/memory limits, the worker pool, multiple choice, shaping, the registry."""
+
+from __future__ import annotations
+
+import json
+import operator
+import os
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from megatron_ngrpo.configuration import ConfigError, load
+from megatron_ngrpo.data.datasets import clean_answers
+from megatron_ngrpo.rewards import ChoiceGrader, MathGrader, RewardConfig, build_reward
+from megatron_ngrpo.rewards.extract import extract_answer, fallback_answer, last_boxed
+from megatron_ngrpo.rewards.normalize import normalize, numbers_close, to_number
+from megatron_ngrpo.rewards.pool import GuardedPool
+from megatron_ngrpo.rewards.shaping import format_reward, soft_overlong_penalty
+
+CASES = Path(__file__).parent / "data" / "grader_cases.jsonl"
+HOSTILE_TIMEOUT_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def grader():
+    # Generous limit: the table checks answers, not speed (the CPU is shared).
+    with MathGrader(timeout_s=30.0, memory_mb=2048, workers=2) as g:
+        yield g
+
+
+@pytest.fixture(scope="module")
+def strict_grader():
+    with MathGrader(timeout_s=HOSTILE_TIMEOUT_S, memory_mb=1024, workers=2) as g:
+        yield g
+
+
+# ---- extraction / normalisation -------------------------------------------------------------
+
+def test_last_boxed_forms():
+    assert last_boxed(r"a \boxed{1} b \boxed{\frac{1}{\sqrt{2}}} c") == r"\frac{1}{\sqrt{2}}"
+    assert last_boxed(r"\boxed{\{1, 2\}}") == r"\{1, 2\}"
+    assert last_boxed(r"\fbox{7}") == "7"
+    assert last_boxed(r"so \boxed 5 done") == "5"
+    assert last_boxed(r"\boxed{5}$ and \boxed{}") == "5"  # empty box skipped
+    assert last_boxed(r"\boxed{5") is None
+    assert last_boxed(r"\boxedx{5}") is None
+    assert last_boxed("no box") is None
+
+
+def test_fallback_phrases():
+    assert fallback_answer("The final answer is $\\frac{1}{2}$. I hope it is correct.") == r"\frac{1}{2}"
+    assert fallback_answer("**Answer:** 3.5\nmore text") == "3.5"
+    assert fallback_answer("Answer: \\(x+1\\)") == "x+1"
+    assert fallback_answer("nothing here") is None
+    assert extract_answer("Answer: 4", fallback=False) is None
+    assert extract_answer("Answer: 4 \\boxed{5}") == "5"
+
+
+def test_normalize_and_numbers():
+    assert normalize("025") == "25"
+    assert normalize("142.0") == "142"
+    assert normalize(r"10,\!080") == "10080"
+    assert normalize(r"\$32,\!348") == "32348"
+    assert normalize(r"90^\circ") == normalize("90")
+    assert normalize(r"\text{(C)}") == "c"
+    assert normalize(r"864 \mbox{ inches}^2") == "864"
+    assert normalize(r"x \in [-2,7]") == "[-2,7]"
+    assert normalize(r"6m") == "6m"  # a product, not 6 metres
+    assert to_number("8.7\\times10^{8}") == 870_000_000
+    assert to_number("4.5e33") == 45 * 10**32
+    assert to_number(r"1\frac{4}{5}") == to_number("9/5")
+    assert to_number("1e100000") is None  # exponent bound
+    assert to_number(r"\frac{1}{0}") is None
+    assert not numbers_close(to_number("3986729"), to_number("3986728"))
+    assert numbers_close(to_number("-0.3333333"), to_number("-1/3"))
+    assert not numbers_close(to_number("4.6667"), to_number("14/3"))
+
+
+# ---- the grader table -----------------------------------------------------------------------
+
+def test_grader_table(grader):
+    cases = [json.loads(line) for line in CASES.read_text().splitlines() if line.strip()]
+    sources = Counter(c["source"] for c in cases)
+    assert len(cases) >= 150
+    assert {"aime24", "aime25", "amc22_23", "amc23", "math500", "minerva", "olympiad_bench",
+            "extraction"} <= set(sources)
+    assert Counter(c["expected"] for c in cases)[0] >= 80  # wrong answers are tested too
+    # Golds as the data loader cleans them (floats → "142", lists → alternatives); raw
+    # "336^\circ" (Skywork row 19) stays raw here on purpose.
+    scores = grader.score_batch([(c["response"], clean_answers(c["gold"])) for c in cases])
+    wrong = [(c["source"], c["gold"], c["response"][-60:], c["expected"], s)
+             for c, s in zip(cases, scores) if s != c["expected"]]
+    assert not wrong, f"{len(wrong)} of {len(cases)} graded wrongly: {wrong}"
+    assert grader.failures == {"timeout": 0, "crash": 0, "error": 0}
+
+
+def test_gold_alternatives_and_types(grader):
+    assert grader.score_batch([(r"\boxed{6630}", ["6630.65", "6630"]),
+                               (r"\boxed{6630.65}", ("6630.65", "6630")),
+                               (r"\boxed{1}", None), (None, "1"), (r"\boxed{1}", [1])]) == [1.0, 1.0, 0.0, 0.0, 0.0]
+
+
+# ---- hostile inputs -------------------------------------------------------------------------
+
+def test_hostile_inputs_score_zero_within_limits(strict_grader, tmp_path):
+    marker = tmp_path / "pwned"
+    payload = f"__import__('os').system('touch {marker}')"
+    hostile = [
+        ("x" * (10 * 2**20) + r"\boxed{5}", "5"),                        # 10 MB output
+        (r"\boxed{" + "{" * 60_000 + "5" + "}" * 60_000 + "}", "5"),     # deep braces
+        (r"\boxed{" + "(" * 5_000 + "5" + ")" * 5_000 + "}", "5"),
+        (rf"\boxed{{{payload}}}", "0"),                                  # code, boxed
+        (f"Answer: {payload}", "0"),                                     # code, fallback
+        (f"The final answer is {payload}.", "0"),
+        (r"\boxed{10^{10^{10}}}", "5"),                                  # huge exponents
+        (r"\boxed{9^{9^{9^{9}}}}", "1"),
+        (r"\boxed{2^{2^{2^{2^{2^{2}}}}}}", "2"),
+        (r"\boxed{(10^{10^{7}})!}", "3"),
+        (r"\boxed{100!!!}", "4"),
+        (r"\boxed{" + "1+" * 400 + "1}", "401"),                         # too long an answer
+        ("\\boxed{5\x00\x01}", "5"),                                     # control characters
+    ]
+    start = time.monotonic()
+    scores = strict_grader.score_batch(hostile)
+    elapsed = time.monotonic() - start
+    assert scores == [0.0] * len(hostile)
+    assert not marker.exists()
+    # Each answer is bounded by the limit (2 workers); restarts of killed workers add a little.
+    assert elapsed < HOSTILE_TIMEOUT_S * (len(hostile) / 2 + 1) + 10, elapsed
+    # The pool is still healthy afterwards.
+    assert strict_grader.score_batch([(r"\boxed{\frac{1}{2}}", "0.5"), (r"\boxed{3}", "4")]) == [1.0, 0.0]
+
+
+def test_pool_kills_hung_crashed_and_greedy_workers():
+    with GuardedPool(workers=2, timeout_s=1.0, memory_mb=512) as pool:
+        start = time.monotonic()
+        assert pool.map(time.sleep, [(60,), (0.01,)], default="dflt") == ["dflt", None]
+        assert time.monotonic() - start < 10
+        assert pool.map(os._exit, [(3,)], default="dflt") == ["dflt"]            # worker dies
+        assert pool.map(bytearray, [(2**30,)], default="dflt") == ["dflt"]        # over RLIMIT_AS
+        assert pool.failures == {"timeout": 1, "crash": 1, "error": 1}
+        # Deaths, hangs and normal tasks mixed in one batch: only the bad ones score the default.
+        mixed = [(os._exit, 3), (abs, -2), (time.sleep, 60), (os._exit, 4), (abs, -3), (abs, -4)]
+        assert pool.map(operator.call, mixed, default="dflt") == ["dflt", 2, "dflt", "dflt", 3, 4]
+        assert pool.failures == {"timeout": 2, "crash": 3, "error": 1}
+        assert pool.map(abs, [(-i,) for i in range(6)], default=None) == list(range(6))  # replaced
+
+
+# ---- multiple choice, shaping, registry -----------------------------------------------------
+
+def test_choice_grader_modes():
+    paper, ref = ChoiceGrader("paper"), ChoiceGrader("reference")
+    items = [("reasoning...\nAnswer: C", "C"), ("Answer: (b)", "B"), ("Answer: B\nwait.\nAnswer: D", "D"),
+             (r"so \boxed{A}", "A"), ("I pick B", "B"), ("Answer: E", "E"), ("Answer: Because", "B")]
+    assert paper.score_batch(items) == [1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    assert ref.score_batch(items) == [1.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0]
+    with pytest.raises(ValueError):
+        ChoiceGrader("lenient")
+
+
+def test_shaping_terms():
+    assert format_reward("think</think> so \\boxed{1}") == 1.0
+    assert format_reward("no close \\boxed{1}") == 0.0
+    assert format_reward("a</think>b</think>\\boxed{1}") == 0.0
+    assert format_reward("\\boxed{1}</think> nothing after") == 0.0
+    assert soft_overlong_penalty(100, 1000, 200) == 0.0
+    assert soft_overlong_penalty(800, 1000, 200) == 0.0
+    assert soft_overlong_penalty(900, 1000, 200) == pytest.approx(-0.5)
+    assert soft_overlong_penalty(1500, 1000, 200) == -1.0
+
+
+def test_reward_function_from_config():
+    cfg = load(RewardConfig, overrides=["name=mcq", "format_weight=0.5", "overlong=soft",
+                                        "overlong_buffer=10", "max_response_tokens=20"])
+    with build_reward(cfg) as reward:
+        out = reward(["x</think>Answer: A \\boxed{A}", "Answer: B", "Answer: A"], ["A", "A", "A"],
+                     lengths=[5, 15, 30])
+    assert out.correct == [1.0, 0.0, 1.0]
+    assert out.terms["format"] == [0.5, 0.0, 0.0]
+    assert out.terms["overlong"] == [0.0, -0.5, -1.0]
+    assert out.total == [1.5, -0.5, 0.0]
+    cfg = load(RewardConfig, overrides=["name=mcq", "overlong=zero"])
+    with build_reward(cfg) as reward:
+        out = reward(["Answer: A", "Answer: A"], ["A", "A"], finish_reasons=["stop", "length"])
+    assert out.total == [1.0, 0.0] and out.correct == [1.0, 1.0]
+    with pytest.raises(ValueError, match="lengths"):
+        build_reward(load(RewardConfig, overrides=["name=mcq", "overlong=soft", "max_response_tokens=4096"]))(
+            ["Answer: A"], ["A"])
+
+
+def test_math_reward_end_to_end():
+    cfg = load(RewardConfig, overrides=["workers=1", "timeout_s=20"])
+    with build_reward(cfg) as reward:
+        out = reward([r"<think>..</think> \boxed{025}", r"\boxed{24}"], ["25", "25"])
+    assert out.total == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("override, field", [("name=code", "name"), ("workers=0", "workers"),
+                                              ("overlong=hard", "overlong"), ("mcq_mode=x", "mcq_mode"),
+                                              ("memory_mb=10", "memory_mb")])
+def test_reward_config_errors(override, field):
+    with pytest.raises(ConfigError, match=f"'{field}'"):
+        load(RewardConfig, overrides=[override])

@@ -1,0 +1,168 @@
+"""ngrpo-launch against a real Slurm: scripts/slurm/start.sh brings up munged, MariaDB, slurmdbd,
+slurmctld and two slurmd (n1, n2, 8 fake GPUs each) on this host; every job goes through the CLI,
+i.e. NeMo-Run's SlurmExecutor with a LocalTunnel and a fresh NEMORUN_HOME, and success is read from
+the job status (sacct) and the logs. The four jobs are submitted at once (the cluster has room for
+all of them).
+
+(a) training: the real entry point ``python -m megatron_ngrpo.train`` on configs/tiny_test.yaml
+    (examples/arithmetic's task, 4 GRPO steps with checkpoints) under torchrun over both nodes,
+    one rank per node, TP 2 across the nodes, in container mode (the SPANK stub's mounts and
+    working directory).
+(b) evaluation: STAND-IN. ``megatron_ngrpo.eval`` does not run yet on this tree (its engine
+    factory call fails), so ``launchers.smoke`` takes its place with the same command line: a
+    megatron-core forward of a tiny Qwen2 under torchrun, TP 1 × DP 2 on one node. Switching is
+    ``EVAL_MODULE`` below plus an eval config (the checks read the stand-in's JSON).
+(c) heterogeneous job: STAND-IN workloads (``launchers.smoke``): the rollout group serves token ids
+    over HTTP in place of ``vllm serve``; the training group (2 ranks, TP 2, its own rendezvous)
+    fetches them from ``$NGRPO_ROLLOUT_HOST`` and runs the forward. Megatron's CPU initialisation
+    makes the loss independent of the layout, so (b) and (c) must agree.
+(d) a deliberately failing job (a bad config value for the real trainer) is reported FAILED and
+    the CLI exits non-zero.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from launchers.testing import (REPO, SlurmCluster, experiment_id, free_port, start_cli, write_arithmetic_task,
+                               write_smoke_inputs)
+
+TRAIN_MODULE = "megatron_ngrpo.train"
+EVAL_MODULE = "launchers.smoke"  # stand-in for "megatron_ngrpo.eval"
+TINY_CONFIG = REPO / "configs" / "tiny_test.yaml"
+
+NEEDED = ("slurmctld", "slurmd", "slurmdbd", "munged", "mariadbd", "sbatch", "sacct", "gcc")
+
+
+def _unavailable(reason: str) -> None:
+    # CI runs as root with the Debian packages of scripts/setup.sh: never skip there.
+    if os.environ.get("CI"):
+        pytest.fail(f"Slurm test cluster unavailable in CI: {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    if os.geteuid() != 0:
+        _unavailable("the Slurm test cluster needs root (daemons as root, mknod'd fake GPUs)")
+    missing = [b for b in NEEDED if not shutil.which(b)]
+    if missing:
+        _unavailable(f"not installed: {', '.join(missing)} (run scripts/setup.sh)")
+    c = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    started = c.start()
+    try:
+        assert started.returncode == 0, started.stdout + started.stderr
+        yield c
+    finally:
+        stopped = c.stop()
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+
+
+@pytest.fixture(scope="module")
+def jobs(cluster, tmp_path_factory):
+    """Submit the four jobs concurrently; each test waits for its own CLI process."""
+    tmp = tmp_path_factory.mktemp("jobs")
+    overlay = write_arithmetic_task(tmp / "arith")
+    hf, smoke_config = write_smoke_inputs(tmp)
+    env = {**cluster.env, "NEMORUN_HOME": str(tmp / "nemorun_home"), "OMP_NUM_THREADS": "1"}
+    common = ["--executor", "slurm", "--packager", "none", "--partition", "batch", "--account", "test",
+              "--time", "00:10:00", "--no-exclusive"]
+    trainer = ["--config", str(TINY_CONFIG), "--config", str(overlay), "--hf-path", str(tmp / "arith" / "model")]
+    smoke = ["--config", str(smoke_config), "--hf-path", str(hf)]
+    serve_port = free_port()
+    runs = {
+        "train": ["run", "tiny", "--title", "ngrpo-train", "--module", TRAIN_MODULE, *trainer,
+                  "--nodes", "2", "--procs-per-node", "1", "--gpus-per-node", "1",
+                  "--rdzv-port", str(free_port()), "--container-image", "ngrpo/test:stub",
+                  "--mount", f"{tmp}:{tmp}", f"train.run_dir={tmp / 'run'}"],
+        "eval": ["run", "tiny", "--task", "eval", "--title", "ngrpo-eval", "--module", EVAL_MODULE, *smoke,
+                 "model.tensor_parallel=1", f"smoke.out={tmp / 'eval.json'}"],
+        "het": ["run", "tiny", "--title", "ngrpo-het", "--module", "launchers.smoke", *smoke,
+                "--disaggregated", "--rollout-command",
+                f"python -m launchers.smoke --config {smoke_config} smoke.mode=serve smoke.port={serve_port}",
+                "--group-wait", "1", "--gpus-per-node", "1", "--rdzv-port", str(free_port()),
+                f"smoke.port={serve_port}", f"smoke.out={tmp / 'het.json'}"],
+        "fail": ["run", "tiny", "--title", "ngrpo-fail", "--module", TRAIN_MODULE, *trainer,
+                 f"train.run_dir={tmp / 'run-fail'}", "grpo.loss_agg=mean"],
+    }
+    launches = {name: start_cli([*argv, *common], env, tmp / f"{name}.log") for name, argv in runs.items()}
+    yield tmp, env, launches
+    for launch in launches.values():
+        if launch.proc.poll() is None:
+            launch.proc.kill()
+
+
+def _json(path) -> dict:
+    return json.loads(path.read_text())
+
+
+def _logs(tmp, title: str, pattern: str) -> str:
+    return "".join(p.read_text(errors="replace")
+                   for p in (tmp / "nemorun_home" / "experiments" / title).rglob(pattern))
+
+
+def test_two_node_training_in_containers(jobs):
+    tmp, env, launches = jobs
+    rc, out = launches["train"].finish()
+    assert rc == 0, out[-4000:]
+    assert "train: SUCCEEDED" in out
+    run_dir = tmp / "run"
+    assert (run_dir / "latest").read_text().strip() == "iter_0000004"
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert max(steps) == 4
+    assert "tensor_parallel: 2" in (run_dir / "config.yaml").read_text()
+    job = out.split("train: SUCCEEDED (job ")[1].split(")")[0]
+    nodes = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "NNodes,NodeList", "-j", job], env=env,
+                           capture_output=True, text=True).stdout.split()
+    assert nodes == ["2|n[1-2]"], nodes
+
+
+def test_status_and_logs_after_submission(jobs):
+    tmp, env, launches = jobs
+    rc, out = launches["train"].finish()
+    assert rc == 0, out[-4000:]
+    exp = experiment_id(out)
+    status = start_cli(["status", exp], env, tmp / "status.log")
+    logs = start_cli(["logs", exp, "--job", "train"], env, tmp / "logs.log")
+    rc, out = status.finish()
+    assert rc == 0 and "train: SUCCEEDED" in out, out[-3000:]
+    rc, out = logs.finish()
+    assert rc == 0 and "job exited with code 0" in out and "torch.distributed.run" not in out, out[-3000:]
+    assert "megatron.core.optimizer" in out  # the trainer's own log lines
+
+
+def test_eval_job(jobs):
+    tmp, _, launches = jobs
+    rc, out = launches["eval"].finish()
+    assert rc == 0, out[-4000:]
+    assert "eval: SUCCEEDED" in out
+    ev = _json(tmp / "eval.json")
+    assert ev["world_size"] == 2 and ev["tp"] == 1 and ev["nodes"][0] == ev["nodes"][1]
+
+
+def test_heterogeneous_job(jobs):
+    tmp, _, launches = jobs
+    rc, out = launches["het"].finish()
+    assert rc == 0, out[-4000:]
+    assert "rollout-train: SUCCEEDED" in out
+    het = _json(tmp / "het.json")
+    assert het["tokens_from_server"] and het["world_size"] == 2 and het["tp"] == 2
+    assert "SMOKE serving" in _logs(tmp, "ngrpo-het", "log-ngrpo.rollout-train-0_*.out")
+    # the server sends the tokens the evaluation job drew from the same seed: same loss
+    assert launches["eval"].finish()[0] == 0
+    assert abs(het["loss"] - _json(tmp / "eval.json")["loss"]) < 1e-5
+
+
+def test_failed_job_is_reported_and_exits_nonzero(jobs):
+    tmp, env, launches = jobs
+    rc, out = launches["fail"].finish()
+    assert rc == 1, out[-4000:]
+    assert "train: FAILED" in out and "did not succeed" in out
+    assert "'grpo.loss_agg' = 'mean'" in _logs(tmp, "ngrpo-fail", "log-ngrpo.train_*.out")
+    rc, out = start_cli(["status", experiment_id(out)], env, tmp / "status-fail.log").finish()
+    assert rc == 1 and "train: FAILED" in out, out[-3000:]

