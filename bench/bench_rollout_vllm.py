@@ -5,8 +5,9 @@ settings for every mode; runs alternate (plain, mixed, plain, ...), so ratios ar
 run on one machine. Goal: mixed (ρ=0.1) ≥ 0.97 × plain tokens/s on the *same* engine (the hook
 installed, no request opted in). A second, unhooked ``vllm.LLM`` (vLLM's own ``raw_logprobs``)
 gives the cost of the hook itself. The primary figure is tokens per second of process CPU time
-(``time.process_time``; one OMP thread, in-process engine), best of the repeats: other load on a
-shared machine only slows a run down. Medians and wall-clock rates are printed too.
+(``time.process_time``; one OMP thread, in-process engine): the best of the repeats (other load on
+a shared machine only slows a run down) and the median of the ratios of back-to-back runs
+(robust to load drifting during the run). Medians and wall-clock rates are printed too.
 
 Weight sync: Megatron chunks (TP=1) of two model sizes → ``VLLMEngine.sync_weights`` (export with
 HF names + in-process ``reload_weights`` + neighbour-table rebuild), seconds per million
@@ -26,7 +27,6 @@ import time
 
 import torch
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
@@ -95,8 +95,10 @@ def throughput(args) -> None:
                   f"  (runs: {', '.join(f'{x:.0f}' for x in v)})")
         for num, den, goal in ((mixed, "plain", " (goal >= 0.97)"), ("mixed rho=1.0", "plain", ""),
                                ("plain", "vLLM, no hook", "")):
+            paired = statistics.median(a / b for a, b in zip(rates[num], rates[den]))
             print(f"{label:>8} ratio {num} / {den}: best {max(rates[num]) / max(rates[den]):.3f}, "
-                  f"median {statistics.median(rates[num]) / statistics.median(rates[den]):.3f}{goal}")
+                  f"median {statistics.median(rates[num]) / statistics.median(rates[den]):.3f}, "
+                  f"paired median {paired:.3f}{goal}")
     engine.close()
     raw.llm_engine.engine_core.shutdown()
 

@@ -37,7 +37,7 @@ def _key_value(text: str) -> tuple[str, str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ngrpo-launch", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="ngrpo-launch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("recipes", help="list the recipes")
@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="run a recipe's task (train, eval, conversion)")
     r.add_argument("recipe")
-    r.add_argument("overrides", nargs="*", metavar="a.b=c", help="config overrides (last wins)")
+    r.add_argument("overrides", nargs="*", metavar="a.b=c",
+                   help="config overrides (last wins); for conversions, extra tool arguments after --")
     r.add_argument("--task", choices=recipes.TASKS, default="train")
     r.add_argument("--executor", choices=("local", "slurm"), default="local")
     r.add_argument("--config", action="append", default=[],
@@ -100,9 +101,12 @@ def cmd_recipes() -> int:
     print(f"{'recipe':10} {'nodes':>7} {'GPUs':>5} {'TP':>3} {'PP':>3} {'DP':>3} {'vLLM TP':>7} "
           f"{'train GiB':>9} {'vLLM GiB':>8}  summary")
     for r in recipes.RECIPES.values():
+        gpu = r.gpus_per_node > 0  # memory figures are for H100 ranks
+        train = f"{r.train_memory().total / GIB:.1f}" if gpu else "-"
+        vllm = f"{r.vllm_memory().reserved / GIB:.1f}" if gpu and r.rollout_engine == "vllm" else "-"
         print(f"{r.name:10} {f'{r.min_nodes}-{r.max_nodes}':>7} {r.gpus_per_node:>5} {r.tensor_parallel:>3} "
               f"{r.pipeline_parallel:>3} {r.data_parallel(r.nodes):>3} {r.vllm_tensor_parallel:>7} "
-              f"{r.train_memory().total / GIB:>9.1f} {r.vllm_memory().reserved / GIB:>8.1f}  {r.summary}")
+              f"{train:>9} {vllm:>8}  {r.summary}")
     return 0
 
 
@@ -153,9 +157,6 @@ def make_plan(args: argparse.Namespace):
                       container_image=args.container_image, container_mounts=list(args.mount),
                       env=dict(args.env), packager=packager, rdzv_port=args.rdzv_port,
                       exclusive=args.exclusive, mem=args.mem, **group_wait)
-    for o in args.overrides:
-        if "=" not in o:
-            raise ConfigError(f"override {o!r}: expected key.sub=value")
     home = os.environ.get("NEMORUN_HOME", "")
     if args.executor == "slurm" and not args.container_image and "/nemo_run" in home:
         # NeMo-Run rewrites every "/nemo_run" of a non-container sbatch script to the job directory.
@@ -205,7 +206,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _print_status(exp_id: str, status: dict) -> None:
-    print(f"experiment {exp_id}")
+    print(f"\nexperiment {exp_id}")  # NeMo-Run's progress panel may leave the line open
     for name, s in status.items():
         print(f"  {name}: {s}")
 
@@ -247,12 +248,16 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # Everything after "--" goes to the job verbatim (conversion tools' options).
+    passthrough = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
     # Overrides may follow options (argparse stops a positional list at the first option).
     args, extra = parser.parse_known_args(argv)
-    if extra and (args.cmd != "run" or any(e.startswith("-") for e in extra)):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if (extra or passthrough) and args.cmd != "run" or any(e.startswith("-") for e in extra):
+        parser.error(f"unrecognized arguments: {' '.join(extra + passthrough)}")
     if args.cmd == "run":
-        args.overrides = [*args.overrides, *extra]
+        args.overrides = [*args.overrides, *extra, *passthrough]
     try:
         if args.cmd == "recipes":
             return cmd_recipes()

@@ -39,10 +39,10 @@ GPU_ENV = {
     "VLLM_USE_V2_MODEL_RUNNER": "0",
     "TOKENIZERS_PARALLELISM": "false",
 }
+CPU_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 # torchrun's c10d store lives on the job's own head node, so a constant rendezvous id cannot meet
 # another job's (NeMo-Run would draw a random one, which makes rendered scripts unreproducible).
 RDZV_ID = 1
-CPU_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 @dataclass

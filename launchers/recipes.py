@@ -192,11 +192,14 @@ class TaskSpec:
 def render(recipe: Recipe, task: str, *, hf_path: str, configs: tuple[str, ...] = (),
            checkpoint: str | None = None, output: str | None = None, nodes: int | None = None,
            overrides: tuple[str, ...] = (), module: str | None = None, code_root: str = ".") -> TaskSpec:
-    """The command of ``task`` for ``recipe``. The recipe's overrides come first, so the user's
-    ``overrides`` win (OmegaConf applies dotted overrides in order). ``module`` replaces the
-    train/eval entry module (anything taking ``--config FILE [--config FILE] [a.b=c ...]``; later
-    files override earlier ones); the conversion
-    scripts are found under ``code_root``."""
+    """The command of ``task`` for ``recipe``.
+
+    train / eval: ``python -m <module> --config FILE... <recipe overrides> <overrides>``; the
+    recipe's overrides come first, so the user's win (OmegaConf applies them in order).
+    ``module`` replaces the entry module (anything taking ``--config FILE [a.b=c ...]``).
+    convert-hf / convert-megatron: the tools under ``code_root`` with the recipe's TP × PP, one
+    rank per model-parallel rank on one node; ``overrides`` are extra arguments of the tool.
+    """
     nodes = nodes or recipe.nodes
     recipe.validate(nodes)
     if task not in TASKS:
@@ -204,25 +207,26 @@ def render(recipe: Recipe, task: str, *, hf_path: str, configs: tuple[str, ...] 
     if task in ("train", "eval"):
         if not configs:
             raise ConfigError(f"task {task}: --config FILE.yaml is required")
+        for o in overrides:
+            if "=" not in o or o.startswith("-"):
+                raise ConfigError(f"override {o!r}: expected key.sub=value")
         entry = module or (TRAIN_MODULE if task == "train" else EVAL_MODULE)
         args = (*(a for c in configs for a in ("--config", c)), *recipe.model_overrides(hf_path),
-                *recipe.rollout_overrides(),
-                *overrides)
+                *recipe.rollout_overrides(), *overrides)
         return TaskSpec(task, Command.python(entry, args), nodes, recipe.procs_per_node, recipe.gpus_per_node)
-    # Conversion: one node, one rank per model-parallel rank (TP × PP shards are written together).
     if not output:
         raise ConfigError(f"task {task}: --output DIR is required")
-    model_parallel = recipe.tensor_parallel * recipe.pipeline_parallel
+    layout = ("--tp", str(recipe.tensor_parallel), "--pp", str(recipe.pipeline_parallel))
     if task == "convert-hf":
-        args = ("--hf-path", hf_path, "--output", output, "--tensor-parallel", str(recipe.tensor_parallel),
-                "--pipeline-parallel", str(recipe.pipeline_parallel), *overrides)
-        script = f"{code_root}/{HF_TO_MEGATRON}"
+        args = ("--input", hf_path, "--output", output, *layout, *overrides)
+        script = HF_TO_MEGATRON
     else:
         if not checkpoint:
             raise ConfigError("task convert-megatron: --checkpoint DIR is required")
-        args = ("--checkpoint", checkpoint, "--hf-path", hf_path, "--output", output, *overrides)
-        script = f"{code_root}/{MEGATRON_TO_HF}"
-    return TaskSpec(task, Command.python(script, args, module=False), 1, model_parallel,
+        args = ("--input", checkpoint, "--output", output, "--hf-source", hf_path, *layout, *overrides)
+        script = MEGATRON_TO_HF
+    model_parallel = recipe.tensor_parallel * recipe.pipeline_parallel
+    return TaskSpec(task, Command.python(f"{code_root}/{script}", args, module=False), 1, model_parallel,
                     min(recipe.gpus_per_node, model_parallel))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -26,17 +27,22 @@ class Launch:
         try:
             rc = self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            self.kill()
             raise
         return rc, self.log.read_text(errors="replace")
+
+    def kill(self) -> None:
+        """Kill the CLI and what it started (its own process group)."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
 
 
 def start_cli(args: list[str], env: dict[str, str], log: Path) -> Launch:
     """``python -m launchers ARGS`` in the background, stdout and stderr to ``log``."""
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "launchers", *args], cwd=REPO, env=env,
-                                stdout=out, stderr=subprocess.STDOUT)
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     return Launch(proc, log)
 
 

@@ -140,13 +140,14 @@ def normalise(text: str, home: Path) -> str:
 def dryruns(tmp_path_factory):
     """``ngrpo-launch run ... --dryrun`` of every golden case, all at once."""
     tmp = tmp_path_factory.mktemp("dryrun")
-    config = tmp / "train.yaml"
-    config.write_text("model: {}\n")
     env = {**os.environ, "NEMORUN_HOME": str(tmp / "nemorun_home")}
-    return tmp / "nemorun_home", {
-        name: start_cli([*argv, "--config", str(config), "--account", "acct", "--partition", "gpu",
-                         "--dryrun"], env, tmp / f"{name}.log")
+    runs = {
+        name: start_cli([*argv, "--config", str(REPO / "configs" / f"ngrpo_{name.replace('-', '_')}.yaml"),
+                         "--account", "acct", "--partition", "gpu", "--dryrun"], env, tmp / f"{name}.log")
         for name, argv in GOLDEN_CASES.items()}
+    yield tmp / "nemorun_home", runs
+    for launch in runs.values():
+        launch.kill()
 
 
 @pytest.mark.parametrize("name", list(GOLDEN_CASES))
@@ -186,7 +187,9 @@ def local_runs(tmp_path_factory):
             "--hf-path", str(hf)]
     ok = start_cli([*base, f"smoke.out={tmp / 'out.json'}", "--title", "local-ok"], env, tmp / "ok.log")
     bad = start_cli([*base, "smoke.mode=bogus", "--title", "local-bad"], env, tmp / "bad.log")
-    return tmp, ok, bad
+    yield tmp, ok, bad
+    ok.kill()
+    bad.kill()
 
 
 def test_local_torchrun_job(local_runs):

@@ -193,3 +193,14 @@ def test_decide_for_strategy_dispatch():
                               key=key, position=pos)
     with pytest.raises(ValueError, match="k = "):
         P.soft_thinking(z, v + 1, 1.0, mixed, v)
+
+
+@pytest.mark.parametrize("metric", METRICS)
+def test_table_two_stage_topk_path(metric):
+    """V large enough for the blocked top-k (several key blocks), with heavy ties and exclusions."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.cat([torch.randint(-1, 2, (2500, 3), generator=g).float(), torch.randn(2500, 3, generator=g)])
+    exclude = torch.rand(5000, generator=g) < 0.1
+    rows = list(range(0, 5000, 125)) + [2499, 2500]
+    got = build_neighbor_table(w, 0, 4, metric, exclude, chunk_size=700)
+    assert torch.equal(got[rows], neighbor_table64(w, 4, metric, exclude, rows=rows))

@@ -8,7 +8,7 @@ all of them).
     (examples/arithmetic's task, 4 GRPO steps with checkpoints) under torchrun over both nodes,
     one rank per node, TP 2 across the nodes, in container mode (the SPANK stub's mounts and
     working directory).
-(b) evaluation: STAND-IN. ``megatron_ngrpo.eval`` does not run yet on this tree (its engine
+(b) evaluation, submitted with --detach and followed with ``status --wait``: STAND-IN. ``megatron_ngrpo.eval`` does not run yet on this tree (its engine
     factory call fails), so ``launchers.smoke`` takes its place with the same command line: a
     megatron-core forward of a tiny Qwen2 under torchrun, TP 1 × DP 2 on one node. Switching is
     ``EVAL_MODULE`` below plus an eval config (the checks read the stand-in's JSON).
@@ -80,7 +80,7 @@ def jobs(cluster, tmp_path_factory):
                   "--nodes", "2", "--procs-per-node", "1", "--gpus-per-node", "1",
                   "--rdzv-port", str(free_port()), "--container-image", "ngrpo/test:stub",
                   "--mount", f"{tmp}:{tmp}", f"train.run_dir={tmp / 'run'}"],
-        "eval": ["run", "tiny", "--task", "eval", "--title", "ngrpo-eval", "--module", EVAL_MODULE, *smoke,
+        "eval": ["run", "tiny", "--task", "eval", "--title", "ngrpo-eval", "--module", EVAL_MODULE, *smoke, "--detach",
                  "model.tensor_parallel=1", f"smoke.out={tmp / 'eval.json'}"],
         "het": ["run", "tiny", "--title", "ngrpo-het", "--module", "launchers.smoke", *smoke,
                 "--disaggregated", "--rollout-command",
@@ -93,8 +93,7 @@ def jobs(cluster, tmp_path_factory):
     launches = {name: start_cli([*argv, *common], env, tmp / f"{name}.log") for name, argv in runs.items()}
     yield tmp, env, launches
     for launch in launches.values():
-        if launch.proc.poll() is None:
-            launch.proc.kill()
+        launch.kill()
 
 
 def _json(path) -> dict:
@@ -136,16 +135,23 @@ def test_status_and_logs_after_submission(jobs):
     assert "megatron.core.optimizer" in out  # the trainer's own log lines
 
 
-def test_eval_job(jobs):
-    tmp, _, launches = jobs
+@pytest.fixture(scope="module")
+def eval_result(jobs) -> dict:
+    """The evaluation job was submitted with --detach: ``status --wait`` follows it to the end."""
+    tmp, env, launches = jobs
     rc, out = launches["eval"].finish()
-    assert rc == 0, out[-4000:]
-    assert "eval: SUCCEEDED" in out
-    ev = _json(tmp / "eval.json")
+    assert rc == 0 and "submitted; follow with" in out, out[-4000:]
+    rc, out = start_cli(["status", experiment_id(out), "--wait"], env, tmp / "eval-wait.log").finish()
+    assert rc == 0 and "eval: SUCCEEDED" in out, out[-4000:]
+    return _json(tmp / "eval.json")
+
+
+def test_eval_job_detached(eval_result):
+    ev = eval_result
     assert ev["world_size"] == 2 and ev["tp"] == 1 and ev["nodes"][0] == ev["nodes"][1]
 
 
-def test_heterogeneous_job(jobs):
+def test_heterogeneous_job(jobs, eval_result):
     tmp, _, launches = jobs
     rc, out = launches["het"].finish()
     assert rc == 0, out[-4000:]
@@ -154,8 +160,7 @@ def test_heterogeneous_job(jobs):
     assert het["tokens_from_server"] and het["world_size"] == 2 and het["tp"] == 2
     assert "SMOKE serving" in _logs(tmp, "ngrpo-het", "log-ngrpo.rollout-train-0_*.out")
     # the server sends the tokens the evaluation job drew from the same seed: same loss
-    assert launches["eval"].finish()[0] == 0
-    assert abs(het["loss"] - _json(tmp / "eval.json")["loss"]) < 1e-5
+    assert abs(het["loss"] - eval_result["loss"]) < 1e-5
 
 
 def test_failed_job_is_reported_and_exits_nonzero(jobs):

@@ -1,0 +1,12 @@
+"""HF ↔ Megatron checkpoint conversion for Qwen2, Llama and Qwen3, any TP/PP/VPP layout.
+
+- :mod:`.mapping`: THE name/shape mapping (``hf_to_megatron``, ``load_hf_tensors``,
+  ``export_hf_tensors`` — the streaming export used by live weight sync).
+- :mod:`.hf_io`: HF directories (lazy ``HFCheckpoint``, sharded writer, ``load_hf_into_megatron``,
+  ``save_hf_checkpoint``).
+- :mod:`.checkpoint`: the Megatron checkpoint layout (``checkpoint_meta``,
+  ``save_megatron_checkpoint``, ``load_megatron_checkpoint``, ``resolve_checkpoint``,
+  ``write_latest``, ``atomic_directory``).
+- :mod:`.convert`: whole-checkpoint conversion (``convert_hf_to_megatron``,
+  ``convert_megatron_to_hf``) behind ``tools/convert_*.py``.
+"""

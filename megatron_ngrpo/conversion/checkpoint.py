@@ -134,10 +134,12 @@ def atomic_directory(final: str | Path, overwrite: bool = False, collective: boo
 
 # ---------------------------------------------------------------- save / load
 
+def _model_keys(chunks: list) -> list[str]:
+    return ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+
+
 def _sharded_state_dict(chunks: list) -> dict:
-    if len(chunks) == 1:
-        return {"model": unwrap(chunks[0]).sharded_state_dict()}
-    return {f"model{i}": unwrap(c).sharded_state_dict() for i, c in enumerate(chunks)}
+    return {k: unwrap(c).sharded_state_dict() for k, c in zip(_model_keys(chunks), chunks)}
 
 
 def save_megatron_checkpoint(model_chunks: list, directory: str | Path, meta: dict,
@@ -226,27 +228,34 @@ def load_megatron_checkpoint(model_chunks: list, directory: str | Path, extra: d
     state = {**_sharded_state_dict(model_chunks), **(extra or {})}
     stored = dist_checkpointing.load_tensors_metadata(str(directory))
     repad = _check_against(stored, state, str(directory))
-    whole = {}
+    whole = []
     for parent, k, sh, shape in repad:  # read the whole (other-padded) rows, re-pad after load
-        buf = torch.empty(shape, dtype=sh.data.dtype)
-        # Whole tensor on every rank: exactly one main replica (replica_id 0) in the world.
-        parent[k] = ShardedTensor.from_rank_offsets(sh.key, buf, replica_id=dist.get_rank())
-        whole[id(parent), k] = (buf, sh.data)
-    loaded, missing, _unexpected = dist_checkpointing.load(  # unexpected: e.g. optimizer state
+        buf = torch.empty(shape, dtype=sh.data.dtype, device=sh.data.device)
+        # The whole tensor is now replicated over TP too: extend megatron's replica id with the TP
+        # rank, so exactly one rank still holds the main replica (all-zero id).
+        rid = sh.replica_id if isinstance(sh.replica_id, tuple) else (sh.replica_id,)
+        parent[k] = ShardedTensor.from_rank_offsets(
+            sh.key, buf, replica_id=(*rid, ps.get_tensor_model_parallel_rank()))
+        whole.append((sh.key, buf, sh.data))
+    loaded, missing, _ = dist_checkpointing.load(  # unexpected keys (e.g. optimizer) are fine
         state, str(directory), strict=StrictHandling.RETURN_ALL)
     raise_if(str(directory), ps.get_model_parallel_group(), missing=sorted(missing))
     tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    for buf, target in whole.values():
+    lost = []
+    for key, buf, target in whole:
         padded = target.shape[0] * tp
+        if buf[padded:].any():
+            lost.append(f"{key} (rows {padded}..{buf.shape[0]} are not padding)")
         full = buf[:padded] if buf.shape[0] >= padded else torch.cat(
             [buf, buf.new_zeros(padded - buf.shape[0], *buf.shape[1:])])
         target.copy_(tp_shard(Kind.VOCAB, full, tp, rank))
-    for key, chunk in zip(_sharded_state_dict(model_chunks), model_chunks):
+    raise_if(str(directory), ps.get_model_parallel_group(), vocab_larger_than_model=lost)
+    for key, chunk in zip(_model_keys(model_chunks), model_chunks):
         model = unwrap(chunk)
         current = model.state_dict()
         sd = loaded[key]
         for name in _VOCAB_KEYS:  # re-padded rows were copied into the parameters above
-            if name in sd and isinstance(sd[name], torch.Tensor) and sd[name].shape != current[name].shape:
+            if isinstance(sd.get(name), torch.Tensor) and sd[name].shape != current[name].shape:
                 sd[name] = current[name]
         model.load_state_dict(sd, strict=strict)
     return meta, {k: loaded[k] for k in (extra or {})}

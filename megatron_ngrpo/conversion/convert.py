@@ -46,13 +46,25 @@ def check_args(src: str | Path, out: str | Path, tp: int, pp: int, vpp: int | No
         raise ConfigError(f"layout tp={tp} pp={pp}: world size {world} is not a multiple of tp*pp")
 
 
+def current_layout() -> tuple[int, int, int | None] | None:
+    """(tp, pp, vpp) of megatron's parallel state, None when not initialised."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return None
+    return (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+            ps.get_virtual_pipeline_model_parallel_world_size())
+
+
 def _build(cfg: ModelConfig) -> list:
     from megatron_ngrpo.models.provider import build_model
     from megatron_ngrpo.parallel import init_distributed, initialize_model_parallel
 
     cfg.validate()
     init_distributed()
-    initialize_model_parallel(cfg.tensor_parallel, cfg.pipeline_parallel, cfg.virtual_pipeline)
+    layout = (cfg.tensor_parallel, cfg.pipeline_parallel, cfg.virtual_pipeline)
+    if current_layout() != layout:  # re-initialising creates new process groups (and threads)
+        initialize_model_parallel(*layout)
     return build_model(cfg)
 
 

@@ -79,7 +79,7 @@ class ShardedWriter:
         size = tensor.numel() * tensor.element_size()
         if self._pending and self._pending_bytes + size > self.max_bytes:
             self._flush()
-        self._pending[name] = tensor.detach().contiguous()
+        self._pending[name] = tensor.detach().cpu().contiguous()
         self._pending_bytes += size
         self.total_bytes += size
 

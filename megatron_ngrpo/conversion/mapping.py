@@ -258,6 +258,7 @@ def entries(chunks: list, spec: ArchSpec) -> list[Entry]:
     from megatron_ngrpo.models.provider import unwrap
 
     tp = ps.get_tensor_model_parallel_world_size()
+    hf = hf_layout(spec)
     out, wrong, unknown = [], [], []
     for c, chunk in enumerate(chunks):
         params = dict(unwrap(chunk).named_parameters())
@@ -269,7 +270,7 @@ def entries(chunks: list, spec: ArchSpec) -> list[Entry]:
                 unknown.append(glob)
                 continue
             p = params[local]
-            want = _megatron_shape(spec, glob, r.kind, padded)
+            want = _megatron_shape(hf, r, spec.hidden_size, padded)
             got = full_shape(r.kind, p.shape, tp)
             if got != want:
                 wrong.append(f"{glob} {got} (expected {want})")
@@ -286,14 +287,16 @@ def _padded_vocab(params: dict, tp: int) -> int:
     return 0
 
 
-def _megatron_shape(spec: ArchSpec, global_name: str, kind: Kind, padded_vocab: int) -> tuple[int, ...]:
-    if kind is Kind.VOCAB:
-        return (padded_vocab, spec.hidden_size)
-    hf = hf_layout(spec)
-    shapes = [hf.get(n) for n in rule(spec, global_name).hf_names]
-    if kind is Kind.QKV:
+def _megatron_shape(hf: dict, r: Rule, hidden: int, padded_vocab: int) -> tuple[int, ...]:
+    """Full Megatron shape of a parameter from the HF shapes of its tensors (``hf_layout``)."""
+    if r.kind is Kind.VOCAB:
+        return (padded_vocab, hidden)
+    shapes = [hf.get(n) for n in r.hf_names]
+    if None in shapes:  # a parameter the config does not have (e.g. a QKV bias)
+        return ()
+    if r.kind is Kind.QKV:
         return (sum(s[0] for s in shapes), *shapes[0][1:])
-    if kind is Kind.GATE_UP:
+    if r.kind is Kind.GATE_UP:
         return (2 * shapes[0][0], *shapes[0][1:])
     return shapes[0]
 
@@ -382,6 +385,7 @@ def export_hf_tensors(chunks: list, spec: ArchSpec, num_vocab: int | None = None
 
     num_vocab = num_vocab or spec.vocab_size
     plan, local = _export_plan(chunks, spec)
+    device = next(iter(local.values())).device
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
@@ -392,13 +396,14 @@ def export_hf_tensors(chunks: list, spec: ArchSpec, num_vocab: int | None = None
         owner = item.vstage % pp
         shard = local.get(item.global_name)
         if rank0_only:
-            full = _gather_to_rank0(item, shard, kind, owner, tp, tp_rank, pp_rank, tp_group, pp_group)
+            full = _gather_to_rank0(item, shard, kind, owner, tp, tp_rank, pp_rank, tp_group, pp_group,
+                                    device)
             if full is None:
                 continue
         else:
             if pp > 1:
                 if shard is None:
-                    shard = torch.empty(item.shape, dtype=item.dtype)
+                    shard = torch.empty(item.shape, dtype=item.dtype, device=device)
                 shard = shard.detach().contiguous()
                 dist.broadcast(shard, dist.get_global_rank(pp_group, owner), group=pp_group)
             full = _tp_gather(shard, kind, tp, tp_group, all_ranks=True)
@@ -421,7 +426,7 @@ def _tp_gather(shard: torch.Tensor, kind: Kind, tp: int, group, all_ranks: bool)
     return tp_merge(kind, parts) if parts is not None else None
 
 
-def _gather_to_rank0(item, shard, kind, owner, tp, tp_rank, pp_rank, tp_group, pp_group):
+def _gather_to_rank0(item, shard, kind, owner, tp, tp_rank, pp_rank, tp_group, pp_group, device):
     """Full tensor on global rank 0 (TP rank 0 of PP stage 0 of DP replica 0); None elsewhere."""
     full = None
     if pp_rank == owner:
@@ -433,7 +438,7 @@ def _gather_to_rank0(item, shard, kind, owner, tp, tp_rank, pp_rank, tp_group, p
         return None
     if pp_rank == 0:
         shape = full_shape(kind, torch.Size(item.shape), tp)
-        full = torch.empty(shape, dtype=item.dtype)
+        full = torch.empty(shape, dtype=item.dtype, device=device)
         dist.recv(full, dist.get_global_rank(pp_group, owner), group=pp_group)
         return full
     return None

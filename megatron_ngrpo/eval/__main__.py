@@ -1,7 +1,7 @@
 """`python -m megatron_ngrpo.eval --config FILE.yaml [a.b=c ...]`: evaluate a policy, or re-grade.
 
-The engine comes from ``megatron_ngrpo.rollout.factory.build_engine(rollout, model,
-checkpoint=...)`` (rollout.engine: megatron | vllm). Under torchrun every rank generates (the
+The policy comes from ``models.loading.build_policy`` (a Megatron checkpoint, or the HF weights in
+model.hf_path) and the engine from ``rollout.factory.build_engine`` (rollout.engine: megatron | vllm). Under torchrun every rank generates (the
 Megatron engine is collective) and only rank 0 writes the outputs.
 """
 
@@ -48,11 +48,13 @@ def main(argv: list[str] | None = None) -> int:
             result = regrade(cfg.regrade, graders, ks=cfg.ks or None, out_dir=cfg.output_dir)
         else:
             from megatron_ngrpo.data.tokenizer import load_tokenizer
+            from megatron_ngrpo.models.loading import build_policy
             from megatron_ngrpo.rollout.factory import build_engine
 
             tokenizer = load_tokenizer(cfg.tokenizer)
             benchmarks = load_benchmarks(list(cfg.benchmarks) + list(cfg.extra_benchmarks), cfg.limit)
-            engine = build_engine(cfg.rollout, cfg.model, checkpoint=cfg.checkpoint or None)
+            chunks = build_policy(cfg.model, cfg.checkpoint)
+            engine = build_engine(cfg, chunks, tokenizer)
             is_main = int(os.environ.get("RANK", "0")) == 0
             result = evaluate(engine, tokenizer, benchmarks, cfg.sampling.params(), graders,
                               template=cfg.template, ks=cfg.ks or None,

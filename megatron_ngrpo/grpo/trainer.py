@@ -112,7 +112,7 @@ class Trainer:
         from megatron_ngrpo.data.datasets import load_train_set
         from megatron_ngrpo.data.tokenizer import load_tokenizer
         from megatron_ngrpo.models.provider import ArchSpec, build_model
-        from megatron_ngrpo.parallel import init_distributed, initialize_model_parallel
+        from megatron_ngrpo.parallel import init_distributed, initialize_model_parallel, model_parallel_seed
         from megatron_ngrpo.rewards.registry import build_reward
         from megatron_ngrpo.rollout.factory import build_engine
 
@@ -137,6 +137,9 @@ class Trainer:
         self.total_steps = cfg.train.max_steps or cfg.train.num_epochs * self.prompts.batches_per_epoch
         self.updates_per_step = cfg.train.epochs_per_rollout * (cfg.train.prompts_per_step // cfg.train.mini_batch_prompts)
 
+        # Re-seed right before building: the random initialisation ("random" load) must not depend
+        # on what consumed the generators before (e.g. the datasets cache being cold or warm).
+        model_parallel_seed(cfg.train.seed)
         chunks = build_model(cfg.model)
         self._load_initial_weights(chunks)
         self._set_embedding_grad(chunks)
@@ -144,7 +147,7 @@ class Trainer:
         self.chunks = wrap_for_training(chunks, self._ddp_config())
         self.optimizer, self.scheduler = self._build_optimizer()
         self.reward_fn = build_reward(cfg.reward, cfg.rollout.max_new_tokens)
-        self.engine = build_engine(cfg, self.chunks)
+        self.engine = build_engine(cfg, self.chunks, tokenizer=self.tokenizer, seed=cfg.train.seed)
         self.settings = UpdateSettings(
             temperature=cfg.rollout.temperature, micro_batch_size=cfg.train.micro_batch_size,
             max_tokens=cfg.train.max_tokens_per_micro_batch, vocab_limit=self.num_real_tokens,
@@ -367,7 +370,7 @@ class Trainer:
         for _ in range(t.epochs_per_rollout):
             for start in range(0, tb.num_rows, rows_per_mini):
                 mini = tb.micro_batch(list(range(start, min(start + rows_per_mini, tb.num_rows))))
-                stats = loss_and_grads(self.chunks, mini, self.cfg.grpo, self.settings)
+                stats = loss_and_grads(self.chunks, mini, self.cfg.grpo, self.settings, self.optimizer)
                 first = first or stats
                 if stats["normaliser"] == 0:  # nothing active anywhere: no signal, no step
                     skipped += 1

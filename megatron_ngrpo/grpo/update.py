@@ -58,9 +58,11 @@ def wrap_for_training(chunks: list, ddp_config=None) -> list:
 
 
 def loss_and_grads(model_chunks: list, batch: TokenBatch, cfg: GRPOConfig, settings: UpdateSettings,
-                   with_entropy: bool = True) -> dict[str, float]:
-    """Zero the gradient buffers, then forward + backward ``batch``; gradients end in the DDP
-    ``main_grad`` buffers, reduced over DP. Returns mini-batch statistics reduced over DP
+                   optimizer=None, with_entropy: bool = True) -> dict[str, float]:
+    """Zero the gradient buffers (and ``optimizer``'s gradients: after a step megatron's
+    optimizers leave ``param.grad`` aliasing ``main_grad``, which the next backward would add in
+    twice), then forward + backward ``batch``; gradients end in the DDP ``main_grad`` buffers,
+    reduced over DP. Returns mini-batch statistics reduced over DP
     (on every rank): ``loss``/``pg_loss``/``kl_loss`` (the aggregated objective), per-token means
     ``clip_frac``, ``kl``, ``entropy``, ``ratio``, max ``ratio_max``, and the global
     ``normaliser`` (0: nothing active, the gradients are zero)."""
@@ -72,6 +74,8 @@ def loss_and_grads(model_chunks: list, batch: TokenBatch, cfg: GRPOConfig, setti
     batch = batch.with_extras(token_weight=weights)
     for c in model_chunks:
         c.zero_grad_buffer()
+    if optimizer is not None:
+        optimizer.zero_grad()
     plan = MicroBatchPlan.make(batch, settings.micro_batch_size, settings.max_tokens)
     micro_batches = plan.micro_batches(batch)
 

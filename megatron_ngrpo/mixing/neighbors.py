@@ -9,31 +9,35 @@ Algorithm (never materialises V×V):
 1. The query rows are split into chunks of ``chunk_size`` ids (and, with a data-parallel group,
    the chunks are shared out among the DP ranks). Each chunk's embedding rows are assembled on
    every TP rank from the partitions that own them (one all-reduce of [chunk, d]).
-2. Each TP rank scores the chunk against its local rows in fp32 (one matmul; ``cdist`` for L1),
-   masks excluded rows and the anchor itself, and takes a local top-(k-1+margin).
+2. Each TP rank scores the chunk against its local rows in fp32 (matmuls over blocks of key
+   rows; ``cdist`` for L1), masks excluded rows and the anchor itself, and takes a local
+   top-(k-1+margin) in two stages (maxima of 32-row blocks, then the best blocks' rows).
 3. The candidates are re-scored in float64. A rigorous fp32 error bound ``tol`` certifies the
    result: if the weakest fp32 candidate lies below (the (k-1)-th float64 score - tol), no other
    local row can reach the true top-(k-1); otherwise every local row whose fp32 score clears
    that threshold is re-scored in float64 too (rare: near-ties at the candidate boundary).
    Sorting by (-score64, id) gives the exact local top-(k-1), ties broken by the lower id.
-4. The local lists are all-gathered over TP and merged with the same order (the global
-   top-(k-1) is contained in the union of the local ones); DP shares are all-gathered.
+4. The local lists are all-gathered over TP (one all-gather of (score, id) pairs) and merged
+   in the same order (the global top-(k-1) is contained in the union of the local ones); the
+   DP shares are all-gathered at the end.
 
-The result equals a brute-force float64 computation (score rounding aside, ties → lower id) and
-is replicated on every rank.
+The result equals the float64 definition :func:`pair_scores64` evaluated for every pair and
+sorted by (-score, id) (``testing.reference.neighbor_table64``), and is replicated on every rank.
 
-Peak extra memory per rank, with ``c = chunk_size`` and ``V_l`` local rows: ``4·c·V_l`` bytes of
-fp32 chunk scores plus the top-k/index buffers ``(8+4)·c·(k+margin)`` (+ ``4·V_l·d`` for the
-normalised copy under cosine, + ``4·c·d`` for the query chunk); float64 re-scoring works in
-blocks of at most 32 MiB; the near-tie fallback adds ``~40`` bytes per above-threshold
-(query, row) pair of the chunk's uncertified rows. E.g.
-Qwen2.5-1.5B (V_l = 151936, d = 1536) at c = 4096: 2.5 GB of scores + 0.9 GB normalised copy.
+Peak extra memory per rank, with ``c = chunk_size``, ``V_l`` local rows and width ``d``:
+``4·c·V_l`` bytes of fp32 chunk scores (one reused buffer), ``4·V_l·d`` for the fp32 (normalised
+under cosine) copy of the local rows (none for fp32 weights under dot/l2), ``8·V_l`` of float64
+row norms, ``4·c·d`` for the query chunk, small [c, k+margin] candidate buffers, float64
+re-scoring in blocks of at most 32 MiB, and ``~40`` bytes per above-threshold (query, row) pair
+of the near-tie fallback (bounded by ``c·V_l`` pairs in the degenerate all-ties case). E.g.
+Qwen2.5-1.5B (V_l = 151936, d = 1536) at c = 1024: 0.62 GB of scores + 0.93 GB normalised copy.
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -46,6 +50,10 @@ _MARGIN = 2
 _NORM_EPS = 1e-12
 # Id of "no candidate" (-inf score) entries: above every id, exact in float64.
 _SENTINEL = 2 ** 53
+# Key rows scored per matmul (the output block stays in cache); a multiple of _TOPK_BLOCK.
+_KEY_BLOCK = 4096
+# Keys per block of the two-stage top-k.
+_TOPK_BLOCK = 32
 # Bound on the float64 candidate rows gathered at once for re-scoring.
 _BLOCK_BYTES = 32 * 2**20
 
@@ -205,8 +213,7 @@ class _Keys:
         self.w32 = w32
         self.norm64 = _row_norms64(weight) if metric == "cosine" else None
         self.sq32 = norms * norms if metric == "l2" else None
-        excluded = exclude[vocab_start:vocab_start + self.n]
-        self.excluded = excluded if bool(excluded.any()) else None
+        self.excluded = exclude[vocab_start:vocab_start + self.n].nonzero().squeeze(1)
         # Largest key magnitude (L2 for dot/l2, L1 for l1) for the error bound, from fp32 sums
         # (relative error < 1e-4 even for d = 10^4, absorbed by the slack below).
         self.max_l2 = float(norms.max()) * (1 + 1e-4) if self.n else 0.0
@@ -221,32 +228,63 @@ class _Keys:
         self._buf: torch.Tensor | None = None
 
     def _out(self, c: int) -> torch.Tensor:
-        """Reused [c, V_l] fp32 score buffer (fresh pages for every chunk cost page faults)."""
-        if self._buf is None or self._buf.shape[0] < c:
-            self._buf = torch.empty(c, self.n, dtype=torch.float32, device=self.raw.device)
-        return self._buf[:c]
+        """Reused [V_l, c] fp32 score buffer (fresh pages for every chunk cost page faults)."""
+        if self._buf is None or self._buf.shape[1] < c:
+            self._buf = torch.empty(self.n, c, dtype=torch.float32, device=self.raw.device)
+        return self._buf[:, :c] if self._buf.shape[1] == c else self._buf.view(-1)[:self.n * c].view(self.n, c)
 
-    def scores32(self, q32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """fp32 scores [c, V_l] (shifted by a per-row constant), the shift [c] (float64) so that
-        score ≈ scores32 + shift, and the per-row error bound tol [c] (float64)."""
+    def scores32(self, q32: torch.Tensor, c0: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """Scores of queries ``c0 ..`` (rows q32 [c, d]) against the local keys.
+
+        Returns transposed fp32 scores st [V_l, c] (shifted by a per-query constant; excluded
+        keys and each query's own row set to -inf), the maxima of every _TOPK_BLOCK keys
+        [V_l // _TOPK_BLOCK, c] (or None), the shift [c] (float64, score ≈ st + shift) and the
+        per-query error bound tol [c] (float64). Keys-major, in blocks of _KEY_BLOCK rows: each
+        block's output is a contiguous row range, masked and reduced while in cache.
+        """
         q64 = q32.double()
         c = q32.shape[0]
         shift = torch.zeros(c, dtype=torch.float64, device=q32.device)
         if self.metric == "cosine":
-            s = torch.mm(F.normalize(q32, dim=1, eps=_NORM_EPS), self.w32.T, out=self._out(c))
+            qt = F.normalize(q32, dim=1, eps=_NORM_EPS).T
             tol = torch.full_like(shift, 3.0 * self.gamma)
         elif self.metric == "dot":
-            s = torch.mm(q32, self.w32.T, out=self._out(c))
+            qt = q32.T
             tol = self.gamma * q64.norm(dim=1) * self.max_l2
-        elif self.metric == "l2":  # -|q-r|² = 2q·r - |r|² - |q|²; |q|² is a per-row shift
-            s = torch.addmm(self.sq32.unsqueeze(0), q32, self.w32.T, beta=-1.0, alpha=2.0, out=self._out(c))
+        elif self.metric == "l2":  # -|q-r|² = 2q·r - |r|² - |q|²; |q|² is a per-query shift
+            qt = q32.T
             qn = q64.norm(dim=1)
             shift = -(q64 * q64).sum(1)
             tol = self.gamma * (2.0 * qn * self.max_l2 + self.max_l2 ** 2 + qn * qn)
-        else:  # l1
-            s = torch.cdist(q32.unsqueeze(0), self.w32.unsqueeze(0), p=1).squeeze(0).neg_()
+        else:
+            qt = None
             tol = self.gamma * (q64.abs().sum(1) + self.max_l1)
-        return s, shift, tol
+        out = self._out(c)
+        own = torch.arange(c0, c0 + c, device=q32.device) - self.start
+        cols = ((own >= 0) & (own < self.n)).nonzero().squeeze(1)
+        own = own[cols]
+        nb = self.n // _TOPK_BLOCK
+        maxima = torch.empty(nb, c, dtype=torch.float32, device=q32.device) if nb else None
+        for j in range(0, self.n, _KEY_BLOCK):
+            blk = slice(j, min(j + _KEY_BLOCK, self.n))
+            o = out[blk]
+            if self.metric == "l1":
+                o.copy_(torch.cdist(self.w32[blk].unsqueeze(0), q32.unsqueeze(0), p=1).squeeze(0)).neg_()
+            else:
+                _mm_into(self.w32[blk], qt, o)
+                if self.metric == "l2":
+                    o.mul_(2.0).sub_(self.sq32[blk].unsqueeze(1))
+            ex = self.excluded[(self.excluded >= blk.start) & (self.excluded < blk.stop)]
+            if ex.numel():
+                out.index_fill_(0, ex, float("-inf"))
+            inb = (own >= blk.start) & (own < blk.stop)
+            if inb.any():
+                out[own[inb], cols[inb]] = float("-inf")
+            full = (blk.stop - blk.start) // _TOPK_BLOCK
+            if full:
+                b0 = blk.start // _TOPK_BLOCK
+                torch.amax(o[:full * _TOPK_BLOCK].view(full, _TOPK_BLOCK, c), 1, out=maxima[b0:b0 + full])
+        return out, maxima, shift, tol
 
     def scores64(self, q: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
         """float64 scores of queries q [n, d] against local rows ``cols`` [n, m] → [n, m], in
@@ -317,16 +355,9 @@ def _query_rows(keys: _Keys, c0: int, c1: int, tp_group) -> torch.Tensor:
 def _local_topk(keys: _Keys, q32: torch.Tensor, c0: int, kk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact local top-kk per query: float64 scores [c, kk] (-inf where fewer allowed local rows)
     and global ids [c, kk] (ordered by (-score, id); id = _SENTINEL for -inf entries)."""
-    c = q32.shape[0]
-    s32, shift, tol = keys.scores32(q32)
-    if keys.excluded is not None:
-        s32.masked_fill_(keys.excluded.unsqueeze(0), float("-inf"))
-    self_local = torch.arange(c0, c0 + c, device=q32.device) - keys.start
-    own = (self_local >= 0) & (self_local < keys.n)
-    s32[own.nonzero().squeeze(1), self_local[own]] = float("-inf")
-
+    st32, maxima, shift, tol = keys.scores32(q32, c0)  # [V_l, c]
     m = min(kk + _MARGIN, keys.n)
-    vals, cols = _blocked_topk(s32, m)
+    vals, cols = _blocked_topk(st32, maxima, m)
     cand64 = keys.scores64(q32, cols).masked_fill_(torch.isneginf(vals), float("-inf"))
     if m < kk:  # fewer local rows than kk: pad
         pad = kk - m
@@ -347,7 +378,7 @@ def _local_topk(keys: _Keys, q32: torch.Tensor, c0: int, kk: int) -> tuple[torch
     retry = (~certified).nonzero().squeeze(1)
     if retry.numel():
         out_scores[retry], out_ids[retry] = _rescore_above(
-            keys, q32[retry], s32[retry], (threshold - shift)[retry], kk, sentinel)
+            keys, q32[retry], st32[:, retry].T, (threshold - shift)[retry], kk, sentinel)
     return out_scores, out_ids
 
 
@@ -374,25 +405,35 @@ def _rescore_above(keys: _Keys, q32, s32, threshold32, kk: int, sentinel: int):
     return scores, out
 
 
-def _blocked_topk(s: torch.Tensor, m: int, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-m values and columns per row of s [c, n], in two stages: the m blocks of ``block``
-    columns with the largest maxima contain a top-m set (any other column is ≤ the m-th block
-    maximum ≤ the m-th value taken), so only m·block columns per row are ranked. Several times
-    faster than ``torch.topk`` over long rows on CPU. Ties may resolve to any top-m set (the
-    float64 certificate does not rely on which)."""
-    c, n = s.shape
-    nb = n // block
-    if nb < 4 * m:
-        return torch.topk(s, m, dim=1)
-    maxima = s[:, :nb * block].unfold(1, block, block).amax(-1)  # [c, nb]
-    if nb * block < n:
-        maxima = torch.cat([maxima, s[:, nb * block:].amax(1, keepdim=True)], 1)
-    _, blocks = torch.topk(maxima, m, dim=1)  # [c, m]
-    cols = (blocks.unsqueeze(-1) * block + torch.arange(block, device=s.device)).reshape(c, -1)
-    inside = cols < n
-    cand = torch.gather(s, 1, cols.clamp_max(n - 1)).masked_fill_(~inside, float("-inf"))
-    vals, pos = torch.topk(cand, m, dim=1)
-    return vals, torch.gather(cols, 1, pos)
+def _mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """out = a @ b (fp32). On CPU through numpy's BLAS (OpenBLAS): on the AMD EPYC machines here
+    torch's MKL sgemm is ~10% slower, and this matmul is nearly all of the table's cost."""
+    if out.device.type == "cpu":
+        np.matmul(a.numpy(), b.numpy(), out=out.numpy())
+    else:
+        torch.mm(a, b, out=out)
+
+
+def _blocked_topk(st: torch.Tensor, maxima: torch.Tensor | None, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-m values [c, m] and key indices [c, m] per query (column) of contiguous transposed
+    scores st [n, c], from the maxima [n // _TOPK_BLOCK, c] of its key blocks: the m blocks
+    with the largest maxima (plus the ragged tail) contain a top-m set (any other key scores ≤
+    the m-th block maximum ≤ the m-th value taken), so only ~m·_TOPK_BLOCK keys per query are
+    ranked, several times faster than ``torch.topk`` over long rows on CPU. Ties may resolve
+    to any top-m set (the float64 certificate does not rely on which)."""
+    n, c = st.shape
+    if maxima is None or maxima.shape[0] < 4 * m:
+        vals, idx = torch.topk(st, m, dim=0)
+        return vals.T, idx.T
+    nb = maxima.shape[0]
+    if nb * _TOPK_BLOCK < n:
+        maxima = torch.cat([maxima, st[nb * _TOPK_BLOCK:].amax(0, keepdim=True)], 0)
+    blocks = torch.topk(maxima.T, m, dim=1).indices  # [c, m]
+    keys = (blocks.unsqueeze(-1) * _TOPK_BLOCK + torch.arange(_TOPK_BLOCK, device=st.device)).reshape(c, -1)
+    inside = keys < n
+    flat = keys.clamp_max(n - 1) * c + torch.arange(c, device=st.device).unsqueeze(1)
+    vals, pos = torch.topk(st.reshape(-1)[flat].masked_fill_(~inside, float("-inf")), m, dim=1)
+    return vals, torch.gather(keys, 1, pos)
 
 
 def _order_by_score_then_id(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import resource
 import signal
 import threading
@@ -39,7 +40,14 @@ def _worker_main(conn, memory_mb: int, warmup: Callable | None) -> None:
     if warmup is not None:
         warmup()
     conn.send(("ready", None))
+    parent = os.getppid()
     while True:
+        # A parent killed by SIGKILL does not always close our pipe end (spawned siblings may
+        # hold it), so also leave once we are re-parented.
+        if not conn.poll(2.0):
+            if os.getppid() != parent:
+                return
+            continue
         try:
             task = conn.recv()
         except EOFError:

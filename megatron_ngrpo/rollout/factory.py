@@ -18,10 +18,13 @@ def tokenizer_kwargs(tokenizer) -> dict:
     }
 
 
-def build_engine(cfg, model_chunks, tokenizer=None) -> RolloutEngine:
-    """``cfg.rollout.engine``: "megatron" generates with ``model_chunks`` themselves; "vllm" starts
-    a vLLM engine on ``cfg.model.hf_path`` and loads ``model_chunks``' weights into it (so a
-    randomly initialised or resumed policy is what vLLM samples from)."""
+def build_engine(cfg, model_chunks, tokenizer=None, seed: int = 0) -> RolloutEngine:
+    """The engine of ``cfg.rollout`` (any config with ``rollout`` and ``model`` sections: the
+    trainer's or the evaluation's) for the policy ``model_chunks``.
+
+    "megatron" generates with ``model_chunks`` themselves; "vllm" starts a vLLM engine on
+    ``cfg.model.hf_path`` and loads ``model_chunks``' weights into it (so a randomly initialised or
+    resumed policy is what vLLM samples from)."""
     kwargs = tokenizer_kwargs(tokenizer)
     if cfg.rollout.engine == "megatron":
         from megatron_ngrpo.rollout.megatron_engine import MegatronEngine
@@ -30,6 +33,6 @@ def build_engine(cfg, model_chunks, tokenizer=None) -> RolloutEngine:
     from megatron_ngrpo.rollout.vllm_engine import VLLMEngine
 
     tok_path = getattr(tokenizer, "name_or_path", None) or None
-    engine = VLLMEngine.from_config(cfg.rollout, cfg.model, tokenizer=tok_path, seed=cfg.train.seed)
+    engine = VLLMEngine.from_config(cfg.rollout, cfg.model, tokenizer=tok_path, seed=seed)
     engine.sync_weights(model_chunks)
     return engine

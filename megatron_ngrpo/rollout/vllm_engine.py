@@ -253,7 +253,9 @@ class VLLMEngine(RolloutEngine):
         t0 = time.perf_counter()
         table, noise = None, None
         if mixing.strategy == "neighbor":
-            weight = self._source_matrix(mixing.neighbor_source)
+            # V×V scoring: on the GPU when there is one (the checkpoint is read on the CPU)
+            weight = self._source_matrix(mixing.neighbor_source).to(
+                "cuda" if torch.cuda.is_available() else "cpu")
             exclude = exclusion_mask(weight.shape[0], mixing, self.num_real_tokens, self.special_ids)
             table = build_neighbor_table(weight, 0, mixing.k, mixing.metric, exclude, mixing.chunk_size)
         if mixing.strategy == "stht":

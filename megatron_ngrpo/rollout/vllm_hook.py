@@ -22,13 +22,14 @@ embeddings together, so the hook lives there:
   request is re-prefilled from scratch and gets its mixes re-applied. On the token-id path it
   embeds the scheduled ids itself and passes ``input_ids=None``.
 
-Log-probs. The engine is built with ``logprobs_mode="raw_logits"`` and requests
-``logprobs=0``: vLLM gathers the raw logit ``z[token]`` of each returned token, and ``_sample``
-turns it into ``z[token]/T - logsumexp(z/T)``, the log-probability under the temperature-scaled
-*full* distribution (what the trainer recomputes: ``log_softmax(logits / T)``). vLLM's own modes
-do not give that: ``raw_logprobs`` ignores T and ``processed_logprobs`` is taken after top-k/top-p
-truncation (and disables FlashInfer sampling on GPU). A forced anchor gets the anchor's logit, so
-the returned value is consistent with the emitted token. Greedy rows (T = 0) use T = 1.
+Log-probs. The engine is built with ``logprobs_mode="raw_logits"`` (vLLM only clones the logits)
+and requests ``logprobs=0``; ``_sample`` computes ``log_softmax(z / T)`` of the raw logits before
+the sampler and overwrites every returned value with it, gathered at the returned token ids: the
+log-probability under the temperature-scaled *full* distribution, exactly what the trainer
+recomputes. vLLM's own modes do not give that: ``raw_logprobs`` ignores T and
+``processed_logprobs`` is taken after top-k/top-p truncation (and disables FlashInfer sampling on
+GPU). A forced anchor's id (and rank) is written before the gather, so the value belongs to the
+emitted token. Greedy rows (T = 0) use T = 1, vLLM's convention.
 
 Thinking-only gate (``stop_ids``, the ids of e.g. ``"</think>"``): once the emitted tokens end with
 ``stop_ids`` the request is never mixed again, and the position that completed them is not mixed.
@@ -106,7 +107,7 @@ class _Request:
     last_pos: int = -1  # highest absolute position decided so far
     stopped: bool = False
     tail: list[int] = field(default_factory=list)  # last len(stop_ids) emitted tokens
-    # absolute position → (ids [k], weights [k], noise [h] or None), until the request finishes
+    # absolute position → (ids, weights: k-lists, noise: [h] tensor or None), until it finishes
     pending: dict = field(default_factory=dict)
     records: list = field(default_factory=list)  # [(abs_pos, ids, weights, noise)]
 
@@ -175,13 +176,24 @@ class _MixState:
             self.finish(req_id)
             r = self.requests.pop(req_id)
             mixes = []
-            if r.records:  # one device → host copy per request
+            if r.records:
                 pos, ids, weights, noise = zip(*r.records)
-                ids, weights = torch.stack(ids).tolist(), torch.stack(weights).tolist()
-                noise = [None] * len(pos) if noise[0] is None else torch.stack(noise).tolist()
+                noise = noise if noise[0] is None else torch.stack(noise).tolist()
                 mixes = [[p - r.prompt_len, *m] for p, *m in zip(pos, ids, weights, noise)]
             out[req_id] = {"index": r.index, "child": r.child, "mix": mixes}
         return out
+
+
+@dataclass
+class _Group:
+    """One step's decisions for gated rows of equal settings: ``members`` [(row, request,
+    absolute position)], ``rows`` [M] row indices, ``dec`` the MixDecision; for forced anchors,
+    the anchor's rank [M] in the vocabulary (vLLM's ``Logprob.rank``)."""
+
+    members: list
+    rows: torch.Tensor
+    dec: decision.MixDecision
+    rank: torch.Tensor | None = None
 
 
 class NeighborMixRunner:
@@ -214,14 +226,16 @@ class NeighborMixRunner:
             inputs_embeds = self.inputs_embeds.gpu[:num_input_tokens]
             inputs_embeds.copy_(self.model.embed_input_ids(self.input_ids.gpu[:num_input_tokens]))
             input_ids = None
-        ids = torch.stack([e[0] for e in entries])
-        weights = torch.stack([e[1] for e in entries])
+        device = inputs_embeds.device
+        ids = torch.tensor([e[0] for e in entries], dtype=torch.long, device=device)
+        weights = torch.tensor([e[1] for e in entries], dtype=torch.float32, device=device)
         cand = self.model.embed_input_ids(ids.flatten()).view(*ids.shape, -1)  # [M, k, h]
         # Same arithmetic as the trainer's MixingVocabParallelEmbedding: Σ w·E in E's dtype, + noise.
         mix = (weights.to(cand.dtype).unsqueeze(-1) * cand).sum(1)
-        if entries[0][2] is not None:
-            mix = mix + torch.stack([e[2] for e in entries]).to(mix.dtype)
-        index = torch.tensor(rows, dtype=torch.long, device=inputs_embeds.device)
+        noisy = [j for j, e in enumerate(entries) if e[2] is not None]  # STHT
+        if noisy:
+            mix[noisy] += torch.stack([entries[j][2] for j in noisy]).to(device=device, dtype=mix.dtype)
+        index = torch.tensor(rows, dtype=torch.long, device=device)
         inputs_embeds.index_copy_(0, index, mix.to(inputs_embeds.dtype))
         return (input_ids, inputs_embeds, *rest)
 
@@ -259,17 +273,18 @@ class NeighborMixRunner:
         if state.num_real_tokens < logits.shape[1]:  # unused vocab rows are never sampled
             logits[:, state.num_real_tokens:] = float("-inf")
         temp = self._nm_temperatures(meta, num_reqs, logits.device)
-        lse = None
-        if meta.max_num_logprobs is not None:
-            lse = torch.logsumexp(logits.float() / temp.unsqueeze(1), dim=-1)
+        logp = None
+        if meta.max_num_logprobs is not None:  # [num_reqs, V] what the trainer recomputes
+            logp = (logits.float() / temp.unsqueeze(1)).log_softmax(dim=-1)
         plan = self._nm_plan(logits, temp) if state.requests else None
 
         out = super()._sample(logits, spec_decode_metadata)
 
         if plan is not None:
             self._nm_commit(plan, out)
-        if lse is not None and out.logprobs_tensors is not None:
-            out.logprobs_tensors.logprobs.div_(temp.unsqueeze(1)).sub_(lse.unsqueeze(1))
+        lp = out.logprobs_tensors
+        if logp is not None and lp is not None:
+            lp.logprobs.copy_(logp.gather(1, lp.logprob_token_ids.long()))
         return out
 
     @staticmethod
@@ -282,7 +297,7 @@ class NeighborMixRunner:
 
     def _nm_plan(self, logits: torch.Tensor, temp: torch.Tensor):
         """Rows to watch this step, ``(row, request, absolute position)``, and the decisions of
-        the gated ones, taken on the raw logits."""
+        the gated ones (taken on the raw logits), batched per group of equal settings."""
         state = self._nm
         num_reqs = logits.shape[0]
         discard = self.discard_request_mask.np[:num_reqs].tolist()
@@ -299,16 +314,15 @@ class NeighborMixRunner:
         temps = temp.tolist() if gated else []
         groups: dict = {}
         for w in gated:
-            d = w[1].decision
-            groups.setdefault((temps[w[0]], w[1].seed, d.strategy, d.k, d.temperature,
+            r = w[1]
+            d = r.decision
+            groups.setdefault((temps[w[0]], r.seed, r.emit_anchor, d.strategy, d.k, d.temperature,
                                d.gumbel_temperature), []).append(w)
-        decided = []
-        for members in groups.values():
-            decided += self._nm_decide(logits, members, temps[members[0][0]])
-        return watch, decided
+        return watch, [self._nm_decide(logits, members, temps[members[0][0]])
+                       for members in groups.values()]
 
-    def _nm_decide(self, logits: torch.Tensor, members, temperature: float) -> list:
-        """Decisions of gated rows sharing temperature, seed and strategy settings."""
+    def _nm_decide(self, logits: torch.Tensor, members, temperature: float) -> _Group:
+        """Decisions of gated rows sharing temperature, seed, emission and strategy settings."""
         state = self._nm
         r0 = members[0][1]
         rows = torch.tensor([m[0] for m in members], device=logits.device)
@@ -319,28 +333,25 @@ class NeighborMixRunner:
             r0.decision, z, torch.ones(len(members), dtype=torch.bool, device=z.device),
             temperature=temperature, num_real_tokens=state.num_real_tokens, table=state.table,
             noise=state.noise, seed=r0.seed, key=keys, position=steps)
-        anchor_logit = z.gather(1, dec.anchor.unsqueeze(1)).squeeze(1).float()
-        rank = (z.float() > anchor_logit.unsqueeze(1)).sum(-1) + 1
-        noise = dec.noise
-        return [(i, r, p, dec.ids[j], dec.weights[j], None if noise is None else noise[j],
-                 dec.anchor[j], anchor_logit[j], rank[j]) for j, (i, r, p) in enumerate(members)]
+        group = _Group(members, rows, dec)
+        if r0.emit_anchor:
+            anchor_logit = z.gather(1, dec.anchor.unsqueeze(1))
+            group.rank = (z > anchor_logit).sum(-1) + 1
+        return group
 
     def _nm_commit(self, plan, out) -> None:
         """Force anchors, apply the thinking-only gate, store pending mixes and records."""
         state = self._nm
-        watch, decided = plan
+        watch, groups = plan
         sampled = out.sampled_token_ids
         lp = out.logprobs_tensors
-        forced = [d for d in decided if d[1].emit_anchor]
-        if forced:
-            rows = torch.tensor([d[0] for d in forced], device=sampled.device)
-            anchors = torch.stack([d[6] for d in forced])
-            sampled[rows, 0] = anchors.to(sampled.dtype)
-            if lp is not None:  # the raw logit and rank of the anchor; converted in _sample
-                lp.logprob_token_ids[rows, 0] = anchors.to(lp.logprob_token_ids.dtype)
-                lp.logprobs[rows, 0] = torch.stack([d[7] for d in forced]).to(lp.logprobs.dtype)
-                lp.selected_token_ranks[rows] = torch.stack([d[8] for d in forced]).to(
-                    lp.selected_token_ranks.dtype)
+        for g in groups:
+            if g.rank is None:
+                continue
+            sampled[g.rows, 0] = g.dec.anchor.to(sampled.dtype)
+            if lp is not None:  # its log-prob is gathered in _sample
+                lp.logprob_token_ids[g.rows, 0] = g.dec.anchor.to(lp.logprob_token_ids.dtype)
+                lp.selected_token_ranks[g.rows] = g.rank.to(lp.selected_token_ranks.dtype)
         completed = set()
         stop_rows = [(i, r) for i, r, _ in watch if r.stop_ids]
         if stop_rows:
@@ -348,12 +359,16 @@ class NeighborMixRunner:
             completed = {i for i, r in stop_rows if r.emitted(tokens[i])}
         for _, r, p in watch:
             r.last_pos = p
-        for i, r, p, ids, weights, noise, *_ in decided:
-            if i in completed:  # the token that completes stop_ids is never mixed
-                continue
-            r.pending[p] = (ids, weights, noise)
-            r.records.append((p, ids, weights, noise))
-            state.num_pending += 1
+        for g in groups:
+            # host lists: one copy per group, exact for float32 weights
+            ids, weights, noise = g.dec.ids.tolist(), g.dec.weights.tolist(), g.dec.noise
+            for j, (i, r, p) in enumerate(g.members):
+                if i in completed:  # the token that completes stop_ids is never mixed
+                    continue
+                entry = (ids[j], weights[j], None if noise is None else noise[j])
+                r.pending[p] = entry
+                r.records.append((p, *entry))
+                state.num_pending += 1
 
 
 class NeighborMixExtension:

@@ -9,40 +9,40 @@ import torch
 import torch.nn.functional as F
 
 
-def similarity_matrix64(weight: torch.Tensor, metric: str) -> torch.Tensor:
-    """[V, V] float64 similarity of every pair of rows, one query row at a time (cosine of a zero
-    row is 0; l2 is the negated squared distance, l1 the negated L1 distance)."""
+def similarity_matrix64(weight: torch.Tensor, metric: str, rows=None) -> torch.Tensor:
+    """[R, V] float64 similarity of query rows ``rows`` (default all) to every row, one query at a
+    time: cosine = q·r / (max(‖q‖, ε)·max(‖r‖, ε)) (a zero row scores 0), dot, l2 = -‖q-r‖²,
+    l1 = -‖q-r‖₁."""
     w = weight.detach().double()
     norms = torch.linalg.vector_norm(w, dim=-1).clamp_min(1e-12)
-    rows = []
-    for q, qn in zip(w, norms):
-        if metric == "cosine":  # q·r / (max(‖q‖, ε)·max(‖r‖, ε))
-            rows.append((q * w).sum(-1) / (qn * norms))
+    out = []
+    for a in (range(w.shape[0]) if rows is None else rows):
+        q = w[a]
+        if metric == "cosine":
+            out.append((q * w).sum(-1) / (norms[a] * norms))
         elif metric == "dot":
-            rows.append((q * w).sum(-1))
+            out.append((q * w).sum(-1))
         elif metric == "l2":
-            rows.append(-((q - w) ** 2).sum(-1))
+            out.append(-((q - w) ** 2).sum(-1))
         elif metric == "l1":
-            rows.append(-(q - w).abs().sum(-1))
+            out.append(-(q - w).abs().sum(-1))
         else:
             raise ValueError(f"metric {metric!r}")
-    return torch.stack(rows)
+    return torch.stack(out)
 
 
 def neighbor_table64(weight: torch.Tensor, k: int, metric: str = "cosine",
-                     exclude: torch.Tensor | None = None) -> torch.Tensor:
-    """[V, k] table: row v = v then the k-1 most similar allowed rows ≠ v, by (-score, id)."""
-    s = similarity_matrix64(weight, metric)
-    v = s.shape[0]
-    banned = torch.eye(v, dtype=torch.bool)
-    if exclude is not None:
-        banned |= exclude.cpu().bool().unsqueeze(0)
-    rows = []
-    for a in range(v):
-        cand = [(-float(s[a, j]), j) for j in range(v) if not banned[a, j]]
-        cand.sort()
-        rows.append([a] + [j for _, j in cand[:k - 1]])
-    return torch.tensor(rows, dtype=torch.long)
+                     exclude: torch.Tensor | None = None, rows=None) -> torch.Tensor:
+    """[V, k] table (or the rows ``rows``): row v = v then the k-1 most similar allowed rows ≠ v,
+    ordered by (-score, id)."""
+    rows = list(range(weight.shape[0]) if rows is None else rows)
+    s = similarity_matrix64(weight, metric, rows)
+    banned = torch.zeros(weight.shape[0], dtype=torch.bool) if exclude is None else exclude.cpu().bool()
+    out = []
+    for a, row in zip(rows, s.tolist()):
+        cand = sorted((-x, j) for j, x in enumerate(row) if j != a and not banned[j])
+        out.append([a] + [j for _, j in cand[:k - 1]])
+    return torch.tensor(out, dtype=torch.long)
 
 
 def mixed_embedding64(weight: torch.Tensor, tokens: torch.Tensor, ids: torch.Tensor | None = None,

@@ -1,0 +1,101 @@
+"""Supervised warm-start: a few steps of next-token NLL on gold responses before RL.
+
+Tiny models created from scratch (the CPU demo, the study) never write a gradeable answer, so
+GRPO has no reward signal to work with; a brief supervised phase on worked solutions teaches the
+answer format. It uses the trainer's own pieces — ``TokenBatch`` replay batches, megatron's
+schedule (``run_schedule``) and vocab-parallel log-probs — with the token-mean NLL as the loss,
+so it runs at any TP/PP/DP layout. Real runs start from a pretrained model and skip it
+(``train.warmstart.steps = 0``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megatron_ngrpo.configuration import fail
+from megatron_ngrpo.grpo.logprobs import MicroBatchPlan, TokenBatch, run_schedule, token_logprobs
+from megatron_ngrpo.grpo.loss import aggregation_weights
+from megatron_ngrpo.mixing.records import MixRecord
+from megatron_ngrpo.rollout.types import RolloutBatch
+
+
+@dataclass
+class WarmstartConfig:
+    # JSONL rows {"problem": ..., "response": ...}; the prompt is rendered with data.template.
+    path: str = ""
+    steps: int = 0
+    batch_size: int = 32
+    lr: float = 1e-3
+
+    def validate(self) -> None:
+        if self.steps < 0:
+            fail("steps", self.steps, "must be >= 0")
+        if self.steps and not Path(self.path).is_file():
+            fail("path", self.path, "file does not exist")
+        if self.batch_size < 1:
+            fail("batch_size", self.batch_size, "must be >= 1")
+
+
+def load_pairs(path: str | Path, render_prompt, tokenizer) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, response ids + EOS) of every row of a JSONL file of problem/response pairs."""
+    pairs = []
+    for i, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if not isinstance(row.get("problem"), str) or not isinstance(row.get("response"), str):
+            raise ValueError(f"{path}:{i}: expected string fields 'problem' and 'response'")
+        response = tokenizer(row["response"], add_special_tokens=False)["input_ids"]
+        if tokenizer.eos_token_id is not None:
+            response = response + [tokenizer.eos_token_id]
+        pairs.append((render_prompt(row["problem"]), response))
+    return pairs
+
+
+def warmstart(model_chunks: list, optimizer, pairs: list[tuple[list[int], list[int]]],
+              cfg: WarmstartConfig, micro_batch_size: int, pad_id: int, seed: int,
+              vocab_limit: int | None = None, progress: bool = False) -> list[float]:
+    """``cfg.steps`` optimizer steps of token-mean NLL on batches of ``pairs`` drawn with
+    ``seed`` (same batches on every rank; each DP rank takes its share). Returns the losses.
+
+    ``model_chunks`` must be wrapped for training (``grpo.update.wrap_for_training``) so the
+    per-micro-batch losses add up to the batch mean and DP gradients are reduced.
+    """
+    from megatron.core import parallel_state as ps
+    from tqdm import tqdm
+
+    from megatron_ngrpo.compat.cpu import device
+
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    gen = torch.Generator().manual_seed(seed)
+    for group in optimizer.param_groups:
+        group["lr"] = cfg.lr
+    losses = []
+    for _ in tqdm(range(cfg.steps), desc="warm-start", disable=not progress):
+        pick = torch.randint(len(pairs), (cfg.batch_size,), generator=gen).tolist()
+        mine = [pairs[i] for i in pick[dp_rank::dp_size]]
+        rollout = RolloutBatch(prompt_ids=[p for p, _ in mine], response_ids=[r for _, r in mine],
+                               logprobs=[[0.0] * len(r) for _, r in mine],
+                               finish_reasons=["stop"] * len(mine),
+                               mixes=MixRecord.empty(len(mine), 1), prompt_index=list(range(len(mine))))
+        batch = TokenBatch.from_rollout(rollout, pad_id=pad_id, device=device())
+        weights, _ = aggregation_weights(batch.mask, torch.ones(len(mine), dtype=torch.bool, device=batch.mask.device),
+                                         "token-mean", 1, ps.get_data_parallel_group())
+        batch = batch.with_extras(token_weight=weights)
+        for c in model_chunks:
+            c.zero_grad_buffer()
+        plan = MicroBatchPlan.make(batch, micro_batch_size)
+
+        def loss_fn(mb: TokenBatch, logits: torch.Tensor):
+            lp, _ = token_logprobs(logits, mb.labels, 1.0, vocab_limit)
+            loss = -(lp * mb.extras["token_weight"]).sum()
+            return loss, torch.zeros((), dtype=torch.int, device=loss.device), {"nll": loss.detach()}
+
+        store = run_schedule(model_chunks, plan.micro_batches(batch), plan, loss_fn, forward_only=False)
+        optimizer.step()
+        losses.append(float(sum(s["nll"] for s in store)) if store else float("nan"))
+    return losses
