@@ -1,7 +1,7 @@
 """Conversion throughput on CPU for a synthetic Qwen2.5-1.5B-shaped model (random weights).
 
 Shape: 28 layers, hidden 1536, ffn 8960, 12 heads, 2 KV heads, vocab 151936, tied embeddings, QKV
-bias. Each phase runs in its own process (peak RSS per phase = that process's ``ru_maxrss``):
+bias. Each phase runs in its own process (peak RSS per phase = that process's VmHWM):
 
 * ``hf2m``   — ``convert_hf_to_megatron`` (read safetensors, build the model, save dist_checkpointing)
 * ``m2hf``   — ``convert_megatron_to_hf`` (build, load, stream, write sharded safetensors)
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -51,6 +50,15 @@ def write_synthetic_hf(path: Path, layers: int, dtype: str) -> int:
     return writer.total_bytes
 
 
+def peak_rss_gib() -> float:
+    """This process's peak resident set (VmHWM; ``ru_maxrss`` would include the parent's peak,
+    which survives exec)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024**2
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
 def phase(args) -> dict:
     """One measured phase in this process; prints a JSON line."""
     import torch
@@ -78,7 +86,7 @@ def phase(args) -> dict:
             n += t.numel() * t.element_size()
         assert n == args.nbytes, (n, args.nbytes)
     seconds = time.perf_counter() - t0
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # KiB -> GiB
+    rss = peak_rss_gib()
     torch.distributed.destroy_process_group()
     return {"phase": args.phase, "seconds": seconds, "peak_rss_gib": rss}
 

@@ -62,9 +62,7 @@ class NGRPOConfig:
             fail("train.load", t.load, f"empty means the HF weights of model.hf_path, but "
                  f"{self.model.hf_path} has no *.safetensors (use a checkpoint or 'random')")
         _require_tokenizer(self.tokenizer)
-        for i, source in enumerate(self.data.train):
-            if source.path and Path(source.path).suffix and not _data_file(source.path).is_file():
-                fail(f"data.train[{i}].path", source.path, "file not found")
+        _require_data_files(self.data)
 
 
 def world_size() -> int:
@@ -99,8 +97,12 @@ def _require_tokenizer(name: str) -> None:
     raise ConfigError(f"config field 'tokenizer' = {name!r}: neither a shared tokenizer name nor a folder")
 
 
-def _data_file(path: str) -> Path:
-    from megatron_ngrpo.data.paths import shared_data_dir
+def _require_data_files(data: DataConfig) -> None:
+    """Local training files (registry entries resolved against the shared data folder) exist;
+    hub datasets are checked when they load."""
+    from megatron_ngrpo.data.datasets import resolve_source
 
-    p = Path(path)
-    return p if p.is_absolute() or p.is_file() else shared_data_dir() / p
+    for i, source in enumerate(data.train):
+        path = Path(resolve_source(source).path)
+        if path.suffix in (".json", ".jsonl", ".parquet") and not path.is_file():
+            fail(f"data.train[{i}].path", source.path or str(path), "file not found")

@@ -101,6 +101,17 @@ def test_table_orders_fp32_indistinguishable_scores_by_float64():
     assert torch.equal(build_neighbor_table(w, 0, 8, "dot", chunk_size=16), ref)
 
 
+@pytest.mark.parametrize("metric", METRICS)
+def test_table_two_stage_topk_path(metric):
+    """V large enough for the blocked top-k (several key blocks), with heavy ties and exclusions."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.cat([torch.randint(-1, 2, (2500, 3), generator=g).float(), torch.randn(2500, 3, generator=g)])
+    exclude = torch.rand(5000, generator=g) < 0.1
+    rows = list(range(0, 5000, 125)) + [2499, 2500]
+    got = build_neighbor_table(w, 0, 4, metric, exclude, chunk_size=700)
+    assert torch.equal(got[rows], neighbor_table64(w, 4, metric, exclude, rows=rows))
+
+
 def test_table_bf16_weights():
     w = torch.randn(50, 8).bfloat16()
     assert torch.equal(build_neighbor_table(w, 0, 4), neighbor_table64(w.float(), 4))
@@ -194,13 +205,3 @@ def test_decide_for_strategy_dispatch():
     with pytest.raises(ValueError, match="k = "):
         P.soft_thinking(z, v + 1, 1.0, mixed, v)
 
-
-@pytest.mark.parametrize("metric", METRICS)
-def test_table_two_stage_topk_path(metric):
-    """V large enough for the blocked top-k (several key blocks), with heavy ties and exclusions."""
-    g = torch.Generator().manual_seed(0)
-    w = torch.cat([torch.randint(-1, 2, (2500, 3), generator=g).float(), torch.randn(2500, 3, generator=g)])
-    exclude = torch.rand(5000, generator=g) < 0.1
-    rows = list(range(0, 5000, 125)) + [2499, 2500]
-    got = build_neighbor_table(w, 0, 4, metric, exclude, chunk_size=700)
-    assert torch.equal(got[rows], neighbor_table64(w, 4, metric, exclude, rows=rows))

@@ -18,7 +18,7 @@ import random
 from pathlib import Path
 
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>"]
-CHARS = list("0123456789+-*=?")
+CHARS = list("0123456789+-*=?\n ")
 BOXED = "\\boxed{"
 
 

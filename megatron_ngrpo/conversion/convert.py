@@ -65,7 +65,7 @@ def _build(cfg: ModelConfig) -> list:
     layout = (cfg.tensor_parallel, cfg.pipeline_parallel, cfg.virtual_pipeline)
     if current_layout() != layout:  # re-initialising creates new process groups (and threads)
         initialize_model_parallel(*layout)
-    return build_model(cfg)
+    return build_model(cfg, init_weights=False)  # every parameter is loaded next
 
 
 def convert_hf_to_megatron(src: str | Path, out: str | Path, tp: int = 1, pp: int = 1,

@@ -40,7 +40,7 @@ class MixingConfig:
     # Recompute the neighbour table every N optimizer steps (0 = only at start).
     refresh_every: int = 1
     # Query rows scored per chunk when building the table (bounds peak memory).
-    chunk_size: int = 4096
+    chunk_size: int = 1024
     # Baselines: STHT σ = noise_scale × RMS embedding norm; soft_thinking/gumbel use top-`k`.
     noise_scale: float = 0.33
     gumbel_temperature: float = 1.0

@@ -51,7 +51,7 @@ _NORM_EPS = 1e-12
 # Id of "no candidate" (-inf score) entries: above every id, exact in float64.
 _SENTINEL = 2 ** 53
 # Key rows scored per matmul (the output block stays in cache); a multiple of _TOPK_BLOCK.
-_KEY_BLOCK = 4096
+_KEY_BLOCK = 1024
 # Keys per block of the two-stage top-k.
 _TOPK_BLOCK = 32
 # Bound on the float64 candidate rows gathered at once for re-scoring.
@@ -97,6 +97,7 @@ def build_neighbor_table(
         raise ValueError(f"weight_local: expected [V_local, d], got shape {tuple(weight_local.shape)}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size {chunk_size}: must be >= 1")
+    weight_local = weight_local.detach()
     device = weight_local.device
     vocab_size = _check_partitions(weight_local.shape[0], vocab_start, tp_group, device)
     if not 1 <= k < vocab_size:
@@ -449,7 +450,7 @@ def _check_partitions(v_local: int, vocab_start: int, group, device) -> int:
         if vocab_start != 0:
             raise ValueError(f"vocab_start = {vocab_start}: must be 0 without a tensor-parallel group")
         return v_local
-    mine = torch.tensor([vocab_start, v_local], dtype=torch.long)
+    mine = torch.tensor([vocab_start, v_local], dtype=torch.long, device=device)
     parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, mine, group=group)
     spans = sorted((int(p[0]), int(p[1])) for p in parts)

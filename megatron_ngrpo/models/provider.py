@@ -142,8 +142,9 @@ def use_te(cfg: ModelConfig) -> bool:
     return available
 
 
-def transformer_config(spec: ArchSpec, cfg: ModelConfig):
-    """megatron ``TransformerConfig`` equal to the HF architecture (no dropout, RL fine-tuning)."""
+def transformer_config(spec: ArchSpec, cfg: ModelConfig, init_weights: bool = True):
+    """megatron ``TransformerConfig`` equal to the HF architecture (no dropout, RL fine-tuning).
+    ``init_weights=False``: parameters are left uninitialised (they are about to be loaded)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = params_dtype(cfg)
@@ -173,6 +174,7 @@ def transformer_config(spec: ArchSpec, cfg: ModelConfig):
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         use_cpu_initialization=not torch.cuda.is_available(),
+        perform_initialization=init_weights,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
@@ -196,14 +198,14 @@ def layer_spec(spec: ArchSpec, cfg: ModelConfig):
 
 
 def build_gpt(spec: ArchSpec, cfg: ModelConfig, pre_process: bool, post_process: bool,
-              vp_stage: int | None = None):
+              vp_stage: int | None = None, init_weights: bool = True):
     """One GPTModel chunk for the current (TP, PP[, VPP]) rank, with the mixing embedding."""
     from megatron.core.models.gpt import GPTModel
 
     from megatron_ngrpo.mixing.embedding import install_mixing_embedding
 
     model = GPTModel(
-        config=transformer_config(spec, cfg),
+        config=transformer_config(spec, cfg, init_weights),
         transformer_layer_spec=layer_spec(spec, cfg),
         vocab_size=padded_vocab_size(spec.vocab_size, cfg.tensor_parallel, cfg.make_vocab_size_divisible_by),
         max_sequence_length=cfg.max_seq_len or spec.max_position_embeddings,
@@ -221,9 +223,11 @@ def build_gpt(spec: ArchSpec, cfg: ModelConfig, pre_process: bool, post_process:
     return model
 
 
-def build_model(cfg: ModelConfig, wrap_ddp: bool = False, ddp_config=None) -> list:
+def build_model(cfg: ModelConfig, wrap_ddp: bool = False, ddp_config=None,
+                init_weights: bool = True) -> list:
     """Model chunks of this rank (one per virtual pipeline stage), optionally wrapped in megatron
-    ``DistributedDataParallel``. Parallel state must be initialised for ``cfg``'s layout."""
+    ``DistributedDataParallel``. Parallel state must be initialised for ``cfg``'s layout.
+    ``init_weights=False`` skips megatron's random initialisation (weights loaded next)."""
     from megatron.core import parallel_state as ps
 
     spec = ArchSpec.from_hf(cfg.hf_path)
@@ -236,7 +240,7 @@ def build_model(cfg: ModelConfig, wrap_ddp: bool = False, ddp_config=None) -> li
             spec, cfg,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-            vp_stage=stage,
+            vp_stage=stage, init_weights=init_weights,
         ))
     if torch.cuda.is_available():
         chunks = [c.cuda() for c in chunks]

@@ -212,7 +212,8 @@ class VLLMEngine(RolloutEngine):
         neighbour table (or STHT noise scale) from them; timings in :attr:`last_sync`."""
         named = [(name, t.detach()) for name, t in named_tensors]
         if not named:
-            return
+            raise ValueError("load_weights: no tensors (the engine must live on global rank 0, "
+                             "where export_hf_tensors(rank0_only=True) delivers them)")
         t0 = time.perf_counter()
         if self._worker_in_process:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})

@@ -6,7 +6,6 @@ Deliberately brute force: full V×V similarity, dense loops over the definition,
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 
 def similarity_matrix64(weight: torch.Tensor, metric: str, rows=None) -> torch.Tensor:
