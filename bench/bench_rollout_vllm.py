@@ -20,7 +20,9 @@ parameters.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -33,7 +35,9 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 def model_dir(vocab: int, hidden: int, layers: int):
     from megatron_ngrpo.testing.tiny import write_tiny_hf
 
-    return write_tiny_hf(tempfile.mkdtemp(prefix="bench_vllm_"), vocab_size=vocab, hidden_size=hidden,
+    path = tempfile.mkdtemp(prefix="bench_vllm_")
+    atexit.register(shutil.rmtree, path, True)
+    return write_tiny_hf(path, vocab_size=vocab, hidden_size=hidden,
                          num_layers=layers, num_heads=hidden // 32, num_kv_heads=hidden // 64,
                          intermediate_size=4 * hidden, initializer_range=0.05)
 

@@ -22,6 +22,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples" / "arithmetic"))
 
@@ -43,17 +45,19 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out.resolve()
     task_dir, run_dir = out / "task", out / "train"
     print(json.dumps({"task": write_task(task_dir)}))
-    overrides = [
-        f"tokenizer={task_dir / 'tokenizer'}",
-        f"train.run_dir={run_dir}",
-        f"data.train=[{{path: {task_dir / 'train.jsonl'}}}]",
-        f"eval.benchmarks=[{task_dir / 'heldout.jsonl'}]",
-        f"train.warmstart.path={task_dir / 'sft.jsonl'}",
-        *([f"train.max_steps={args.steps}"] if args.steps else []),
-        *args.overrides,
-    ]
+    # The task's paths as a config layer over configs/tiny_cpu.yaml.
+    paths = out / "task_paths.yaml"
+    paths.write_text(yaml.safe_dump({
+        "tokenizer": str(task_dir / "tokenizer"),
+        "model": {"hf_path": str(task_dir / "model")},
+        "train": {"run_dir": str(run_dir), "warmstart": {"path": str(task_dir / "sft.jsonl")},
+                  **({"max_steps": args.steps} if args.steps else {})},
+        "data": {"train": [{"path": str(task_dir / "train.jsonl")}]},
+        "eval": {"benchmarks": [str(task_dir / "heldout.jsonl")]},
+    }))
     run([sys.executable, "-m", "launchers", "run", "tiny", "--executor", "local",
-         "--config", "configs/tiny_cpu.yaml", "--hf-path", str(task_dir / "model"), *overrides])
+         "--config", "configs/tiny_cpu.yaml", "--config", str(paths),
+         "--hf-path", str(task_dir / "model"), *args.overrides])
 
     hf_out = out / "hf"
     run([sys.executable, "tools/convert_megatron_to_hf.py", "--input", str(run_dir), "--output", str(hf_out),

@@ -51,7 +51,11 @@ def load(cls: type[T], yaml_paths: list[str | Path] | str | Path | None = None,
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected key.sub=value")
-        merged = _merge(merged, OmegaConf.from_dotlist([item]), f"override {item!r}")
+        try:
+            parsed = OmegaConf.from_dotlist([item])
+        except (yaml.YAMLError, OmegaConfBaseException) as e:
+            raise ConfigError(f"override {item!r}: cannot parse the value: {_one_line(e)}") from None
+        merged = _merge(merged, parsed, f"override {item!r}")
     obj = OmegaConf.to_object(merged)
     validate(obj)
     return obj

@@ -42,6 +42,7 @@ def initialize_model_parallel(
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
+        _destroy_subgroups()
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tp,
@@ -49,6 +50,19 @@ def initialize_model_parallel(
         virtual_pipeline_model_parallel_size=vpp,
     )
     model_parallel_seed(seed)
+
+
+def _destroy_subgroups() -> None:
+    """Destroy every process group but WORLD. ``destroy_model_parallel`` only forgets megatron's
+    groups; each gloo group keeps ~50 polling threads alive, so switching layouts many times in
+    one process (tests) piled up thousands of threads."""
+    c10d = dist.distributed_c10d
+    for group in list(c10d._world.pg_map):
+        if group is not c10d.GroupMember.WORLD:
+            try:
+                dist.destroy_process_group(group)
+            except (ValueError, RuntimeError):
+                pass
 
 
 def model_parallel_seed(seed: int) -> None:

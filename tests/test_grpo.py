@@ -147,3 +147,41 @@ def test_dra_divides_by_one_plus_similarity_within_the_group():
     assert out[:2].tolist() == pytest.approx([0.5, 0.5]) and out[2:].tolist() == pytest.approx([1.0, 1.0])
     batch_scope = dra_rewards(r, sim, None)
     assert float(batch_scope[0]) == pytest.approx(1 / (1 + 1 + float(sim[0, 2]) + float(sim[0, 3])))
+
+
+# ---- gradients across optimizer steps ---------------------------------------------------------------
+def test_gradient_after_an_optimizer_step_is_not_added_twice(tmp_path):
+    """megatron's optimizer leaves ``param.grad`` aliasing ``main_grad`` after a step; the next
+    backward must still produce the plain gradient (loss_and_grads zeroes the optimizer's grads)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron_ngrpo.grpo.update import UpdateSettings, loss_and_grads, wrap_for_training
+    from megatron_ngrpo.models.config import ModelConfig
+    from megatron_ngrpo.models.provider import build_model, unwrap
+    from megatron_ngrpo.parallel import init_distributed, initialize_model_parallel
+    from megatron_ngrpo.testing.tiny import write_tiny_hf
+
+    init_distributed()
+    initialize_model_parallel(1, 1, None, seed=0)
+    hf = write_tiny_hf(tmp_path / "hf", weights=False, vocab_size=64, hidden_size=64, num_layers=2,
+                       intermediate_size=128)
+    chunks = wrap_for_training(build_model(ModelConfig(hf_path=str(hf), make_vocab_size_divisible_by=8)))
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1.0), chunks)
+    g = torch.Generator().manual_seed(0)
+    rb = RolloutBatch([[1, 2, 3]] * 4, [torch.randint(0, 64, (5,), generator=g).tolist() for _ in range(4)],
+                      [[0.0] * 5] * 4, ["stop"] * 4, MixRecord.empty(4, 2), [0, 0, 1, 1])
+    tb = TokenBatch.from_rollout(rb)
+    tb = tb.with_extras(old_logprobs=-3.0 * tb.mask, advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]),
+                        active=torch.ones(4, dtype=torch.bool))
+    settings = UpdateSettings(temperature=1.0, micro_batch_size=2)
+    cfg = GRPOConfig(kl_mode="off")
+    params = list(unwrap(chunks[0]).parameters())
+
+    def grads():
+        loss_and_grads(chunks, tb, cfg, settings, optimizer)
+        return [p.main_grad.clone() for p in params]
+
+    grads()
+    optimizer.step()
+    after_step, again = grads(), grads()
+    assert all(torch.equal(a, b) for a, b in zip(after_step, again))

@@ -25,20 +25,12 @@ TINY = REPO / "configs" / "tiny_test.yaml"
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory) -> Path:
-    """The arithmetic task (character tokenizer, tiny Qwen2 config, problems) and a YAML overlay
-    pointing configs/tiny_test.yaml at it."""
-    sys.path.insert(0, str(REPO / "examples" / "arithmetic"))
-    try:
-        from task import write_task
-    finally:
-        sys.path.pop(0)
+    """The arithmetic task (character tokenizer, tiny Qwen2 config, problems) and ``paths.yaml``,
+    an overlay pointing configs/tiny_test.yaml at it."""
+    from launchers.testing import write_arithmetic_task
+
     root = tmp_path_factory.mktemp("arith")
-    write_task(root)
-    overlay = root / "paths.yaml"
-    overlay.write_text(
-        f"tokenizer: {root / 'tokenizer'}\n"
-        f"model:\n  hf_path: {root / 'model'}\n"
-        f"data:\n  train:\n    - path: {root / 'train.jsonl'}\n  template:\n    kind: plain\n    instruction: ''\n")
+    write_arithmetic_task(root)
     return root
 
 
@@ -77,6 +69,7 @@ ERRORS = [
     (["train.micro_batch_size=0"], 1, "'train.micro_batch_size' = 0"),
     (["train.reference=cpu"], 1, "'train.reference' = 'cpu'"),
     (["eval.every=-1"], 1, "'eval.every' = -1"),
+    (["train.warmstart.steps=2"], 1, "'train.warmstart.path' = '': file does not exist"),
     (["mixing.k=40"], 1, "'mixing.k' = 40: larger than the vocabulary"),
     (["mixing.strategy=stht"], 1, "the megatron rollout engine implements 'neighbor' only"),
     (["train.no_such_field=1"], 1, "no_such_field"),

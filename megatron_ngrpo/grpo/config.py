@@ -6,6 +6,7 @@ Defaults are the N-GRPO paper's (ALGORITHM.md §4–5); reference-code choices a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from megatron_ngrpo.configuration import fail
 from megatron_ngrpo.eval.config import EvalSamplingConfig
@@ -142,6 +143,25 @@ class OptimConfig:
 
 
 @dataclass
+class WarmstartConfig:
+    """Supervised warm-start (grpo/warmstart.py): token-mean NLL on worked solutions before RL."""
+
+    # JSONL rows {"problem": ..., "response": ...}; the prompt is rendered with data.template.
+    path: str = ""
+    steps: int = 0
+    batch_size: int = 32
+    lr: float = 1e-3
+
+    def validate(self) -> None:
+        if self.steps < 0:
+            fail("steps", self.steps, "must be >= 0")
+        if self.steps and not Path(self.path).is_file():
+            fail("path", self.path, "file does not exist")
+        if self.batch_size < 1:
+            fail("batch_size", self.batch_size, "must be >= 1")
+
+
+@dataclass
 class TrainConfig:
     """The loop: batch arithmetic, schedule, checkpoints and logs."""
 
@@ -176,6 +196,8 @@ class TrainConfig:
     progress: bool = True
     # Save generations (text, reward, mixes) of every step as JSONL.
     dump_generations: bool = False
+    # Supervised warm-start before RL (tiny models made from scratch; real runs: steps 0).
+    warmstart: WarmstartConfig = field(default_factory=WarmstartConfig)
 
     def validate(self) -> None:
         for name in ("prompts_per_step", "mini_batch_prompts", "epochs_per_rollout",

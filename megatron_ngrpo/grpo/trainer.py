@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ngrpo.config import NGRPOConfig
+from megatron_ngrpo.data.templates import TRAIN_INSTRUCTION
 from megatron_ngrpo.grpo.advantages import compute_advantages, group_ids, zero_variance_groups
 from megatron_ngrpo.grpo.checkpoint import (
     checkpoint_meta,
@@ -43,6 +44,7 @@ from megatron_ngrpo.grpo.update import UpdateSettings, loss_and_grads, wrap_for_
 
 logger = logging.getLogger(__name__)
 BEST_FILE = "best"
+WARMSTART_DIR = "warmstart"
 
 
 class ReferencePolicy:
@@ -108,9 +110,11 @@ class Trainer:
         from megatron.core import parallel_state as ps
 
         from megatron_ngrpo.compat.cpu import device
+        from megatron_ngrpo.conversion.checkpoint import META_FILE, load_megatron_checkpoint
         from megatron_ngrpo.data.batches import PromptBatches
         from megatron_ngrpo.data.datasets import load_train_set
         from megatron_ngrpo.data.tokenizer import load_tokenizer
+        from megatron_ngrpo.models.loading import load_weights
         from megatron_ngrpo.models.provider import ArchSpec, build_model
         from megatron_ngrpo.parallel import init_distributed, initialize_model_parallel, model_parallel_seed
         from megatron_ngrpo.rewards.registry import build_reward
@@ -141,11 +145,18 @@ class Trainer:
         # on what consumed the generators before (e.g. the datasets cache being cold or warm).
         model_parallel_seed(cfg.train.seed)
         chunks = build_model(cfg.model)
-        self._load_initial_weights(chunks)
+        load_weights(chunks, cfg.model, cfg.train.load)
+        warm_dir = self.run_dir / WARMSTART_DIR
+        warm_done = (warm_dir / META_FILE).is_file()
+        if cfg.train.warmstart.steps and warm_done:
+            load_megatron_checkpoint(chunks, warm_dir)  # the RL starting point = the reference
         self._set_embedding_grad(chunks)
-        self.reference = ReferencePolicy(chunks, cfg.train.reference, cfg.model) if cfg.grpo.needs_reference else None
         self.chunks = wrap_for_training(chunks, self._ddp_config())
         self.optimizer, self.scheduler = self._build_optimizer()
+        if cfg.train.warmstart.steps and not warm_done:
+            self._warmstart(warm_dir)
+        # The reference policy is the policy RL starts from (after any warm-start).
+        self.reference = ReferencePolicy(self.chunks, cfg.train.reference, cfg.model) if cfg.grpo.needs_reference else None
         self.reward_fn = build_reward(cfg.reward, cfg.rollout.max_new_tokens)
         self.engine = build_engine(cfg, self.chunks, tokenizer=self.tokenizer, seed=cfg.train.seed)
         self.settings = UpdateSettings(
@@ -157,18 +168,28 @@ class Trainer:
         if latest is not None:
             self._resume(latest)
 
-    def _load_initial_weights(self, chunks: list) -> None:
-        from megatron_ngrpo.conversion.checkpoint import load_megatron_checkpoint
-        from megatron_ngrpo.conversion.hf_io import load_hf_into_megatron
+    def _warmstart(self, warm_dir: Path) -> None:
+        """Supervised warm-start (train.warmstart), then a model checkpoint of its result in
+        ``run_dir/warmstart`` so a resumed run rebuilds the same reference policy."""
+        from megatron_ngrpo.conversion.checkpoint import save_megatron_checkpoint
+        from megatron_ngrpo.data.templates import encode_prompt, math_message
+        from megatron_ngrpo.grpo.warmstart import load_pairs, warmstart
 
-        load = self.cfg.train.load
-        if load == "random":
-            return  # megatron's seeded initialisation (tests)
-        if load:
-            load_megatron_checkpoint(chunks, load)
-        else:
-            with torch.no_grad():
-                load_hf_into_megatron(chunks, self.cfg.model.hf_path)
+        cfg, w = self.cfg, self.cfg.train.warmstart
+        template = cfg.data.template
+        instruction = template.instruction if template.instruction is not None else TRAIN_INSTRUCTION
+        pairs = load_pairs(w.path, lambda problem: encode_prompt(math_message(problem, instruction),
+                                                                 self.tokenizer, template), self.tokenizer)
+        losses = warmstart(self.chunks, self.optimizer, pairs, w, cfg.train.micro_batch_size, self._pad_id(),
+                           cfg.train.seed, self.num_real_tokens, cfg.train.progress and dist.get_rank() == 0)
+        # RL starts like from a pretrained model: fresh Adam moments (also what a run resumed right
+        # after the warm-start has) and the schedule's learning rate.
+        for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            o.optimizer.state.clear()
+        self.scheduler.step(0)
+        logger.info("warm-start: %d steps, NLL %.4f -> %.4f", w.steps, losses[0], losses[-1])
+        save_megatron_checkpoint(self.chunks, warm_dir, checkpoint_meta(cfg.model, warmstart_nll=losses),
+                                 overwrite=True)
 
     def _set_embedding_grad(self, chunks: list) -> None:
         from megatron_ngrpo.mixing.embedding import mixing_embedding

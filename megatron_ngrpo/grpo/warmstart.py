@@ -11,33 +11,15 @@ so it runs at any TP/PP/DP layout. Real runs start from a pretrained model and s
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from megatron_ngrpo.configuration import fail
+from megatron_ngrpo.grpo.config import WarmstartConfig
 from megatron_ngrpo.grpo.logprobs import MicroBatchPlan, TokenBatch, run_schedule, token_logprobs
 from megatron_ngrpo.grpo.loss import aggregation_weights
 from megatron_ngrpo.mixing.records import MixRecord
 from megatron_ngrpo.rollout.types import RolloutBatch
-
-
-@dataclass
-class WarmstartConfig:
-    # JSONL rows {"problem": ..., "response": ...}; the prompt is rendered with data.template.
-    path: str = ""
-    steps: int = 0
-    batch_size: int = 32
-    lr: float = 1e-3
-
-    def validate(self) -> None:
-        if self.steps < 0:
-            fail("steps", self.steps, "must be >= 0")
-        if self.steps and not Path(self.path).is_file():
-            fail("path", self.path, "file does not exist")
-        if self.batch_size < 1:
-            fail("batch_size", self.batch_size, "must be >= 1")
 
 
 def load_pairs(path: str | Path, render_prompt, tokenizer) -> list[tuple[list[int], list[int]]]:
@@ -88,6 +70,7 @@ def warmstart(model_chunks: list, optimizer, pairs: list[tuple[list[int], list[i
         batch = batch.with_extras(token_weight=weights)
         for c in model_chunks:
             c.zero_grad_buffer()
+        optimizer.zero_grad()  # else param.grad still aliases main_grad from the last step
         plan = MicroBatchPlan.make(batch, micro_batch_size)
 
         def loss_fn(mb: TokenBatch, logits: torch.Tensor):

