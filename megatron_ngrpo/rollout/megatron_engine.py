@@ -49,7 +49,7 @@ from megatron_ngrpo.mixing.embedding import MixBatch, mixing_embedding, mixing_i
 from megatron_ngrpo.mixing.neighbors import neighbor_table_for_model
 from megatron_ngrpo.mixing.perturbations import NoiseSpec, decide_for_strategy, gaussian_noise
 from megatron_ngrpo.mixing.records import MixRecord
-from megatron_ngrpo.rollout.types import RolloutBatch, RolloutEngine, SamplingParams
+from megatron_ngrpo.rollout.types import RolloutBatch, RolloutEngine, SamplingParams, validate_request
 
 # Sequence key of child j of prompt key p (shared with the vLLM engine).
 KEY_STRIDE = 1000003
@@ -174,18 +174,7 @@ class MegatronEngine(RolloutEngine):
 
     # ---- validation (no collectives) --------------------------------------------------------
     def _validate(self, prompts, params: SamplingParams, mixing, keys) -> None:
-        params.validate()
-        if keys is not None and len(keys) != len(prompts):
-            raise ValueError(f"generate: {len(keys)} keys for {len(prompts)} prompts")
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"prompt {i}: empty")
-            if len(p) >= self.max_seq_len:
-                raise ValueError(f"prompt {i}: {len(p)} tokens, no room for a response within the "
-                                 f"model's max length {self.max_seq_len}")
-            bad = [t for t in p if not 0 <= int(t) < self.num_real_tokens]
-            if bad:
-                raise ValueError(f"prompt {i}: token id {bad[0]} outside [0, {self.num_real_tokens})")
+        validate_request(prompts, params, keys, self.max_seq_len, self.num_real_tokens, "the model's max length")
         if (params.stop or (mixing is not None and mixing.stop_after)) and self.decode is None:
             raise ValueError("generate: stop strings / mixing.stop_after need the engine's decode callable")
         if mixing is not None:

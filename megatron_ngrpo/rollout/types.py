@@ -88,6 +88,23 @@ class RolloutBatch:
         return tokens, offsets, lengths
 
 
+def validate_request(prompts: list[list[int]], params: SamplingParams, keys, max_len: int,
+                     num_real_tokens: int, limit_name: str) -> None:
+    """The checks both engines make before generating (no collectives): one ValueError naming
+    the request index."""
+    params.validate()
+    if keys is not None and len(keys) != len(prompts):
+        raise ValueError(f"generate: {len(keys)} keys for {len(prompts)} prompts")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i}: empty")
+        if len(p) >= max_len:
+            raise ValueError(f"prompt {i}: {len(p)} tokens, no room for a response within {limit_name} {max_len}")
+        bad = [t for t in p if not 0 <= int(t) < num_real_tokens]
+        if bad:
+            raise ValueError(f"prompt {i}: token id {bad[0]} outside [0, {num_real_tokens})")
+
+
 class RolloutEngine:
     """Interface of the rollout engines.
 

@@ -61,7 +61,7 @@ import torch
 from megatron_ngrpo.mixing.config import MixingConfig
 from megatron_ngrpo.mixing.records import MixRecord
 from megatron_ngrpo.rollout.config import VLLMConfig
-from megatron_ngrpo.rollout.types import RolloutBatch, RolloutEngine, SamplingParams
+from megatron_ngrpo.rollout.types import RolloutBatch, RolloutEngine, SamplingParams, validate_request
 from megatron_ngrpo.rollout.vllm_hook import request_options
 
 logger = logging.getLogger(__name__)
@@ -294,18 +294,7 @@ class VLLMEngine(RolloutEngine):
 
     # ---- validation and results -------------------------------------------------------------
     def _validate(self, prompts, params: SamplingParams, mixing, keys) -> None:
-        params.validate()
-        if keys is not None and len(keys) != len(prompts):
-            raise ValueError(f"generate: {len(keys)} keys for {len(prompts)} prompts")
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"prompt {i}: empty")
-            if len(p) >= self.max_model_len:
-                raise ValueError(f"prompt {i}: {len(p)} tokens, no room for a response within "
-                                 f"max_model_len {self.max_model_len}")
-            bad = [t for t in p if not 0 <= int(t) < self.num_real_tokens]
-            if bad:
-                raise ValueError(f"prompt {i}: token id {bad[0]} outside [0, {self.num_real_tokens})")
+        validate_request(prompts, params, keys, self.max_model_len, self.num_real_tokens, "max_model_len")
         if self.tokenizer is None and (params.stop or (mixing is not None and mixing.stop_after)):
             raise ValueError("generate: stop strings / mixing.stop_after need a tokenizer (none was found)")
         if mixing is not None:
