@@ -19,3 +19,27 @@ def shared_data() -> Path:
     if not DATA.is_dir():
         pytest.fail(f"shared data not found at {DATA} (set NGRPO_SHARED)")
     return DATA
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_process_groups():
+    """Each test module starts without process groups. An in-process vLLM engine owns a world
+    group that it destroys when garbage-collected, which could otherwise happen in the middle of
+    a later module's test; collect it here and reset torch.distributed / megatron's state."""
+    yield
+    import gc
+
+    gc.collect()
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return
+    try:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+    except ImportError:
+        pass
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -237,9 +237,11 @@ def load_megatron_checkpoint(model_chunks: list, directory: str | Path, extra: d
         parent[k] = ShardedTensor.from_rank_offsets(
             sh.key, buf, replica_id=(*rid, ps.get_tensor_model_parallel_rank()))
         whole.append((sh.key, buf, sh.data))
-    loaded, missing, _ = dist_checkpointing.load(  # unexpected keys (e.g. optimizer) are fine
-        state, str(directory), strict=StrictHandling.RETURN_ALL)
-    raise_if(str(directory), ps.get_model_parallel_group(), missing=sorted(missing))
+    # megatron names mismatches from the checkpoint's side: its "missing" keys are stored but not
+    # requested (e.g. a training checkpoint's optimizer: fine), its "unexpected" keys are
+    # requested but not stored (what is missing for us).
+    loaded, _, absent = dist_checkpointing.load(state, str(directory), strict=StrictHandling.RETURN_ALL)
+    raise_if(str(directory), ps.get_model_parallel_group(), missing=sorted(absent))
     tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     lost = []
     for key, buf, target in whole:

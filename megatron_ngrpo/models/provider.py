@@ -220,7 +220,28 @@ def build_gpt(spec: ArchSpec, cfg: ModelConfig, pre_process: bool, post_process:
     )
     if pre_process:
         install_mixing_embedding(model)
+    if init_weights:
+        zero_padded_vocab_rows(model, spec.vocab_size)
     return model
+
+
+@torch.no_grad()
+def zero_padded_vocab_rows(model, vocab_size: int) -> None:
+    """Zero the embedding / output rows megatron adds beyond the HF vocabulary (its random init
+    fills them). They are never sampled nor looked up, so they stay zero in training, and an HF
+    export can strip them as padding."""
+    from megatron.core import parallel_state as ps
+
+    weights = []
+    if model.pre_process:
+        weights.append(model.embedding.word_embeddings.weight)
+    if model.post_process and not model.share_embeddings_and_output_weights:
+        weights.append(model.output_layer.weight)
+    start = ps.get_tensor_model_parallel_rank()
+    for w in weights:
+        first = start * w.shape[0]
+        if first + w.shape[0] > vocab_size:
+            w[max(vocab_size - first, 0):].zero_()
 
 
 def build_model(cfg: ModelConfig, wrap_ddp: bool = False, ddp_config=None,
