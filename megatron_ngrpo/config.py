@@ -42,8 +42,9 @@ class NGRPOConfig:
         check_layout(spec, self.model)
         if self.mixing.enabled and self.mixing.k > (self.model.num_real_tokens or spec.vocab_size):
             fail("mixing.k", self.mixing.k, "larger than the vocabulary")
-        if self.rollout.engine == "megatron" and self.mixing.enabled and self.mixing.strategy != "neighbor":
-            fail("mixing.strategy", self.mixing.strategy, "the megatron rollout engine implements 'neighbor' only")
+        if self.rollout.engine == "vllm" and world_size() > 1:
+            fail("rollout.engine", self.rollout.engine, f"the vLLM engine needs a single-process job "
+                 f"(world size {world_size()}); multi-rank jobs use the megatron engine")
         t = self.train
         dp = data_parallel_size(self.model)
         for name in ("prompts_per_step", "mini_batch_prompts"):

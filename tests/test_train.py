@@ -71,7 +71,7 @@ ERRORS = [
     (["eval.every=-1"], 1, "'eval.every' = -1"),
     (["train.warmstart.steps=2"], 1, "'train.warmstart.path' = '': file does not exist"),
     (["mixing.k=40"], 1, "'mixing.k' = 40: larger than the vocabulary"),
-    (["mixing.strategy=stht"], 1, "the megatron rollout engine implements 'neighbor' only"),
+    (["rollout.engine=vllm"], 2, "'rollout.engine' = 'vllm': the vLLM engine needs a single-process job"),
     (["train.no_such_field=1"], 1, "no_such_field"),
 ]
 
