@@ -5,8 +5,7 @@ setup(
     name="megatron_ngrpo",
     version="0.1.0",
     description="N-GRPO: GRPO with semantic neighbour mixing, at Megatron scale",
-    packages=find_packages(include=["megatron_ngrpo", "megatron_ngrpo.*", "launchers", "launchers.*"]),
-    package_data={"megatron_ngrpo": ["configs/*.yaml"]},
+    packages=find_packages(include=["megatron_ngrpo", "megatron_ngrpo.*"]),
     python_requires=">=3.11",
     install_requires=[
         # 0.16.1 is the newest release for Python 3.11; newer ones need 3.12.
@@ -42,7 +41,7 @@ setup(
     entry_points={
         "console_scripts": [
             "ngrpo-train=megatron_ngrpo.train:main",
-            "ngrpo-launch=launchers.cli:main",
+            "ngrpo-launch=megatron_ngrpo.launch.cli:main",
         ]
     },
 )

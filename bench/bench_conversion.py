@@ -35,9 +35,9 @@ def write_synthetic_hf(path: Path, layers: int, dtype: str) -> int:
     """config.json (via testing.tiny) + random safetensors written tensor by tensor; returns bytes."""
     import torch
 
+    from megatron_ngrpo.architecture import ArchSpec
     from megatron_ngrpo.conversion.hf_io import ShardedWriter
     from megatron_ngrpo.conversion.mapping import hf_layout
-    from megatron_ngrpo.models.provider import ArchSpec
     from megatron_ngrpo.testing.tiny import write_tiny_hf
 
     write_tiny_hf(path, "qwen2", weights=False, num_layers=layers, torch_dtype=dtype, **SHAPE)
@@ -63,7 +63,10 @@ def phase(args) -> dict:
     """One measured phase in this process; prints a JSON line."""
     import torch
 
-    from megatron_ngrpo.conversion.convert import convert_hf_to_megatron, convert_megatron_to_hf
+    from megatron_ngrpo.conversion.convert import (
+        convert_hf_to_megatron,
+        convert_megatron_to_hf,
+    )
 
     work = Path(args.work)
     t0 = time.perf_counter()
@@ -72,10 +75,13 @@ def phase(args) -> dict:
     elif args.phase == "m2hf":
         convert_megatron_to_hf(work / "m", work / "hf_out", progress=False)
     else:
-        from megatron_ngrpo.conversion.checkpoint import load_megatron_checkpoint, model_config_for
+        from megatron_ngrpo.architecture import ArchSpec
+        from megatron_ngrpo.conversion.checkpoint import (
+            load_megatron_checkpoint,
+            model_config_for,
+        )
         from megatron_ngrpo.conversion.convert import _build
         from megatron_ngrpo.conversion.mapping import export_hf_tensors
-        from megatron_ngrpo.models.provider import ArchSpec
 
         chunks = _build(model_config_for(work / "m"))
         load_megatron_checkpoint(chunks, work / "m")

@@ -30,9 +30,9 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=4096)
     args = ap.parse_args()
 
+    from megatron_ngrpo.conversion.loading import build_policy
     from megatron_ngrpo.mixing.config import MixingConfig
     from megatron_ngrpo.models.config import ModelConfig
-    from megatron_ngrpo.models.loading import build_policy
     from megatron_ngrpo.rollout.config import VLLMConfig
     from megatron_ngrpo.rollout.megatron_engine import MegatronEngine
     from megatron_ngrpo.rollout.types import SamplingParams

@@ -57,12 +57,17 @@ def main(argv=None) -> dict:
         sys.exit("bench_mfu.py needs a GPU (it measures tokens/s and MFU on one H100)")
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    from megatron_ngrpo.architecture import unwrap
     from megatron_ngrpo.grpo.config import GRPOConfig
     from megatron_ngrpo.grpo.logprobs import TokenBatch
-    from megatron_ngrpo.grpo.update import UpdateSettings, loss_and_grads, wrap_for_training
+    from megatron_ngrpo.grpo.update import (
+        UpdateSettings,
+        loss_and_grads,
+        wrap_for_training,
+    )
     from megatron_ngrpo.mixing.records import MixRecord
     from megatron_ngrpo.models.config import ModelConfig
-    from megatron_ngrpo.models.provider import build_model, unwrap
+    from megatron_ngrpo.models.provider import build_model
     from megatron_ngrpo.parallel import init_distributed, initialize_model_parallel
     from megatron_ngrpo.rollout.types import RolloutBatch
     from megatron_ngrpo.testing.tiny import write_tiny_hf

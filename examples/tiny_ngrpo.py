@@ -2,7 +2,7 @@
 
 1. Writes the arithmetic task (``examples/arithmetic/task.py``): a character tokenizer, a tiny
    Qwen2 config, train / held-out problems answered as ``\\boxed{N}``, worked solutions.
-2. Trains through the NeMo-Run local launcher (``python -m launchers run tiny --executor local``):
+2. Trains through the NeMo-Run local launcher (``python -m megatron_ngrpo.launch run tiny --executor local``):
    torchrun with 2 processes, TP=2, built-in Megatron rollout engine, neighbour mixing at ρ=0.1,
    k=3, rewards from the project's math grader (``configs/tiny_cpu.yaml``). The run starts with a
    brief supervised warm-start on the worked solutions (a model created from scratch never writes
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         "data": {"train": [{"path": str(task_dir / "train.jsonl")}]},
         "eval": {"benchmarks": [str(task_dir / "heldout.jsonl")]},
     }))
-    run([sys.executable, "-m", "launchers", "run", "tiny", "--executor", "local",
+    run([sys.executable, "-m", "megatron_ngrpo.launch", "run", "tiny", "--executor", "local",
          "--config", "configs/tiny_cpu.yaml", "--config", str(paths),
          "--hf-path", str(task_dir / "model"), *args.overrides])
 

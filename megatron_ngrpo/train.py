@@ -11,7 +11,7 @@ import argparse
 import logging
 import sys
 
-from megatron_ngrpo.configuration import ConfigError
+from megatron_ngrpo.config_loader import ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="YAML file (repeatable; later files override earlier ones)")
     parser.add_argument("overrides", nargs="*", metavar="a.b=c", help="dotted config overrides")
     args = parser.parse_args(argv)
-    from megatron_ngrpo.config import load_config
+    from megatron_ngrpo.training.job_config import load_config
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from megatron_ngrpo.grpo.trainer import Trainer
+    from megatron_ngrpo.training.trainer import Trainer
 
     trainer = Trainer(cfg)
     trainer.setup()

@@ -9,12 +9,29 @@ import json
 import pandas as pd
 import pytest
 
-from megatron_ngrpo.configuration import ConfigError, load
-from megatron_ngrpo.data import (EVAL_INSTRUCTION, MCQ_INSTRUCTION, REGISTRY, TRAIN_INSTRUCTION, DataConfig,
-                                 DataError, PromptBatches, SourceConfig, TemplateConfig, build_prompts,
-                                 load_source, load_tokenizer, load_train_set)
+from megatron_ngrpo.config_loader import ConfigError, load
+from megatron_ngrpo.data import (
+    EVAL_INSTRUCTION,
+    MCQ_INSTRUCTION,
+    REGISTRY,
+    TRAIN_INSTRUCTION,
+    DataConfig,
+    DataError,
+    PromptBatches,
+    SourceConfig,
+    TemplateConfig,
+    build_prompts,
+    load_source,
+    load_tokenizer,
+    load_train_set,
+)
 from megatron_ngrpo.data.datasets import clean_answers, dedup
-from megatron_ngrpo.data.templates import encode_prompt, math_message, mcq_message, render
+from megatron_ngrpo.data.templates import (
+    encode_prompt,
+    math_message,
+    mcq_message,
+    render,
+)
 
 README_ROWS = {"aime24": 30, "amc22_23": 83, "math500": 500, "minerva": 272, "olympiad_bench": 675,
                "aime25": 30, "aime25_areal": 30, "amc23": 40,

@@ -11,7 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_ngrpo.grpo.advantages import compute_advantages, group_ids, group_stats, zero_variance_groups
+from megatron_ngrpo.grpo.advantages import (
+    compute_advantages,
+    group_ids,
+    group_stats,
+    zero_variance_groups,
+)
 from megatron_ngrpo.grpo.config import GRPOConfig
 from megatron_ngrpo.grpo.dra import TfidfEmbedder, dra_rewards, similarity
 from megatron_ngrpo.grpo.kl import kl_estimate
@@ -155,9 +160,14 @@ def test_gradient_after_an_optimizer_step_is_not_added_twice(tmp_path):
     backward must still produce the plain gradient (loss_and_grads zeroes the optimizer's grads)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megatron_ngrpo.grpo.update import UpdateSettings, loss_and_grads, wrap_for_training
+    from megatron_ngrpo.architecture import unwrap
+    from megatron_ngrpo.grpo.update import (
+        UpdateSettings,
+        loss_and_grads,
+        wrap_for_training,
+    )
     from megatron_ngrpo.models.config import ModelConfig
-    from megatron_ngrpo.models.provider import build_model, unwrap
+    from megatron_ngrpo.models.provider import build_model
     from megatron_ngrpo.parallel import init_distributed, initialize_model_parallel
     from megatron_ngrpo.testing.tiny import write_tiny_hf
 

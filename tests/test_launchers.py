@@ -14,9 +14,9 @@ import re
 from pathlib import Path
 
 import pytest
+from slurm_harness import REPO, experiment_id, start_cli, write_smoke_inputs
 
-from launchers import cli, memory, recipes
-from launchers.testing import REPO, experiment_id, start_cli, write_smoke_inputs
+from megatron_ngrpo.launch import cli, memory, recipes
 
 GOLDEN = Path(__file__).parent / "golden"
 H100_USABLE = 0.95 * memory.H100_BYTES
@@ -183,7 +183,7 @@ def local_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("local")
     hf, config = write_smoke_inputs(tmp)
     env = {**os.environ, "NEMORUN_HOME": str(tmp / "nemorun_home"), "OMP_NUM_THREADS": "1"}
-    base = ["run", "tiny", "--executor", "local", "--config", str(config), "--module", "launchers.smoke",
+    base = ["run", "tiny", "--executor", "local", "--config", str(config), "--module", "megatron_ngrpo.launch.smoke",
             "--hf-path", str(hf)]
     ok = start_cli([*base, f"smoke.out={tmp / 'out.json'}", "--title", "local-ok"], env, tmp / "ok.log")
     bad = start_cli([*base, "smoke.mode=bogus", "--title", "local-bad"], env, tmp / "bad.log")

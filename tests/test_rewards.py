@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ngrpo.configuration import ConfigError, load
+from megatron_ngrpo.config_loader import ConfigError, load
 from megatron_ngrpo.data.datasets import clean_answers
 from megatron_ngrpo.rewards import ChoiceGrader, MathGrader, RewardConfig, build_reward
 from megatron_ngrpo.rewards.extract import extract_answer, fallback_answer, last_boxed

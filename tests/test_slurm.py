@@ -9,10 +9,10 @@ all of them).
     one rank per node, TP 2 across the nodes, in container mode (the SPANK stub's mounts and
     working directory).
 (b) evaluation, submitted with --detach and followed with ``status --wait``: STAND-IN. ``megatron_ngrpo.eval`` does not run yet on this tree (its engine
-    factory call fails), so ``launchers.smoke`` takes its place with the same command line: a
+    factory call fails), so ``megatron_ngrpo.launch.smoke`` takes its place with the same command line: a
     megatron-core forward of a tiny Qwen2 under torchrun, TP 1 × DP 2 on one node. Switching is
     ``EVAL_MODULE`` below plus an eval config (the checks read the stand-in's JSON).
-(c) heterogeneous job: STAND-IN workloads (``launchers.smoke``): the rollout group serves token ids
+(c) heterogeneous job: STAND-IN workloads (``megatron_ngrpo.launch.smoke``): the rollout group serves token ids
     over HTTP in place of ``vllm serve``; the training group (2 ranks, TP 2, its own rendezvous)
     fetches them from ``$NGRPO_ROLLOUT_HOST`` and runs the forward. Megatron's CPU initialisation
     makes the loss independent of the layout, so (b) and (c) must agree.
@@ -28,12 +28,18 @@ import shutil
 import subprocess
 
 import pytest
-
-from launchers.testing import (REPO, SlurmCluster, experiment_id, free_port, start_cli, write_arithmetic_task,
-                               write_smoke_inputs)
+from slurm_harness import (
+    REPO,
+    SlurmCluster,
+    experiment_id,
+    free_port,
+    start_cli,
+    write_arithmetic_task,
+    write_smoke_inputs,
+)
 
 TRAIN_MODULE = "megatron_ngrpo.train"
-EVAL_MODULE = "launchers.smoke"  # stand-in for "megatron_ngrpo.eval"
+EVAL_MODULE = "megatron_ngrpo.launch.smoke"  # stand-in for "megatron_ngrpo.eval"
 TINY_CONFIG = REPO / "configs" / "tiny_test.yaml"
 
 NEEDED = ("slurmctld", "slurmd", "slurmdbd", "munged", "mariadbd", "sbatch", "sacct", "gcc")
@@ -82,9 +88,9 @@ def jobs(cluster, tmp_path_factory):
                   "--mount", f"{tmp}:{tmp}", f"train.run_dir={tmp / 'run'}"],
         "eval": ["run", "tiny", "--task", "eval", "--title", "ngrpo-eval", "--module", EVAL_MODULE, *smoke, "--detach",
                  "model.tensor_parallel=1", f"smoke.out={tmp / 'eval.json'}"],
-        "het": ["run", "tiny", "--title", "ngrpo-het", "--module", "launchers.smoke", *smoke,
+        "het": ["run", "tiny", "--title", "ngrpo-het", "--module", "megatron_ngrpo.launch.smoke", *smoke,
                 "--disaggregated", "--rollout-command",
-                f"python -m launchers.smoke --config {smoke_config} smoke.mode=serve smoke.port={serve_port}",
+                f"python -m megatron_ngrpo.launch.smoke --config {smoke_config} smoke.mode=serve smoke.port={serve_port}",
                 "--group-wait", "1", "--gpus-per-node", "1", "--rdzv-port", str(free_port()),
                 f"smoke.port={serve_port}", f"smoke.out={tmp / 'het.json'}"],
         "fail": ["run", "tiny", "--title", "ngrpo-fail", "--module", TRAIN_MODULE, *trainer,

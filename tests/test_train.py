@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_ngrpo.config import load_config
-from megatron_ngrpo.configuration import ConfigError
+from megatron_ngrpo.config_loader import ConfigError
 from megatron_ngrpo.parallel import free_port
+from megatron_ngrpo.training.job_config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny_test.yaml"
@@ -27,7 +27,7 @@ TINY = REPO / "configs" / "tiny_test.yaml"
 def task(tmp_path_factory) -> Path:
     """The arithmetic task (character tokenizer, tiny Qwen2 config, problems) and ``paths.yaml``,
     an overlay pointing configs/tiny_test.yaml at it."""
-    from launchers.testing import write_arithmetic_task
+    from slurm_harness import write_arithmetic_task
 
     root = tmp_path_factory.mktemp("arith")
     write_arithmetic_task(root)
@@ -98,7 +98,7 @@ def test_tiny_config_is_valid_and_main_exits_2_on_errors(task, monkeypatch, caps
 def test_paper_configs_carry_paper_defaults(name):
     from omegaconf import OmegaConf
 
-    from megatron_ngrpo.config import NGRPOConfig
+    from megatron_ngrpo.training.job_config import NGRPOConfig
 
     # Structure and types only (the HF checkpoints are not here): merge without validating.
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(NGRPOConfig),

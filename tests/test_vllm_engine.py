@@ -231,11 +231,12 @@ def test_weight_sync_from_megatron(engine, model_dir, hf_model):
     trainer's Megatron path (grpo.logprobs.sequence_logprobs)."""
     from transformers import AutoModelForCausalLM
 
+    from megatron_ngrpo.architecture import ArchSpec
     from megatron_ngrpo.conversion.hf_io import HFCheckpoint
     from megatron_ngrpo.conversion.mapping import export_hf_tensors, load_hf_tensors
     from megatron_ngrpo.grpo.logprobs import sequence_logprobs
     from megatron_ngrpo.models.config import ModelConfig
-    from megatron_ngrpo.models.provider import ArchSpec, build_model
+    from megatron_ngrpo.models.provider import build_model
     from megatron_ngrpo.parallel import init_distributed, initialize_model_parallel
 
     init_distributed()

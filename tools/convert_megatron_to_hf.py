@@ -32,7 +32,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_ngrpo.configuration import ConfigError
+    from megatron_ngrpo.config_loader import ConfigError
     from megatron_ngrpo.conversion import cli
     from megatron_ngrpo.conversion.convert import check_args, convert_megatron_to_hf
 

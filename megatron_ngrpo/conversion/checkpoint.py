@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_ngrpo.architecture import padded_vocab_size, unwrap
 from megatron_ngrpo.conversion.mapping import ConversionError, Kind, raise_if, tp_shard
 from megatron_ngrpo.models.config import ModelConfig
-from megatron_ngrpo.models.provider import padded_vocab_size, unwrap
 
 META_FILE = "megatron_ngrpo.json"
 LATEST_FILE = "latest"
@@ -169,7 +169,10 @@ def save_megatron_checkpoint(model_chunks: list, directory: str | Path, meta: di
 
 def _flat_sharded_tensors(state: dict) -> list:
     """(parent dict, key, ShardedTensor) for every ShardedTensor, factories expanded."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    from megatron.core.dist_checkpointing.mapping import (
+        ShardedTensor,
+        ShardedTensorFactory,
+    )
 
     out = []
 

@@ -12,7 +12,7 @@ def run(script: str, argv: list[str], nproc: int, fn, **kwargs) -> int:
     one rank), else by relaunching ``script`` under torchrun. Bad input → one line on stderr, exit 2."""
     import torch.distributed as dist
 
-    from megatron_ngrpo.configuration import ConfigError
+    from megatron_ngrpo.config_loader import ConfigError
     from megatron_ngrpo.conversion.mapping import ConversionError
     from megatron_ngrpo.parallel import free_port
 

@@ -13,10 +13,17 @@ from pathlib import Path
 
 import torch
 
-from megatron_ngrpo.configuration import ConfigError
+from megatron_ngrpo.config_loader import ConfigError
 from megatron_ngrpo.conversion.checkpoint import (
-    META_FILE, LATEST_FILE, checkpoint_meta, load_megatron_checkpoint, model_config_for, read_meta,
-    resolve_checkpoint, save_megatron_checkpoint)
+    LATEST_FILE,
+    META_FILE,
+    checkpoint_meta,
+    load_megatron_checkpoint,
+    model_config_for,
+    read_meta,
+    resolve_checkpoint,
+    save_megatron_checkpoint,
+)
 from megatron_ngrpo.models.config import ModelConfig
 
 DTYPES = ("float32", "bfloat16", "float16")

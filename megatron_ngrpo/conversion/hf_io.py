@@ -119,8 +119,8 @@ def copy_aux_files(src: str | Path, dst: str | Path) -> list[str]:
 def load_hf_into_megatron(model_chunks: list, hf_dir: str | Path, progress: bool = False) -> int:
     """Load the HF checkpoint ``hf_dir`` into this rank's ``model_chunks`` (any TP/PP/VPP layout
     built for the same config). Every rank reads only its tensors. Returns parameters set."""
+    from megatron_ngrpo.architecture import ArchSpec
     from megatron_ngrpo.conversion.mapping import load_hf_tensors
-    from megatron_ngrpo.models.provider import ArchSpec
 
     return load_hf_tensors(model_chunks, ArchSpec.from_hf(hf_dir), HFCheckpoint(hf_dir),
                            source=str(hf_dir), progress=progress)
@@ -141,9 +141,13 @@ def save_hf_checkpoint(model_chunks: list, out_dir: str | Path, hf_config: dict,
     import torch.distributed as dist
     from tqdm import tqdm
 
+    from megatron_ngrpo.architecture import ArchSpec
     from megatron_ngrpo.conversion.checkpoint import atomic_directory
-    from megatron_ngrpo.conversion.mapping import check_hf_names, export_hf_tensors, hf_layout
-    from megatron_ngrpo.models.provider import ArchSpec
+    from megatron_ngrpo.conversion.mapping import (
+        check_hf_names,
+        export_hf_tensors,
+        hf_layout,
+    )
 
     spec = ArchSpec.from_dict(hf_config)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0

@@ -43,7 +43,7 @@ from enum import Enum
 import torch
 import torch.distributed as dist
 
-from megatron_ngrpo.models.provider import ArchSpec
+from megatron_ngrpo.architecture import ArchSpec
 
 
 class ConversionError(ValueError):
@@ -240,7 +240,7 @@ class Entry:
 def global_names(chunk) -> dict[str, str]:
     """Local parameter name → global name (decoder layer index offset by the chunk's PP/VPP
     position, from megatron's 1-based ``layer_number``)."""
-    from megatron_ngrpo.models.provider import unwrap
+    from megatron_ngrpo.architecture import unwrap
 
     model = unwrap(chunk)
     offset = {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
@@ -256,7 +256,7 @@ def entries(chunks: list, spec: ArchSpec) -> list[Entry]:
     :class:`ConversionError` listing every mismatch)."""
     from megatron.core import parallel_state as ps
 
-    from megatron_ngrpo.models.provider import unwrap
+    from megatron_ngrpo.architecture import unwrap
 
     tp = ps.get_tensor_model_parallel_world_size()
     hf = hf_layout(spec)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_ngrpo.configuration import ConfigError, fail
+from megatron_ngrpo.config_loader import ConfigError, fail
 from megatron_ngrpo.data.templates import TemplateConfig
 
 ANSWER_LISTS = ("alternatives", "first", "join")

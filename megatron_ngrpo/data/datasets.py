@@ -17,10 +17,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_ngrpo.configuration import ConfigError
+from megatron_ngrpo.config_loader import ConfigError
 from megatron_ngrpo.data.config import DataConfig, SourceConfig
 from megatron_ngrpo.data.paths import shared_data_dir
-from megatron_ngrpo.data.templates import TRAIN_INSTRUCTION, TemplateConfig, encode_prompt, math_message
+from megatron_ngrpo.data.templates import (
+    TRAIN_INSTRUCTION,
+    TemplateConfig,
+    encode_prompt,
+    math_message,
+)
 
 logger = logging.getLogger(__name__)
 

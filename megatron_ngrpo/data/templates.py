@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_ngrpo.configuration import fail
+from megatron_ngrpo.config_loader import fail
 
 # Training prompts (reference data preprocessing: no trailing period).
 TRAIN_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}"

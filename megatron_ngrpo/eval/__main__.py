@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 
-from megatron_ngrpo.configuration import ConfigError, load
+from megatron_ngrpo.config_loader import ConfigError, load
 
 
 def build_graders(reward_cfg) -> dict:
@@ -47,8 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.regrade:
             result = regrade(cfg.regrade, graders, ks=cfg.ks or None, out_dir=cfg.output_dir)
         else:
+            from megatron_ngrpo.conversion.loading import build_policy
             from megatron_ngrpo.data.tokenizer import load_tokenizer
-            from megatron_ngrpo.models.loading import build_policy
             from megatron_ngrpo.rollout.factory import build_engine
 
             tokenizer = load_tokenizer(cfg.tokenizer)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_ngrpo.configuration import fail
+from megatron_ngrpo.config_loader import fail
 from megatron_ngrpo.eval.config import EvalSamplingConfig
 
 ADVANTAGES = ("grpo", "dr_grpo")
@@ -144,7 +144,7 @@ class OptimConfig:
 
 @dataclass
 class WarmstartConfig:
-    """Supervised warm-start (grpo/warmstart.py): token-mean NLL on worked solutions before RL."""
+    """Supervised warm-start (training/warmstart.py): token-mean NLL on worked solutions before RL."""
 
     # JSONL rows {"problem": ..., "response": ...}; the prompt is rendered with data.template.
     path: str = ""

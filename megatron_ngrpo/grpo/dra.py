@@ -94,10 +94,9 @@ def policy_embeddings(model_chunks: list, response_ids: list[list[int]]) -> torc
     (computed on the first pipeline stage, broadcast over the pipeline group)."""
     from megatron.core import parallel_state as ps
 
+    from megatron_ngrpo.architecture import unwrap
     from megatron_ngrpo.compat.cpu import device
     from megatron_ngrpo.mixing.embedding import mixing_embedding
-
-    from megatron_ngrpo.models.provider import unwrap
 
     emb = mixing_embedding(model_chunks[0])
     hidden = unwrap(model_chunks[0]).config.hidden_size

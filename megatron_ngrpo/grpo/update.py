@@ -18,7 +18,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_ngrpo.grpo.config import GRPOConfig
-from megatron_ngrpo.grpo.logprobs import MicroBatchPlan, TokenBatch, run_schedule, token_logprobs
+from megatron_ngrpo.grpo.logprobs import (
+    MicroBatchPlan,
+    TokenBatch,
+    run_schedule,
+    token_logprobs,
+)
 from megatron_ngrpo.grpo.loss import STAT_KEYS, aggregation_weights, micro_batch_loss
 
 
@@ -43,7 +48,7 @@ def wrap_for_training(chunks: list, ddp_config=None) -> list:
         finalize_model_grads,
     )
 
-    from megatron_ngrpo.models.provider import unwrap
+    from megatron_ngrpo.architecture import unwrap
 
     for c in chunks:  # each virtual-pipeline chunk has its own config object
         unwrap(c).config.calculate_per_token_loss = True

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_ngrpo.configuration import fail
+from megatron_ngrpo.config_loader import fail
 
 STRATEGIES = ("none", "neighbor", "stht", "soft_thinking", "gumbel")
 METRICS = ("cosine", "l2", "l1", "dot")

@@ -170,7 +170,7 @@ def install_mixing_embedding(model, embedding_grad: bool = True) -> MixingVocabP
 
 def mixing_embedding(model) -> MixingVocabParallelEmbedding | None:
     """The mixing embedding of a (possibly wrapped) model chunk; None off the first stage."""
-    from megatron_ngrpo.models.provider import unwrap
+    from megatron_ngrpo.architecture import unwrap
 
     inner = unwrap(model)
     emb = getattr(getattr(inner, "embedding", None), "word_embeddings", None)

@@ -150,8 +150,8 @@ def neighbor_table_for_model(
     """
     from megatron.core import parallel_state as ps
 
+    from megatron_ngrpo.architecture import unwrap
     from megatron_ngrpo.mixing.embedding import mixing_embedding
-    from megatron_ngrpo.models.provider import unwrap
 
     chunks = list(model_chunk) if isinstance(model_chunk, (list, tuple)) else [model_chunk]
     weight, vocab_start = _source_weight(chunks, cfg.neighbor_source, output_weight, mixing_embedding, unwrap)

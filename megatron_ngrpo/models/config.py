@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_ngrpo.configuration import fail
+from megatron_ngrpo.config_loader import fail
 
 
 @dataclass

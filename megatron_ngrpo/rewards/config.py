@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_ngrpo.configuration import fail
+from megatron_ngrpo.config_loader import fail
 
 OVERLONG_MODES = ("none", "soft", "zero")
 

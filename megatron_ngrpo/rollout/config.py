@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_ngrpo.configuration import fail
+from megatron_ngrpo.config_loader import fail
 
 
 @dataclass

@@ -32,7 +32,7 @@ def build_engine(cfg, model_chunks, tokenizer=None, seed: int = 0) -> RolloutEng
         return MegatronEngine.from_config(cfg.rollout, model_chunks, cfg.model, **kwargs)
     import torch.distributed as dist
 
-    from megatron_ngrpo.configuration import ConfigError
+    from megatron_ngrpo.config_loader import ConfigError
     from megatron_ngrpo.rollout.vllm_engine import VLLMEngine
 
     if dist.is_initialized() and dist.get_world_size() > 1:

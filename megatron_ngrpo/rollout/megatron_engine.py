@@ -47,9 +47,18 @@ import torch.distributed as dist
 from megatron_ngrpo.mixing.decision import gate, gate_uniform
 from megatron_ngrpo.mixing.embedding import MixBatch, mixing_embedding, mixing_inputs
 from megatron_ngrpo.mixing.neighbors import neighbor_table_for_model
-from megatron_ngrpo.mixing.perturbations import NoiseSpec, decide_for_strategy, gaussian_noise
+from megatron_ngrpo.mixing.perturbations import (
+    NoiseSpec,
+    decide_for_strategy,
+    gaussian_noise,
+)
 from megatron_ngrpo.mixing.records import MixRecord
-from megatron_ngrpo.rollout.types import RolloutBatch, RolloutEngine, SamplingParams, validate_request
+from megatron_ngrpo.rollout.types import (
+    RolloutBatch,
+    RolloutEngine,
+    SamplingParams,
+    validate_request,
+)
 
 # Sequence key of child j of prompt key p (shared with the vLLM engine).
 KEY_STRIDE = 1000003
@@ -89,8 +98,8 @@ class MegatronEngine(RolloutEngine):
                  decode: Callable[[list[int]], str] | None = None, special_ids: Sequence[int] = (),
                  neighbor_table: torch.Tensor | None = None, max_batch_size: int = 0,
                  max_seq_len: int | None = None, separate_copy: bool = False, model_cfg=None):
+        from megatron_ngrpo.architecture import unwrap
         from megatron_ngrpo.compat.cpu import device
-        from megatron_ngrpo.models.provider import unwrap
 
         if separate_copy and model_cfg is None:
             raise ValueError("MegatronEngine(separate_copy=True) needs model_cfg to build the copy")
@@ -122,7 +131,7 @@ class MegatronEngine(RolloutEngine):
     def from_config(cls, rollout_cfg, model_chunks, model_cfg, **kwargs) -> "MegatronEngine":
         """The engine of a ``RolloutConfig`` (``separate_copy``, ``max_batch_size``) for a policy
         built from ``model_cfg``; kwargs as in the constructor (decode, eos_token_ids, ...)."""
-        from megatron_ngrpo.models.provider import ArchSpec
+        from megatron_ngrpo.architecture import ArchSpec
 
         num_real = model_cfg.num_real_tokens or ArchSpec.from_hf(model_cfg.hf_path).vocab_size
         return cls(model_chunks, num_real, max_batch_size=rollout_cfg.max_batch_size,
@@ -188,7 +197,7 @@ class MegatronEngine(RolloutEngine):
 
     # ---- weights and neighbour table --------------------------------------------------------
     def _copy_weights(self, model_chunks) -> None:
-        from megatron_ngrpo.models.provider import unwrap
+        from megatron_ngrpo.architecture import unwrap
 
         with torch.no_grad():
             for own, src in zip(self.chunks, model_chunks, strict=True):
@@ -239,7 +248,7 @@ class MegatronEngine(RolloutEngine):
         """eval(), no_grad and no sequence parallelism (static inference does not take it)."""
         from megatron.core.transformer.utils import set_model_to_sequence_parallel
 
-        from megatron_ngrpo.models.provider import unwrap
+        from megatron_ngrpo.architecture import unwrap
 
         training = [c.training for c in self.chunks]
         sp = bool(self.config.sequence_parallel)
@@ -303,13 +312,13 @@ class MegatronEngine(RolloutEngine):
     def _forward(self, tokens: torch.Tensor, ctx, mix: MixBatch | None) -> torch.Tensor | None:
         """One KV-cached step over all chunks of this rank: tokens [B, s] → last-position logits
         [B, V] (gathered over TP) on the last pipeline stage, None elsewhere."""
+        from megatron.core import parallel_state as ps
         from megatron.core.inference.communication_utils import (
             recv_from_prev_pipeline_rank_,
             send_to_next_pipeline_rank,
         )
-        from megatron.core import parallel_state as ps
 
-        from megatron_ngrpo.models.provider import unwrap
+        from megatron_ngrpo.architecture import unwrap
 
         b, s = tokens.shape
         tokens = tokens.to(self._device)

@@ -61,7 +61,12 @@ import torch
 from megatron_ngrpo.mixing.config import MixingConfig
 from megatron_ngrpo.mixing.records import MixRecord
 from megatron_ngrpo.rollout.config import VLLMConfig
-from megatron_ngrpo.rollout.types import RolloutBatch, RolloutEngine, SamplingParams, validate_request
+from megatron_ngrpo.rollout.types import (
+    RolloutBatch,
+    RolloutEngine,
+    SamplingParams,
+    validate_request,
+)
 from megatron_ngrpo.rollout.vllm_hook import request_options
 
 logger = logging.getLogger(__name__)
@@ -90,7 +95,7 @@ class VLLMEngine(RolloutEngine):
     def __init__(self, hf_path: str | Path, cfg: VLLMConfig | None = None, *,
                  num_real_tokens: int | None = None, tokenizer: str | Path | None = None,
                  seed: int = 0):
-        from megatron_ngrpo.models.provider import ArchSpec
+        from megatron_ngrpo.architecture import ArchSpec
 
         self.cfg = cfg or VLLMConfig()
         self.cfg.validate()

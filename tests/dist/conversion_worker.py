@@ -68,7 +68,7 @@ def megatron_logits(chunks: list, tokens: torch.Tensor) -> torch.Tensor | None:
     the last stage, None elsewhere."""
     from megatron.core import parallel_state as ps
 
-    from megatron_ngrpo.models.provider import unwrap
+    from megatron_ngrpo.architecture import unwrap
 
     pp, rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     group = ps.get_pipeline_model_parallel_group()
@@ -96,7 +96,7 @@ def megatron_logits(chunks: list, tokens: torch.Tensor) -> torch.Tensor | None:
 
 def check_logits(chunks, name: str, tol: float = 1e-5) -> float:
     """Max |Megatron − HF| over real vocab columns (on last-stage ranks; 0 elsewhere)."""
-    from megatron_ngrpo.models.provider import ArchSpec
+    from megatron_ngrpo.architecture import ArchSpec
 
     logits = megatron_logits(chunks, TOKENS)
     if logits is None:
@@ -110,9 +110,9 @@ def check_logits(chunks, name: str, tol: float = 1e-5) -> float:
 
 def check_export(chunks, name: str, rank0_only: bool) -> int:
     """export_hf_tensors equals the HF files exactly, in HF's order of layers; returns count."""
+    from megatron_ngrpo.architecture import ArchSpec
     from megatron_ngrpo.conversion.hf_io import HFCheckpoint
     from megatron_ngrpo.conversion.mapping import export_hf_tensors, hf_layout
-    from megatron_ngrpo.models.provider import ArchSpec
 
     spec = ArchSpec.from_hf(hf_dir(name))
     ref = HFCheckpoint(hf_dir(name))
@@ -134,9 +134,9 @@ def check_export(chunks, name: str, rank0_only: bool) -> int:
 
 def _layout_case(tp: int, pp: int, vpp: int | None):
     def fn():
+        from megatron_ngrpo.architecture import ArchSpec
         from megatron_ngrpo.conversion.hf_io import HFCheckpoint
         from megatron_ngrpo.conversion.mapping import load_hf_tensors
-        from megatron_ngrpo.models.provider import ArchSpec
 
         errors = {}
         for name in MODELS:
@@ -197,7 +197,10 @@ def assert_same_hf(out: Path, ref: Path, dtype: torch.dtype | None = None) -> No
 def _roundtrip_case(name: str, tp: int, pp: int, vpp: int | None = None):
     def fn():
         from megatron_ngrpo.conversion.checkpoint import load_megatron_checkpoint
-        from megatron_ngrpo.conversion.convert import convert_hf_to_megatron, convert_megatron_to_hf
+        from megatron_ngrpo.conversion.convert import (
+            convert_hf_to_megatron,
+            convert_megatron_to_hf,
+        )
 
         mdir, hdir = fresh(f"{fn.__name__}_m"), fresh(f"{fn.__name__}_hf")
         use_layout(tp, pp, vpp)
@@ -226,7 +229,10 @@ def reshard_padded_vocab():
     """Qwen3 (vocab 300: padded 512 at TP2, 384 at TP1) TP2×PP2 → TP1 → PP2×VPP2 → TP2×PP2:
     logits at every layout and the final export equal the HF source."""
     from megatron_ngrpo.conversion.checkpoint import load_megatron_checkpoint, read_meta
-    from megatron_ngrpo.conversion.convert import convert_hf_to_megatron, convert_megatron_to_hf
+    from megatron_ngrpo.conversion.convert import (
+        convert_hf_to_megatron,
+        convert_megatron_to_hf,
+    )
 
     name = "qwen3"
     steps = [(2, 2, None), (1, 1, None), (1, 2, 2), (2, 2, None)]
@@ -252,7 +258,10 @@ def reshard_padded_vocab():
 @case
 def reshard_tied_pp():
     """Tied Qwen2 TP2×PP2 (output layer on the last stage shares the embedding key) → TP1 → TP4."""
-    from megatron_ngrpo.conversion.convert import convert_hf_to_megatron, convert_megatron_to_hf
+    from megatron_ngrpo.conversion.convert import (
+        convert_hf_to_megatron,
+        convert_megatron_to_hf,
+    )
 
     name, prev = "qwen2_tied", hf_dir("qwen2_tied")
     for i, (tp, pp) in enumerate([(2, 2), (1, 1), (4, 1)]):
@@ -270,9 +279,16 @@ def reshard_tied_pp():
 def run_directory_latest_and_dtypes():
     """A trainer run directory (iter_*/ + latest) converts to HF; bf16 and fp16 outputs equal
     the fp32 source cast; a bf16 Megatron checkpoint round-trips bf16 tensors exactly."""
-    from megatron_ngrpo.conversion.checkpoint import (checkpoint_meta, load_megatron_checkpoint,
-                                                      save_megatron_checkpoint, write_latest)
-    from megatron_ngrpo.conversion.convert import convert_hf_to_megatron, convert_megatron_to_hf
+    from megatron_ngrpo.conversion.checkpoint import (
+        checkpoint_meta,
+        load_megatron_checkpoint,
+        save_megatron_checkpoint,
+        write_latest,
+    )
+    from megatron_ngrpo.conversion.convert import (
+        convert_hf_to_megatron,
+        convert_megatron_to_hf,
+    )
     from megatron_ngrpo.conversion.hf_io import load_hf_into_megatron
 
     name = "llama"
@@ -335,7 +351,10 @@ def _raises(fn, *needles: str) -> str:
 def errors_truncated_or_mismatched():
     """Bad HF or Megatron inputs: one error naming every missing / wrong tensor; no output."""
     from megatron_ngrpo.conversion.checkpoint import load_megatron_checkpoint
-    from megatron_ngrpo.conversion.convert import convert_hf_to_megatron, convert_megatron_to_hf
+    from megatron_ngrpo.conversion.convert import (
+        convert_hf_to_megatron,
+        convert_megatron_to_hf,
+    )
 
     src = hf_dir("qwen2")
     trunc = fresh("trunc_hf")

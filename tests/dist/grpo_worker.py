@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import tempfile
 import time
+
 import torch
 import torch.distributed as dist
 
@@ -246,7 +247,7 @@ def full_grads(chunks) -> dict[str, torch.Tensor]:
     [gate; up] halves re-interleaved, layer numbers made global)."""
     from megatron.core import parallel_state as ps
 
-    from megatron_ngrpo.models.provider import unwrap
+    from megatron_ngrpo.architecture import unwrap
 
     tp_group = ps.get_tensor_model_parallel_group()
     tp = tp_group.size()
@@ -280,10 +281,18 @@ def full_grads(chunks) -> dict[str, torch.Tensor]:
 
 
 def run_layout(tp, pp, vpp=None, max_tokens=0):
-    from megatron_ngrpo.grpo.advantages import compute_advantages, group_ids, zero_variance_groups
     from megatron_ngrpo.conversion.checkpoint import load_megatron_checkpoint
+    from megatron_ngrpo.grpo.advantages import (
+        compute_advantages,
+        group_ids,
+        zero_variance_groups,
+    )
     from megatron_ngrpo.grpo.logprobs import TokenBatch, sequence_logprobs
-    from megatron_ngrpo.grpo.update import UpdateSettings, loss_and_grads, wrap_for_training
+    from megatron_ngrpo.grpo.update import (
+        UpdateSettings,
+        loss_and_grads,
+        wrap_for_training,
+    )
     from megatron_ngrpo.models.provider import build_model
     from megatron_ngrpo.parallel import initialize_model_parallel
 

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_ngrpo.conversion.checkpoint import (
-    META_FILE,
     LATEST_FILE,
+    META_FILE,
     checkpoint_meta,
     load_megatron_checkpoint,
     read_meta,

@@ -1,4 +1,4 @@
-"""``ngrpo-launch`` / ``python -m launchers``: run recipes locally (torchrun) or on Slurm.
+"""``ngrpo-launch`` / ``python -m megatron_ngrpo.launch``: run recipes locally (torchrun) or on Slurm.
 
     ngrpo-launch recipes                                  the recipe table
     ngrpo-launch memory r1-7b [--nodes 4]                 expected GPU memory per rank
@@ -22,9 +22,9 @@ import shlex
 import sys
 from pathlib import Path
 
-from megatron_ngrpo.configuration import ConfigError
-from launchers import recipes
-from launchers.memory import GIB
+from megatron_ngrpo.config_loader import ConfigError
+from megatron_ngrpo.launch import recipes
+from megatron_ngrpo.launch.memory import GIB
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -140,8 +140,8 @@ def memory_table(recipe: recipes.Recipe, nodes: int | None = None) -> str:
 
 
 def make_plan(args: argparse.Namespace):
-    from launchers import experiment
-    from launchers.executors import Cluster
+    from megatron_ngrpo.launch import experiment
+    from megatron_ngrpo.launch.executors import Cluster
 
     recipe = recipes.get(args.recipe)
     layout = {k: v for k, v in (("procs_per_node", args.procs_per_node),
@@ -185,7 +185,7 @@ def make_plan(args: argparse.Namespace):
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from launchers import experiment
+    from megatron_ngrpo.launch import experiment
 
     plan = make_plan(args)
     if args.dryrun:
@@ -212,7 +212,7 @@ def _print_status(exp_id: str, status: dict) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from launchers import experiment
+    from megatron_ngrpo.launch import experiment
 
     exp = experiment.load(args.experiment)
     status = experiment.wait_for(exp) if args.wait else experiment.statuses(exp)
@@ -225,7 +225,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    from launchers import experiment
+    from megatron_ngrpo.launch import experiment
 
     files = experiment.log_files(experiment.load(args.experiment), args.job)
     if not files:
@@ -238,7 +238,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    from launchers import experiment
+    from megatron_ngrpo.launch import experiment
 
     exp = experiment.load(args.experiment)
     for job in exp.jobs:

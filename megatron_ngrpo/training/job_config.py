@@ -11,9 +11,14 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_ngrpo.configuration import ConfigError, fail, load
+from megatron_ngrpo.config_loader import ConfigError, fail, load
 from megatron_ngrpo.data.config import DataConfig
-from megatron_ngrpo.grpo.config import GRPOConfig, OptimConfig, TrainConfig, ValidationConfig
+from megatron_ngrpo.grpo.config import (
+    GRPOConfig,
+    OptimConfig,
+    TrainConfig,
+    ValidationConfig,
+)
 from megatron_ngrpo.mixing.config import MixingConfig
 from megatron_ngrpo.models.config import ModelConfig
 from megatron_ngrpo.rewards.config import RewardConfig
@@ -36,7 +41,8 @@ class NGRPOConfig:
 
     def validate(self) -> None:
         """Cross-section checks (each section validated itself already)."""
-        from megatron_ngrpo.models.provider import ArchSpec, check_layout
+        from megatron_ngrpo.architecture import ArchSpec
+        from megatron_ngrpo.models.provider import check_layout
 
         spec = ArchSpec.from_hf(self.model.hf_path)
         check_layout(spec, self.model)

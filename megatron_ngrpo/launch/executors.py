@@ -18,7 +18,7 @@ from pathlib import Path
 
 import nemo_run as run
 
-from launchers.recipes import TaskSpec
+from megatron_ngrpo.launch.recipes import TaskSpec
 
 REPO = Path(__file__).resolve().parents[1]
 # Where the packaged code is inside a NeMo-Run job (NeMo-Run rewrites /nemo_run to the job

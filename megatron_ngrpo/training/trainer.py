@@ -28,19 +28,23 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_ngrpo.config import NGRPOConfig
 from megatron_ngrpo.data.templates import TRAIN_INSTRUCTION
-from megatron_ngrpo.grpo.advantages import compute_advantages, group_ids, zero_variance_groups
-from megatron_ngrpo.grpo.checkpoint import (
+from megatron_ngrpo.grpo.advantages import (
+    compute_advantages,
+    group_ids,
+    zero_variance_groups,
+)
+from megatron_ngrpo.grpo.logprobs import TokenBatch, batch_logprobs
+from megatron_ngrpo.grpo.metrics import MetricsWriter, PhaseTimer, dp_max, dp_sums
+from megatron_ngrpo.grpo.update import UpdateSettings, loss_and_grads, wrap_for_training
+from megatron_ngrpo.training.checkpoint import (
     checkpoint_meta,
     iter_dir,
     latest_checkpoint,
     load_training_checkpoint,
     save_training_checkpoint,
 )
-from megatron_ngrpo.grpo.logprobs import TokenBatch, batch_logprobs
-from megatron_ngrpo.grpo.metrics import MetricsWriter, PhaseTimer, dp_max, dp_sums
-from megatron_ngrpo.grpo.update import UpdateSettings, loss_and_grads, wrap_for_training
+from megatron_ngrpo.training.job_config import NGRPOConfig
 
 logger = logging.getLogger(__name__)
 BEST_FILE = "best"
@@ -52,7 +56,8 @@ class ReferencePolicy:
     reference pass (``swap``, no extra device memory), or a second model (``copy``)."""
 
     def __init__(self, chunks: list, mode: str, model_cfg):
-        from megatron_ngrpo.models.provider import build_model, unwrap
+        from megatron_ngrpo.architecture import unwrap
+        from megatron_ngrpo.models.provider import build_model
 
         self.mode = mode
         if mode == "swap":
@@ -70,7 +75,7 @@ class ReferencePolicy:
     @contextlib.contextmanager
     def active(self, chunks: list):
         """Yield model chunks computing the reference policy (restores the policy on exit)."""
-        from megatron_ngrpo.models.provider import unwrap
+        from megatron_ngrpo.architecture import unwrap
 
         if self.model is not None:
             yield self.model
@@ -109,14 +114,22 @@ class Trainer:
     def setup(self) -> None:
         from megatron.core import parallel_state as ps
 
+        from megatron_ngrpo.architecture import ArchSpec
         from megatron_ngrpo.compat.cpu import device
-        from megatron_ngrpo.conversion.checkpoint import META_FILE, load_megatron_checkpoint
+        from megatron_ngrpo.conversion.checkpoint import (
+            META_FILE,
+            load_megatron_checkpoint,
+        )
+        from megatron_ngrpo.conversion.loading import load_weights
         from megatron_ngrpo.data.batches import PromptBatches
         from megatron_ngrpo.data.datasets import load_train_set
         from megatron_ngrpo.data.tokenizer import load_tokenizer
-        from megatron_ngrpo.models.loading import load_weights
-        from megatron_ngrpo.models.provider import ArchSpec, build_model
-        from megatron_ngrpo.parallel import init_distributed, initialize_model_parallel, model_parallel_seed
+        from megatron_ngrpo.models.provider import build_model
+        from megatron_ngrpo.parallel import (
+            init_distributed,
+            initialize_model_parallel,
+            model_parallel_seed,
+        )
         from megatron_ngrpo.rewards.registry import build_reward
         from megatron_ngrpo.rollout.factory import build_engine
 
@@ -131,7 +144,7 @@ class Trainer:
         self.run_dir = Path(cfg.train.run_dir)
         if dist.get_rank() == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            from megatron_ngrpo.configuration import to_yaml
+            from megatron_ngrpo.config_loader import to_yaml
 
             (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
         self.tokenizer = load_tokenizer(cfg.tokenizer)
@@ -173,7 +186,7 @@ class Trainer:
         ``run_dir/warmstart`` so a resumed run rebuilds the same reference policy."""
         from megatron_ngrpo.conversion.checkpoint import save_megatron_checkpoint
         from megatron_ngrpo.data.templates import encode_prompt, math_message
-        from megatron_ngrpo.grpo.warmstart import load_pairs, warmstart
+        from megatron_ngrpo.training.warmstart import load_pairs, warmstart
 
         cfg, w = self.cfg, self.cfg.train.warmstart
         template = cfg.data.template
@@ -210,7 +223,8 @@ class Trainer:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        from megatron_ngrpo.models.provider import params_dtype, unwrap
+        from megatron_ngrpo.architecture import unwrap
+        from megatron_ngrpo.models.provider import params_dtype
 
         o = self.cfg.optim
         dtype = params_dtype(self.cfg.model)
@@ -350,7 +364,12 @@ class Trainer:
         return int(pad if pad is not None else self.tokenizer.eos_token_id or 0)
 
     def _dra(self, scores, groups, texts, response_ids) -> torch.Tensor:
-        from megatron_ngrpo.grpo.dra import TfidfEmbedder, dra_rewards, policy_embeddings, similarity
+        from megatron_ngrpo.grpo.dra import (
+            TfidfEmbedder,
+            dra_rewards,
+            policy_embeddings,
+            similarity,
+        )
 
         d = self.cfg.grpo.dra
         emb = (TfidfEmbedder(d.ngram, d.hash_dim)(texts) if d.embedder == "tfidf"

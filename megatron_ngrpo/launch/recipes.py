@@ -1,7 +1,7 @@
 """Launch recipes: the one table of models, parallel layouts and vLLM settings, and the commands
 (training, evaluation, conversion) they render.
 
-Every number a launch depends on lives in :data:`RECIPES`; :mod:`launchers.memory` turns a recipe
+Every number a launch depends on lives in :data:`RECIPES`; :mod:`megatron_ngrpo.launch.memory` turns a recipe
 into the expected GPU memory per rank (``ngrpo-launch memory``, docs/LAUNCHING.md).
 """
 
@@ -10,10 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from megatron_ngrpo.configuration import ConfigError
+from megatron_ngrpo.architecture import ArchSpec
+from megatron_ngrpo.config_loader import ConfigError
+from megatron_ngrpo.launch import memory
 from megatron_ngrpo.models.config import ModelConfig
-from megatron_ngrpo.models.provider import ArchSpec, check_layout
-from launchers import memory
+from megatron_ngrpo.models.provider import check_layout
 
 # Agreed entry points (docs/DEVELOPING.md). Modules run with `python -m`, tools as scripts
 # relative to the code root.
@@ -47,7 +48,7 @@ class ModelShape:
                     tie_word_embeddings=self.tied)
 
     def spec(self) -> ArchSpec:
-        return ArchSpec.from_dict(self.hf_config(), source="launchers.recipes")
+        return ArchSpec.from_dict(self.hf_config(), source="megatron_ngrpo.launch.recipes")
 
 
 @dataclass(frozen=True)

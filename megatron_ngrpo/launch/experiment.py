@@ -13,8 +13,8 @@ from pathlib import Path
 
 import nemo_run as run
 
-from launchers.executors import Cluster, local_executor, slurm_executor
-from launchers.recipes import Command, TaskSpec
+from megatron_ngrpo.launch.executors import Cluster, local_executor, slurm_executor
+from megatron_ngrpo.launch.recipes import Command, TaskSpec
 
 TERMINAL_OK = "SUCCEEDED"
 PENDING_STATES = ("SUBMITTED", "PENDING", "RUNNING", "UNSUBMITTED")

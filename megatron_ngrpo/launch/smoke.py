@@ -2,7 +2,7 @@
 on every rank, with the trainer's command line (``--config FILE.yaml [a.b=c ...]``).
 
 Runs in place of ``megatron_ngrpo.train`` / ``megatron_ngrpo.eval`` (``ngrpo-launch --module
-launchers.smoke``) where those cannot run (the CPU test cluster). Modes (``smoke.mode``):
+megatron_ngrpo.launch.smoke``) where those cannot run (the CPU test cluster). Modes (``smoke.mode``):
 
 * ``forward``: build the model of ``model.*`` (TP from the config, DP the rest of the world), run
   one forward with megatron's vocab-parallel cross entropy on seeded random tokens, and write
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
-from megatron_ngrpo.configuration import ConfigError, fail, load
+from megatron_ngrpo.config_loader import ConfigError, fail, load
 from megatron_ngrpo.models.config import ModelConfig
 from megatron_ngrpo.rollout.config import RolloutConfig
 
@@ -97,7 +97,8 @@ def forward(cfg: SmokeConfig) -> dict:
     import torch
     import torch.distributed as dist
 
-    from megatron_ngrpo.models.provider import ArchSpec, build_model
+    from megatron_ngrpo.architecture import ArchSpec
+    from megatron_ngrpo.models.provider import build_model
     from megatron_ngrpo.parallel import init_distributed, initialize_model_parallel
 
     spec = ArchSpec.from_hf(cfg.model.hf_path)
@@ -122,7 +123,7 @@ def forward(cfg: SmokeConfig) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) < 2 or argv[0] != "--config":
-        print("usage: python -m launchers.smoke --config FILE.yaml [a.b=c ...]", file=sys.stderr)
+        print("usage: python -m megatron_ngrpo.launch.smoke --config FILE.yaml [a.b=c ...]", file=sys.stderr)
         return 2
     try:
         cfg = load(SmokeConfig, argv[1], argv[2:])
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if cfg.smoke.mode == "serve":
-        from megatron_ngrpo.models.provider import ArchSpec
+        from megatron_ngrpo.architecture import ArchSpec
 
         serve(cfg, ArchSpec.from_hf(cfg.model.hf_path).vocab_size)
         return 0

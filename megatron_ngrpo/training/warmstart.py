@@ -16,7 +16,12 @@ from pathlib import Path
 import torch
 
 from megatron_ngrpo.grpo.config import WarmstartConfig
-from megatron_ngrpo.grpo.logprobs import MicroBatchPlan, TokenBatch, run_schedule, token_logprobs
+from megatron_ngrpo.grpo.logprobs import (
+    MicroBatchPlan,
+    TokenBatch,
+    run_schedule,
+    token_logprobs,
+)
 from megatron_ngrpo.grpo.loss import aggregation_weights
 from megatron_ngrpo.mixing.records import MixRecord
 from megatron_ngrpo.rollout.types import RolloutBatch

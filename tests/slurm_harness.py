@@ -39,9 +39,9 @@ class Launch:
 
 
 def start_cli(args: list[str], env: dict[str, str], log: Path) -> Launch:
-    """``python -m launchers ARGS`` in the background, stdout and stderr to ``log``."""
+    """``python -m megatron_ngrpo.launch ARGS`` in the background, stdout and stderr to ``log``."""
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "launchers", *args], cwd=REPO, env=env,
+        proc = subprocess.Popen([sys.executable, "-m", "megatron_ngrpo.launch", *args], cwd=REPO, env=env,
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     return Launch(proc, log)
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megatron_ngrpo.models.provider import ArchSpec, padded_vocab_size
+from megatron_ngrpo.architecture import ArchSpec, padded_vocab_size
 
 GIB = 2**30
 # nvidia-smi's total for an H100 80GB SXM (81559 MiB); vLLM's utilisation fraction applies to it.
