@@ -12,6 +12,7 @@ SHARED = Path(os.environ.get("NGRPO_SHARED", REPO.parent / "shared"))
 DATA = SHARED / "data"
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 @pytest.fixture(scope="session")
