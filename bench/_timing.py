@@ -1,0 +1,170 @@
+"""The one timing harness of every benchmark: paired, interleaved runs of two workloads and the
+ratio of their costs with a bootstrap 95% confidence interval, repeated until the interval is
+narrow enough.
+
+    from _timing import compare
+    r = compare(mixed, plain, label="mixing / plain")   # each call returns its work units or None
+    print(r)   # mixing / plain: cpu ratio 1.012 [0.998, 1.027] ...
+
+Method (why each piece):
+
+* **Pairs, interleaved, alternating order** (A B, B A, A B, ...): load from other processes and
+  slow drifts (frequency, cache state) hit both members of a pair alike, and alternating the
+  order cancels a first-/second-position bias.
+* **Process CPU time** (``time.process_time``, all threads of this process) is the primary
+  clock: on a shared machine wall time mostly measures waiting for a core. Wall time
+  (``time.perf_counter``) is measured and reported alongside.
+* **Per-pair ratio, then the median** over pairs: robust to the occasional pair that a
+  context switch storm or a page-fault burst inflates.
+* **Bootstrap 95% interval of that median** (pairs resampled with replacement, percentile
+  interval, fixed seed so a run's output is reproducible from its samples).
+* **Stopping rule**: after ``min_pairs``, stop as soon as the interval lies within
+  ``±precision`` of the ratio; give up at ``max_seconds`` (or ``max_pairs``) and say so
+  (``converged`` False, printed as "did not reach ±1.5%"). The interval is looked at only after
+  every ~20% more pairs: each look is a chance to stop on a lucky narrow interval, so fewer looks
+  keep the coverage near its nominal 95%.
+
+A workload may return its number of work units (e.g. generated tokens): the ratio is then one of
+costs per unit (``cost``) or of units per second (``rate``, throughput ratios such as
+tokens/s). Under ``torch.distributed`` pass ``group`` so that all ranks run the same number of
+pairs (each rank's own clock is reported; the decision to stop is taken jointly).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+_BOOTSTRAP = 2000
+
+
+@dataclass
+class Ratio:
+    """Paired-median ratio ``a / b`` of one clock with its bootstrap 95% interval."""
+
+    value: float
+    lo: float
+    hi: float
+
+    def __str__(self) -> str:
+        return f"{self.value:.3f} [{self.lo:.3f}, {self.hi:.3f}]"
+
+    def half_width(self) -> float:
+        """Largest relative distance of an interval end from the ratio."""
+        return max(self.hi / self.value - 1.0, 1.0 - self.lo / self.value) if self.value > 0 else math.inf
+
+
+@dataclass
+class Comparison:
+    """Result of :func:`compare`: ``cpu`` (primary) and ``wall`` ratios, the per-call medians
+    (seconds per unit), the number of pairs and whether ``cpu`` reached the precision."""
+
+    label: str
+    kind: str
+    cpu: Ratio
+    wall: Ratio
+    pairs: int
+    converged: bool
+    precision: float
+    seconds: float
+    a_cpu: float
+    b_cpu: float
+    samples: dict = field(default_factory=dict, repr=False)
+
+    def __str__(self) -> str:
+        status = (f"within ±{100 * self.precision:.1f}%" if self.converged
+                  else f"did not reach ±{100 * self.precision:.1f}% in {self.seconds:.0f} s "
+                       f"(±{100 * self.cpu.half_width():.1f}%)")
+        return (f"{self.label}: {self.kind} ratio {self.cpu} (cpu time; 95% bootstrap CI of the median of "
+                f"{self.pairs} pairs, {status}); wall {self.wall}")
+
+    def row(self) -> str:
+        """Markdown table cells: ratio [lo, hi] | pairs | precision reached."""
+        return f"{self.cpu} | {self.pairs} | {'yes' if self.converged else 'no (±%.1f%%)' % (100 * self.cpu.half_width())}"
+
+
+def paired_median_ratio(a: np.ndarray, b: np.ndarray, seed: int = 0) -> Ratio:
+    """Median of a[i]/b[i] with a percentile-bootstrap 95% interval (pairs resampled)."""
+    r = np.asarray(a, dtype=np.float64) / np.asarray(b, dtype=np.float64)
+    value = float(np.median(r))
+    if r.size < 2:
+        return Ratio(value, -math.inf, math.inf)
+    rng = np.random.default_rng(seed)
+    meds = np.median(r[rng.integers(0, r.size, size=(_BOOTSTRAP, r.size))], axis=1)
+    lo, hi = np.percentile(meds, [2.5, 97.5])
+    return Ratio(value, float(lo), float(hi))
+
+
+def compare(
+    a: Callable[[], float | None],
+    b: Callable[[], float | None],
+    *,
+    label: str = "a / b",
+    kind: str = "cost",
+    precision: float = 0.015,
+    min_pairs: int = 10,
+    max_pairs: int = 10_000,
+    max_seconds: float = 300.0,
+    warmup: int = 1,
+    group=None,
+) -> Comparison:
+    """Time ``a`` and ``b`` in interleaved pairs until the CPU-time ratio's 95% interval is
+    within ``±precision`` (or ``max_seconds`` / ``max_pairs`` pass).
+
+    Args:
+        a, b: workloads; each call returns its work units (or None for 1).
+        kind: "cost" → ratio of seconds per unit a/b (≤ 1 is better for a);
+            "rate" → ratio of units per second a/b (≥ 1 is better for a).
+        group: a torch.distributed group whose ranks call ``compare`` together (same pairs).
+    """
+    if kind not in ("cost", "rate"):
+        raise ValueError(f"kind {kind!r}: expected 'cost' or 'rate'")
+    for _ in range(warmup):
+        a(), b()
+    per = {"a": ([], []), "b": ([], [])}  # name -> (cpu s/unit, wall s/unit)
+    start = time.perf_counter()
+    order = (("a", a), ("b", b))
+    look, done = min_pairs, False
+    while True:
+        for name, fn in order:
+            c0, w0 = time.process_time(), time.perf_counter()
+            units = fn()
+            c1, w1 = time.process_time(), time.perf_counter()
+            units = 1.0 if units is None else float(units)
+            per[name][0].append(max(c1 - c0, 1e-9) / units)
+            per[name][1].append(max(w1 - w0, 1e-9) / units)
+        order = order[::-1]
+        n = len(per["a"][0])
+        elapsed = time.perf_counter() - start
+        stop = n >= max_pairs or elapsed >= max_seconds
+        if n >= look or stop:
+            look = max(n + 1, math.ceil(1.2 * n))
+            done = n >= min_pairs and _ratio(per, 0, kind).half_width() <= precision
+            stop = stop or done
+        if _joint_continue(not stop, group) is False:
+            break
+    return Comparison(label=label, kind=kind, cpu=_ratio(per, 0, kind), wall=_ratio(per, 1, kind), pairs=n,
+                      converged=done, precision=precision, seconds=elapsed,
+                      a_cpu=float(np.median(per["a"][0])), b_cpu=float(np.median(per["b"][0])),
+                      samples={k: (list(c), list(w)) for k, (c, w) in per.items()})
+
+
+def _ratio(per: dict, clock: int, kind: str) -> Ratio:
+    a, b = np.array(per["a"][clock]), np.array(per["b"][clock])
+    return paired_median_ratio(a, b) if kind == "cost" else paired_median_ratio(b, a)
+
+
+def _joint_continue(mine: bool, group) -> bool:
+    """True while any rank of ``group`` wants more pairs (all ranks stop together)."""
+    if group is None:
+        return mine
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([1 if mine else 0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
