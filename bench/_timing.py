@@ -33,6 +33,7 @@ pairs (each rank's own clock is reported; the decision to stop is taken jointly)
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -116,7 +117,7 @@ def compare(
     within ``±precision`` (or ``max_seconds`` / ``max_pairs`` pass).
 
     Args:
-        a, b: workloads; each call returns its work units (or None for 1).
+        a, b: workloads; each call returns its work units (a number; anything else counts 1).
         kind: "cost" → ratio of seconds per unit a/b (≤ 1 is better for a);
             "rate" → ratio of units per second a/b (≥ 1 is better for a).
         group: a torch.distributed group whose ranks call ``compare`` together (same pairs).
@@ -134,7 +135,7 @@ def compare(
             c0, w0 = time.process_time(), time.perf_counter()
             units = fn()
             c1, w1 = time.process_time(), time.perf_counter()
-            units = 1.0 if units is None else float(units)
+            units = float(units) if isinstance(units, numbers.Real) else 1.0
             per[name][0].append(max(c1 - c0, 1e-9) / units)
             per[name][1].append(max(w1 - w0, 1e-9) / units)
         order = order[::-1]

@@ -1,13 +1,14 @@
 """Mixing embedding forward+backward vs megatron's plain VocabParallelEmbedding (goal ≤ 1.05×).
 
-    OMP_NUM_THREADS=1 python bench/bench_mixing_embedding.py [--vocab 151936 --hidden 256 --batch 4 --seq 2048]
+    OMP_NUM_THREADS=1 python bench/bench_mixing_embedding.py [--vocab 32768 151936 --tp 1 2 4 --hidden 256]
 
-Measures TP=1 in this process, then TP=2 under torchrun (2 processes, gloo). Both embeddings share
-one weight; plain and mixing steps alternate so machine load hits both alike. Times are process
-CPU seconds (on a shared machine wall time mostly measures waiting for a core); the ratio is the
-median of per-pair ratios. Mixes: ρ = 0.1 of positions, k = 3 candidates, random weights.
-The default shape keeps Qwen2.5-1.5B's vocabulary-to-token ratio (V = 151936 rows against a
-micro-batch of 8192 tokens) with a narrow hidden size so that it runs on a laptop-class CPU.
+For every vocabulary size and TP degree: TP=1 runs in this process, TP>1 under torchrun (that many
+gloo processes). Both embeddings share one weight; plain and mixing steps are timed in interleaved
+pairs by ``bench/_timing.py`` (process CPU time, paired-median ratio, bootstrap 95% interval,
+repeated until ±1.5%). Each TP rank times its own steps; rank 0's interval is printed. Mixes:
+ρ = 0.1 of positions, k = 3 candidates, random weights. The default token count keeps
+Qwen2.5-1.5B's micro-batch (4×2048 tokens) with a narrow hidden size so that it runs on a
+laptop-class CPU; at V=152k that is the vocabulary-to-token ratio of the real model.
 """
 
 from __future__ import annotations
@@ -15,32 +16,35 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _timing import compare  # noqa: E402
 
 from megatron_ngrpo.testing.multiproc import case, launch, run_cases  # noqa: E402
 
 
 def _args(argv=None):
     p = argparse.ArgumentParser()
-    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--vocab", type=int, nargs="+", default=[32768, 151936])
+    p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--rate", type=float, default=0.1)
     p.add_argument("--k", type=int, default=3)
-    p.add_argument("--reps", type=int, default=21)
+    p.add_argument("--max-seconds", type=float, default=120.0)
     return p.parse_args(argv)
 
 
-def measure(args, tp: int) -> dict:
-    """Median plain and mixing fwd+bwd times (s) and the median per-pair ratio at TP=``tp``."""
+def measure(args, vocab: int, tp: int) -> dict:
+    """Interval of the mixing / plain fwd+bwd CPU-time ratio at (vocab, tp) on this rank."""
+    from megatron.core import parallel_state as ps
     from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
 
@@ -49,38 +53,28 @@ def measure(args, tp: int) -> dict:
 
     initialize_model_parallel(tp=tp)
     cfg = ModelParallelConfig(tensor_model_parallel_size=tp, use_cpu_initialization=True)
-    plain = VocabParallelEmbedding(args.vocab, args.hidden, init_method=torch.nn.init.normal_, config=cfg)
-    mixing = VocabParallelEmbedding(args.vocab, args.hidden, init_method=torch.nn.init.normal_, config=cfg)
+    plain = VocabParallelEmbedding(vocab, args.hidden, init_method=torch.nn.init.normal_, config=cfg)
+    mixing = VocabParallelEmbedding(vocab, args.hidden, init_method=torch.nn.init.normal_, config=cfg)
     mixing.__class__ = MixingVocabParallelEmbedding
     mixing.weight = plain.weight
 
     g = torch.Generator().manual_seed(0)
     b, s, k = args.batch, args.seq, args.k
-    tokens = torch.randint(0, args.vocab, (b, s), generator=g)
-    ids = torch.randint(0, args.vocab, (b, s, k), generator=g)
+    tokens = torch.randint(0, vocab, (b, s), generator=g)
+    ids = torch.randint(0, vocab, (b, s, k), generator=g)
     weights = torch.rand(b, s, k, generator=g)
     mix = MixBatch(ids, weights / weights.sum(-1, keepdim=True), torch.rand(b, s, generator=g) < args.rate)
     grad = torch.randn(b, s, args.hidden, generator=g)
 
-    def step(fn) -> float:
-        plain.weight.grad = None
-        t0 = time.process_time()
-        fn().backward(grad)
-        return time.process_time() - t0
+    def step(fn):
+        def run():
+            plain.weight.grad = None
+            fn().backward(grad)
+        return run
 
-    run_plain = lambda: plain(tokens)  # noqa: E731
-    run_mix = lambda: mixing(tokens, mix)  # noqa: E731
-    for _ in range(2):
-        step(run_plain), step(run_mix)
-    tp_, tm_ = [], []
-    for i in range(args.reps):
-        if i % 2:
-            tm_.append(step(run_mix)), tp_.append(step(run_plain))
-        else:
-            tp_.append(step(run_plain)), tm_.append(step(run_mix))
-    return dict(tp=tp, plain_s=statistics.median(tp_), mixing_s=statistics.median(tm_),
-                ratio=statistics.median(m / p for m, p in zip(tm_, tp_)),
-                mixed_positions=int(mix.mask.sum()))
+    r = compare(step(lambda: mixing(tokens, mix)), step(lambda: plain(tokens)), label=f"V={vocab} TP={tp}",
+                max_seconds=args.max_seconds, group=ps.get_tensor_model_parallel_group() if tp > 1 else None)
+    return dict(vocab=vocab, tp=tp, plain_ms=1e3 * r.b_cpu, mixing_ms=1e3 * r.a_cpu, text=str(r), row=r.row())
 
 
 _ARGS = None
@@ -88,8 +82,8 @@ _WORKER_ENV = "NGRPO_BENCH_ARGV"
 
 
 @case
-def tp2():
-    return measure(_ARGS, 2)
+def tp_runs():
+    return [measure(_ARGS, v, int(os.environ["WORLD_SIZE"])) for v in _ARGS.vocab]
 
 
 def main() -> None:
@@ -102,17 +96,24 @@ def main() -> None:
     from megatron_ngrpo.parallel import init_distributed
 
     print(f"shape: vocab {args.vocab}, hidden {args.hidden}, tokens {args.batch}x{args.seq}, "
-          f"rate {args.rate}, k {args.k}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
-    init_distributed()
-    rows = [measure(args, 1)]
-    res = launch(Path(__file__).resolve(), 2, env={_WORKER_ENV: json.dumps(sys.argv[1:])})
-    if not res["tp2"]["ok"]:
-        raise SystemExit(f"TP=2 run failed: {res['tp2']['errors']}")
-    rows.append(res["tp2"]["value"])
-    print("| TP | plain fwd+bwd (cpu ms) | mixing fwd+bwd (cpu ms) | ratio (median of pairs) | goal |")
-    print("|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['tp']} | {1e3 * r['plain_s']:.1f} | {1e3 * r['mixing_s']:.1f} | {r['ratio']:.3f}x | <= 1.05x |")
+          f"rate {args.rate}, k {args.k}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}", flush=True)
+    rows = []
+    for tp in args.tp:
+        if tp == 1:
+            init_distributed()
+            got = [measure(args, v, 1) for v in args.vocab]
+        else:
+            res = launch(Path(__file__).resolve(), tp, timeout=3600, env={_WORKER_ENV: json.dumps(sys.argv[1:])})
+            if not res["tp_runs"]["ok"]:
+                raise SystemExit(f"TP={tp} run failed: {res['tp_runs']['errors']}")
+            got = res["tp_runs"]["value"]
+        for r in got:
+            print(r["text"], flush=True)
+        rows += got
+    print("| V | TP | plain fwd+bwd (cpu ms) | mixing fwd+bwd (cpu ms) | ratio [95% CI] | pairs | ±1.5% reached | goal |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in sorted(rows, key=lambda r: (r["vocab"], r["tp"])):
+        print(f"| {r['vocab']} | {r['tp']} | {r['plain_ms']:.1f} | {r['mixing_ms']:.1f} | {r['row']} | <= 1.05x |")
 
 
 if __name__ == "__main__":

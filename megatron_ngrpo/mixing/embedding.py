@@ -120,9 +120,16 @@ class _MixedLookup(torch.autograd.Function):
 
     Written by hand because the autograd composition (lookup, then index_put of the mixture)
     clones the [N, h] output gradient and runs two dense [V, h] embedding backwards that are
-    then summed; here the backward is one [V, h] buffer and two ``index_add_``s, the replaced
-    and masked rows going to a sink row. Shapes: weight [V, h], ids/outside [N], rows [M],
-    cand_ids/cand_w [M, k], noise [M, h] or None → [N, h].
+    then summed; here the backward is one [V+1, h] buffer, one ``index_add_`` of the output
+    gradient (replaced and masked rows go to a sink row) and k ``index_add_``s of its mixed rows
+    scaled by one candidate weight each (no [M, k, h] temporaries). Its cost over megatron's
+    lookup is a fixed amount per mixed position: k row reads forward, k row updates backward.
+
+    Precision: the mixture and the gradient are accumulated in fp32 for 16-bit weights (the
+    k rows are upcast before the weighted sum; the gradient buffer is fp32 and rounded once to
+    the weight dtype at the end), as megatron's own embedding backward accumulates on GPU.
+    Shapes: weight [V, h], ids/outside [N], rows [M], cand_ids/cand_w [M, k] (cand_w fp32),
+    noise [M, h] or None → [N, h].
     """
 
     @staticmethod
@@ -130,32 +137,37 @@ class _MixedLookup(torch.autograd.Function):
         out = F.embedding(ids, weight)
         if outside is not None:
             out.masked_fill_(outside.unsqueeze(1), 0.0)
-        cand = F.embedding(cand_ids, weight)  # [M, k, h]
-        mixed = torch.bmm(cand_w.to(cand.dtype).unsqueeze(1), cand).squeeze(1)
+        if weight.dtype in (torch.float32, torch.float64):
+            # fused gather + weighted sum of the k rows
+            mixed = F.embedding_bag(cand_ids, weight, mode="sum", per_sample_weights=cand_w.to(weight.dtype))
+        else:
+            mixed = torch.bmm(cand_w.unsqueeze(1), F.embedding(cand_ids, weight).float()).squeeze(1)
         if noise is not None:
             mixed = mixed + noise.to(mixed.dtype)
-        out[rows] = mixed
+        out.index_copy_(0, rows, mixed.to(out.dtype))
         ctx.save_for_backward(ids, outside, rows, cand_ids, cand_w)
-        ctx.num_rows, ctx.cand_grad = weight.shape[0], cand_grad
+        ctx.num_rows, ctx.cand_grad, ctx.weight_dtype = weight.shape[0], cand_grad, weight.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad):
         ids, outside, rows, cand_ids, cand_w = ctx.saved_tensors
         sink = ctx.num_rows
-        grad = grad.contiguous()
+        acc = torch.promote_types(grad.dtype, torch.float32)
+        grad = grad.contiguous().to(acc)
         grad_weight = grad.new_zeros(sink + 1, grad.shape[1])
-        dest = ids.clone()
+        dest = ids.index_fill(0, rows, sink)
         if outside is not None:
             dest.masked_fill_(outside, sink)
-        dest[rows] = sink
         grad_weight.index_add_(0, dest, grad)
         if ctx.cand_grad:
-            cand_grad = cand_w.to(grad.dtype).unsqueeze(-1) * grad[rows].unsqueeze(1)  # [M, k, h]
+            grad_rows = grad.index_select(0, rows)
             # weight-0 entries (padding, rows of other partitions) go to the sink: 0·inf is nan.
             cand_dest = cand_ids.masked_fill(cand_w == 0, sink)
-            grad_weight.index_add_(0, cand_dest.reshape(-1), cand_grad.reshape(-1, grad.shape[1]))
-        return grad_weight[:sink], None, None, None, None, None, None, None
+            cand_w = cand_w.to(acc)
+            for j in range(cand_ids.shape[1]):
+                grad_weight.index_add_(0, cand_dest[:, j], grad_rows * cand_w[:, j:j + 1])
+        return grad_weight[:sink].to(ctx.weight_dtype), None, None, None, None, None, None, None
 
 
 def install_mixing_embedding(model, embedding_grad: bool = True) -> MixingVocabParallelEmbedding:
