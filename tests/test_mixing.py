@@ -205,3 +205,29 @@ def test_decide_for_strategy_dispatch():
     with pytest.raises(ValueError, match="k = "):
         P.soft_thinking(z, v + 1, 1.0, mixed, v)
 
+
+
+def _tf32(x: torch.Tensor) -> torch.Tensor:
+    """fp32 rounded to TF32 (10 mantissa bits, round to nearest) as tensor cores do to inputs."""
+    return ((x.contiguous().view(torch.int32) + 0x1000) & ~0x1FFF).view(torch.float32)
+
+
+@pytest.mark.parametrize("rows", [None, (0, 1500)])  # symmetric full table / general query slice
+def test_table_exact_under_tf32_matmul(monkeypatch, rows):
+    """TF32 matmul (GPU "high" precision), emulated on CPU: the certificate's bound covers the
+    input rounding, the table is still exact, and only near-tie rows are re-scored (the bound
+    used to exceed the cosine range at large d, re-scoring every pair)."""
+    from megatron_ngrpo.mixing import neighbors as N
+
+    monkeypatch.setattr(N, "_input_roundoff", lambda device: 2.0 ** -11)
+    monkeypatch.setattr(N, "_mm_into", lambda a, b, out: torch.mm(_tf32(a), _tf32(b.contiguous()), out=out))
+    retried = []
+    rescore = N._rescore_above
+    monkeypatch.setattr(N, "_rescore_above", lambda keys, q32, *a: retried.append(len(q32)) or rescore(keys, q32, *a))
+    w = torch.randn(3000, 64, generator=torch.Generator().manual_seed(0))
+    got = build_neighbor_table(w, 0, 3, "cosine", rows=rows, chunk_size=1024)
+    ref = neighbor_table64(w, 3, "cosine")
+    assert torch.equal(got, ref if rows is None else ref[rows[0]:rows[1]])
+    assert sum(retried) < 0.05 * got.shape[0], retried
+    tol = N._Keys(w, 0, "cosine", torch.zeros(3000, dtype=torch.bool)).bound(w[:1])[2]
+    assert float(tol) < 1.1e-3

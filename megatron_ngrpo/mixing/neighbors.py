@@ -56,6 +56,9 @@ _KEY_BLOCK = 1024
 _TOPK_BLOCK = 32
 # Bound on the float64 candidate rows gathered at once for re-scoring.
 _BLOCK_BYTES = 32 * 2**20
+# Metrics whose fp32 score matrix is symmetric (q·r = r·q): the full single-rank table scores
+# each pair once (see _symmetric_neighbors).
+_SYMMETRIC = ("cosine", "dot")
 
 
 def build_neighbor_table(
@@ -121,13 +124,18 @@ def build_neighbor_table(
         keys = _Keys(weight_local, vocab_start, metric, exclude)
         if not _all_ranks(keys.finite, tp_group, device):
             raise ValueError("weight_local: contains non-finite values")
-        my_start, my_stop = _dp_share(start, stop, dp_group)
-        parts = [
-            _chunk_neighbors(keys, c0, min(c0 + chunk_size, my_stop), k - 1, tp_group)
-            for c0 in range(my_start, my_stop, chunk_size)
-        ]
-        mine = torch.cat(parts) if parts else torch.zeros(0, k - 1, dtype=torch.long, device=device)
-        nbrs = _dp_gather(mine, stop - start, dp_group)
+        if metric in _SYMMETRIC and (start, stop) == (0, vocab_size) and not _active(tp_group) \
+                and not _active(dp_group):
+            nbrs = _symmetric_neighbors(keys, k - 1, chunk_size)
+        else:
+            my_start, my_stop = _dp_share(start, stop, dp_group)
+            parts = [
+                _chunk_neighbors(keys, torch.arange(c0, min(c0 + chunk_size, my_stop), device=device), k - 1,
+                                 tp_group)
+                for c0 in range(my_start, my_stop, chunk_size)
+            ]
+            mine = torch.cat(parts) if parts else torch.zeros(0, k - 1, dtype=torch.long, device=device)
+            nbrs = _dp_gather(mine, stop - start, dp_group)
     return torch.cat([anchors.unsqueeze(1), nbrs], dim=1)
 
 
@@ -220,12 +228,13 @@ class _Keys:
         self.max_l2 = float(norms.max()) * (1 + 1e-4) if self.n else 0.0
         self.max_l1 = float(weight.float().abs().sum(1).max()) * (1 + 1e-4) if metric == "l1" and self.n else 0.0
         self.finite = math.isfinite(self.max_l2) and math.isfinite(self.max_l1)
-        # γ_d with a safety factor 4: any summation order, plus normalisation rounding. TF32 /
-        # reduced-precision matmul on GPU is covered by a coarser unit roundoff.
-        u = 2.0 ** -24
-        if weight.is_cuda and torch.backends.cuda.matmul.allow_tf32:
-            u = 2.0 ** -11
-        self.gamma = 4.0 * (self.dim + 8) * u
+        # |fl(q·r) - q·r| ≤ (γ_d + (1+γ_d)(2u_in + u_in²))·Σ|q_i r_i|, Σ|q_i r_i| ≤ ‖q‖‖r‖: fp32
+        # accumulation (γ_d = d·2^-24 / (1 - d·2^-24)) of products of inputs first rounded to a
+        # unit roundoff u_in (TF32 / bf16 matmul modes on GPU; 0 for IEEE fp32 products).
+        # ``gamma``: γ_d with a safety factor 4 (any summation order, normalisation rounding);
+        # ``u_mm``: the input-rounding term, exact as stated (2.02 covers u² and (1+γ_d)).
+        self.gamma = 4.0 * (self.dim + 8) * 2.0 ** -24
+        self.u_mm = 2.02 * _input_roundoff(weight.device)
         self._buf: torch.Tensor | None = None
 
     def _out(self, c: int) -> torch.Tensor:
@@ -234,48 +243,54 @@ class _Keys:
             self._buf = torch.empty(self.n, c, dtype=torch.float32, device=self.raw.device)
         return self._buf[:, :c] if self._buf.shape[1] == c else self._buf.view(-1)[:self.n * c].view(self.n, c)
 
-    def scores32(self, q32: torch.Tensor, c0: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-        """Scores of queries ``c0 ..`` (rows q32 [c, d]) against the local keys.
-
-        Returns transposed fp32 scores st [V_l, c] (shifted by a per-query constant; excluded
-        keys and each query's own row set to -inf), the maxima of every _TOPK_BLOCK keys
-        [V_l // _TOPK_BLOCK, c] (or None), the shift [c] (float64, score ≈ st + shift) and the
-        per-query error bound tol [c] (float64). Keys-major, in blocks of _KEY_BLOCK rows: each
-        block's output is a contiguous row range, masked and reduced while in cache.
-        """
+    def bound(self, q32: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """For query rows q32 [c, d]: the fp32 right-hand side of the score matmul qt [d, c]
+        (None for l1), the per-query shift [c] (float64, score ≈ fp32 score + shift) and the
+        error bound tol [c] (float64) of one fp32 score."""
         q64 = q32.double()
-        c = q32.shape[0]
-        shift = torch.zeros(c, dtype=torch.float64, device=q32.device)
-        if self.metric == "cosine":
-            qt = F.normalize(q32, dim=1, eps=_NORM_EPS).T
-            tol = torch.full_like(shift, 3.0 * self.gamma)
-        elif self.metric == "dot":
-            qt = q32.T
-            tol = self.gamma * q64.norm(dim=1) * self.max_l2
-        elif self.metric == "l2":  # -|q-r|² = 2q·r - |r|² - |q|²; |q|² is a per-query shift
-            qt = q32.T
+        shift = torch.zeros(q32.shape[0], dtype=torch.float64, device=q32.device)
+        if self.metric == "cosine":  # unit rows (to within the slack of 3γ)
+            tol = 3.0 * self.gamma + 1.01 * self.u_mm
+            return F.normalize(q32, dim=1, eps=_NORM_EPS).T, shift, torch.full_like(shift, tol)
+        if self.metric == "dot":
+            return q32.T, shift, (self.gamma + self.u_mm) * q64.norm(dim=1) * self.max_l2
+        if self.metric == "l2":  # -|q-r|² = 2q·r - |r|² - |q|²; |q|² is a per-query shift
             qn = q64.norm(dim=1)
-            shift = -(q64 * q64).sum(1)
-            tol = self.gamma * (2.0 * qn * self.max_l2 + self.max_l2 ** 2 + qn * qn)
-        else:
-            qt = None
-            tol = self.gamma * (q64.abs().sum(1) + self.max_l1)
-        out = self._out(c)
-        own = torch.arange(c0, c0 + c, device=q32.device) - self.start
-        cols = ((own >= 0) & (own < self.n)).nonzero().squeeze(1)
+            tol = self.gamma * (2.0 * qn * self.max_l2 + self.max_l2 ** 2 + qn * qn) + 2.0 * self.u_mm * qn * self.max_l2
+            return q32.T, -(q64 * q64).sum(1), tol
+        return None, shift, self.gamma * (q64.abs().sum(1) + self.max_l1)  # cdist: no matmul
+
+    def scores32(self, q32: torch.Tensor, ids: torch.Tensor, first: int = 0) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """Scores of queries with global ids ``ids`` [c] (rows q32 [c, d]) against the local keys
+        ``first ..``.
+
+        Returns transposed fp32 scores st [V_l - first, c] (shifted by a per-query constant;
+        excluded keys and each query's own row set to -inf), the maxima of every _TOPK_BLOCK
+        keys [(V_l - first) // _TOPK_BLOCK, c] (or None), the shift [c] (float64, score ≈ st +
+        shift) and the per-query error bound tol [c] (float64). Keys-major, in blocks of
+        _KEY_BLOCK rows: each block's output is a contiguous row range, masked and reduced while
+        in cache.
+        """
+        c, n = q32.shape[0], self.n - first
+        qt, shift, tol = self.bound(q32)
+        out = self._out(c)[:n]
+        own = ids - self.start - first
+        cols = ((own >= 0) & (own < n)).nonzero().squeeze(1)
         own = own[cols]
-        nb = self.n // _TOPK_BLOCK
+        excluded = self.excluded[self.excluded >= first] - first
+        nb = n // _TOPK_BLOCK
         maxima = torch.empty(nb, c, dtype=torch.float32, device=q32.device) if nb else None
-        for j in range(0, self.n, _KEY_BLOCK):
-            blk = slice(j, min(j + _KEY_BLOCK, self.n))
+        for j in range(0, n, _KEY_BLOCK):
+            blk = slice(j, min(j + _KEY_BLOCK, n))
+            keys = slice(first + blk.start, first + blk.stop)
             o = out[blk]
             if self.metric == "l1":
-                o.copy_(torch.cdist(self.w32[blk].unsqueeze(0), q32.unsqueeze(0), p=1).squeeze(0)).neg_()
+                o.copy_(torch.cdist(self.w32[keys].unsqueeze(0), q32.unsqueeze(0), p=1).squeeze(0)).neg_()
             else:
-                _mm_into(self.w32[blk], qt, o)
+                _mm_into(self.w32[keys], qt, o)
                 if self.metric == "l2":
-                    o.mul_(2.0).sub_(self.sq32[blk].unsqueeze(1))
-            ex = self.excluded[(self.excluded >= blk.start) & (self.excluded < blk.stop)]
+                    o.mul_(2.0).sub_(self.sq32[keys].unsqueeze(1))
+            ex = excluded[(excluded >= blk.start) & (excluded < blk.stop)]
             if ex.numel():
                 out.index_fill_(0, ex, float("-inf"))
             inb = (own >= blk.start) & (own < blk.stop)
@@ -326,10 +341,11 @@ def _row_norms64(w: torch.Tensor) -> torch.Tensor:
         if w.shape[0] else torch.zeros(0, dtype=torch.float64, device=w.device)
 
 
-def _chunk_neighbors(keys: _Keys, c0: int, c1: int, kk: int, tp_group) -> torch.Tensor:
-    """Global ids [c1-c0, kk] of the kk nearest allowed rows ≠ self of queries c0..c1."""
-    q32 = _query_rows(keys, c0, c1, tp_group)
-    local_scores, local_ids = _local_topk(keys, q32, c0, kk)
+def _chunk_neighbors(keys: _Keys, ids: torch.Tensor, kk: int, tp_group) -> torch.Tensor:
+    """Global ids [c, kk] of the kk nearest allowed rows ≠ self of the queries with global ids
+    ``ids`` [c]."""
+    q32 = _query_rows(keys, ids, tp_group)
+    local_scores, local_ids = _local_topk(keys, q32, ids, kk)
     if not _active(tp_group):
         return local_ids
     # One all-gather of (score, id) pairs; ids < 2^53 are exact in float64.
@@ -342,23 +358,33 @@ def _chunk_neighbors(keys: _Keys, c0: int, c1: int, kk: int, tp_group) -> torch.
     return torch.gather(ids, 1, order[:, :kk])
 
 
-def _query_rows(keys: _Keys, c0: int, c1: int, tp_group) -> torch.Tensor:
-    """fp32 embedding rows [c1-c0, d] of global ids c0..c1, assembled from their owners."""
-    lo, hi = max(c0, keys.start), min(c1, keys.start + keys.n)
-    q = torch.zeros(c1 - c0, keys.dim, dtype=torch.float32, device=keys.raw.device)
-    if lo < hi:
-        q[lo - c0:hi - c0] = keys.raw[lo - keys.start:hi - keys.start].float()
+def _query_rows(keys: _Keys, ids: torch.Tensor, tp_group) -> torch.Tensor:
+    """fp32 embedding rows [c, d] of global ids ``ids`` [c], assembled from their owners."""
+    local = ids - keys.start
+    inside = (local >= 0) & (local < keys.n)
+    q = torch.zeros(ids.shape[0], keys.dim, dtype=torch.float32, device=keys.raw.device)
+    if bool(inside.any()):
+        q[inside] = keys.raw[local[inside]].float()
     if _active(tp_group):
         dist.all_reduce(q, group=tp_group)  # exact: every entry has one non-zero contributor
     return q
 
 
-def _local_topk(keys: _Keys, q32: torch.Tensor, c0: int, kk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact local top-kk per query: float64 scores [c, kk] (-inf where fewer allowed local rows)
-    and global ids [c, kk] (ordered by (-score, id); id = _SENTINEL for -inf entries)."""
-    st32, maxima, shift, tol = keys.scores32(q32, c0)  # [V_l, c]
-    m = min(kk + _MARGIN, keys.n)
-    vals, cols = _blocked_topk(st32, maxima, m)
+def _local_topk(keys: _Keys, q32: torch.Tensor, ids: torch.Tensor, kk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact local top-kk of the queries ``ids`` [c] (rows q32): float64 scores [c, kk] (-inf
+    where fewer allowed local rows) and global ids [c, kk] (ordered by (-score, id); id =
+    _SENTINEL for -inf entries)."""
+    st32, maxima, shift, tol = keys.scores32(q32, ids)  # [V_l, c]
+    vals, cols = _blocked_topk(st32, maxima, min(kk + _MARGIN, keys.n))
+    return _certify(keys, q32, vals, cols, shift, tol, kk, lambda r: st32[:, r].T)
+
+
+def _certify(keys: _Keys, q32, vals, cols, shift, tol, kk: int, rows32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact top-kk from the fp32 top-m candidates ``vals``/``cols`` [c, m] (m ≥ kk unless the
+    partition is smaller) of queries q32 [c, d]: float64 re-scoring of the candidates, and the
+    near-tie fallback on the rows the certificate does not cover (``rows32(r)`` → their fp32
+    scores [len(r), V_l] against every local key, excluded keys and self at -inf)."""
+    m = vals.shape[1]
     cand64 = keys.scores64(q32, cols).masked_fill_(torch.isneginf(vals), float("-inf"))
     if m < kk:  # fewer local rows than kk: pad
         pad = kk - m
@@ -379,8 +405,65 @@ def _local_topk(keys: _Keys, q32: torch.Tensor, c0: int, kk: int) -> tuple[torch
     retry = (~certified).nonzero().squeeze(1)
     if retry.numel():
         out_scores[retry], out_ids[retry] = _rescore_above(
-            keys, q32[retry], st32[:, retry].T, (threshold - shift)[retry], kk, sentinel)
+            keys, q32[retry], rows32(retry), (threshold - shift)[retry], kk, sentinel)
     return out_scores, out_ids
+
+
+def _symmetric_neighbors(keys: _Keys, kk: int, chunk: int) -> torch.Tensor:
+    """Global ids [V, kk] of the whole single-rank table of a symmetric metric, scoring each
+    pair once: half the matmul FLOPs of scoring every query against every key.
+
+    Chunk i (queries c0..c1) is scored against keys c0..V only, as the transposed block
+    [V-c0, c] (one reused buffer). Its columns give the queries' candidates among keys ≥ c0
+    (two-stage top-m); its rows below the chunk give keys c1..V their candidates among the
+    chunk's queries, merged into a running top-m [V, m] (only rows whose block maximum beats
+    their running m-th value are ranked). Excluded ids are masked as keys and as queries of
+    the row pass; their own rows (excluded queries keep a table row) are redone by the general
+    path. Then each query's top-m is certified exactly as in :func:`_local_topk`.
+    """
+    n, dev = keys.n, keys.raw.device
+    m = min(kk + _MARGIN, n)
+    run_v = torch.full((n, m), float("-inf"), dtype=torch.float32, device=dev)
+    run_i = torch.zeros(n, m, dtype=torch.long, device=dev)
+    excluded = torch.zeros(n, dtype=torch.bool, device=dev)
+    excluded[keys.excluded] = True
+    for c0 in range(0, n, chunk):
+        c1 = min(c0 + chunk, n)
+        c = c1 - c0
+        st, maxima, _, _ = keys.scores32(keys.raw[c0:c1].float(), torch.arange(c0, c1, device=dev), first=c0)
+        vals, cols = _blocked_topk(st, maxima, min(m, n - c0))
+        _merge_topk(run_v, run_i, slice(c0, c1), vals, cols + c0)
+        if c1 == n:
+            break
+        ex_q = excluded[c0:c1].nonzero().squeeze(1)
+        below = st[c:]  # keys c1.. × queries of this chunk
+        if ex_q.numel():
+            below.index_fill_(1, ex_q, float("-inf"))
+        hit = (below.amax(1) > run_v[c1:, m - 1]).nonzero().squeeze(1)
+        if hit.numel():
+            v, j = torch.topk(below[hit], min(m, c), dim=1)
+            _merge_topk(run_v, run_i, hit + c1, v, j + c0)
+    out = torch.empty(n, kk, dtype=torch.long, device=dev)
+    for c0 in range(0, n, chunk):  # certify in chunks: bounded float64 / fp32 copies
+        c1 = min(c0 + chunk, n)
+        q32 = keys.raw[c0:c1].float()
+        ids = torch.arange(c0, c1, device=dev)
+        _, shift, tol = keys.bound(q32)
+        _, out[c0:c1] = _certify(keys, q32, run_v[c0:c1], run_i[c0:c1], shift, tol, kk,
+                                 lambda r: keys.scores32(q32[r], ids[r])[0].T)
+    ex = keys.excluded
+    for i in range(0, ex.numel(), chunk):
+        out[ex[i:i + chunk]] = _chunk_neighbors(keys, ex[i:i + chunk], kk, None)
+    return out
+
+
+def _merge_topk(run_v: torch.Tensor, run_i: torch.Tensor, rows, vals: torch.Tensor, ids: torch.Tensor) -> None:
+    """run_v/run_i[rows] ← the top-m of their union with candidates vals/ids [r, ≤m]."""
+    m = run_v.shape[1]
+    v = torch.cat([run_v[rows], vals], 1)
+    i = torch.cat([run_i[rows], ids], 1)
+    top, pos = torch.topk(v, m, dim=1)
+    run_v[rows], run_i[rows] = top, torch.gather(i, 1, pos)
 
 
 def _rescore_above(keys: _Keys, q32, s32, threshold32, kk: int, sentinel: int):
@@ -404,6 +487,20 @@ def _rescore_above(keys: _Keys, q32, s32, threshold32, kk: int, sentinel: int):
     scores[row[keep], rank[keep]] = s64[keep]
     out[row[keep], rank[keep]] = ids[keep]
     return scores, out
+
+
+def _input_roundoff(device: torch.device) -> float:
+    """Unit roundoff to which an fp32 matmul on ``device`` rounds its inputs: 0 for IEEE fp32
+    products (CPU: numpy's BLAS), 2^-11 under TF32 (``torch.set_float32_matmul_precision("high")``
+    or ``allow_tf32``; bf16x3 is more accurate), 2^-8 under "medium" (bf16 inputs)."""
+    if device.type != "cuda":
+        return 0.0
+    precision = torch.get_float32_matmul_precision()
+    if precision == "medium":
+        return 2.0 ** -8
+    if precision == "high" or torch.backends.cuda.matmul.allow_tf32:
+        return 2.0 ** -11
+    return 0.0
 
 
 def _mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
