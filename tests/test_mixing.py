@@ -231,3 +231,21 @@ def test_table_exact_under_tf32_matmul(monkeypatch, rows):
     assert sum(retried) < 0.05 * got.shape[0], retried
     tol = N._Keys(w, 0, "cosine", torch.zeros(3000, dtype=torch.bool)).bound(w[:1])[2]
     assert float(tol) < 1.1e-3
+
+
+def test_decide_anchor_from_raw_logits_in_near_ties():
+    """Two logits one fp32 ulp apart that z/τ in fp32 would merge into a tie (→ the lower id):
+    the anchor is the true argmax, and α is the float64 softmax of the gathered logits."""
+    from megatron_ngrpo.mixing.decision import decide
+
+    tau = 1.7  # z in [1.7, 2) → z/τ in [1, 1.18): one output ulp per 1.7 input ulps
+    a = torch.tensor(1.8) + torch.arange(1, 200) * torch.finfo(torch.float32).eps
+    hi = a[1:][(a[1:] / tau) == (a[:-1] / tau)][0]  # fp32 division merges it with its predecessor
+    lo = torch.nextafter(hi, torch.tensor(0.0))
+    z = torch.full((1, 8), -5.0)
+    z[0, 2], z[0, 5] = lo, hi
+    table = torch.stack([torch.arange(8), (torch.arange(8) + 1) % 8, (torch.arange(8) + 2) % 8], 1)
+    dec = decide(z, table, tau, torch.ones(1, dtype=torch.bool), num_real_tokens=8)
+    assert int(dec.anchor) == 5
+    cand = z[0, table[5]].double() / tau
+    assert torch.equal(dec.weights[0], torch.softmax(cand, 0).float())

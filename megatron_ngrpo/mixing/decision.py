@@ -2,9 +2,11 @@
 
 Given the (vocab-parallel) logits of the rows being sampled:
 
-* anchor  v* = argmax_v z(v)/τ over real token ids, global across TP partitions (ties → lower id);
+* anchor  v* = argmax_v z(v) over real token ids (= argmax of z/τ; taken on the raw logits),
+  global across TP partitions (ties → lower id);
 * C       = neighbour-table row of v* (anchor first, k ids);
-* α       = softmax over C of z(c)/τ (the temperature-scaled probabilities renormalised on C);
+* α       = softmax over C of z(c)/τ (the temperature-scaled probabilities renormalised on C),
+  computed in float64 from the k gathered logits;
 * gate    m ~ Bernoulli(ρ) per sequence and step, drawn by a counter-based hash of
   (seed, sequence key, position) so that every TP rank, every engine and every re-run draws the
   same value without sharing RNG state.
@@ -101,21 +103,23 @@ def decide(
         logits: [B, V_local] this rank's vocab partition (columns ``vocab_start ..``); the full
             vocabulary when ``tp_group`` is None or of size 1.
         table: [V, k] int64 neighbour table (row v = v followed by its k-1 neighbours), replicated.
-        temperature: τ of α and of the argmax (argmax is τ-invariant; α is not).
+        temperature: τ of α (the argmax is τ-invariant and taken on the raw logits).
         mixed: [B] bool gate of each row (from :func:`gate`); copied into the decision.
         num_real_tokens: ids >= this (padding, unused rows) are never the anchor.
         vocab_start: global id of column 0 of ``logits``.
         tp_group: tensor-parallel group over which the vocabulary is split.
     """
-    z = logits.float() / temperature
-    b, v_local = z.shape
-    col_ids = torch.arange(vocab_start, vocab_start + v_local, device=z.device)
-    z = z.masked_fill(col_ids.unsqueeze(0) >= num_real_tokens, float("-inf"))
-    anchor = _global_argmax(z, vocab_start, tp_group)
-    ids = table.to(z.device)[anchor]  # [B, k]
-    cand = _gather_global_columns(z, ids, vocab_start, tp_group)  # [B, k]
-    weights = torch.softmax(cand, dim=-1)
-    return MixDecision(mixed=mixed.to(z.device), anchor=anchor, ids=ids, weights=weights)
+    v_local = logits.shape[1]
+    # The anchor from the raw logits (argmax is τ-invariant; dividing in fp32 first can merge
+    # distinct logits into ties), over the real ids only: a view, no [B, V] copy.
+    real = max(0, min(v_local, num_real_tokens - vocab_start))
+    anchor = _global_argmax(logits[:, :real], vocab_start, tp_group)
+    ids = table.to(logits.device)[anchor]  # [B, k]
+    cand = _gather_global_columns(logits, ids, vocab_start, tp_group).double()  # [B, k]
+    cand = cand.masked_fill(ids >= num_real_tokens, float("-inf"))
+    # α in float64 from the k gathered logits: exact softmax of z/τ renormalised on C.
+    weights = torch.softmax(cand / temperature, dim=-1).float()
+    return MixDecision(mixed=mixed.to(logits.device), anchor=anchor, ids=ids, weights=weights)
 
 
 def _tp_active(group) -> bool:
@@ -123,10 +127,16 @@ def _tp_active(group) -> bool:
 
 
 def _global_argmax(z: torch.Tensor, vocab_start: int, group) -> torch.Tensor:
-    """[B] global argmax id; the lowest id among exact ties (torch.max picks the first locally)."""
-    local_max, local_arg = z.max(dim=-1)
+    """[B] global argmax id of z [B, V_l] (any float dtype; V_l may be 0 on a rank without real
+    ids); the lowest id among exact ties (torch.max picks the first locally)."""
+    if z.shape[1]:
+        local_max, local_arg = z.max(dim=-1)
+    else:
+        local_max = z.new_full((z.shape[0],), float("-inf"))
+        local_arg = torch.zeros(z.shape[0], dtype=torch.long, device=z.device)
     if not _tp_active(group):
         return local_arg
+    local_max = local_max.float()  # exact for 16-bit logits; one dtype for the collective
     global_max = local_max.clone()
     dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
     big = torch.iinfo(torch.long).max
