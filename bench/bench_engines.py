@@ -2,21 +2,27 @@
 
 One process, TP=1, fp32, a tiny random Qwen2 with HF weights (loaded into Megatron through the
 conversion mapping, into vLLM from the files); plain sampling and N-GRPO mixing at ρ=0.1 for each
-engine, runs interleaved, tokens per second of process CPU time (the machine is shared) and wall
-time. Also the vLLM weight-sync seconds (Megatron → vLLM) per million parameters.
+engine; vLLM vs built-in timed in interleaved pairs by ``bench/_timing.py`` (tokens per second of
+process CPU time, the machine is shared; paired median with a bootstrap 95% interval). Also the
+vLLM weight-sync seconds (Megatron → vLLM) per million parameters.
 
     OMP_NUM_THREADS=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_OMP_THREADS_BIND=nobind \\
-        python bench/bench_engines.py [--repeats 5]
+        python bench/bench_engines.py [--max-seconds 300]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
-import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _timing import compare  # noqa: E402
 
 
 def main() -> None:
@@ -24,7 +30,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--n", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--max-seconds", type=float, default=300.0)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=4096)
@@ -52,29 +58,15 @@ def main() -> None:
                              generator=gen).tolist() for _ in range(args.prompts)]
     params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.new_tokens, seed=0)
     modes = {"plain": None, "mixed rho=0.1": MixingConfig(rate=0.1)}
-    for engine in engines.values():  # warm-up (neighbour tables, first-call costs)
-        for mix in modes.values():
-            engine.generate(prompts[:2], SamplingParams(max_new_tokens=4), mix)
-
-    cpu = {(e, m): [] for e in engines for m in modes}
-    wall = {(e, m): [] for e in engines for m in modes}
-    for _ in range(args.repeats):
-        for (e, m) in cpu:
-            c0, w0 = time.process_time(), time.perf_counter()
-            out = engines[e].generate(prompts, params, modes[m])
-            c1, w1 = time.process_time(), time.perf_counter()
-            tokens = sum(out.response_lengths)
-            cpu[(e, m)].append(tokens / (c1 - c0))
-            wall[(e, m)].append(tokens / (w1 - w0))
+    def run(e, m):
+        return lambda: sum(engines[e].generate(prompts, params, modes[m]).response_lengths)
 
     print(f"model: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; {args.prompts} prompts "
-          f"x n={args.n}, {args.new_tokens} new tokens, {args.repeats} repeats")
-    print("| engine | mode | CPU-time tok/s (median) | wall tok/s (median) |\n|---|---|---|---|")
-    for (e, m) in cpu:
-        print(f"| {e} | {m} | {statistics.median(cpu[(e, m)]):.0f} | {statistics.median(wall[(e, m)]):.0f} |")
+          f"x n={args.n}, {args.new_tokens} new tokens", flush=True)
     for m in modes:
-        ratio = statistics.median(v / mg for v, mg in zip(cpu[("vllm", m)], cpu[("megatron", m)]))
-        print(f"vLLM / built-in, {m}: {ratio:.2f}x (median of per-repeat CPU-time ratios)")
+        r = compare(run("vllm", m), run("megatron", m), kind="rate", label=f"tokens/s vLLM / built-in, {m}",
+                    max_seconds=args.max_seconds)
+        print(f"{r} | {1 / r.a_cpu:.0f} vs {1 / r.b_cpu:.0f} tok/s", flush=True)
 
     syncs = []
     for _ in range(3):

