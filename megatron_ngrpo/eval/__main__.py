@@ -19,7 +19,7 @@ def build_graders(reward_cfg) -> dict:
     """Kind → grader: math benchmarks get the math grader, mcq ones the letter grader."""
     import dataclasses
 
-    from megatron_ngrpo.rewards.registry import build_grader
+    from megatron_ngrpo.rewards.graders import build_grader
 
     return {kind: build_grader(dataclasses.replace(reward_cfg, name=kind)) for kind in ("math", "mcq")}
 

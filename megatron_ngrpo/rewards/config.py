@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_ngrpo.config_loader import fail
+from megatron_ngrpo.rewards.graders import GRADERS
 
 OVERLONG_MODES = ("none", "soft", "zero")
 
@@ -36,8 +37,6 @@ class RewardConfig:
     max_response_tokens: int = 0
 
     def validate(self) -> None:
-        from megatron_ngrpo.rewards.registry import GRADERS
-
         if self.name not in GRADERS:
             fail("name", self.name, f"expected one of {sorted(GRADERS)}")
         if self.timeout_s <= 0:

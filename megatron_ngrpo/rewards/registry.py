@@ -2,34 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from megatron_ngrpo.rewards.choice import ChoiceGrader
 from megatron_ngrpo.rewards.config import RewardConfig
-from megatron_ngrpo.rewards.math_grader import MathGrader
+from megatron_ngrpo.rewards.graders import build_grader
 from megatron_ngrpo.rewards.shaping import format_reward, soft_overlong_penalty
-
-
-def _math(cfg: RewardConfig) -> MathGrader:
-    return MathGrader(timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb, workers=cfg.workers,
-                      max_response_chars=cfg.max_response_chars, fallback=cfg.fallback)
-
-
-def _mcq(cfg: RewardConfig) -> ChoiceGrader:
-    return ChoiceGrader(mode=cfg.mcq_mode, letters=cfg.mcq_letters)
-
-
-# name → factory(RewardConfig) → grader with score_batch([(text, gold)]) -> [0/1], close().
-GRADERS: dict[str, Callable[[RewardConfig], object]] = {"math": _math, "mcq": _mcq}
-
-
-def register_grader(name: str, factory: Callable[[RewardConfig], object]) -> None:
-    GRADERS[name] = factory
-
-
-def build_grader(cfg: RewardConfig):
-    return GRADERS[cfg.name](cfg)
 
 
 @dataclass

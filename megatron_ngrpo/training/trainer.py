@@ -468,7 +468,7 @@ class Trainer:
     # ---- validation --------------------------------------------------------------------------
     def validate(self) -> dict[str, float]:
         from megatron_ngrpo.eval.runner import evaluate, load_benchmarks
-        from megatron_ngrpo.rewards.registry import build_grader
+        from megatron_ngrpo.rewards.graders import build_grader
 
         v = self.cfg.eval
         benchmarks = load_benchmarks(v.benchmarks, v.limit)
