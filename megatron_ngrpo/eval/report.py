@@ -9,18 +9,12 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
 from pathlib import Path
 
-from megatron_ngrpo.eval.runner import GENERATIONS_DIR, EvalResult
+from megatron_ngrpo.atomic import atomic_write
+from megatron_ngrpo.eval.result import GENERATIONS_DIR, EvalResult
 
 AVERAGE = "average"
-
-
-def _atomic_write(path: Path, data: str | bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data.encode() if isinstance(data, str) else data)
-    os.replace(tmp, path)
 
 
 def _columns(result: EvalResult) -> list[str]:
@@ -79,18 +73,18 @@ def plot_passk(result: EvalResult, path: Path) -> None:
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     plt.close(fig)
-    _atomic_write(path, buf.getvalue())
+    atomic_write(path, buf.getvalue())
 
 
 def write_report(result: EvalResult, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     (out / GENERATIONS_DIR).mkdir(parents=True, exist_ok=True)
     for name, records in result.generations.items():
-        _atomic_write(out / GENERATIONS_DIR / f"{name}.jsonl",
+        atomic_write(out / GENERATIONS_DIR / f"{name}.jsonl",
                       "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     summary = {"n": result.n, "metrics": result.metrics, "average": result.average, "settings": result.settings}
-    _atomic_write(out / "results.json", json.dumps(summary, indent=1))
-    _atomic_write(out / "results.csv", to_csv(result))
-    _atomic_write(out / "summary.md", to_markdown(result))
+    atomic_write(out / "results.json", json.dumps(summary, indent=1))
+    atomic_write(out / "results.csv", to_csv(result))
+    atomic_write(out / "summary.md", to_markdown(result))
     plot_passk(result, out / "passk.png")
     return out

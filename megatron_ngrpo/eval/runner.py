@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -23,12 +23,13 @@ from megatron_ngrpo.data.datasets import Problem, load_source
 from megatron_ngrpo.data.templates import EVAL_INSTRUCTION, MCQ_INSTRUCTION, TemplateConfig, encode_prompt, \
     math_message, mcq_message
 from megatron_ngrpo.eval.passk import benchmark_metrics
+from megatron_ngrpo.eval.report import write_report
+from megatron_ngrpo.eval.result import EvalResult, read_generations
 from megatron_ngrpo.rewards.extract import extract_answer
 from megatron_ngrpo.rollout.types import RolloutEngine, SamplingParams
 
 # Paper defaults (§4.1).
 PAPER_SAMPLING = SamplingParams(n=32, temperature=0.6, top_p=0.95, max_new_tokens=8192)
-GENERATIONS_DIR = "generations"
 
 
 @dataclass
@@ -53,18 +54,6 @@ def load_benchmarks(names: Sequence[str | SourceConfig], limit: int = 0, cache_d
         benchmarks.append(Benchmark(problems[0].source if problems else str(name),
                                     problems[:limit] if limit else problems))
     return benchmarks
-
-
-@dataclass
-class EvalResult:
-    """``metrics[benchmark]``: problems, mean@n, pass@k...; ``average``: their macro average
-    over benchmarks; ``generations[benchmark]``: one record per response (see :func:`evaluate`)."""
-
-    n: int
-    metrics: dict[str, dict[str, float]]
-    average: dict[str, float]
-    generations: dict[str, list[dict]] = field(default_factory=dict)
-    settings: dict = field(default_factory=dict)
 
 
 def prompt_message(problem: Problem, template: TemplateConfig) -> str:
@@ -172,24 +161,8 @@ def evaluate(engine: RolloutEngine, tokenizer, benchmarks: Sequence[Benchmark],
     settings = {"sampling": dataclasses.asdict(params), "template": dataclasses.asdict(template)}
     result = _result(generations, ks, settings)
     if out_dir is not None:
-        from megatron_ngrpo.eval.report import write_report
-
         write_report(result, out_dir)
     return result
-
-
-def read_generations(run_dir: str | Path) -> dict[str, list[dict]]:
-    folder = Path(run_dir) / GENERATIONS_DIR
-    files = sorted(folder.glob("*.jsonl"))
-    if not files:
-        raise FileNotFoundError(f"no generations (*.jsonl) in {folder}")
-    generations = {}
-    for path in files:
-        with path.open() as f:
-            records = [json.loads(line) for line in f if line.strip()]
-        if records:
-            generations[records[0]["benchmark"]] = records
-    return generations
 
 
 def regrade(run_dir: str | Path, grader, *, ks: Sequence[int] | None = None,
@@ -204,7 +177,5 @@ def regrade(run_dir: str | Path, grader, *, ks: Sequence[int] | None = None,
     if previous.is_file():
         settings = {**json.loads(previous.read_text()).get("settings", {}), **settings}
     result = _result(generations, ks, settings)
-    from megatron_ngrpo.eval.report import write_report
-
     write_report(result, out_dir if out_dir is not None else run_dir)
     return result
