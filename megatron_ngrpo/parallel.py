@@ -12,12 +12,14 @@ import os
 import torch
 import torch.distributed as dist
 
-from megatron_ngrpo.compat import cpu as cpu_compat
-
 
 def init_distributed(timeout_s: int = 300) -> None:
     """Initialise the default process group from torchrun's environment variables (or a single
     process group of size 1 when they are absent). Idempotent."""
+    # megatron is imported here, not at module level: processes that only need the rank helpers
+    # below (CLIs failing on a config error, report writers) stay free of it.
+    from megatron_ngrpo.compat import cpu as cpu_compat
+
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
         cpu_compat.install()
@@ -67,12 +69,25 @@ def _destroy_subgroups() -> None:
 
 def model_parallel_seed(seed: int) -> None:
     """megatron's ``model_parallel_cuda_manual_seed`` on GPU, its CPU twin otherwise."""
+    from megatron_ngrpo.compat import cpu as cpu_compat
+
     if cpu_compat.is_active():
         cpu_compat.cpu_model_parallel_seed(seed)
     else:
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         model_parallel_cuda_manual_seed(seed)
+
+
+def is_rank0() -> bool:
+    """Global rank 0, or no process group at all (a single process)."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def barrier() -> None:
+    """``dist.barrier()`` when a process group exists (a no-op in a single process)."""
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def free_port() -> int:

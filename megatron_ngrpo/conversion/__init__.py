@@ -6,7 +6,7 @@
   ``save_hf_checkpoint``).
 - :mod:`.checkpoint`: the Megatron checkpoint layout (``checkpoint_meta``,
   ``save_megatron_checkpoint``, ``load_megatron_checkpoint``, ``resolve_checkpoint``,
-  ``write_latest``, ``atomic_directory``).
+  ``write_latest``).
 - :mod:`.convert`: whole-checkpoint conversion (``convert_hf_to_megatron``,
   ``convert_megatron_to_hf``) behind ``tools/convert_*.py``.
 """

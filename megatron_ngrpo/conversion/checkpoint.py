@@ -15,18 +15,16 @@ writer's and the reader's TP. Then the embedding / output rows are read whole an
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import shutil
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from megatron_ngrpo.architecture import padded_vocab_size, unwrap
+from megatron_ngrpo.atomic import atomic_directory, atomic_write
 from megatron_ngrpo.conversion.mapping import ConversionError, Kind, raise_if, tp_shard
 from megatron_ngrpo.models.config import ModelConfig
+from megatron_ngrpo.parallel import is_rank0
 
 META_FILE = "megatron_ngrpo.json"
 LATEST_FILE = "latest"
@@ -87,49 +85,7 @@ def model_config_for(path: str | Path, tp: int = 1, pp: int = 1, vpp: int | None
 
 def write_latest(run_dir: str | Path, name: str) -> None:
     """Atomically point ``run_dir/latest`` at checkpoint ``name`` (call on one rank)."""
-    tmp = Path(run_dir) / f".{LATEST_FILE}.tmp"
-    tmp.write_text(name + "\n")
-    os.replace(tmp, Path(run_dir) / LATEST_FILE)
-
-
-def _rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def _barrier(collective: bool) -> None:
-    if collective and dist.is_initialized():
-        dist.barrier()
-
-
-@contextlib.contextmanager
-def atomic_directory(final: str | Path, overwrite: bool = False, collective: bool = True):
-    """Yield an empty temporary sibling of ``final``; rename it to ``final`` when the block ends
-    without error, remove it otherwise. ``collective``: every rank enters (rank 0 manages the
-    directory; barriers around), else only the calling process."""
-    final = Path(final)
-    if final.exists() and not overwrite:
-        raise ConversionError(f"{final}: output exists (pass overwrite to replace it)")
-    tmp = final.parent / f".{final.name}.partial"
-    if _rank0() or not collective:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    _barrier(collective)
-    try:
-        yield tmp
-        _barrier(collective)
-    except BaseException:
-        if _rank0() or not collective:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if _rank0() or not collective:
-        old = final.parent / f".{final.name}.old"
-        if final.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
-    _barrier(collective)
+    atomic_write(Path(run_dir) / LATEST_FILE, name + "\n")
 
 
 # ---------------------------------------------------------------- save / load
@@ -158,7 +114,7 @@ def save_megatron_checkpoint(model_chunks: list, directory: str | Path, meta: di
     state = {**_sharded_state_dict(model_chunks), **(extra or {})}
     with atomic_directory(directory, overwrite=overwrite) as tmp:
         dist_checkpointing.save(state, str(tmp))
-        if _rank0():
+        if is_rank0():
             (tmp / "config.json").write_text(json.dumps(meta["hf_config"], indent=2))
             aux = aux_from or meta.get("hf_path")
             if aux and Path(aux).is_dir() and Path(aux).resolve() != directory.resolve():

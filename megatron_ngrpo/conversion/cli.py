@@ -14,7 +14,7 @@ def run(script: str, argv: list[str], nproc: int, fn, **kwargs) -> int:
 
     from megatron_ngrpo.config_loader import ConfigError
     from megatron_ngrpo.conversion.mapping import ConversionError
-    from megatron_ngrpo.parallel import free_port
+    from megatron_ngrpo.parallel import free_port, is_rank0
 
     if nproc > 1 and "RANK" not in os.environ:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
@@ -22,11 +22,11 @@ def run(script: str, argv: list[str], nproc: int, fn, **kwargs) -> int:
         return subprocess.call(cmd, env={"OMP_NUM_THREADS": "1", **os.environ})
     try:
         out = fn(**kwargs)
-        if not dist.is_initialized() or dist.get_rank() == 0:
+        if is_rank0():
             print(f"wrote {out}")
         return 0
-    except (ConfigError, ConversionError) as e:
-        if not dist.is_initialized() or dist.get_rank() == 0:
+    except (ConfigError, ConversionError, FileExistsError) as e:
+        if is_rank0():
             print(f"error: {e}", file=sys.stderr)
         return 2
     finally:

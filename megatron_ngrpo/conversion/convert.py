@@ -25,6 +25,7 @@ from megatron_ngrpo.conversion.checkpoint import (
     save_megatron_checkpoint,
 )
 from megatron_ngrpo.models.config import ModelConfig
+from megatron_ngrpo.parallel import is_rank0
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -102,7 +103,7 @@ def convert_hf_to_megatron(src: str | Path, out: str | Path, tp: int = 1, pp: in
     else:
         from megatron_ngrpo.conversion.hf_io import load_hf_into_megatron
 
-        load_hf_into_megatron(chunks, src, progress=progress and _rank0())
+        load_hf_into_megatron(chunks, src, progress=progress and is_rank0())
     meta = checkpoint_meta(cfg, source=str(Path(src).resolve()))
     if from_megatron:
         meta["hf_path"] = read_meta(src).get("hf_path")
@@ -131,10 +132,4 @@ def convert_megatron_to_hf(src: str | Path, out: str | Path, dtype: str | None =
     out_dtype = getattr(torch, dtype or meta.get("dtype", "float32"))
     return save_hf_checkpoint(chunks, out, meta["hf_config"], dtype=out_dtype, aux_from=hf_source or ckpt,
                               overwrite=overwrite, max_shard_bytes=max_shard_bytes,
-                              progress=progress and _rank0())
-
-
-def _rank0() -> bool:
-    import torch.distributed as dist
-
-    return not dist.is_initialized() or dist.get_rank() == 0
+                              progress=progress and is_rank0())

@@ -17,7 +17,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from megatron_ngrpo.atomic import atomic_directory
 from megatron_ngrpo.conversion.mapping import ConversionError
+from megatron_ngrpo.parallel import is_rank0
 
 INDEX = "model.safetensors.index.json"
 # Carried over from the source HF directory next to the weights.
@@ -142,7 +144,6 @@ def save_hf_checkpoint(model_chunks: list, out_dir: str | Path, hf_config: dict,
     from tqdm import tqdm
 
     from megatron_ngrpo.architecture import ArchSpec
-    from megatron_ngrpo.conversion.checkpoint import atomic_directory
     from megatron_ngrpo.conversion.mapping import (
         check_hf_names,
         export_hf_tensors,
@@ -150,7 +151,7 @@ def save_hf_checkpoint(model_chunks: list, out_dir: str | Path, hf_config: dict,
     )
 
     spec = ArchSpec.from_dict(hf_config)
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    rank0 = is_rank0()
     out_dir = Path(out_dir)
     with atomic_directory(out_dir, overwrite=overwrite) as tmp:
         error = None

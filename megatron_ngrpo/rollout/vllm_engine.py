@@ -58,6 +58,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_ngrpo.atomic import atomic_file
 from megatron_ngrpo.mixing.config import MixingConfig
 from megatron_ngrpo.mixing.records import MixRecord
 from megatron_ngrpo.rollout.config import VLLMConfig
@@ -234,9 +235,8 @@ class VLLMEngine(RolloutEngine):
         from safetensors.torch import save_file
 
         path = Path(self._sync_dir_name()) / "model.safetensors"
-        tmp = path.with_suffix(".tmp")
-        save_file({n: t.contiguous().cpu() for n, t in named}, str(tmp))
-        os.replace(tmp, path)
+        with atomic_file(path) as tmp:
+            save_file({n: t.contiguous().cpu() for n, t in named}, str(tmp))
         return str(path.parent)
 
     def _ensure_strategy(self, mixing: MixingConfig) -> None:
