@@ -1,0 +1,121 @@
+"""Import structure: no cycle between packages of megatron_ngrpo, none between two files of one package.
+
+Imports are read from the source (AST), those inside functions included: a deferred import still ties
+the two modules together, it only hides the cycle from the interpreter.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent / "megatron_ngrpo"
+TOP = "megatron_ngrpo"
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for path in ROOT.rglob("*.py"):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        mods[".".join(parts)] = path
+    return mods
+
+
+def _imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
+    """Project modules imported anywhere in ``path`` (top level, functions, ``from x import module``)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [f"{base}.{a.name}" for a in node.names] + [base]
+        else:
+            continue
+        for target in targets:
+            while target and target not in mods:
+                target = target.rpartition(".")[0]
+            if target.startswith(TOP) and target != name:
+                found.add(target)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    return {name: _imports(name, path, mods) for name, path in mods.items()}
+
+
+def _package(module: str) -> str:
+    """The first-level package (``megatron_ngrpo.grpo``), or the top-level module itself."""
+    return ".".join(module.split(".")[:2])
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one node (Tarjan)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in list(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _witness(edges, comp):
+    return sorted(f"{a} -> {b}" for a in comp for b in edges.get(a, ()) if b in comp)
+
+
+def test_the_walker_sees_deferred_and_relative_imports(tmp_path):
+    mods = {"megatron_ngrpo.p.a": tmp_path / "a.py", "megatron_ngrpo.p.b": tmp_path / "b.py",
+            "megatron_ngrpo.q": tmp_path / "q.py"}
+    mods["megatron_ngrpo.p.a"].write_text("def f():\n    from megatron_ngrpo.p import b\n")
+    mods["megatron_ngrpo.p.b"].write_text("from .a import f\nimport megatron_ngrpo.q\n")
+    assert _imports("megatron_ngrpo.p.a", mods["megatron_ngrpo.p.a"], mods) == {"megatron_ngrpo.p.b"}
+    assert _imports("megatron_ngrpo.p.b", mods["megatron_ngrpo.p.b"], mods) == {"megatron_ngrpo.p.a",
+                                                                                 "megatron_ngrpo.q"}
+    assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+
+
+def test_no_cycle_between_packages():
+    graph = _graph()
+    edges: dict[str, set[str]] = {}
+    for src, dsts in graph.items():
+        for dst in dsts:
+            if _package(src) != _package(dst) and dst != TOP:
+                edges.setdefault(_package(src), set()).add(_package(dst))
+    cycles = _cycles(edges)
+    assert not cycles, [_witness(edges, c) for c in cycles]
+
+
+def test_no_cycle_between_files_of_one_package():
+    graph = _graph()
+    edges = {src: {d for d in dsts if d.rpartition(".")[0] == src.rpartition(".")[0]}
+             for src, dsts in graph.items()}
+    cycles = _cycles(edges)
+    assert not cycles, [_witness(edges, c) for c in cycles]
