@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         "train": {"run_dir": str(run_dir), "warmstart": {"path": str(task_dir / "sft.jsonl")},
                   **({"max_steps": args.steps} if args.steps else {})},
         "data": {"train": [{"path": str(task_dir / "train.jsonl")}]},
-        "eval": {"benchmarks": [str(task_dir / "heldout.jsonl")]},
+        "validation": {"benchmarks": [str(task_dir / "heldout.jsonl")]},
     }))
     run([sys.executable, "-m", "megatron_ngrpo.launch", "run", "tiny", "--executor", "local",
          "--config", "configs/tiny_cpu.yaml", "--config", str(paths),

@@ -1,7 +1,7 @@
 """Typed configuration: dataclasses, YAML files and dotted command-line overrides.
 
 Each package owns the dataclass of its section (``mixing/config.py``, ``grpo/config.py``, ...);
-:mod:`megatron_ngrpo.config` composes them. This module only loads and validates: OmegaConf does
+:mod:`megatron_ngrpo.training.job_config` composes them. This module only loads and validates: OmegaConf does
 the type checking and merging (structured configs), and every section may define ``validate()``
 which raises :class:`ConfigError` with a one-line message naming the field and value. Everything
 here runs before any process group starts.
@@ -10,6 +10,7 @@ here runs before any process group starts.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 from typing import TypeVar
 
@@ -33,7 +34,10 @@ def load(cls: type[T], yaml_paths: list[str | Path] | str | Path | None = None,
     """Defaults of ``cls`` ← each YAML file in order ← ``key.sub=value`` overrides; validated.
 
     Raises :class:`ConfigError` (one line) on unknown keys, wrong types or invalid values.
+    Top-level sections renamed in ``cls.RENAMED`` (old → new) are still read under their old
+    name, with a one-line deprecation message on stderr.
     """
+    renamed = getattr(cls, "RENAMED", {})
     if isinstance(yaml_paths, (str, Path)):
         yaml_paths = [yaml_paths]
     merged = OmegaConf.structured(cls)
@@ -47,10 +51,15 @@ def load(cls: type[T], yaml_paths: list[str | Path] | str | Path | None = None,
             raise ConfigError(f"config file {str(path)!r}: invalid YAML: {_one_line(e)}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {str(path)!r}: top level must be a mapping")
+        data = _rename_sections(data, renamed, f"config file {str(path)!r}")
         merged = _merge(merged, OmegaConf.create(data), f"config file {str(path)!r}")
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected key.sub=value")
+        head = item.split("=", 1)[0].split(".", 1)[0]
+        if head in renamed:
+            _deprecated(head, renamed[head], f"override {item!r}")
+            item = renamed[head] + item[len(head):]
         try:
             parsed = OmegaConf.from_dotlist([item])
         except (yaml.YAMLError, OmegaConfBaseException) as e:
@@ -82,8 +91,18 @@ def to_yaml(obj) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(obj))
 
 
-def to_dict(obj) -> dict:
-    return OmegaConf.to_container(OmegaConf.structured(obj))
+def _rename_sections(data: dict, renamed: dict[str, str], source: str) -> dict:
+    for old, new in renamed.items():
+        if old in data:
+            if new in data:
+                raise ConfigError(f"{source}: both {old!r} (the old name) and {new!r}; keep {new!r}")
+            _deprecated(old, new, source)
+            data = {(new if k == old else k): v for k, v in data.items()}
+    return data
+
+
+def _deprecated(old: str, new: str, source: str) -> None:
+    print(f"deprecated: {source}: section {old!r} is now {new!r}", file=sys.stderr)
 
 
 def _merge(base, other, source: str):

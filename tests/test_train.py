@@ -68,7 +68,7 @@ ERRORS = [
     (["optim.min_lr=1.0"], 1, "'optim.min_lr' = 1.0"),
     (["train.micro_batch_size=0"], 1, "'train.micro_batch_size' = 0"),
     (["train.reference=cpu"], 1, "'train.reference' = 'cpu'"),
-    (["eval.every=-1"], 1, "'eval.every' = -1"),
+    (["validation.every=-1"], 1, "'validation.every' = -1"),
     (["train.warmstart.steps=2"], 1, "'train.warmstart.path' = '': file does not exist"),
     (["mixing.k=40"], 1, "'mixing.k' = 40: larger than the vocabulary"),
     (["rollout.engine=vllm"], 2, "'rollout.engine' = 'vllm': the vLLM engine needs a single-process job"),
@@ -92,6 +92,20 @@ def test_tiny_config_is_valid_and_main_exits_2_on_errors(task, monkeypatch, caps
     assert main(["--config", str(TINY), "--config", str(task / "paths.yaml"), "grpo.kl_estimator=k9"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: config field 'grpo.kl_estimator' = 'k9'") and "\n" not in err
+
+
+def test_old_eval_section_is_read_as_validation(task, monkeypatch, capsys, tmp_path):
+    old = tmp_path / "old.yaml"
+    old.write_text("eval:\n  every: 3\n  limit: 2\n")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    cfg = load_config([TINY, task / "paths.yaml", old], ["eval.limit=5"])
+    assert (cfg.validation.every, cfg.validation.limit) == (3, 5)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [f"deprecated: config file {str(old)!r}: section 'eval' is now 'validation'",
+                     "deprecated: override 'eval.limit=5': section 'eval' is now 'validation'"], lines
+    old.write_text("eval:\n  every: 3\nvalidation:\n  every: 4\n")
+    with pytest.raises(ConfigError, match="both 'eval' .* and 'validation'"):
+        load_config([TINY, task / "paths.yaml", old])
 
 
 @pytest.mark.parametrize("name", ["ngrpo_r1_1.5b", "ngrpo_r1_7b", "ngrpo_r1_14b"])

@@ -35,9 +35,13 @@ class NGRPOConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
-    eval: ValidationConfig = field(default_factory=ValidationConfig)
+    # In-training validation (benchmarks every few steps), not the evaluation CLI's config.
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
     # Tokenizer name (megatron_ngrpo.data.tokenizer: deepseek-r1-distill-qwen, qwen2) or folder.
     tokenizer: str = "deepseek-r1-distill-qwen"
+
+    # Old section names still read (with a one-line deprecation message), new name.
+    RENAMED = {"eval": "validation"}
 
     def validate(self) -> None:
         """Cross-section checks (each section validated itself already)."""

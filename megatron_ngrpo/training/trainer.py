@@ -276,7 +276,7 @@ class Trainer:
                 metrics = self.train_step()
                 self.step += 1
                 saved = False
-                if self.cfg.eval.every and (self.step % self.cfg.eval.every == 0 or self.step == self.total_steps):
+                if self.cfg.validation.every and (self.step % self.cfg.validation.every == 0 or self.step == self.total_steps):
                     metrics.update(self.validate())
                     saved = self._keep_if_best(metrics)
                 if not saved and cfg.save_every and (self.step % cfg.save_every == 0 or self.step == self.total_steps):
@@ -470,7 +470,7 @@ class Trainer:
         from megatron_ngrpo.eval.runner import evaluate, load_benchmarks
         from megatron_ngrpo.rewards.graders import build_grader
 
-        v = self.cfg.eval
+        v = self.cfg.validation
         benchmarks = load_benchmarks(v.benchmarks, v.limit)
         eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
         self.engine.sync_weights(self.chunks)
@@ -486,7 +486,7 @@ class Trainer:
     def _keep_if_best(self, metrics: dict) -> bool:
         """Save and remember the checkpoint when mean@n improved; True if it saved."""
         key = next((k for k in metrics if k.startswith("val/mean@")), None)
-        if not self.cfg.eval.keep_best or key is None:
+        if not self.cfg.validation.keep_best or key is None:
             return False
         if self.best is not None and metrics[key] <= self.best["value"]:
             return False
