@@ -1,4 +1,4 @@
-"""Prompt templates (N-GRPO paper App. A; ALGORITHM.md §8).
+"""Prompt templates (N-GRPO paper App. A; docs/ALGORITHM.md §8).
 
 User message = problem, a space, the instruction; no system prompt. Kinds:
 

@@ -1,6 +1,6 @@
 """Evaluation: generate n samples per problem with mixing off, grade, Mean@n and Pass@k.
 
-Protocol (N-GRPO paper §4.1, App. B.3; ALGORITHM.md §9): user message = problem + " " +
+Protocol (N-GRPO paper §4.1, App. B.3; docs/ALGORITHM.md §9): user message = problem + " " +
 EVAL_INSTRUCTION (with the trailing period) in the R1 chat template ending in ``<think>\\n``
 (templates.py); T = 0.6, top-p 0.95, 8192 new tokens, n = 32; math graded on the last
 ``\\boxed{}``, multiple choice on the "Answer: X" line. Every response is kept (JSONL) so a run can

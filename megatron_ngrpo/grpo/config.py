@@ -1,6 +1,6 @@
 """Configuration of the GRPO objective, the optimizer and the training loop.
 
-Defaults are the N-GRPO paper's (ALGORITHM.md §4–5); reference-code choices are options.
+Defaults are the N-GRPO paper's (docs/ALGORITHM.md §4–5); reference-code choices are options.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""DRA reward adjustment (DRA-GRPO paper, ALGORITHM.md §7): r̃_i = r_i / (1 + Σ_{j≠i} s(o_i, o_j)),
+"""DRA reward adjustment (DRA-GRPO paper, docs/ALGORITHM.md §7): r̃_i = r_i / (1 + Σ_{j≠i} s(o_i, o_j)),
 s the cosine similarity of response embeddings, over each prompt's group (paper rule) or over the
 whole local batch (DRA reference code).
 

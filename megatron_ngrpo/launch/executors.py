@@ -1,6 +1,6 @@
 """NeMo-Run executors: torchrun on this machine, or Slurm (optionally in pyxis containers).
 
-The NeMo-Run 0.11.1 traps handled here (ENVIRONMENT.md §6):
+The NeMo-Run 0.11.1 traps handled here (docs/ENVIRONMENT.md §6):
 * torchrun's ``--nproc-per-node`` comes from ``torchrun_nproc_per_node``; left unset it becomes
   ``ntasks_per_node`` (and NeMo-Run then forces one Slurm task per node), so
   ``ntasks_per_node=1, gpus_per_node=8`` would start one rank per node. Both are set explicitly.
@@ -35,7 +35,7 @@ GPU_ENV = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
     # Frees NCCL's buffers when the collective completes, not at the next caching-allocator sweep.
     "TORCH_NCCL_AVOID_RECORD_STREAMS": "1",
-    # The neighbour-mixing hook patches vLLM's V1 model runner (ENVIRONMENT.md §4).
+    # The neighbour-mixing hook patches vLLM's V1 model runner (docs/ENVIRONMENT.md §4).
     "VLLM_USE_V2_MODEL_RUNNER": "0",
     "TOKENIZERS_PARALLELISM": "false",
 }

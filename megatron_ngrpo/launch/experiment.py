@@ -1,6 +1,6 @@
 """NeMo-Run experiments from rendered tasks: dry-run, submit and wait, status, logs.
 
-NeMo-Run 0.11.1 reports a failed job but still returns normally (ENVIRONMENT.md §6): callers
+NeMo-Run 0.11.1 reports a failed job but still returns normally (docs/ENVIRONMENT.md §6): callers
 check :func:`failed` on the statuses returned here.
 """
 

@@ -1,6 +1,6 @@
 """Configuration of embedding-level exploration (N-GRPO mixing and its baselines).
 
-Defaults follow the N-GRPO paper; reference-code choices are options (ALGORITHM.md §2).
+Defaults follow the N-GRPO paper; reference-code choices are options (docs/ALGORITHM.md §2).
 """
 
 from __future__ import annotations

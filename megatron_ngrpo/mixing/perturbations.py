@@ -1,4 +1,4 @@
-"""Embedding-level exploration baselines that share N-GRPO's record path (ALGORITHM.md §6).
+"""Embedding-level exploration baselines that share N-GRPO's record path (docs/ALGORITHM.md §6).
 
 Every strategy turns one decode step's (vocab-parallel) logits and the Bernoulli gate into a
 :class:`~megatron_ngrpo.mixing.decision.MixDecision` (ids anchor/first, weights, optional noise);

@@ -1,6 +1,6 @@
 """The one record type of a rollout's mixes: what engines produce and the trainer replays.
 
-Contract (ALGORITHM.md §1.1): for response token t of sequence s (0-based index into the response),
+Contract (docs/ALGORITHM.md §1.1): for response token t of sequence s (0-based index into the response),
 a record says that the *input embedding at that token's position* — the input from which token
 t+1 is predicted — is ``Σ_c weights[c] · E[ids[c]]`` instead of ``E[response[t]]``. ``ids[0]`` is
 the anchor (argmax). The token emitted at t (``response[t]``) is the anchor in paper mode or the

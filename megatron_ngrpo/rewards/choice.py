@@ -1,6 +1,6 @@
 """Multiple-choice (GPQA-style) letter grading.
 
-Two modes (ALGORITHM.md §9): ``paper`` accepts only the instructed "Answer: <letter>" line (the
+Two modes (docs/ALGORITHM.md §9): ``paper`` accepts only the instructed "Answer: <letter>" line (the
 last one in the response); ``reference`` also accepts ``\\boxed{<letter>}`` and, failing both, the
 last stand-alone capital choice letter, as the reference implementation's regex does.
 Runs in-process: bounded regular expressions over the response tail, no parsing.

@@ -6,7 +6,7 @@ Layers, cheapest first:
 2. :func:`~megatron_ngrpo.rewards.normalize.normalize` string equality;
 3. base numerals ("4210_{5}") compare as strings only; when both sides are plain numbers
    (:func:`~megatron_ngrpo.rewards.normalize.to_number`) the exact numeric comparison decides;
-4. math-verify (the reference implementation's grader, ALGORITHM.md §4.1) for everything
+4. math-verify (the reference implementation's grader, docs/ALGORITHM.md §4.1) for everything
    symbolic: its LaTeX → sympy conversion (latex2sympy2_extended, an ANTLR grammar that builds
    sympy objects and evaluates no Python) and its comparison (simplification, numeric
    evaluation, sets/intervals/tuples/matrices/equations, complex numbers) do far better than a

@@ -19,7 +19,7 @@ Per decode step, on one rank (last pipeline stage, TP rank 0), from the gathered
   counter-based hash of ``(seed ^ salt, key, t)`` — deterministic per (seed, sequence key,
   response position) and independent of batching; padded vocab rows (>= ``num_real_tokens``)
   have probability 0;
-* the mixing decision (N-GRPO, ALGORITHM.md §1): gate ``decision.gate(rate, seed, key, t)``
+* the mixing decision (N-GRPO, docs/ALGORITHM.md §1): gate ``decision.gate(rate, seed, key, t)``
   with ``key = prompt_key * 1000003 + child`` (the vLLM engine's convention), anchor, candidates
   and weights from :func:`~megatron_ngrpo.mixing.perturbations.decide_for_strategy` (neighbour
   table for N-GRPO; Soft Thinking, STHT and Gumbel baselines); the emitted token is the anchor

@@ -1,4 +1,4 @@
-"""Semantic-neighbour mixing inside vLLM 0.32's V1 model runner (ENVIRONMENT.md §4).
+"""Semantic-neighbour mixing inside vLLM 0.32's V1 model runner (docs/ENVIRONMENT.md §4).
 
 Only the model runner sees the logits, the row → request map and the next step's input
 embeddings together, so the hook lives there:
@@ -44,7 +44,7 @@ GPU notes (untested here):
 
 * vLLM's GPU default is Model Runner V2 (``vllm/v1/worker/gpu/``), which has none of these
   methods; :mod:`megatron_ngrpo.rollout.vllm_engine` pins ``VLLM_USE_V2_MODEL_RUNNER=0`` so this
-  V1 hook is used. The V2 route (designed, not run; ENVIRONMENT.md §4) is an out-of-tree model
+  V1 hook is used. The V2 route (designed, not run; docs/ENVIRONMENT.md §4) is an out-of-tree model
   class whose ``get_model_state_cls()`` returns a ``DefaultModelState`` subclass overriding
   ``prepare_inputs_embeds`` (overlay by ``input_batch.req_ids``) and ``custom_sampler``
   (decide before sampling, skip rows still in prefill); V2 re-sorts the batch every step, so

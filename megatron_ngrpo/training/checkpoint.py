@@ -5,7 +5,7 @@ data position, neighbour table, LR scheduler, ...).
 
 Optimizer state: the non-distributed optimizer is saved as sharded tensors (reshardable). The
 distributed optimizer's dist-checkpointing formats save but do not load in megatron-core 0.16
-(ENVIRONMENT.md §2.3), and its legacy ``save/load_parameter_state`` (dp_zero) fails to load with
+(docs/ENVIRONMENT.md §2.3), and its legacy ``save/load_parameter_state`` (dp_zero) fails to load with
 torch's Adam (no ``step`` in the saved tensors: ``KeyError: 'step'``). So each rank saves its own
 shard (``distopt/rankNNNNN.pt``: inner optimizer state, fp32 master shards, grad scaler):
 resuming the distributed optimizer needs the same world size and layout.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Start a single-host Slurm test cluster (ENVIRONMENT.md §5): munged, MariaDB, slurmdbd, slurmctld
+# Start a single-host Slurm test cluster (docs/ENVIRONMENT.md §5): munged, MariaDB, slurmdbd, slurmctld
 # and two slurmd (n1, n2) with 8 fake GPUs each. Everything lives under STATE (default
 # /tmp/ngrpo-slurm); clients need `source STATE/env.sh` (SLURM_CONF). Idempotent: daemons that
 # are already up are left alone, an already-running munged is reused (and not stopped by stop.sh).
