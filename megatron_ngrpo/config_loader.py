@@ -10,6 +10,7 @@ here runs before any process group starts.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from pathlib import Path
 from typing import TypeVar
@@ -23,6 +24,12 @@ T = TypeVar("T")
 
 class ConfigError(ValueError):
     """A bad configuration value; the message is one line naming the source, field and value."""
+
+
+def launch_world_size() -> int:
+    """The world size a config is validated against before any process group starts
+    (torchrun's ``WORLD_SIZE``; 1 outside torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def fail(field: str, value, why: str) -> None:

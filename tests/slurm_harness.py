@@ -63,15 +63,16 @@ def write_smoke_inputs(directory: Path) -> tuple[Path, Path]:
     return hf, config
 
 
-def write_arithmetic_task(directory: Path) -> Path:
-    """examples/arithmetic's task (tokenizer, tiny Qwen2 config, problems) and a YAML overlay that
-    points configs/tiny_test.yaml at it; returns the overlay."""
+def write_arithmetic_task(directory: Path, **task_kwargs) -> Path:
+    """examples/arithmetic's task (tokenizer, tiny Qwen2 config, problems; ``task_kwargs`` go to
+    its ``write_task``) and a YAML overlay that points configs/tiny_test.yaml at it; returns the
+    overlay."""
     sys.path.insert(0, str(REPO / "examples" / "arithmetic"))
     try:
         from task import write_task
     finally:
         sys.path.pop(0)
-    write_task(directory)
+    write_task(directory, **task_kwargs)
     overlay = directory / "paths.yaml"
     overlay.write_text(
         f"tokenizer: {directory / 'tokenizer'}\n"

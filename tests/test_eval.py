@@ -71,6 +71,12 @@ class ScriptedEngine(RolloutEngine):
     def __init__(self, tokenizer, script: dict[tuple, list[str]]):
         self.tokenizer, self.script, self.calls = tokenizer, script, []
 
+    def sync_weights(self, model_chunks) -> None:
+        pass  # scripted texts: no weights
+
+    def set_neighbor_table(self, table) -> None:
+        raise AssertionError("evaluation never mixes")
+
     def generate(self, prompts, params, mixing=None, keys=None):
         self.calls.append({"n": len(prompts), "keys": keys, "mixing": mixing, "params": params})
         responses, prompt_ids, index = [], [], []
@@ -204,6 +210,12 @@ class VLLMAdapter(RolloutEngine):
 
     def __init__(self, llm):
         self.llm = llm
+
+    def sync_weights(self, model_chunks) -> None:
+        raise AssertionError("the test loads the checkpoint only")
+
+    def set_neighbor_table(self, table) -> None:
+        raise AssertionError("evaluation never mixes")
 
     def generate(self, prompts, params, mixing=None, keys=None):
         from vllm import SamplingParams as VLLMParams

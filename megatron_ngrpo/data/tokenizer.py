@@ -138,3 +138,13 @@ def load_tokenizer(name_or_path: str | Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(folder))
+
+
+def special_token_ids(tokenizer) -> list[int]:
+    """The one rule for ids that are never neighbours (``mixing.exclude_special``), used by the
+    trainer's neighbour table and every engine: the tokenizer's special tokens and its added
+    tokens flagged special."""
+    if tokenizer is None:
+        return []
+    added = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    return sorted(set(tokenizer.all_special_ids) | added)

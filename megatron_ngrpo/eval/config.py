@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_ngrpo.config_loader import fail
+from megatron_ngrpo.config_loader import fail, launch_world_size
 from megatron_ngrpo.data.config import SourceConfig, validate_sources
 from megatron_ngrpo.data.templates import TemplateConfig
 from megatron_ngrpo.models.config import ModelConfig
 from megatron_ngrpo.rewards.config import RewardConfig
-from megatron_ngrpo.rollout.config import RolloutConfig
+from megatron_ngrpo.rollout.config import RolloutConfig, check_vllm_layout
 from megatron_ngrpo.rollout.types import SamplingParams
 
 
@@ -83,3 +83,4 @@ class EvalConfig:
             fail("ks", self.ks, f"each k must be in [1, sampling.n = {self.sampling.n}]")
         if self.prompts_per_call < 1:
             fail("prompts_per_call", self.prompts_per_call, "must be >= 1")
+        check_vllm_layout(self.rollout, launch_world_size())

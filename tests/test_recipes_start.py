@@ -1,0 +1,45 @@
+"""Every shipped GPU recipe validates at its real world size (no GPUs, no process groups): the
+recipe's config file plus the launcher's overrides, an HF config.json of the recipe's shape, and
+WORLD_SIZE set as torchrun would set it on the recipe's nodes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_ngrpo.launch.recipes import RECIPES
+from megatron_ngrpo.training.job_config import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+GPU_RECIPES = {"r1-1.5b": "ngrpo_r1_1.5b", "r1-7b": "ngrpo_r1_7b", "r1-14b": "ngrpo_r1_14b"}
+
+
+@pytest.mark.parametrize("name", sorted(GPU_RECIPES))
+def test_recipe_config_validates_at_world_size(name, tmp_path, monkeypatch):
+    recipe = RECIPES[name]
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(recipe.shape.hf_config()))
+    (hf / "model.safetensors").write_bytes(b"")  # validation only checks the weights exist
+    for nodes in sorted({recipe.min_nodes, recipe.nodes, recipe.max_nodes}):
+        monkeypatch.setenv("WORLD_SIZE", str(recipe.world_size(nodes)))
+        cfg = load_config([REPO / "configs" / f"{GPU_RECIPES[name]}.yaml"],
+                          [*recipe.model_overrides(str(hf)), *recipe.rollout_overrides()])
+        assert cfg.rollout.engine == "vllm"
+        assert recipe.world_size(nodes) % cfg.rollout.vllm.tensor_parallel == 0
+
+
+def test_vllm_layout_errors_are_one_line(tmp_path, monkeypatch):
+    from megatron_ngrpo.config_loader import ConfigError
+
+    recipe = RECIPES["r1-7b"]
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(recipe.shape.hf_config()))
+    (hf / "model.safetensors").write_bytes(b"")
+    monkeypatch.setenv("WORLD_SIZE", "20")
+    with pytest.raises(ConfigError, match=r"^config field 'rollout.vllm.tensor_parallel' = 8: must divide the world size 20"):
+        load_config([REPO / "configs" / "ngrpo_r1_7b.yaml"],
+                    [*recipe.model_overrides(str(hf)), "rollout.vllm.tensor_parallel=8"])
