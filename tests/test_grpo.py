@@ -28,7 +28,8 @@ from megatron_ngrpo.testing.multiproc import check, launch
 
 WORKER = Path(__file__).parent / "dist" / "grpo_worker.py"
 CASES = ["layout_tp1_dp4", "layout_tp2_dp2", "layout_pp2_dp2", "layout_tp2_pp2", "layout_pp2_vpp2_dp2",
-         "layout_tp2_token_budget"]
+         "layout_tp2_token_budget", "layout_tp2_sequence_parallel", "layout_tp2_pp2_sequence_parallel_recompute",
+         "layout_pp2_recompute"]
 
 
 @pytest.fixture(scope="module")

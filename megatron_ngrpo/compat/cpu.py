@@ -138,8 +138,8 @@ def _patch_torch_cuda() -> None:
     for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
         setattr(cuda, name, lambda *a, **k: 0)
     cuda.reset_peak_memory_stats = lambda *a, **k: None
-    cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
-    cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    cuda.get_rng_state = cuda.random.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    cuda.set_rng_state = cuda.random.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     # Not torch.manual_seed: megatron calls both, and redirecting recurses. The lazy CUDA seeding
     # is already a no-op without CUDA.
 
@@ -184,6 +184,19 @@ def _install_rng_tracker() -> None:
     tracker = CpuRNGStatesTracker()
     mrandom._CUDA_RNG_STATE_TRACKER = tracker
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # Activation recomputation saves and restores the "CUDA" RNG state through these two helpers
+    # (and torch.cuda.random's functions, which are not torch.cuda's): the CPU generator here.
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    # Its backward re-runs the forward on autograd's thread, where the (thread-local) redirect
+    # mode is not active: enter it there too.
+    recompute_backward = mrandom.CheckpointFunction.backward
+
+    def backward(ctx, *grads):
+        with _CudaToCpuMode():
+            return recompute_backward(ctx, *grads)
+
+    mrandom.CheckpointFunction.backward = staticmethod(backward)
 
 
 def cpu_model_parallel_seed(seed: int, *args, **kwargs) -> None:

@@ -2,7 +2,7 @@
 
 A rollout is replayed as one right-padded token batch (prompt + response per row). The input at
 the column of response token t is ``E[response[t]]``, or the recorded mixture ``Σ w·E[ids]``
-where the engine mixed (ALGORITHM.md §1.2); the *label* of the column before it is always the
+where the engine mixed (docs/ALGORITHM.md §1.2); the *label* of the column before it is always the
 emitted token ``response[t]`` (the anchor in paper mode, the sample in reference mode, §1.3).
 Log-probs are ``log softmax(logits / τ)[label]`` computed by megatron's
 ``vocab_parallel_cross_entropy`` on the vocab-parallel logits, so TP never gathers the vocabulary.
@@ -22,6 +22,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from megatron_ngrpo.architecture import unwrap
 from megatron_ngrpo.mixing.embedding import MixBatch, mixing_inputs
 from megatron_ngrpo.rollout.types import RolloutBatch
 
@@ -160,12 +161,19 @@ class MicroBatchPlan:
 
     groups: list[list[int]]
     fixed_shape: tuple[int, int] | None
+    # Every micro-batch's length is a multiple of this: TP under sequence parallelism (megatron
+    # scatters the sequence over TP ranks), times the context-parallel size. Padded columns are
+    # masked out like right padding.
+    seq_multiple: int = 1
 
     @classmethod
-    def make(cls, batch: TokenBatch, micro_batch_size: int, max_tokens: int = 0,
-             pad_to_multiple: int = 1) -> "MicroBatchPlan":
+    def make(cls, model_chunks: list, batch: TokenBatch, micro_batch_size: int,
+             max_tokens: int = 0) -> "MicroBatchPlan":
         from megatron.core import parallel_state as ps
 
+        config = unwrap(model_chunks[0]).config
+        multiple = (config.tensor_model_parallel_size if config.sequence_parallel else 1) * \
+            config.context_parallel_size
         groups = split_rows(batch.lengths, micro_batch_size, max_tokens)
         pp = ps.get_pipeline_model_parallel_world_size()
         vpp = ps.get_virtual_pipeline_model_parallel_world_size()
@@ -175,10 +183,8 @@ class MicroBatchPlan:
             groups += [[] for _ in range(pp - len(groups) % pp)]
         fixed = None
         if pp > 1 and not _variable_p2p_shapes():
-            longest = int(batch.lengths.max())
-            longest = -(-longest // pad_to_multiple) * pad_to_multiple
-            fixed = (max(max(len(g) for g in groups), 1), longest)
-        return cls(groups, fixed)
+            fixed = (max(max(len(g) for g in groups), 1), _round_up(int(batch.lengths.max()), multiple))
+        return cls(groups, fixed, multiple)
 
     def micro_batches(self, batch: TokenBatch) -> list[TokenBatch]:
         out = []
@@ -189,7 +195,8 @@ class MicroBatchPlan:
             elif self.fixed_shape:
                 mb = batch.micro_batch(g, *self.fixed_shape)
             else:
-                mb = batch.micro_batch(g)
+                longest = max(int(batch.lengths[g].max()), 1)
+                mb = batch.micro_batch(g, seq_len=_round_up(longest, self.seq_multiple))
             out.append(mb)
         return out
 
@@ -200,9 +207,13 @@ class MicroBatchPlan:
         return micro_batches[0].seq_len, micro_batches[0].num_rows
 
 
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 def _variable_p2p_shapes() -> bool:
     # Shape exchange uses batch_isend_irecv, which pairs equal-shape gloo messages wrongly
-    # (ENVIRONMENT.md §2.3): on CPU every micro-batch gets one fixed shape instead.
+    # (docs/ENVIRONMENT.md §2.3): on CPU every micro-batch gets one fixed shape instead.
     return torch.cuda.is_available()
 
 
@@ -274,6 +285,10 @@ def run_schedule(model_chunks: list, micro_batches: list[TokenBatch], plan: Micr
         return output, partial(_call_loss, loss_fn, mb)
 
     seq_length, mbs = plan.shape(micro_batches)
+    for c in model_chunks:
+        # Pipeline stages exchange activations of each micro-batch's own shape (GPU); megatron
+        # otherwise assumes every micro-batch has the schedule's (seq_length, mbs).
+        unwrap(c).config.variable_seq_lengths = plan.fixed_shape is None
     iters = [iter(micro_batches) for _ in model_chunks]
     return get_forward_backward_func()(
         forward_step_func=forward_step,
@@ -322,7 +337,7 @@ def batch_logprobs(model_chunks: list, batch: TokenBatch, temperature: float,
                    with_entropy: bool = False) -> torch.Tensor:
     """[B, L] label-aligned log-probs of ``batch`` (and, with ``with_entropy``, [2, B, L] with the
     entropy as the second plane)."""
-    plan = MicroBatchPlan.make(batch, micro_batch_size, max_tokens)
+    plan = MicroBatchPlan.make(model_chunks, batch, micro_batch_size, max_tokens)
 
     def value_fn(mb: TokenBatch, logits: torch.Tensor) -> torch.Tensor:
         lp, ent = token_logprobs(logits, mb.labels, temperature, vocab_limit, with_entropy)

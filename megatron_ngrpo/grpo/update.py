@@ -81,7 +81,7 @@ def loss_and_grads(model_chunks: list, batch: TokenBatch, cfg: GRPOConfig, setti
         c.zero_grad_buffer()
     if optimizer is not None:
         optimizer.zero_grad()
-    plan = MicroBatchPlan.make(batch, settings.micro_batch_size, settings.max_tokens)
+    plan = MicroBatchPlan.make(model_chunks, batch, settings.micro_batch_size, settings.max_tokens)
     micro_batches = plan.micro_batches(batch)
 
     def loss_fn(mb: TokenBatch, logits: torch.Tensor):

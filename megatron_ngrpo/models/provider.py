@@ -96,17 +96,39 @@ def transformer_config(spec: ArchSpec, cfg: ModelConfig, init_weights: bool = Tr
         recompute_granularity="full" if cfg.recompute else None,
         recompute_method="uniform" if cfg.recompute else None,
         recompute_num_layers=1 if cfg.recompute else None,
-        # gloo pairs equal-shape batched p2p ops wrongly (ENVIRONMENT.md §2.3).
+        # gloo pairs equal-shape batched p2p ops wrongly (docs/ENVIRONMENT.md §2.3).
         batch_p2p_comm=torch.cuda.is_available(),
     )
 
 
-def layer_spec(spec: ArchSpec, cfg: ModelConfig):
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm behind megatron's norm constructor, usable under sequence parallelism:
+    megatron's local-spec ``WrappedTorchNorm`` refuses SP. Under SP each TP rank normalises its
+    own sequence slice with the full weight, so the weight is marked ``sequence_parallel`` and
+    megatron all-reduces its gradient over TP (as for TE's norms)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_):
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+def layer_spec(spec: ArchSpec, cfg: ModelConfig, config, vp_stage: int | None):
+    """TE's layer spec on GPU; otherwise megatron's local spec as a block spec for this stage
+    (``config``: the ``TransformerConfig``) whose layer norms and final norm are
+    :class:`SequenceParallelRMSNorm`."""
     from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
 
     if use_te(cfg):
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
-    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+    local = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+    local.submodules.input_layernorm = SequenceParallelRMSNorm
+    local.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[local] * layers, layer_norm=SequenceParallelRMSNorm)
 
 
 def build_gpt(spec: ArchSpec, cfg: ModelConfig, pre_process: bool, post_process: bool,
@@ -116,9 +138,10 @@ def build_gpt(spec: ArchSpec, cfg: ModelConfig, pre_process: bool, post_process:
 
     from megatron_ngrpo.mixing.embedding import install_mixing_embedding
 
+    config = transformer_config(spec, cfg, init_weights)
     model = GPTModel(
-        config=transformer_config(spec, cfg, init_weights),
-        transformer_layer_spec=layer_spec(spec, cfg),
+        config=config,
+        transformer_layer_spec=layer_spec(spec, cfg, config, vp_stage),
         vocab_size=padded_vocab_size(spec.vocab_size, cfg.tensor_parallel, cfg.make_vocab_size_divisible_by),
         max_sequence_length=cfg.max_seq_len or spec.max_position_embeddings,
         pre_process=pre_process,

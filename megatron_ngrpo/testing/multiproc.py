@@ -51,6 +51,8 @@ def run_cases() -> None:
             value, error = fn(), None
         except Exception:  # a failed case is reported, the remaining cases still run
             value, error = None, traceback.format_exc()
+            # Also now: if the failure left a collective half-done, the gather below can hang.
+            print(f"rank {dist.get_rank()}: case {name} failed:\n{error}", file=sys.stderr, flush=True)
         errors = [None] * dist.get_world_size()
         dist.all_gather_object(errors, error)
         failed = {r: e for r, e in enumerate(errors) if e}

@@ -76,7 +76,7 @@ def warmstart(model_chunks: list, optimizer, pairs: list[tuple[list[int], list[i
         for c in model_chunks:
             c.zero_grad_buffer()
         optimizer.zero_grad()  # else param.grad still aliases main_grad from the last step
-        plan = MicroBatchPlan.make(batch, micro_batch_size)
+        plan = MicroBatchPlan.make(model_chunks, batch, micro_batch_size)
 
         def loss_fn(mb: TokenBatch, logits: torch.Tensor):
             lp, _ = token_logprobs(logits, mb.labels, 1.0, vocab_limit)

@@ -23,11 +23,12 @@ STATE: dict = {}
 
 
 # ---- shared set-up ---------------------------------------------------------------------------
-def model_cfg(tp=1, pp=1, vpp=None):
+def model_cfg(tp=1, pp=1, vpp=None, sp=False, recompute=False):
     from megatron_ngrpo.models.config import ModelConfig
 
     return ModelConfig(hf_path=STATE["hf"], tensor_parallel=tp, pipeline_parallel=pp,
-                       virtual_pipeline=vpp, make_vocab_size_divisible_by=64)
+                       virtual_pipeline=vpp, make_vocab_size_divisible_by=64, sequence_parallel=sp,
+                       recompute=recompute)
 
 
 def shared_dir() -> str:
@@ -280,7 +281,7 @@ def full_grads(chunks) -> dict[str, torch.Tensor]:
     return out
 
 
-def run_layout(tp, pp, vpp=None, max_tokens=0):
+def run_layout(tp, pp, vpp=None, max_tokens=0, sp=False, recompute=False):
     from megatron_ngrpo.conversion.checkpoint import load_megatron_checkpoint
     from megatron_ngrpo.grpo.advantages import (
         compute_advantages,
@@ -299,7 +300,7 @@ def run_layout(tp, pp, vpp=None, max_tokens=0):
     setup_reference()
     start = time.time()
     initialize_model_parallel(tp, pp, vpp, seed=7)
-    chunks = build_model(model_cfg(tp, pp, vpp))
+    chunks = build_model(model_cfg(tp, pp, vpp, sp, recompute))
     load_megatron_checkpoint(chunks, STATE["ckpt"])
     chunks = wrap_for_training(chunks)
     batch, refs = STATE["batch"], STATE["refs"]
@@ -380,6 +381,22 @@ def layout_pp2_vpp2_dp2():
 @case
 def layout_tp2_token_budget():
     return run_layout(2, 1, max_tokens=24)
+
+
+@case
+def layout_tp2_sequence_parallel():
+    """Micro-batches of odd lengths are padded to a multiple of TP; padding is masked."""
+    return run_layout(2, 1, sp=True)
+
+
+@case
+def layout_tp2_pp2_sequence_parallel_recompute():
+    return run_layout(2, 2, sp=True, recompute=True)
+
+
+@case
+def layout_pp2_recompute():
+    return run_layout(1, 2, recompute=True)
 
 
 if __name__ == "__main__":
