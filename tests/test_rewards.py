@@ -204,3 +204,19 @@ def test_math_reward_end_to_end():
 def test_reward_config_errors(override, field):
     with pytest.raises(ConfigError, match=f"'{field}'"):
         load(RewardConfig, overrides=[override])
+
+
+@pytest.mark.parametrize("text", [
+    "\\boxed{" * 150_000,                      # unclosed boxes: one brace scan, not one per box
+    "\\boxed{7} " + "\\boxed{{" * 100_000,
+    "{" * 500_000 + "\\boxed{7}" + "}" * 500_000,
+    "\\boxed\\fbox" * 90_000,
+], ids=["unclosed", "answer-then-unclosed", "deep-nesting", "commands"])
+def test_extraction_is_linear_on_hostile_megabyte_responses(text):
+    import time
+
+    from megatron_ngrpo.rewards.extract import extract_answer
+
+    t0 = time.process_time()
+    extract_answer(text)
+    assert time.process_time() - t0 < 1.0, len(text)

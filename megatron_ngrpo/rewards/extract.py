@@ -3,7 +3,7 @@
 Hand-written rather than math-verify's extraction regexes: those run ``\\boxed{.+}`` with DOTALL
 over the whole response and try ~20 alternations per position, which is slow on long outputs
 and only finds the *first* candidate per priority; the reference scoring takes the content of
-the **last** ``\\boxed{}`` (ALGORITHM.md §9), which needs brace matching, not a regex.
+the **last** ``\\boxed{}`` (docs/ALGORITHM.md §9), which needs brace matching, not a regex.
 """
 
 from __future__ import annotations
@@ -19,19 +19,41 @@ _FALLBACK_STOP = re.compile(r"\n|\.(?=\s|$)")
 
 def last_boxed(text: str) -> str | None:
     """Content of the last non-empty ``\\boxed{...}`` / ``\\fbox{...}`` (nested braces kept), or
-    of a brace-less ``\\boxed 5``; None if there is none or its braces never close."""
-    end = len(text)
-    while True:
-        start, cmd = max((text.rfind(c, 0, end), c) for c in _BOX_COMMANDS)
-        if start < 0:
-            return None
-        content = _box_argument(text, start + len(cmd))
+    of a brace-less ``\\boxed 5``; None if there is none or its braces never close.
+
+    Linear in ``len(text)``: braces are matched once, in one pass, before any box is read (a
+    response repeating unclosed ``\\boxed{`` made a scan per box quadratic)."""
+    starts = sorted((m.end() for m in _BOX_RE.finditer(text)), reverse=True)
+    if not starts:
+        return None
+    match = _matching_braces(text)
+    for i in starts:
+        content = _box_argument(text, i, match)
         if content:
             return content
-        end = start
+    return None
 
 
-def _box_argument(text: str, i: int) -> str | None:
+_BOX_RE = re.compile("|".join(re.escape(c) for c in _BOX_COMMANDS))
+
+
+def _matching_braces(text: str) -> dict[int, int]:
+    """``{open index: close index}`` of every matched brace pair (``\\x`` escapes skipped)."""
+    stack, match, i, n = [], {}, 0, len(text)
+    while i < n:
+        ch = text[i]
+        if ch == "\\":
+            i += 2
+            continue
+        if ch == "{":
+            stack.append(i)
+        elif ch == "}" and stack:
+            match[stack.pop()] = i
+        i += 1
+    return match
+
+
+def _box_argument(text: str, i: int, match: dict[int, int]) -> str | None:
     n = len(text)
     if i < n and text[i].isalpha():  # \boxedx is another command, not a box
         return None
@@ -44,20 +66,10 @@ def _box_argument(text: str, i: int) -> str | None:
         while j < n and not text[j].isspace() and text[j] not in "$}":
             j += 1
         return text[i:j].strip() or None
-    depth, j = 0, i
-    while j < n:
-        ch = text[j]
-        if ch == "\\":
-            j += 2
-            continue
-        if ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i + 1:j].strip() or None
-        j += 1
-    return None
+    close = match.get(i)
+    if close is None:
+        return None
+    return text[i + 1:close].strip() or None
 
 
 def fallback_answer(text: str) -> str | None:
