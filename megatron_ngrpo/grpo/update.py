@@ -40,8 +40,8 @@ class UpdateSettings:
 def wrap_for_training(chunks: list, ddp_config=None) -> list:
     """Wrap unwrapped model chunks in megatron DDP for this loss: micro-batch and DP losses are
     summed, not averaged (``calculate_per_token_loss``, read by DDP at construction, so it is set
-    before wrapping, which is why ``build_model(wrap_ddp=True)`` is not used), and gradients are
-    finalised (DP all-reduce, tied/PP embedding sync) after the last micro-batch."""
+    before wrapping), and gradients are finalised (DP all-reduce, tied/PP embedding sync) after
+    the last micro-batch."""
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,

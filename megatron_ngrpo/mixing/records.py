@@ -126,10 +126,6 @@ class MixRecord:
             out.append((int(self.pos[j]), self.ids[j][nz].tolist(), self.weights[j][nz].tolist()))
         return out
 
-    def counts(self) -> torch.Tensor:
-        """[num_seqs] number of mixed positions per sequence."""
-        return torch.bincount(self.seq, minlength=self.num_seqs)
-
     def to_dense(
         self, offsets: torch.Tensor, seq_len: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -175,34 +171,13 @@ class MixRecord:
             raise ValueError("mix weights do not sum to 1")
 
     # ---- serialisation ------------------------------------------------------------------
-    def state_dict(self) -> dict:
+    def to_json(self) -> dict:
+        """Plain lists, for JSONL dumps of generations."""
         d = {"seq": self.seq, "pos": self.pos, "ids": self.ids, "weights": self.weights,
              "num_seqs": self.num_seqs}
         if self.noise is not None:
             d["noise"] = self.noise
-        return d
-
-    @classmethod
-    def from_state_dict(cls, d: dict) -> "MixRecord":
-        return cls(seq=d["seq"], pos=d["pos"], ids=d["ids"], weights=d["weights"],
-                   num_seqs=int(d["num_seqs"]), noise=d.get("noise"))
-
-    def to_json(self) -> dict:
-        """Plain lists, for JSONL dumps of generations and msgspec RPCs."""
-        d = {k: (v.tolist() if torch.is_tensor(v) else v) for k, v in self.state_dict().items()}
-        return d
-
-    @classmethod
-    def from_json(cls, d: dict) -> "MixRecord":
-        k = len(d["ids"][0]) if d["ids"] else 1
-        return cls(
-            seq=torch.tensor(d["seq"], dtype=torch.long),
-            pos=torch.tensor(d["pos"], dtype=torch.long),
-            ids=torch.tensor(d["ids"], dtype=torch.long).reshape(-1, k),
-            weights=torch.tensor(d["weights"], dtype=torch.float32).reshape(-1, k),
-            num_seqs=int(d["num_seqs"]),
-            noise=torch.tensor(d["noise"], dtype=torch.float32) if "noise" in d else None,
-        )
+        return {k: (v.tolist() if torch.is_tensor(v) else v) for k, v in d.items()}
 
     def _take(self, index: torch.Tensor, new_seq: torch.Tensor, num_seqs: int) -> "MixRecord":
         return MixRecord(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron_ngrpo.architecture import ArchSpec, padded_vocab_size, unwrap
+from megatron_ngrpo.architecture import ArchSpec, padded_vocab_size
 from megatron_ngrpo.config_loader import ConfigError
 from megatron_ngrpo.models.config import ModelConfig
 
@@ -179,10 +179,10 @@ def zero_padded_vocab_rows(model, vocab_size: int) -> None:
             w[max(vocab_size - first, 0):].zero_()
 
 
-def build_model(cfg: ModelConfig, wrap_ddp: bool = False, ddp_config=None,
-                init_weights: bool = True) -> list:
-    """Model chunks of this rank (one per virtual pipeline stage), optionally wrapped in megatron
-    ``DistributedDataParallel``. Parallel state must be initialised for ``cfg``'s layout.
+def build_model(cfg: ModelConfig, init_weights: bool = True) -> list:
+    """Model chunks of this rank (one per virtual pipeline stage), unwrapped (training wraps them
+    with :func:`megatron_ngrpo.grpo.update.wrap_for_training`). Parallel state must be initialised
+    for ``cfg``'s layout.
     ``init_weights=False`` skips megatron's random initialisation (weights loaded next)."""
     from megatron.core import parallel_state as ps
 
@@ -204,16 +204,4 @@ def build_model(cfg: ModelConfig, wrap_ddp: bool = False, ddp_config=None,
         from megatron.core.transformer.module import Float16Module
 
         chunks = [Float16Module(c.config, c) for c in chunks]
-    if wrap_ddp:
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-        )
-
-        ddp_config = ddp_config or DistributedDataParallelConfig()
-        chunks = [
-            DistributedDataParallel(config=unwrap(c).config, ddp_config=ddp_config, module=c,
-                                    disable_bucketing=i > 0)
-            for i, c in enumerate(chunks)
-        ]
     return chunks
