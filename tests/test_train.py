@@ -260,3 +260,6 @@ def test_colocated_vllm_trains_with_mixing_and_resumes(vllm_task, tmp_path, layo
     resumed = [json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in resumed] == [1, 2, 3]
     assert all(r["logprob_gap/max_abs"] < 1e-5 for r in resumed)
+    # The killed job's vLLM TP shared-memory segments outlive it (their names are unique per job).
+    for f in Path("/dev/shm").glob("ngrpo*-cpushm_*"):
+        f.unlink(missing_ok=True)
