@@ -2,6 +2,7 @@
 
     ngrpo-launch recipes                                  the recipe table
     ngrpo-launch memory r1-7b [--nodes 4]                 expected GPU memory per rank
+    ngrpo-launch plan r1-7b [--nodes 4] [a.b=c ...]       the layout built and checked without GPUs
     ngrpo-launch run r1-7b --executor slurm --config configs/ngrpo_r1_7b.yaml --account A --partition P \\
         --container-image IMG --mount /lustre:/lustre [--dryrun | --detach] [a.b=c ...]
     ngrpo-launch status EXPERIMENT [--wait]
@@ -9,8 +10,9 @@
     ngrpo-launch cancel EXPERIMENT
 
 ``run`` waits for the jobs (unless ``--detach``) and exits 1 when one did not succeed; ``status``
-exits 1 when a job failed (or, with ``--wait``, did not succeed). Bad input exits 2 with a
-one-line error. Experiments live under $NEMORUN_HOME (default ~/.nemo_run).
+exits 1 when a job failed (or, with ``--wait``, did not succeed); ``plan`` exits 1 with a
+one-line reason when the layout cannot be built or does not fit an 80 GB H100. Bad input exits 2
+with a one-line error. Experiments live under $NEMORUN_HOME (default ~/.nemo_run).
 """
 
 from __future__ import annotations
@@ -44,6 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("memory", help="expected GPU memory per rank of a recipe")
     m.add_argument("recipe")
     m.add_argument("--nodes", type=int)
+    pl = sub.add_parser("plan", help="build a recipe's model on meta under a simulated process group "
+                                     "of its world size; counts, stages, memory (exit 1: cannot fit/build)")
+    pl.add_argument("recipe")
+    pl.add_argument("overrides", nargs="*", metavar="a.b=c", help="training config overrides")
+    pl.add_argument("--nodes", type=int)
+    pl.add_argument("--config", help="training config (default: the recipe's)")
 
     r = sub.add_parser("run", help="run a recipe's task (train, eval, conversion)")
     r.add_argument("recipe")
@@ -120,13 +128,15 @@ def memory_table(recipe: recipes.Recipe, nodes: int | None = None) -> str:
         ("layout", f"{nodes} node(s) × {recipe.procs_per_node}: TP {recipe.tensor_parallel}, "
                    f"PP {recipe.pipeline_parallel}, DP {recipe.data_parallel(nodes)}, "
                    f"SP {'on' if recipe.sequence_parallel else 'off'}, "
-                   f"recompute {'full' if recipe.recompute else 'off'}, {recipe.seq_len} tokens/micro-batch"),
+                   f"recompute {'full' if recipe.recompute else 'off'}, "
+                   f"{recipe.train_layout(nodes).tokens} tokens/micro-batch"),
         ("parameters on the busiest rank", f"{t.params / 1e9:.3f} B"),
         ("weights (bf16)", gib(t.weights)),
         ("grads (fp32 main grads)", gib(t.grads)),
         ("Adam + master (fp32, ÷DP)", gib(t.optimizer)),
-        ("activations", gib(t.activations)),
-        ("logits + CE", gib(t.logits)),
+        ("activations kept (layer inputs)", gib(t.activations)),
+        ("one layer recomputed in its backward", gib(t.working)),
+        ("logits + log-prob pass", gib(t.logits)),
         ("CUDA context, NCCL, slack", gib(t.overhead)),
         ("**training total**", f"**{gib(t.total)}**"),
         ("vLLM reserved (gpu_memory_utilization)",
@@ -137,6 +147,19 @@ def memory_table(recipe: recipes.Recipe, nodes: int | None = None) -> str:
     ]
     lines = [f"| {recipe.name} | GiB per GPU |", "|---|---|"] + [f"| {a} | {b} |" for a, b in rows]
     return "\n".join(lines)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from megatron_ngrpo.launch import plan
+
+    recipe = recipes.get(args.recipe)
+    try:
+        layout = plan.plan_layout(recipe, args.nodes, tuple(args.overrides), args.config)
+    except plan.PlanError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(plan.format_plan(layout))
+    return 0
 
 
 def make_plan(args: argparse.Namespace):
@@ -254,9 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = argv[:argv.index("--")] if "--" in argv else argv
     # Overrides may follow options (argparse stops a positional list at the first option).
     args, extra = parser.parse_known_args(argv)
-    if (extra or passthrough) and args.cmd != "run" or any(e.startswith("-") for e in extra):
+    if (extra or passthrough) and args.cmd not in ("run", "plan") or any(e.startswith("-") for e in extra):
         parser.error(f"unrecognized arguments: {' '.join(extra + passthrough)}")
-    if args.cmd == "run":
+    if args.cmd in ("run", "plan"):
         args.overrides = [*args.overrides, *extra, *passthrough]
     try:
         if args.cmd == "recipes":
@@ -264,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "memory":
             print(memory_table(recipes.get(args.recipe), args.nodes))
             return 0
+        if args.cmd == "plan":
+            return cmd_plan(args)
         return {"run": cmd_run, "status": cmd_status, "logs": cmd_logs, "cancel": cmd_cancel}[args.cmd](args)
     except (ConfigError, LookupError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

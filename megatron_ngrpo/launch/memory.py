@@ -1,23 +1,30 @@
-"""Expected GPU memory per rank, computed from the model shapes.
+"""Expected memory per rank, computed from the model shapes: the GPU plan of a recipe, and with
+the CPU parameters the peak of a tiny CPU run (tests/test_memory_model.py compares both with a
+measured peak; docs/LAUNCHING.md).
 
-Training (megatron-core, bf16 with fp32 main grads, distributed optimizer, 1F1B pipeline):
+Training (megatron-core, fp32 main grads, Adam, 1F1B pipeline), on the busiest rank:
 
-* weights: 2 B/param (bf16) of the rank's TP/PP shard;
-* grads: 4 B/param (fp32 main-grad buffer: megatron accumulates and reduces bf16 grads in fp32);
-* optimizer: 12 B/param (fp32 master copy + Adam m + v), sharded over the data-parallel group by
-  the distributed optimizer (ZeRO-1): 12/DP B/param. Together the known "6 + 12/d" bytes/param;
-* activations of one micro-batch of ``tokens`` tokens per transformer layer, bf16, flash/fused
-  attention (no s² scores kept; the TE spec on H100):
-  norms' inputs and outputs feeding QKV and FC1: 4h (÷TP with sequence parallelism),
-  q/k/v after RoPE: (a + 2g)·d / TP, attention output (o_proj input): a·d / TP,
-  FC1 output (gate, up): 2f / TP, SwiGLU output (FC2 input): f / TP;
-  with full recomputation only each layer's input (h, ÷TP with SP) is kept, plus one layer's
-  working set during its backward. The first pipeline stage holds PP micro-batches in flight
-  (1F1B), i.e. all L layers' worth; the last stage holds one;
-* logits (last stage): bf16 logits + their fp32 copy + the fp32 softmax kept by
-  ``vocab_parallel_cross_entropy``: 10 B per token and local vocabulary row.
-  Computing log-probs in token chunks shrinks this term; the estimate assumes one pass.
-* a fixed 3 GiB for the CUDA context, NCCL buffers and allocator slack.
+* weights: ``param_bytes``/param (bf16 on GPU, fp32 on CPU) of the rank's TP/PP shard;
+* grads: 4 B/param (fp32 main-grad buffer: megatron accumulates and reduces grads in fp32);
+* optimizer: Adam m + v (8 B/param) plus an fp32 master copy (4 B/param) when the weights are
+  16-bit, sharded over the data-parallel group by the distributed optimizer (ZeRO-1). On GPU
+  together the known "6 + 12/d" bytes/param;
+* saved activations: what each layer keeps for its backward, for every layer in flight (the first
+  pipeline stage holds PP micro-batches under 1F1B, i.e. all L layers' worth; the last stage
+  one). A layer's full set per token (elements, activation dtype): norms' inputs and outputs
+  feeding QKV and FC1 ``4h`` (÷TP with sequence parallelism), q/k/v after RoPE ``(a + 2g)·d / TP``,
+  the attention output ``a·d / TP``, FC1's gate/up output ``2f / TP``, SwiGLU's output ``f / TP``.
+  With full recomputation a layer keeps only its input (``h``, ÷TP with SP);
+* working set: with recomputation, one layer's full set again while its backward runs (the MLP's
+  backward comes first; at the attention's backward the MLP side is already freed);
+* logits (last stage): the logits tensor (activation dtype) plus the log-prob / entropy / KL
+  pass's extra fp32 copies at its peak (:data:`LOGITS_EXTRA_FP32` fp32 logits tensors). The
+  logits pass and a layer's recomputed backward never overlap (the logits are freed before the
+  first layer's backward), so the peak holds the larger of the two;
+* attention: flash / fused attention (TE on GPU) keeps no s² scores. megatron's local layer spec
+  (CPU) computes attention unfused: it keeps the softmax input and output (2 × a·s² per sequence)
+  and, during that layer's backward, their two gradients (:data:`UNFUSED_S2_COPIES` in all);
+* a fixed 3 GiB on GPU for the CUDA context, NCCL buffers and allocator slack.
 
 vLLM (rollout): weights 2 B/param / vLLM TP, KV cache 2·L·g_local·d·2 B per token
 (g_local = max(1, g / TP): KV heads are replicated when TP > g), from the fraction
@@ -34,18 +41,25 @@ from megatron_ngrpo.architecture import ArchSpec, padded_vocab_size
 GIB = 2**30
 # nvidia-smi's total for an H100 80GB SXM (81559 MiB); vLLM's utilisation fraction applies to it.
 H100_BYTES = 81559 * 2**20
+# What a plan may use: 95 % of the GPU (fragmentation, NCCL's own growth).
+H100_USABLE_BYTES = int(0.95 * H100_BYTES)
 OVERHEAD_BYTES = 3 * GIB
 VLLM_RESERVE_BYTES = 2 * GIB
 
 BF16, FP32 = 2, 4
 GRAD_BYTES = FP32
-ADAM_BYTES = 3 * FP32
-LOGIT_BYTES = BF16 + FP32 + FP32
+ADAM_BYTES = 2 * FP32  # m, v
+# Extra fp32 logits-sized tensors the log-prob / entropy / KL pass holds at its peak (forward and
+# backward), beyond the logits themselves: the fused vocab-parallel pass's bound.
+LOGITS_EXTRA_FP32 = 1.5
+# s²-sized tensors per head and sequence of megatron's unfused (local-spec) attention at a layer's
+# backward: softmax input and output kept, and their gradients (measured on CPU).
+UNFUSED_S2_COPIES = 4
 
 
 @dataclass(frozen=True)
 class TrainLayout:
-    """Parallel layout and micro-batch of one training rank."""
+    """Parallel layout, micro-batch and number formats of one training rank (GPU defaults)."""
 
     tp: int
     pp: int
@@ -54,6 +68,12 @@ class TrainLayout:
     sequence_parallel: bool = True
     recompute: bool = True
     make_vocab_size_divisible_by: int = 128
+    distributed_optimizer: bool = True
+    param_bytes: int = BF16  # weights and activations: bf16 on GPU, fp32 on CPU
+    # 0: flash / fused attention. > 0: megatron's unfused local-spec attention (CPU) on sequences
+    # of this length (the s² scores it keeps).
+    unfused_seq_len: int = 0
+    overhead: int = OVERHEAD_BYTES
 
 
 @dataclass(frozen=True)
@@ -64,14 +84,15 @@ class TrainMemory:
     weights: int
     grads: int
     optimizer: int
-    activations: int
+    activations: int  # kept for the backward by every layer in flight
+    working: int  # one layer recomputed during its backward
     logits: int
     overhead: int
 
     @property
     def total(self) -> int:
-        return (self.weights + self.grads + self.optimizer + self.activations + self.logits
-                + self.overhead)
+        return (self.weights + self.grads + self.optimizer + self.activations
+                + max(self.working, self.logits) + self.overhead)
 
 
 @dataclass(frozen=True)
@@ -118,30 +139,57 @@ def model_params(spec: ArchSpec) -> int:
     return stage_params(spec, 1, 1, 0, divisible_by=1)
 
 
-def layer_activation_bytes(spec: ArchSpec, tokens: int, tp: int, sequence_parallel: bool) -> int:
-    """bf16 activations one layer keeps for its backward (see the module docstring)."""
-    sp = tp if sequence_parallel else 1
+def _layer_elements(spec: ArchSpec, layout: TrainLayout) -> tuple[float, float, float]:
+    """Per token, the elements one layer keeps for its backward: (attention side, MLP side, one
+    s²-sized tensor of unfused attention)."""
+    sp = layout.tp if layout.sequence_parallel else 1
     d, a, g = spec.head_dim, spec.num_heads, spec.num_kv_heads
-    per_token = (4 * spec.hidden_size / sp
-                 + ((a + 2 * g) * d + a * d + 3 * spec.ffn_hidden_size) / tp)
-    return int(BF16 * tokens * per_token)
+    attention = 2 * spec.hidden_size / sp + ((a + 2 * g) * d + a * d) / layout.tp
+    mlp = 2 * spec.hidden_size / sp + 3 * spec.ffn_hidden_size / layout.tp
+    # a/TP heads × s columns per token (rows × s = tokens).
+    scores = a / layout.tp * layout.unfused_seq_len
+    return attention, mlp, scores
+
+
+def layer_activation_bytes(spec: ArchSpec, layout: TrainLayout) -> int:
+    """Activations one layer keeps for its backward without recomputation (see the module
+    docstring; unfused attention: the softmax input and output), in the activation dtype."""
+    attention, mlp, scores = _layer_elements(spec, layout)
+    return int(layout.param_bytes * layout.tokens * (attention + mlp + 2 * scores))
 
 
 def activation_bytes(spec: ArchSpec, layout: TrainLayout, stage: int = 0) -> int:
-    """Activations on pipeline stage ``stage``: under 1F1B it holds PP − stage micro-batches in
-    flight, so the first stage keeps all L layers' worth."""
+    """Saved activations on pipeline stage ``stage``: under 1F1B it holds PP − stage
+    micro-batches in flight, so the first stage keeps all L layers' worth."""
     layers_in_flight = spec.num_layers // layout.pp * (layout.pp - stage)
-    full = layer_activation_bytes(spec, layout.tokens, layout.tp, layout.sequence_parallel)
     if not layout.recompute:
-        return layers_in_flight * full
+        return layers_in_flight * layer_activation_bytes(spec, layout)
     sp = layout.tp if layout.sequence_parallel else 1
-    layer_input = BF16 * layout.tokens * spec.hidden_size // sp
-    return layers_in_flight * layer_input + full
+    return layers_in_flight * (layout.param_bytes * layout.tokens * spec.hidden_size // sp)
+
+
+def working_bytes(spec: ArchSpec, layout: TrainLayout) -> int:
+    """One layer's recomputed activations while its backward runs (0 without recomputation: they
+    are counted as saved). The backward runs the MLP first, then attention: at the attention's
+    backward the MLP side is freed and unfused attention holds its scores' gradients too."""
+    if not layout.recompute:
+        return 0
+    attention, _, scores = _layer_elements(spec, layout)
+    attention_backward = layout.param_bytes * layout.tokens * (attention + UNFUSED_S2_COPIES * scores)
+    return int(max(layer_activation_bytes(spec, layout), attention_backward))
 
 
 def logits_bytes(spec: ArchSpec, layout: TrainLayout) -> int:
+    """The logits of one micro-batch and the log-prob pass's extra fp32 copies (last stage)."""
     vocab = padded_vocab_size(spec.vocab_size, layout.tp, layout.make_vocab_size_divisible_by)
-    return LOGIT_BYTES * layout.tokens * vocab // layout.tp
+    per_element = layout.param_bytes + LOGITS_EXTRA_FP32 * FP32
+    return int(per_element * layout.tokens * vocab // layout.tp)
+
+
+def optimizer_bytes_per_param(layout: TrainLayout) -> float:
+    """Adam's moments plus an fp32 master copy of 16-bit weights, ÷DP when distributed."""
+    master = FP32 if layout.param_bytes < FP32 else 0
+    return (ADAM_BYTES + master) / (layout.dp if layout.distributed_optimizer else 1)
 
 
 def train_memory(spec: ArchSpec, layout: TrainLayout) -> TrainMemory:
@@ -152,12 +200,13 @@ def train_memory(spec: ArchSpec, layout: TrainLayout) -> TrainMemory:
         params = stage_params(spec, layout.tp, layout.pp, stage, layout.make_vocab_size_divisible_by)
         mem = TrainMemory(
             params=params,
-            weights=BF16 * params,
+            weights=layout.param_bytes * params,
             grads=GRAD_BYTES * params,
-            optimizer=math.ceil(ADAM_BYTES * params / layout.dp),
+            optimizer=math.ceil(optimizer_bytes_per_param(layout) * params),
             activations=activation_bytes(spec, layout, stage),
+            working=working_bytes(spec, layout),
             logits=logits_bytes(spec, layout) if stage == layout.pp - 1 else 0,
-            overhead=OVERHEAD_BYTES,
+            overhead=layout.overhead,
         )
         if best is None or mem.total > best.total:
             best = mem

@@ -31,7 +31,8 @@ TASKS = ("train", "eval", "convert-hf", "convert-megatron")
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The architecture numbers of a Qwen2 checkpoint that sizing depends on."""
+    """The config.json facts of a Qwen2 checkpoint that building and sizing it depend on (the
+    published values, so that a plan needs no hub access)."""
 
     layers: int
     hidden: int
@@ -40,12 +41,17 @@ class ModelShape:
     kv_heads: int
     vocab: int
     tied: bool
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    max_positions: int = 131072
 
     def hf_config(self) -> dict:
-        return dict(model_type="qwen2", num_hidden_layers=self.layers, hidden_size=self.hidden,
-                    intermediate_size=self.ffn, num_attention_heads=self.heads,
+        return dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", num_hidden_layers=self.layers,
+                    hidden_size=self.hidden, intermediate_size=self.ffn, num_attention_heads=self.heads,
                     num_key_value_heads=self.kv_heads, vocab_size=self.vocab,
-                    tie_word_embeddings=self.tied)
+                    tie_word_embeddings=self.tied, rope_theta=self.rope_theta,
+                    rms_norm_eps=self.rms_norm_eps, max_position_embeddings=self.max_positions,
+                    hidden_act="silu", torch_dtype="bfloat16")
 
     def spec(self) -> ArchSpec:
         return ArchSpec.from_dict(self.hf_config(), source="megatron_ngrpo.launch.recipes")
@@ -68,7 +74,7 @@ class Recipe:
     pipeline_parallel: int
     sequence_parallel: bool
     recompute: bool
-    # Tokens of one training micro-batch: one sequence of max prompt + max response (4096 + 8192).
+    # Longest sequence: max prompt + max response (4096 + 8192); vLLM's max_model_len.
     seq_len: int
     rollout_engine: str
     vllm_tensor_parallel: int
@@ -76,6 +82,10 @@ class Recipe:
     time: str
     # Nodes of the rollout group of a disaggregated (heterogeneous) job.
     rollout_nodes: int = 1
+    # The training config this layout is made for (relative to the code root; `ngrpo-launch plan`).
+    config: str | None = None
+    # Tokens of one training micro-batch: its train.max_tokens_per_micro_batch (0: one sequence).
+    micro_batch_tokens: int = 0
 
     @cached_property
     def spec(self) -> ArchSpec:
@@ -101,8 +111,10 @@ class Recipe:
 
     def train_layout(self, nodes: int | None = None) -> memory.TrainLayout:
         return memory.TrainLayout(tp=self.tensor_parallel, pp=self.pipeline_parallel,
-                                  dp=self.data_parallel(nodes or self.nodes), tokens=self.seq_len,
-                                  sequence_parallel=self.sequence_parallel, recompute=self.recompute)
+                                  dp=self.data_parallel(nodes or self.nodes),
+                                  tokens=self.micro_batch_tokens or self.seq_len,
+                                  sequence_parallel=self.sequence_parallel and self.tensor_parallel > 1,
+                                  recompute=self.recompute)
 
     def train_memory(self, nodes: int | None = None) -> memory.TrainMemory:
         return memory.train_memory(self.spec, self.train_layout(nodes))
@@ -125,26 +137,28 @@ class Recipe:
 
 
 _H100 = dict(procs_per_node=8, gpus_per_node=8, sequence_parallel=True, recompute=True,
-             seq_len=4096 + 8192, rollout_engine="vllm")
+             seq_len=4096 + 8192, micro_batch_tokens=2 * (4096 + 8192), rollout_engine="vllm")
 
 RECIPES: dict[str, Recipe] = {r.name: r for r in [
     Recipe(
         name="r1-1.5b", summary="DeepSeek-R1-Distill-Qwen-1.5B, 1 node × 8 H100",
         hf_name="DeepSeek-R1-Distill-Qwen-1.5B",
-        shape=ModelShape(layers=28, hidden=1536, ffn=8960, heads=12, kv_heads=2, vocab=151936, tied=True),
-        nodes=1, min_nodes=1, max_nodes=2, tensor_parallel=1, pipeline_parallel=1,
+        # Untied (unlike Qwen2.5-1.5B): the published card's 1.78 B parameters.
+        shape=ModelShape(layers=28, hidden=1536, ffn=8960, heads=12, kv_heads=2, vocab=151936, tied=False),
+        config="configs/ngrpo_r1_1.5b.yaml", nodes=1, min_nodes=1, max_nodes=2, tensor_parallel=1, pipeline_parallel=1,
         vllm_tensor_parallel=1, vllm_gpu_memory_utilization=0.35, time="24:00:00", **_H100),
     Recipe(
         name="r1-7b", summary="DeepSeek-R1-Distill-Qwen-7B, 2-4 nodes × 8 H100",
         hf_name="DeepSeek-R1-Distill-Qwen-7B",
         shape=ModelShape(layers=28, hidden=3584, ffn=18944, heads=28, kv_heads=4, vocab=152064, tied=False),
-        nodes=2, min_nodes=2, max_nodes=4, tensor_parallel=4, pipeline_parallel=1,
+        config="configs/ngrpo_r1_7b.yaml", nodes=2, min_nodes=2, max_nodes=4, tensor_parallel=4, pipeline_parallel=1,
         vllm_tensor_parallel=2, vllm_gpu_memory_utilization=0.4, time="48:00:00", **_H100),
     Recipe(
         name="r1-14b", summary="DeepSeek-R1-Distill-Qwen-14B, 4-8 nodes × 8 H100",
         hf_name="DeepSeek-R1-Distill-Qwen-14B",
-        shape=ModelShape(layers=48, hidden=5120, ffn=13824, heads=40, kv_heads=8, vocab=152064, tied=False),
-        nodes=4, min_nodes=4, max_nodes=8, tensor_parallel=8, pipeline_parallel=1,
+        shape=ModelShape(layers=48, hidden=5120, ffn=13824, heads=40, kv_heads=8, vocab=152064, tied=False,
+                         rope_theta=1e6, rms_norm_eps=1e-5),
+        config="configs/ngrpo_r1_14b.yaml", nodes=4, min_nodes=4, max_nodes=8, tensor_parallel=8, pipeline_parallel=1,
         vllm_tensor_parallel=4, vllm_gpu_memory_utilization=0.4, time="72:00:00", rollout_nodes=2,
         **_H100),
     # CPU smoke runs (laptop, CI): testing.tiny's default shape, two gloo ranks with TP 2.
