@@ -7,15 +7,24 @@ gloo on CPU (with :mod:`megatron_ngrpo.compat.cpu` installed), NCCL on GPU.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 
 import torch
 import torch.distributed as dist
 
+# How long a collective waits for the slowest rank (a long rollout on one data-parallel group, a
+# checkpoint written by rank 0): the jobs' `train.dist_timeout_s` / `dist_timeout_s`. Also applied
+# to megatron's groups (initialize_model_parallel).
+DEFAULT_TIMEOUT_S = 1800
+_timeout_s = DEFAULT_TIMEOUT_S
 
-def init_distributed(timeout_s: int = 300) -> None:
+
+def init_distributed(timeout_s: int = DEFAULT_TIMEOUT_S) -> None:
     """Initialise the default process group from torchrun's environment variables (or a single
-    process group of size 1 when they are absent). Idempotent."""
+    process group of size 1 when they are absent), with collectives timing out after
+    ``timeout_s``. Idempotent (the first call's timeout stays)."""
+    global _timeout_s
     # megatron is imported here, not at module level: processes that only need the rank helpers
     # below (CLIs failing on a config error, report writers) stay free of it.
     from megatron_ngrpo.compat import cpu as cpu_compat
@@ -25,6 +34,7 @@ def init_distributed(timeout_s: int = 300) -> None:
         cpu_compat.install()
     if dist.is_initialized():
         return
+    _timeout_s = timeout_s
     if "RANK" not in os.environ:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
@@ -40,7 +50,8 @@ def initialize_model_parallel(
     tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234
 ) -> None:
     """(Re-)initialise megatron-core's parallel state with TP×PP (DP is what remains) and seed the
-    model-parallel RNG streams. Safe to call repeatedly in one process to switch layouts."""
+    model-parallel RNG streams; its groups time out like the default group. Safe to call
+    repeatedly in one process to switch layouts."""
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
@@ -50,6 +61,7 @@ def initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
+        distributed_timeout_minutes=max(1, math.ceil(_timeout_s / 60)),
     )
     model_parallel_seed(seed)
 
@@ -82,6 +94,16 @@ def model_parallel_seed(seed: int) -> None:
 def is_rank0() -> bool:
     """Global rank 0, or no process group at all (a single process)."""
     return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def broadcast_from_rank0(obj):
+    """Global rank 0's ``obj`` on every rank (``obj`` itself without a process group): one
+    decision for collective follow-ups that ranks must not take from their own data."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def barrier() -> None:

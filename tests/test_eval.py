@@ -19,10 +19,11 @@ from megatron_ngrpo.data import MCQ_INSTRUCTION, SourceConfig, TemplateConfig, l
 from megatron_ngrpo.data.templates import encode_prompt
 from megatron_ngrpo.eval import Benchmark, benchmark_metrics, default_ks, evaluate, load_benchmarks, pass_at_k, regrade
 from megatron_ngrpo.eval.__main__ import main as eval_main
-from megatron_ngrpo.eval.runner import prompt_message
+from megatron_ngrpo.eval.runner import call_plan, prompt_message
 from megatron_ngrpo.mixing.records import MixRecord
 from megatron_ngrpo.rewards import ChoiceGrader, MathGrader
 from megatron_ngrpo.rollout.types import RolloutBatch, RolloutEngine, SamplingParams
+from megatron_ngrpo.testing.scripted import ScriptedEngine
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -64,30 +65,14 @@ def test_benchmark_metrics():
 
 # ---- runner on known generations ------------------------------------------------------------
 
-class ScriptedEngine(RolloutEngine):
-    """Answers each prompt with fixed texts (test double for the metrics path: the grades of
-    its responses are known)."""
-
-    def __init__(self, tokenizer, script: dict[tuple, list[str]]):
-        self.tokenizer, self.script, self.calls = tokenizer, script, []
-
-    def sync_weights(self, model_chunks) -> None:
-        pass  # scripted texts: no weights
-
-    def set_neighbor_table(self, table) -> None:
-        raise AssertionError("evaluation never mixes")
-
-    def generate(self, prompts, params, mixing=None, keys=None):
-        self.calls.append({"n": len(prompts), "keys": keys, "mixing": mixing, "params": params})
-        responses, prompt_ids, index = [], [], []
-        for i, p in enumerate(prompts):
-            for text in self.script[tuple(p)][:params.n]:
-                ids = self.tokenizer(text, add_special_tokens=False).input_ids + [self.tokenizer.eos_token_id]
-                responses.append(ids)
-                prompt_ids.append(list(p))
-                index.append(i)
-        return RolloutBatch(prompt_ids, responses, [[0.0] * len(r) for r in responses], ["stop"] * len(responses),
-                            MixRecord.empty(len(responses), 1), index)
+def test_generation_calls_are_bounded_by_the_token_budget():
+    paper = SamplingParams(n=32, max_new_tokens=8192)
+    # AIME24 × 32 samples: one problem (32 rows, 268k tokens) per call and rank, not 960 rows at once.
+    assert call_plan(30, 200, paper, 2**18) == [range(i, i + 1) for i in range(30)]
+    assert call_plan(30, 200, paper, 2**20) == [range(i, min(i + 3, 30)) for i in range(0, 30, 3)]
+    # DP 4: 3 problems per rank and call, the last call 6 (ranks 2, 3 repeat its first problem).
+    assert call_plan(30, 200, paper, 2**20, dp=4) == [range(0, 12), range(12, 24), range(24, 30)]
+    assert call_plan(5, 10, SamplingParams(n=2, max_new_tokens=6), 1) == [range(i, i + 1) for i in range(5)]
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +106,11 @@ def scripted_run(r1, grader, tmp_path_factory):
     engine = ScriptedEngine(r1, script)
     out = tmp_path_factory.mktemp("eval")
     params = SamplingParams(n=4, temperature=0.6, top_p=0.95, max_new_tokens=64)
-    result = evaluate(engine, r1, benchmarks, params, grader, out_dir=out, prompts_per_call=2, progress=False)
+    # Two aime24 problems' samples per call (the longest aime24 prompt sets the budget).
+    longest = max(len(p) for p, _ in zip(script, range(3)))
+    budget = 2 * params.n * (longest + params.max_new_tokens)
+    result = evaluate(engine, r1, benchmarks, params, grader, out_dir=out, max_tokens_per_call=budget,
+                      progress=False)
     return result, engine, out
 
 
@@ -132,8 +121,9 @@ def test_metrics_on_known_generations(scripted_run):
         assert result.metrics[name] == pytest.approx(expected)
     assert result.average == pytest.approx({k: (EXPECTED["aime24"][k] + EXPECTED["math500"][k]) / 2
                                             for k in ("mean@4", "pass@1", "pass@2", "pass@4")})
-    # Mixing off, chunks of 2 prompts keyed by global problem index, eos as stop token.
-    assert [c["keys"] for c in engine.calls] == [[0, 1], [2], [0, 1]]
+    # Mixing off, calls of 2 prompts keyed by global problem index, eos as stop token.
+    assert [c["keys"] for c in engine.calls][:2] == [[0, 1], [2]]
+    assert sum((c["keys"] for c in engine.calls[2:]), []) == [0, 1]
     assert all(c["mixing"] is None and c["params"].stop_token_ids == [151643] for c in engine.calls)
     records = result.generations["aime24"]
     assert [r["score"] for r in records[4:8]] == [1.0, 0.0, 0.0, 0.0]
@@ -254,7 +244,7 @@ def test_evaluate_on_vllm_tiny_qwen2(r1, grader, tmp_path):
         benchmarks = load_benchmarks(["aime24", "math500"], limit=2)
         params = SamplingParams(n=3, temperature=0.6, top_p=0.95, max_new_tokens=12)
         result = evaluate(VLLMAdapter(llm), r1, benchmarks, params, grader, out_dir=tmp_path / "out",
-                          prompts_per_call=1, progress=False)
+                          max_tokens_per_call=1, progress=False)
     finally:
         del llm
     assert result.n == 3 and set(result.metrics) == {"aime24", "math500"}
@@ -265,3 +255,21 @@ def test_evaluate_on_vllm_tiny_qwen2(r1, grader, tmp_path):
         assert all(r["score"] == 0.0 for r in records)  # random text answers nothing
         assert result.metrics[name]["pass@3"] == 0.0 and result.metrics[name]["problems"] == 2
     assert len((tmp_path / "out" / "generations" / "math500.jsonl").read_text().splitlines()) == 6
+
+
+# ---- at data-parallel scale (2 ranks: tests/dist/eval_worker.py) ----------------------------
+
+@pytest.fixture(scope="module")
+def dist_results():
+    from megatron_ngrpo.testing.multiproc import launch
+
+    return launch(Path(__file__).parent / "dist" / "eval_worker.py", nproc=2, timeout=600,
+                  env={"NGRPO_TEST_PG_TIMEOUT": "60"})
+
+
+@pytest.mark.parametrize("name", ["validation_dp2_generates_like_dp1", "validation_dp2_metrics_like_dp1",
+                                  "keep_best_disagreement_is_decided_by_rank0"])
+def test_validation_at_data_parallel_scale(dist_results, name):
+    from megatron_ngrpo.testing.multiproc import check
+
+    check(dist_results, name)

@@ -1,8 +1,9 @@
 """`python -m megatron_ngrpo.eval --config FILE.yaml [a.b=c ...]`: evaluate a policy, or re-grade.
 
 The policy comes from ``models.loading.build_policy`` (a Megatron checkpoint, or the HF weights in
-model.hf_path) and the engine from ``rollout.factory.build_engine`` (rollout.engine: megatron | vllm). Under torchrun every rank generates (the
-Megatron engine is collective) and only rank 0 writes the outputs.
+model.hf_path) and the engine from ``rollout.factory.build_engine`` (rollout.engine: megatron | vllm). Under torchrun the problems are split
+over the data-parallel ranks (each model-parallel group generates its share, the graded records
+are gathered) and only rank 0 writes the outputs.
 """
 
 from __future__ import annotations
@@ -47,19 +48,24 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.regrade:
             result = regrade(cfg.regrade, graders, ks=cfg.ks or None, out_dir=cfg.output_dir)
         else:
+            from megatron.core import parallel_state as ps
+
             from megatron_ngrpo.conversion.loading import build_policy
             from megatron_ngrpo.data.tokenizer import load_tokenizer
+            from megatron_ngrpo.parallel import init_distributed
             from megatron_ngrpo.rollout.factory import build_engine
 
             tokenizer = load_tokenizer(cfg.tokenizer)
             benchmarks = load_benchmarks(list(cfg.benchmarks) + list(cfg.extra_benchmarks), cfg.limit)
+            init_distributed(cfg.dist_timeout_s)
             chunks = build_policy(cfg.model, cfg.checkpoint)
             engine = build_engine(cfg, chunks, tokenizer)
             is_main = int(os.environ.get("RANK", "0")) == 0
             result = evaluate(engine, tokenizer, benchmarks, cfg.sampling.params(), graders,
                               template=cfg.template, ks=cfg.ks or None,
                               out_dir=cfg.output_dir if is_main else None,
-                              prompts_per_call=cfg.prompts_per_call, progress=is_main)
+                              max_tokens_per_call=cfg.max_tokens_per_call,
+                              dp_group=ps.get_data_parallel_group(), progress=is_main)
             if not is_main:
                 return 0
     finally:

@@ -64,8 +64,11 @@ class EvalConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     # Pass@k values; empty = 1, 2, 4, ..., n.
     ks: list[int] = field(default_factory=list)
-    # Prompts per engine.generate call (progress granularity).
-    prompts_per_call: int = 64
+    # Per rank and engine.generate call: rows × (longest prompt + max_new_tokens) ≤ this (at least
+    # one problem's n samples); the Megatron engine's KV cache holds this many tokens.
+    max_tokens_per_call: int = 2**18
+    # Seconds a collective waits for the slowest rank (process-group timeout).
+    dist_timeout_s: int = 1800
     output_dir: str = "outputs/eval"
     # A previous output_dir: re-grade its generations (no model, no engine).
     regrade: str = ""
@@ -81,6 +84,7 @@ class EvalConfig:
         bad = [k for k in self.ks if not 1 <= k <= self.sampling.n]
         if bad:
             fail("ks", self.ks, f"each k must be in [1, sampling.n = {self.sampling.n}]")
-        if self.prompts_per_call < 1:
-            fail("prompts_per_call", self.prompts_per_call, "must be >= 1")
+        for name in ("max_tokens_per_call", "dist_timeout_s"):
+            if getattr(self, name) < 1:
+                fail(name, getattr(self, name), "must be >= 1")
         check_vllm_layout(self.rollout, launch_world_size())

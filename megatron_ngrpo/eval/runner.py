@@ -5,6 +5,14 @@ EVAL_INSTRUCTION (with the trailing period) in the R1 chat template ending in ``
 (templates.py); T = 0.6, top-p 0.95, 8192 new tokens, n = 32; math graded on the last
 ``\\boxed{}``, multiple choice on the "Answer: X" line. Every response is kept (JSONL) so a run can
 be re-graded later without generating again (:func:`regrade`).
+
+At scale (:func:`evaluate` with ``dp_group``): the problems of a benchmark are split over the
+data-parallel ranks, each rank generates and grades its share, and the graded records are
+gathered, so every rank computes the same metrics. Generation goes in bounded calls: each rank
+asks its engine for at most ``max_tokens_per_call`` tokens' worth of sequences (rows × (longest
+prompt + max_new_tokens)) per call, never less than one problem's ``n`` samples; the Megatron
+engine keeps a KV cache of that size (a benchmark × 32 samples in one static batch would need
+hundreds of GB), vLLM queues them itself.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch.distributed as dist
 from tqdm import tqdm
 
 from megatron_ngrpo.data.config import SourceConfig
@@ -30,6 +39,8 @@ from megatron_ngrpo.rollout.types import RolloutEngine, SamplingParams
 
 # Paper defaults (§4.1).
 PAPER_SAMPLING = SamplingParams(n=32, temperature=0.6, top_p=0.95, max_new_tokens=8192)
+# Tokens of sequences one rank generates per engine call: 21 full-length (12,288-token) sequences.
+DEFAULT_TOKENS_PER_CALL = 2**18
 
 
 @dataclass
@@ -71,36 +82,65 @@ def _grader_for(grader, kind: str):
     return grader
 
 
+def call_plan(num_prompts: int, longest_prompt: int, params: SamplingParams, max_tokens_per_call: int,
+              dp: int = 1) -> list[range]:
+    """Global prompt ranges of the generate calls: per call each of the ``dp`` ranks gets
+    ``max(1, max_tokens_per_call // (n × (longest_prompt + max_new_tokens)))`` prompts."""
+    per_rank = max(1, max_tokens_per_call // (params.n * (longest_prompt + params.max_new_tokens)))
+    size = per_rank * dp
+    return [range(start, min(start + size, num_prompts)) for start in range(0, num_prompts, size)]
+
+
 def _generate(engine: RolloutEngine, prompts: list[list[int]], params: SamplingParams, tokenizer,
-              prompts_per_call: int, desc: str, progress: bool) -> list[list[tuple[str, str, int]]]:
-    """Per prompt, its n samples as (text, finish_reason, response tokens)."""
-    out: list[list[tuple[str, str, int]]] = [[] for _ in prompts]
-    bar = tqdm(total=len(prompts), desc=desc, unit="prompt", disable=not progress)
-    for start in range(0, len(prompts), prompts_per_call):
-        chunk = prompts[start:start + prompts_per_call]
-        # Keys = global problem index: chunking does not change any sequence's seed.
-        batch = engine.generate(chunk, params, mixing=None, keys=list(range(start, start + len(chunk))))
+              max_tokens_per_call: int, dp_group, desc: str, progress: bool
+              ) -> dict[int, list[tuple[str, str, int]]]:
+    """Per prompt of this rank's share, its n samples as (text, finish_reason, response tokens)."""
+    dp, rank = (dist.get_world_size(dp_group), dist.get_rank(dp_group)) if dp_group is not None else (1, 0)
+    calls = call_plan(len(prompts), max(map(len, prompts), default=1), params, max_tokens_per_call, dp)
+    out: dict[int, list[tuple[str, str, int]]] = {}
+    bar = tqdm(total=sum(len(c[rank::dp]) for c in calls), desc=desc, unit="prompt", disable=not progress)
+    for call in calls:
+        mine = list(call[rank::dp])
+        # Every rank calls its engine as often as the others (colocated vLLM is a collective of all
+        # ranks): a rank without a share in the last call repeats the call's first prompt under
+        # its key (vLLM's replicas generate a key once) and drops the result.
+        # Keys = global problem index: the split and the call sizes do not change any sequence's seed.
+        keys = mine or [call[0]]
+        batch = engine.generate([prompts[k] for k in keys], params, mixing=None, keys=keys)
+        if not mine:
+            continue
         texts = batch.texts if batch.texts is not None else tokenizer.batch_decode(
             batch.response_ids, skip_special_tokens=True)
         for r, local in enumerate(batch.prompt_index):
-            out[start + local].append((texts[r], batch.finish_reasons[r], len(batch.response_ids[r])))
-        bar.update(len(chunk))
+            out.setdefault(mine[local], []).append((texts[r], batch.finish_reasons[r], len(batch.response_ids[r])))
+        bar.update(len(mine))
     bar.close()
-    for i, samples in enumerate(out):
-        if len(samples) != params.n:
-            raise RuntimeError(f"engine returned {len(samples)} samples for prompt {i}, expected {params.n}")
+    for i in (k for c in calls for k in c[rank::dp]):
+        if len(out.get(i, ())) != params.n:
+            raise RuntimeError(f"engine returned {len(out.get(i, ()))} samples for prompt {i}, expected {params.n}")
     return out
 
 
-def _records(bench: Benchmark, samples: list[list[tuple[str, str, int]]]) -> list[dict]:
-    return [{"benchmark": bench.name, "problem": i, "row": p.row, "sample": j, "response": text,
-             "finish_reason": reason, "response_tokens": tokens, "answers": list(p.answers),
-             "kind": p.kind}
-            for i, p in enumerate(bench.problems) for j, (text, reason, tokens) in enumerate(samples[i])]
+def _gather(records: list[dict], dp_group) -> list[dict]:
+    """Every rank's records, in (problem, sample) order, on every rank of ``dp_group``."""
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        parts: list = [None] * dist.get_world_size(dp_group)
+        dist.all_gather_object(parts, records, group=dp_group)
+        records = [r for part in parts for r in part]
+    return sorted(records, key=lambda r: (r["problem"], r["sample"]))
+
+
+def _records(bench: Benchmark, samples: dict[int, list[tuple[str, str, int]]]) -> list[dict]:
+    return [{"benchmark": bench.name, "problem": i, "row": bench.problems[i].row, "sample": j, "response": text,
+             "finish_reason": reason, "response_tokens": tokens, "answers": list(bench.problems[i].answers),
+             "kind": bench.problems[i].kind}
+            for i in sorted(samples) for j, (text, reason, tokens) in enumerate(samples[i])]
 
 
 def _grade(records: list[dict], grader, kind: str) -> None:
     """Adds ``score`` (0/1) and ``extracted`` (the parsed final answer, for reading) to each."""
+    if not records:
+        return
     grader = _grader_for(grader, kind)
     golds = [r["answers"] if kind == "math" else r["answers"][0] for r in records]
     scores = grader.score_batch([(r["response"], g) for r, g in zip(records, golds)])
@@ -137,13 +177,16 @@ def _result(generations: dict[str, list[dict]], ks, settings: dict) -> EvalResul
 def evaluate(engine: RolloutEngine, tokenizer, benchmarks: Sequence[Benchmark],
              params: SamplingParams = PAPER_SAMPLING, grader=None, *,
              template: TemplateConfig | None = None, ks: Sequence[int] | None = None,
-             out_dir: str | Path | None = None, prompts_per_call: int = 64,
-             progress: bool = True) -> EvalResult:
+             out_dir: str | Path | None = None, max_tokens_per_call: int = DEFAULT_TOKENS_PER_CALL,
+             dp_group=None, progress: bool = True) -> EvalResult:
     """Generate ``params.n`` samples per problem (mixing off), grade, compute metrics.
 
     ``grader``: one grader with ``score_batch([(text, gold)])`` for every benchmark, or a mapping
     benchmark kind ("math" / "mcq") → grader. ``ks``: Pass@k values (default 1, 2, 4, ..., n).
     With ``out_dir`` the reports and generations are written there (:mod:`.report`).
+    ``max_tokens_per_call`` bounds each engine call (module docstring). ``dp_group``: the
+    data-parallel group to split the problems over (a collective of all its ranks; every rank
+    returns the same result); None: this rank evaluates everything.
     """
     if grader is None:
         raise ValueError("evaluate needs a grader (e.g. MathGrader) or a kind → grader mapping")
@@ -154,10 +197,11 @@ def evaluate(engine: RolloutEngine, tokenizer, benchmarks: Sequence[Benchmark],
     generations = {}
     for bench in benchmarks:
         prompts = [encode_prompt(prompt_message(p, template), tokenizer, template) for p in bench.problems]
-        samples = _generate(engine, prompts, params, tokenizer, prompts_per_call, bench.name, progress)
+        samples = _generate(engine, prompts, params, tokenizer, max_tokens_per_call, dp_group, bench.name,
+                            progress)
         records = _records(bench, samples)
         _grade(records, grader, bench.kind)
-        generations[bench.name] = records
+        generations[bench.name] = _gather(records, dp_group)
     settings = {"sampling": dataclasses.asdict(params), "template": dataclasses.asdict(template)}
     result = _result(generations, ks, settings)
     if out_dir is not None:

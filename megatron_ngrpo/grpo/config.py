@@ -198,12 +198,17 @@ class TrainConfig:
     dump_generations: bool = False
     # Supervised warm-start before RL (tiny models made from scratch; real runs: steps 0).
     warmstart: WarmstartConfig = field(default_factory=WarmstartConfig)
+    # Seconds a collective waits for the slowest rank (process-group timeout): longer than the
+    # longest rollout of one data-parallel group and than a checkpoint save.
+    dist_timeout_s: int = 1800
 
     def validate(self) -> None:
         for name in ("prompts_per_step", "mini_batch_prompts", "epochs_per_rollout",
                      "micro_batch_size", "num_epochs", "keep_last", "log_every"):
             if getattr(self, name) < 1:
                 fail(name, getattr(self, name), "must be >= 1")
+        if self.dist_timeout_s < 1:
+            fail("dist_timeout_s", self.dist_timeout_s, "must be >= 1")
         for name in ("max_tokens_per_micro_batch", "max_steps", "save_every"):
             if getattr(self, name) < 0:
                 fail(name, getattr(self, name), "must be >= 0")
@@ -228,6 +233,9 @@ class ValidationConfig:
     sampling: EvalSamplingConfig = field(default_factory=EvalSamplingConfig)
     # Save a checkpoint at every improvement of mean@n and name it in run_dir/best.
     keep_best: bool = True
+    # Per rank and engine call: rows × (longest prompt + max_new_tokens) ≤ this (at least one
+    # problem's n samples; the problems are split over the data-parallel ranks).
+    max_tokens_per_call: int = 2**18
 
     def validate(self) -> None:
         if self.every < 0:
@@ -236,3 +244,5 @@ class ValidationConfig:
             fail("benchmarks", self.benchmarks, "at least one benchmark is needed when every > 0")
         if self.limit < 0:
             fail("limit", self.limit, "must be >= 0")
+        if self.max_tokens_per_call < 1:
+            fail("max_tokens_per_call", self.max_tokens_per_call, "must be >= 1")

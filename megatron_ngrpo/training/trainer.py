@@ -134,7 +134,7 @@ class Trainer:
         from megatron_ngrpo.rollout.factory import build_engine
 
         cfg = self.cfg
-        init_distributed()
+        init_distributed(cfg.train.dist_timeout_s)
         initialize_model_parallel(cfg.model.tensor_parallel, cfg.model.pipeline_parallel,
                                   cfg.model.virtual_pipeline, seed=cfg.train.seed)
         self.device = device()
@@ -472,6 +472,10 @@ class Trainer:
 
     # ---- validation --------------------------------------------------------------------------
     def validate(self) -> dict[str, float]:
+        """The validation benchmarks split over the data-parallel ranks; every rank returns the
+        same metrics."""
+        from megatron.core import parallel_state as ps
+
         from megatron_ngrpo.eval.runner import evaluate, load_benchmarks
         from megatron_ngrpo.rewards.graders import build_grader
 
@@ -484,22 +488,38 @@ class Trainer:
         grader = build_grader(self.cfg.reward)
         try:
             result = evaluate(self.engine, self.tokenizer, benchmarks, v.sampling.params(eos), grader,
-                              template=self.cfg.data.template, out_dir=out_dir, progress=False)
+                              template=self.cfg.data.template, out_dir=out_dir,
+                              max_tokens_per_call=v.max_tokens_per_call,
+                              dp_group=ps.get_data_parallel_group(), progress=False)
         finally:
             grader.close()
             self.engine.sleep()
         return {f"val/{k}": float(x) for k, x in result.average.items()}
 
     def _keep_if_best(self, metrics: dict) -> bool:
-        """Save and remember the checkpoint when mean@n improved; True if it saved."""
-        key = next((k for k in metrics if k.startswith("val/mean@")), None)
-        if not self.cfg.validation.keep_best or key is None:
+        """Save and remember the checkpoint when mean@n improved; True if it saved. The save is
+        collective, so rank 0 decides for everyone (:func:`best_decision`)."""
+        if not self.cfg.validation.keep_best:
             return False
-        if self.best is not None and metrics[key] <= self.best["value"]:
+        best = best_decision(metrics, self.best, self.step, iter_dir(self.run_dir, self.step).name)
+        if best is None:
             return False
-        self.best = {"step": self.step, "metric": key, "value": metrics[key],
-                     "checkpoint": iter_dir(self.run_dir, self.step).name}
+        self.best = best
         self.save()
         if dist.get_rank() == 0:
             (self.run_dir / BEST_FILE).write_text(json.dumps(self.best) + "\n")
         return True
+
+
+def best_decision(metrics: dict, best: dict | None, step: int, checkpoint: str) -> dict | None:
+    """The new best record (step, metric, value, checkpoint) when ``metrics``' mean@n improved on
+    ``best``, else None: global rank 0's decision on every rank (collective). Ranks deciding from
+    their own numbers (different metrics after a partial failure, float noise) would disagree and
+    the collective save that follows would hang."""
+    from megatron_ngrpo.parallel import broadcast_from_rank0
+
+    key = next((k for k in metrics if k.startswith("val/mean@")), None)
+    decision = None
+    if key is not None and (best is None or metrics[key] > best["value"]):
+        decision = {"step": step, "metric": key, "value": float(metrics[key]), "checkpoint": checkpoint}
+    return broadcast_from_rank0(decision)

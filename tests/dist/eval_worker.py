@@ -1,0 +1,145 @@
+"""Evaluation and validation at data-parallel scale, 2 ranks (tests/test_eval.py):
+
+* the benchmark's problems split over DP = 2 give the same generations (the built-in Megatron
+  engine on a tiny random model, sampled) and the same Mean@k / Pass@k (scripted answers with
+  known grades) as one rank evaluating everything; each rank's engine only saw its share;
+* ``best_decision``: ranks whose validation numbers disagree still take one decision (global rank
+  0's), so the collective checkpoint save that follows cannot hang.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+from megatron_ngrpo.testing.multiproc import case, run_cases
+
+N, MAX_NEW = 2, 6
+
+
+def _setup():
+    from megatron_ngrpo.data.tokenizer import load_tokenizer
+    from megatron_ngrpo.eval.runner import load_benchmarks
+    from megatron_ngrpo.parallel import initialize_model_parallel
+
+    initialize_model_parallel(1, 1)  # DP = 2
+    tokenizer = load_tokenizer("deepseek-r1-distill-qwen")
+    # 5 problems over 2 ranks, one per rank and call: the last call has a share for rank 0 only.
+    benchmarks = load_benchmarks(["aime24"], limit=5)
+    return tokenizer, benchmarks
+
+
+def _spy(engine):
+    """Record the keys of every generate call of a real engine."""
+    calls, generate = [], engine.generate
+
+    def recording(prompts, params, mixing=None, keys=None):
+        calls.append(list(keys))
+        return generate(prompts, params, mixing=mixing, keys=keys)
+
+    engine.generate = recording
+    return calls
+
+
+def _prompts(benchmark, tokenizer):
+    from megatron_ngrpo.data.templates import TemplateConfig, encode_prompt
+    from megatron_ngrpo.eval.runner import prompt_message
+
+    template = TemplateConfig()
+    return [encode_prompt(prompt_message(p, template), tokenizer, template) for p in benchmark.problems]
+
+
+def _evaluate(engine, tokenizer, benchmarks, grader, dp_group):
+    from megatron_ngrpo.eval.runner import evaluate
+    from megatron_ngrpo.rollout.types import SamplingParams
+
+    params = SamplingParams(n=N, temperature=1.0, top_p=1.0, max_new_tokens=MAX_NEW, seed=3,
+                            stop_token_ids=[tokenizer.eos_token_id])
+    longest = max(map(len, _prompts(benchmarks[0], tokenizer)))
+    return evaluate(engine, tokenizer, benchmarks, params, grader, max_tokens_per_call=N * (longest + MAX_NEW),
+                    dp_group=dp_group, progress=False)
+
+
+@case
+def validation_dp2_generates_like_dp1():
+    from megatron_ngrpo.models.config import ModelConfig
+    from megatron_ngrpo.models.provider import build_model
+    from megatron_ngrpo.parallel import model_parallel_seed
+    from megatron_ngrpo.rewards import MathGrader
+    from megatron_ngrpo.rollout.megatron_engine import MegatronEngine
+    from megatron_ngrpo.testing.tiny import write_tiny_hf
+
+    tokenizer, benchmarks = _setup()
+    hf = [tempfile.mkdtemp(prefix="eval_worker_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(hf)
+    if dist.get_rank() == 0:
+        write_tiny_hf(os.path.join(hf[0], "m"), weights=False, vocab_size=151936, hidden_size=64, num_heads=2,
+                      num_kv_heads=1, intermediate_size=128, num_layers=2)
+    dist.barrier()
+    model_parallel_seed(0)
+    chunks = build_model(ModelConfig(hf_path=os.path.join(hf[0], "m")))
+    with torch.no_grad():  # one policy on both ranks
+        for p in chunks[0].parameters():
+            dist.broadcast(p, src=0)
+    engine = MegatronEngine(chunks, 151936, eos_token_ids=[tokenizer.eos_token_id],
+                            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
+    calls = _spy(engine)
+    with MathGrader(timeout_s=30.0, workers=1) as grader:
+        split = _evaluate(engine, tokenizer, benchmarks, grader, dist.group.WORLD)
+        split_calls = list(calls)
+        whole = _evaluate(engine, tokenizer, benchmarks, grader, None)
+    keys = lambda result: [(r["problem"], r["sample"], r["response"], r["response_tokens"])  # noqa: E731
+                           for r in result.generations["aime24"]]
+    assert keys(split) == keys(whole) and len(keys(split)) == 5 * N
+    assert split.metrics == whole.metrics
+    # Each rank generated its share; rank 1 repeated problem 4 in the last call (its result dropped).
+    expected = [[0], [2], [4]] if dist.get_rank() == 0 else [[1], [3], [4]]
+    assert split_calls == expected, split_calls
+    return {"generated": len(keys(split))}
+
+
+@case
+def validation_dp2_metrics_like_dp1():
+    from megatron_ngrpo.rewards import MathGrader
+    from megatron_ngrpo.testing.scripted import ScriptedEngine
+
+    tokenizer, benchmarks = _setup()
+    answers = {0: ["\\boxed{204}", "\\boxed{3}"], 1: ["\\boxed{25}", "\\boxed{25}"], 2: ["no", "no"],
+               3: ["\\boxed{197}", "x"], 4: ["x", "\\boxed{110}"]}
+    golds = [p.answers for p in benchmarks[0].problems]
+    script = {tuple(p): answers[i] for i, p in enumerate(_prompts(benchmarks[0], tokenizer))}
+    engine = ScriptedEngine(tokenizer, script)
+    with MathGrader(timeout_s=30.0, workers=1) as grader:
+        split = _evaluate(engine, tokenizer, benchmarks, grader, dist.group.WORLD)
+        whole = _evaluate(engine, tokenizer, benchmarks, grader, None)
+    assert split.metrics == whole.metrics and split.average == whole.average
+    assert 0 < split.metrics["aime24"][f"mean@{N}"] < 1, (split.metrics, golds)
+    return split.metrics["aime24"]
+
+
+@case
+def keep_best_disagreement_is_decided_by_rank0():
+    from megatron_ngrpo.training.trainer import best_decision
+
+    rank = dist.get_rank()
+    best = {"step": 1, "metric": "val/mean@4", "value": 0.3, "checkpoint": "iter_0000001"}
+    out = []
+    for improved_on_rank0 in (True, False):
+        # Each rank's own numbers say the opposite of the other rank's.
+        value = 0.5 if (rank == 0) == improved_on_rank0 else 0.1
+        decision = best_decision({"val/mean@4": value}, best, 2, "iter_0000002")
+        if decision is not None:
+            dist.barrier()  # the collective save: every rank must get here, or none
+        both = [None, None]
+        dist.all_gather_object(both, decision)
+        assert both[0] == both[1], both
+        assert (decision is not None) == improved_on_rank0 and (decision is None or decision["value"] == 0.5)
+        out.append(decision)
+    return out
+
+
+if __name__ == "__main__":
+    run_cases()
