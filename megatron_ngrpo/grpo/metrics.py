@@ -91,8 +91,14 @@ class MetricsWriter:
         """Drop lines of steps after ``step`` (a resumed run rewrites them)."""
         if not self.active or not self.path.is_file():
             return
-        lines = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
-        self.path.write_text("".join(ln + "\n" for ln in lines))
+        keep = []
+        for ln in self.path.read_text().splitlines():
+            try:
+                if json.loads(ln)["step"] <= step:
+                    keep.append(ln)
+            except (json.JSONDecodeError, KeyError, TypeError):
+                pass  # a line cut short by a kill; its step is re-run
+        self.path.write_text("".join(ln + "\n" for ln in keep))
 
     def close(self) -> None:
         if self._tb is not None:

@@ -275,14 +275,17 @@ class Trainer:
             while self.step < self.total_steps:
                 metrics = self.train_step()
                 self.step += 1
-                saved = False
-                if self.cfg.validation.every and (self.step % self.cfg.validation.every == 0 or self.step == self.total_steps):
+                validating = self.cfg.validation.every and (
+                    self.step % self.cfg.validation.every == 0 or self.step == self.total_steps)
+                if validating:
                     metrics.update(self.validate())
-                    saved = self._keep_if_best(metrics)
-                if not saved and cfg.save_every and (self.step % cfg.save_every == 0 or self.step == self.total_steps):
-                    self.save()
+                # The row goes out before the checkpoint: a run killed after the save resumes past
+                # this step and truncates the metrics file to it, so the row must already be there.
                 if self.step % cfg.log_every == 0 or self.step == self.total_steps:
                     self.metrics.write(self.step, metrics)
+                saved = bool(validating) and self._keep_if_best(metrics)
+                if not saved and cfg.save_every and (self.step % cfg.save_every == 0 or self.step == self.total_steps):
+                    self.save()
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics.get('kl', 0):.4f}")
                 bar.update()
         finally:
