@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import operator
 import os
+import subprocess
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -17,10 +19,13 @@ from megatron_ngrpo.data.datasets import clean_answers
 from megatron_ngrpo.rewards import ChoiceGrader, MathGrader, RewardConfig, build_reward
 from megatron_ngrpo.rewards.extract import extract_answer, fallback_answer, last_boxed
 from megatron_ngrpo.rewards.normalize import normalize, numbers_close, to_number
-from megatron_ngrpo.rewards.pool import GuardedPool
+from megatron_ngrpo.rewards.pool import _REIMPORT_ERROR, GuardedPool
 from megatron_ngrpo.rewards.shaping import format_reward, soft_overlong_penalty
 
 CASES = Path(__file__).parent / "data" / "grader_cases.jsonl"
+# In the spirit of math-verify's own test suite (not shipped in its wheel): boxed answers,
+# numbers, commas, fractions, sets/intervals, percentages, units, LaTeX variants, multiple boxes.
+MV_CASES = Path(__file__).parent / "data" / "mathverify_cases.jsonl"
 HOSTILE_TIMEOUT_S = 2.0
 
 
@@ -28,6 +33,12 @@ HOSTILE_TIMEOUT_S = 2.0
 def grader():
     # Generous limit: the table checks answers, not speed (the CPU is shared).
     with MathGrader(timeout_s=30.0, memory_mb=2048, workers=2) as g:
+        yield g
+
+
+@pytest.fixture(scope="module")
+def any_grader():
+    with MathGrader(timeout_s=30.0, memory_mb=2048, workers=1, box_rule="any") as g:
         yield g
 
 
@@ -74,9 +85,11 @@ def test_normalize_and_numbers():
     assert to_number(r"1\frac{4}{5}") == to_number("9/5")
     assert to_number("1e100000") is None  # exponent bound
     assert to_number(r"\frac{1}{0}") is None
-    assert not numbers_close(to_number("3986729"), to_number("3986728"))
-    assert numbers_close(to_number("-0.3333333"), to_number("-1/3"))
-    assert not numbers_close(to_number("4.6667"), to_number("14/3"))
+    assert not numbers_close(to_number("3986729"), to_number("3986728"), approximate=True)
+    assert numbers_close(to_number("-0.3333333"), to_number("-1/3"), approximate=True)
+    assert not numbers_close(to_number("4.6667"), to_number("14/3"), approximate=True)
+    # Two exact values never get the tolerance.
+    assert not numbers_close(to_number(r"\frac{1}{1000001}"), to_number(r"\frac{1}{1000000}"), approximate=False)
 
 
 # ---- the grader table -----------------------------------------------------------------------
@@ -95,6 +108,64 @@ def test_grader_table(grader):
              for c, s in zip(cases, scores) if s != c["expected"]]
     assert not wrong, f"{len(wrong)} of {len(cases)} graded wrongly: {wrong}"
     assert grader.failures == {"timeout": 0, "crash": 0, "error": 0}
+
+
+def test_mathverify_suite(grader):
+    """Our grade is the table's; math-verify (LaTeX extraction, gold boxed, as the reference
+    reward) agrees except on the listed deliberate differences (docs/GRADING.md), where it must
+    still differ."""
+    from math_verify import LatexExtractionConfig, parse, verify
+
+    cases = [json.loads(line) for line in MV_CASES.read_text().splitlines() if line.strip()]
+    assert len(cases) >= 100 and Counter(c["expected"] for c in cases)[0] >= 30
+    scores = grader.score_batch([(c["response"], c["gold"]) for c in cases])
+    wrong = [(c["group"], c["response"][-40:], c["gold"], c["expected"]) for c, s in zip(cases, scores)
+             if s != c["expected"]]
+    assert not wrong, f"{len(wrong)} of {len(cases)} graded wrongly: {wrong}"
+    gold_cfg = [LatexExtractionConfig(boxed_match_priority=0)]
+    mismatch = []
+    for c in cases:
+        if c["group"] == "hostile":  # math-verify runs in this process: no hostile text
+            continue
+        mv = float(verify(parse(f"\\boxed{{{c['gold']}}}", extraction_config=gold_cfg),
+                          parse(c["response"], extraction_config=[LatexExtractionConfig()])))
+        if (mv != c["expected"]) != ("math_verify_differs" in c):
+            mismatch.append((c["response"][-40:], c["gold"], c["expected"], mv))
+    assert not mismatch, mismatch
+
+
+def test_exact_rationals_and_comma_rule(grader):
+    items = [(r"\boxed{\frac{1}{2^{98}}}", r"\frac{1}{2^{99}}"), (r"\boxed{\frac{1}{100!}}", r"\frac{1}{99!}"),
+             (r"\boxed{\frac{1}{1000001}}", r"\frac{1}{1000000}"), (r"\boxed{2^{-98}}", r"\frac{1}{2^{98}}"),
+             (r"\boxed{0.3333333}", r"\frac{1}{3}"),
+             (r"\boxed{32,349}", "32349"), (r"\boxed{32, 349}", "32349"), (r"\boxed{32, 349}", r"\{32, 349\}"),
+             (r"\boxed{0,111}", "111"), (r"\boxed{0,111}", "0.111"), (r"\boxed{0,111}", r"\{0,111\}"),
+             (r"\boxed{11,\! 111,\! 100}", "11111100"), (r"\boxed{10{,}080}", "10080")]
+    assert grader.score_batch(items) == [0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0]
+
+
+def test_box_rule_any_for_training(grader, any_grader):
+    items = [(r"first \boxed{4}, then corrected: \boxed{3}", "4"),   # an earlier box matches
+             (r"\boxed{3} then \boxed{4}", "4"),
+             (r"$\boxed{1}$ and $\boxed{2}$", "2"),                   # one list answer {1, 2}
+             ("".join(rf"\boxed{{{i}}} x " for i in range(20)), "0"),  # only the last 8 boxes
+             ("Answer: 5", "5"), ("no answer", "5")]
+    assert grader.score_batch(items) == [0.0, 1.0, 0.0, 0.0, 1.0, 0.0]
+    assert any_grader.score_batch(items) == [1.0, 1.0, 0.0, 0.0, 1.0, 0.0]
+    cfg = load(RewardConfig, overrides=["box_rule=any"])
+    assert cfg.box_rule == "any"
+    with pytest.raises(ValueError, match="box_rule"):
+        MathGrader(box_rule="first")
+
+
+def test_grader_in_unguarded_script_says_what_is_wrong(tmp_path):
+    script = tmp_path / "no_guard.py"
+    script.write_text("from megatron_ngrpo.rewards import MathGrader\n"
+                      "with MathGrader(workers=1) as g:\n    g.score_batch([('\\\\boxed{1}', '1')])\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines()[-1] == f"RuntimeError: {_REIMPORT_ERROR}", out.stderr[-2000:]
+    assert "memory" not in out.stderr
 
 
 def test_gold_alternatives_and_types(grader):
@@ -200,7 +271,7 @@ def test_math_reward_end_to_end():
 
 @pytest.mark.parametrize("override, field", [("name=code", "name"), ("workers=0", "workers"),
                                               ("overlong=hard", "overlong"), ("mcq_mode=x", "mcq_mode"),
-                                              ("memory_mb=10", "memory_mb")])
+                                              ("memory_mb=10", "memory_mb"), ("box_rule=first", "box_rule")])
 def test_reward_config_errors(override, field):
     with pytest.raises(ConfigError, match=f"'{field}'"):
         load(RewardConfig, overrides=[override])

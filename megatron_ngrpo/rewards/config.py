@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_ngrpo.config_loader import fail
+from megatron_ngrpo.rewards.extract import BOX_RULES
 from megatron_ngrpo.rewards.graders import GRADERS
 
 OVERLONG_MODES = ("none", "soft", "zero")
@@ -21,6 +22,10 @@ class RewardConfig:
     max_response_chars: int = 200_000
     # Without a \boxed{}, use "final answer is ..." / "Answer: ..." (reference: boxed only).
     fallback: bool = True
+    # Which boxes are graded: "last" (the evaluation rule: the last box, or the last run of
+    # adjacent boxes as one list) or "any" (the reference's training reward: any of the last 8
+    # boxed answers that matches scores 1; docs/GRADING.md).
+    box_rule: str = "last"
     # mcq: "paper" (only "Answer: X") or "reference" (also \boxed{X} and a last bare letter).
     mcq_mode: str = "paper"
     mcq_letters: str = "ABCD"
@@ -45,6 +50,8 @@ class RewardConfig:
             fail("memory_mb", self.memory_mb, "must be >= 256 (sympy needs room)")
         if self.workers < 1:
             fail("workers", self.workers, "must be >= 1")
+        if self.box_rule not in BOX_RULES:
+            fail("box_rule", self.box_rule, f"expected one of {BOX_RULES}")
         if self.mcq_mode not in ("paper", "reference"):
             fail("mcq_mode", self.mcq_mode, "expected 'paper' or 'reference'")
         if self.overlong not in OVERLONG_MODES:

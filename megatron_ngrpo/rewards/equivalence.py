@@ -5,8 +5,12 @@ Layers, cheapest first:
    parser;
 2. :func:`~megatron_ngrpo.rewards.normalize.normalize` string equality;
 3. base numerals ("4210_{5}") compare as strings only; when both sides are plain numbers
-   (:func:`~megatron_ngrpo.rewards.normalize.to_number`) the exact numeric comparison decides;
-4. math-verify (the reference implementation's grader, docs/ALGORITHM.md §4.1) for everything
+   (:func:`~megatron_ngrpo.rewards.normalize.to_number`) the exact numeric comparison decides
+   (a tolerance only for a side written as a decimal);
+4. after math-verify's parse, two exact rationals (integers, fractions, integer powers and
+   factorials of bounded size: ``1/2^{98}``, ``1/100!``) compare exactly: math-verify's numeric
+   comparison chops differences below ~1e-15 and calls ``1/2^{98}`` = ``1/2^{99}``;
+5. math-verify (the reference implementation's grader, docs/ALGORITHM.md §4.1) for everything
    symbolic: its LaTeX → sympy conversion (latex2sympy2_extended, an ANTLR grammar that builds
    sympy objects and evaluates no Python) and its comparison (simplification, numeric
    evaluation, sets/intervals/tuples/matrices/equations, complex numbers) do far better than a
@@ -21,9 +25,18 @@ used for neither side; both are parsed as LaTeX only. Time and memory are bounde
 from __future__ import annotations
 
 from collections.abc import Sequence
+from fractions import Fraction
 
-from megatron_ngrpo.rewards.extract import extract_answer
-from megatron_ngrpo.rewards.normalize import BASE_NUMERAL, normalize, numbers_close, strip_math_delimiters, to_number
+from megatron_ngrpo.rewards.extract import candidate_answers
+from megatron_ngrpo.rewards.normalize import (
+    BASE_NUMERAL,
+    as_list,
+    normalize,
+    numbers_close,
+    strip_math_delimiters,
+    to_number,
+    written_as_decimal,
+)
 
 MAX_ANSWER_CHARS = 1000
 # Deepest {[( nesting parsed; real answers stay under 10, and the ANTLR parse time explodes with
@@ -59,8 +72,9 @@ def answers_match(pred: str, gold: str, soft_timeout_s: int = 5) -> bool:
         return False
     pred_num, gold_num = to_number(pred_norm), to_number(gold_norm)
     if pred_num is not None and gold_num is not None:
-        return numbers_close(pred_num, gold_num)
-    return _math_verify_match(strip_math_delimiters(pred), strip_math_delimiters(gold), soft_timeout_s)
+        return numbers_close(pred_num, gold_num, written_as_decimal(pred_norm) or written_as_decimal(gold_norm))
+    return _math_verify_match(as_list(pred_norm) or strip_math_delimiters(pred),
+                              as_list(gold_norm) or strip_math_delimiters(gold), soft_timeout_s)
 
 
 def _parse_boxed(answer: str, timeout_s: int) -> list:
@@ -96,16 +110,72 @@ def _math_verify_match(pred: str, gold: str, timeout_s: int) -> bool:
     pred_parsed = _parse_boxed(pred, timeout_s)
     if not pred_parsed:
         return False
+    gold_value, pred_value = exact_rational(gold_parsed[0]), exact_rational(pred_parsed[0])
+    if gold_value is not None and pred_value is not None:
+        return gold_value == pred_value
     return bool(verify(gold_parsed, pred_parsed, timeout_seconds=timeout_s))
 
 
+# Largest exact value (bits of numerator or denominator) and factorial argument evaluated by
+# exact_rational; beyond them math-verify's comparison decides.
+MAX_EXACT_BITS = 4096
+MAX_FACTORIAL = 500
+
+
+def exact_rational(expr) -> Fraction | None:
+    """The exact value of a sympy expression built only from integers, rationals, ``+``, ``×``,
+    integer powers and factorials (size-bounded: ``MAX_EXACT_BITS``, ``MAX_FACTORIAL``); None for
+    anything else (floats, symbols, roots, sets). Walks the tree in Python: no sympy evaluation."""
+    import math
+
+    import sympy
+
+    def value(e) -> Fraction:
+        if isinstance(e, sympy.Rational):  # Integer included
+            return Fraction(int(e.p), int(e.q))
+        if isinstance(e, (sympy.Add, sympy.Mul)):
+            args = [value(a) for a in e.args]
+            out = args[0]
+            for a in args[1:]:
+                out = out + a if isinstance(e, sympy.Add) else out * a
+                _check(out)
+            return out
+        if isinstance(e, sympy.Pow):
+            base, exp = value(e.base), value(e.exp)
+            if exp.denominator != 1 or (base == 0 and exp < 0):
+                raise ValueError
+            bits = max(abs(base.numerator), base.denominator).bit_length() * abs(exp.numerator)
+            if bits > MAX_EXACT_BITS:
+                raise ValueError
+            return base ** int(exp)
+        if isinstance(e, sympy.factorial):
+            n = value(e.args[0])
+            if n.denominator != 1 or not 0 <= n <= MAX_FACTORIAL:
+                raise ValueError
+            return Fraction(math.factorial(int(n)))
+        raise ValueError
+
+    def _check(v: Fraction) -> None:
+        if max(abs(v.numerator), v.denominator).bit_length() > MAX_EXACT_BITS:
+            raise ValueError
+
+    if not isinstance(expr, sympy.Basic):
+        return None
+    try:
+        v = value(expr)
+        _check(v)
+        return v
+    except (ValueError, ZeroDivisionError, RecursionError):
+        return None
+
+
 def grade_response(response: str, golds: Sequence[str], fallback: bool = True,
-                   soft_timeout_s: int = 5) -> float:
-    """1.0 if the response's final answer matches any of the gold alternatives, else 0.0."""
-    pred = extract_answer(response, fallback=fallback)
-    if pred is None:
-        return 0.0
-    return float(any(answers_match(pred, g, soft_timeout_s) for g in golds))
+                   soft_timeout_s: int = 5, box_rule: str = "last") -> float:
+    """1.0 if the response's final answer (``box_rule`` "last": the last box; "any": any of its
+    boxes, see :func:`~megatron_ngrpo.rewards.extract.candidate_answers`) matches any of the gold
+    alternatives, else 0.0."""
+    return float(any(answers_match(pred, g, soft_timeout_s)
+                     for pred in candidate_answers(response, fallback, box_rule) for g in golds))
 
 
 def warm_up() -> None:

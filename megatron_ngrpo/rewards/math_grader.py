@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from megatron_ngrpo.rewards.equivalence import grade_response, warm_up
+from megatron_ngrpo.rewards.extract import BOX_RULES
 from megatron_ngrpo.rewards.pool import GuardedPool
 
 Gold = str | Sequence[str]
@@ -17,13 +18,18 @@ class MathGrader:
     gets at most ``timeout_s`` seconds and its worker ``memory_mb`` MiB; a response longer than
     ``max_response_chars`` (no real 8k-token response is) scores 0 without leaving this
     process. ``fallback``: use "final answer is" / "Answer:" when there is no ``\\boxed{}``.
+    ``box_rule``: "last" (evaluation) or "any" (the reference's training reward), see
+    :func:`~megatron_ngrpo.rewards.extract.candidate_answers`.
     Use as a context manager (or call :meth:`close`) to stop the workers.
     """
 
     def __init__(self, timeout_s: float = 10.0, memory_mb: int = 2048, workers: int = 4,
-                 max_response_chars: int = 200_000, fallback: bool = True):
+                 max_response_chars: int = 200_000, fallback: bool = True, box_rule: str = "last"):
+        if box_rule not in BOX_RULES:
+            raise ValueError(f"MathGrader box_rule {box_rule!r}: expected one of {BOX_RULES}")
         self.max_response_chars = max_response_chars
         self.fallback = fallback
+        self.box_rule = box_rule
         # math-verify's signal timeouts (whole seconds) stop the common slow cases gently,
         # before the pool has to kill and replace the worker.
         self._soft_timeout_s = max(1, int(timeout_s / 3))
@@ -44,7 +50,7 @@ class MathGrader:
                     or not all(isinstance(g, str) for g in golds)):
                 continue
             todo.append(i)
-            args.append((text, golds, self.fallback, self._soft_timeout_s))
+            args.append((text, golds, self.fallback, self._soft_timeout_s, self.box_rule))
         for i, score in zip(todo, self._pool.map(grade_response, args, default=0.0)):
             scores[i] = score
         return scores

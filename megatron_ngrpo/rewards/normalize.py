@@ -4,6 +4,12 @@ Runs before math-verify: these cheap rules settle the common cases (AIME "025" v
 "142.0", thousands separators "10,\\!080", degrees, percent, units, \\text{}, scientific notation
 "4.5e33" / "8.7 \\times 10^{8}", mixed numbers "1\\frac{4}{5}") exactly and in microseconds, and
 cover formats math-verify 0.9 gets wrong (e-notation, percent vs plain number).
+
+The comma rule (docs/GRADING.md): a comma is a thousands separator only inside well-formed groups
+written without spaces: 1 to 3 leading digits not starting with 0, then groups of exactly 3
+("32,349", "1,000,000.5", LaTeX "10,\\!080" and "10{,}080"). Any other comma separates the items
+of a list: "32, 349" and "0,111" are the two-item lists {32, 349} and {0, 111}, never 32349,
+111 or a decimal comma 0.111 (the benchmarks write decimals with a point).
 No expression is evaluated here: numbers are read by regular expressions into ``Fraction``s with
 bounded exponents.
 """
@@ -40,7 +46,12 @@ _FRAC_SHORT = (
     (re.compile(r"\\frac\s*(\{[^{}]*\})\s*(\d)"), r"\\frac\1{\2}"),
     (re.compile(r"\\sqrt\s*(\d)"), r"\\sqrt{\1}"),
 )
-_THOUSANDS = re.compile(r"^[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
+_THOUSANDS = re.compile(r"^[+-]?[1-9]\d{0,2}(?:,\d{3})+(?:\.\d+)?$")
+# LaTeX thin-space / braced commas inside a number: "10,\\!080", "10{,}080".
+_LATEX_THOUSANDS = re.compile(r"(?<=\d)(?:,\\!|\{,\})\s*(?=\d{3})")
+# A list of plain numbers written with bare commas ("0,111", "32, 349"): made an explicit set so
+# that math-verify does not read "0,111" as the decimal 0.111.
+_NUMBER_LIST = re.compile(r"^[+-]?\d+(?:\.\d+)?(?:,[+-]?\d+(?:\.\d+)?)+$")
 _LEADING_ZEROS = re.compile(r"^([+-]?)0+(?=\d)")
 _TRAILING_ZERO_DECIMAL = re.compile(r"^([+-]?\d+)\.0*$")
 _CHOICE = re.compile(r"^\(([A-Za-z])\)$")
@@ -69,6 +80,7 @@ def normalize(answer: str) -> str:
     s = strip_math_delimiters(answer).strip()
     s = s.replace("\\$", "").replace("\\%", "").replace("%", "")
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    s = _LATEX_THOUSANDS.sub(",", s)
     s = _LEFT_RIGHT.sub("", s)
     s = _SPACING.sub(" ", s)
     s = _DEGREES.sub("", s)
@@ -83,10 +95,10 @@ def normalize(answer: str) -> str:
         s = m.group("rhs")
     for pattern, repl in _FRAC_SHORT:
         s = pattern.sub(repl, s)
+    if _THOUSANDS.match(s):  # before spaces go: "32, 349" is a list
+        s = s.replace(",", "")
     s = "".join(s.split())
     s = _SUBSCRIPT_DIGIT.sub(r"_{\1}", s)
-    if _THOUSANDS.match(s):
-        s = s.replace(",", "")
     s = _LEADING_ZEROS.sub(r"\1", s)
     s = _TRAILING_ZERO_DECIMAL.sub(r"\1", s)
     m = _CHOICE.match(s)
@@ -95,6 +107,17 @@ def normalize(answer: str) -> str:
     if _WORDS.match(s):
         s = s.lower()
     return s
+
+
+def as_list(s: str) -> str | None:
+    """``\\{a,b\\}`` for a normalised bare list of numbers ("0,111"); None for anything else."""
+    return f"\\{{{s}\\}}" if _NUMBER_LIST.match(s) else None
+
+
+def written_as_decimal(s: str) -> bool:
+    """A normalised number written with a decimal point: an approximation the tolerance of
+    :func:`numbers_close` applies to (fractions and integers are exact)."""
+    return "." in s
 
 
 def to_number(s: str) -> Fraction | None:
@@ -134,12 +157,13 @@ def _scaled(mantissa: str, exponent: str) -> Fraction | None:
     return Fraction(mantissa) * Fraction(10) ** e
 
 
-def numbers_close(a: Fraction, b: Fraction, rel_tol: float = REL_TOL) -> bool:
-    """Equal; or, when either is not an integer, within ``rel_tol`` relative difference
-    (a decimal like 0.3333333 matches 1/3 only when written to about 7 significant digits).
-    Integers must be equal (AIME answers, large counts)."""
+def numbers_close(a: Fraction, b: Fraction, approximate: bool, rel_tol: float = REL_TOL) -> bool:
+    """Equal; or, when one side was written as a decimal (``approximate``) and either is not an
+    integer, within ``rel_tol`` relative difference (a decimal like 0.3333333 matches 1/3 only
+    when written to about 7 significant digits). Exact values (integers, fractions) must be
+    equal: 1/1000001 is not 1/1000000, and AIME answers and large counts are integers."""
     if a == b:
         return True
-    if a.denominator == 1 and b.denominator == 1:
+    if not approximate or (a.denominator == 1 and b.denominator == 1):
         return False
-    return abs(a - b) <= Fraction(rel_tol) * max(abs(a), abs(b))
+    return abs(a - b) <= Fraction(str(rel_tol)) * max(abs(a), abs(b))  # 1e-6 exactly, not its float

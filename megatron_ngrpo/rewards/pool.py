@@ -29,6 +29,18 @@ from multiprocessing.connection import wait
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 120.0
+# Exit status of a worker that found itself re-importing the caller's main script.
+_REIMPORT_EXIT = 87
+_REIMPORT_ERROR = ("grading workers re-run the main script on start-up and it builds a grader again: "
+                   "put the script's code under `if __name__ == \"__main__\":`")
+
+
+def _check_not_bootstrapping() -> None:
+    """In a starting worker, Python re-imports the caller's ``__main__`` (multiprocessing's
+    ``spawn``/``forkserver`` preparation); a script without the ``__main__`` guard then builds a
+    pool from inside that import. Exit with a status the parent turns into a clear error."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        os._exit(_REIMPORT_EXIT)
 
 
 def _worker_main(conn, memory_mb: int, warmup: Callable | None) -> None:
@@ -95,6 +107,7 @@ class GuardedPool:
 
     def __init__(self, workers: int, timeout_s: float, memory_mb: int,
                  preload: Sequence[str] = (), warmup: Callable | None = None):
+        _check_not_bootstrapping()
         if workers < 1 or timeout_s <= 0 or memory_mb < 64:
             raise ValueError(f"GuardedPool(workers={workers}, timeout_s={timeout_s}, "
                              f"memory_mb={memory_mb}): need workers >= 1, timeout > 0, >= 64 MiB")
@@ -159,6 +172,9 @@ class GuardedPool:
                     if status == "ready":
                         worker.ready = True
                     elif status is not None or now > worker.started + START_TIMEOUT_S:
+                        worker.process.join(timeout=5)
+                        if worker.process.exitcode == _REIMPORT_EXIT:
+                            raise RuntimeError(_REIMPORT_ERROR)
                         raise RuntimeError(f"grading worker failed to start ({value}); "
                                            f"is memory_mb = {self._memory_mb} enough to import sympy?")
                     continue
