@@ -5,6 +5,7 @@ Defaults are the N-GRPO paper's (docs/ALGORITHM.md §4–5); reference-code choi
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +17,7 @@ LOSS_MODES = ("token", "gspo")
 LOSS_AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 KL_MODES = ("loss", "metric", "off")
+DRA_EMBEDDERS = ("tfidf", "policy_hidden", "local_model")
 
 
 @dataclass
@@ -23,10 +25,15 @@ class DRAConfig:
     """DRA reward adjustment (DRA-GRPO paper): r̃_i = r_i / (1 + Σ_{j≠i} s(o_i, o_j))."""
 
     enabled: bool = False
-    # "tfidf": hashed bag-of-n-grams TF-IDF of the response text (offline stand-in for the
-    # paper's jina sentence embedder); "policy": mean of the policy's input-embedding rows of the
-    # response tokens.
+    # "tfidf": hashed bag-of-n-grams TF-IDF of the response text (lexical stand-in for the
+    # paper's jina sentence embedder); "policy_hidden": the policy's final hidden states
+    # mean-pooled over the response (from the replay pass); "local_model": a sentence-embedding
+    # model loaded from model_path (grpo/dra.py).
     embedder: str = "tfidf"
+    # local_model: a local directory holding a transformers model and its tokenizer.
+    model_path: str = ""
+    # local_model: tokens embedded per response.
+    max_length: int = 512
     # Similarities span each prompt's group (paper rule) or every response of the local batch
     # (DRA reference code).
     scope: str = "group"
@@ -34,8 +41,12 @@ class DRAConfig:
     hash_dim: int = 2**18
 
     def validate(self) -> None:
-        if self.embedder not in ("tfidf", "policy"):
-            fail("embedder", self.embedder, "expected 'tfidf' or 'policy'")
+        if self.embedder not in DRA_EMBEDDERS:
+            fail("embedder", self.embedder, f"expected one of {DRA_EMBEDDERS}")
+        if self.embedder == "local_model" and not os.path.isfile(os.path.join(self.model_path, "config.json")):
+            fail("model_path", self.model_path, "embedder = local_model needs a local model directory (config.json)")
+        if self.max_length < 1:
+            fail("max_length", self.max_length, "must be >= 1")
         if self.scope not in ("group", "batch"):
             fail("scope", self.scope, "expected 'group' (paper) or 'batch' (reference code)")
         if self.ngram < 1:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 from pathlib import Path
@@ -313,13 +314,15 @@ class Trainer:
                                      rollout.response_lengths, rollout.finish_reasons)
             scores = torch.tensor(rewards.total, dtype=torch.float64)
             groups = group_ids(rollout.prompt_index)
+        tb = TokenBatch.from_rollout(rollout, pad_id=self._pad_id(), device=self.device)
+        hidden = self._dra_hidden(tb)
+        extras = self._logprob_extras(tb, rollout, timer, out, hidden)
+        with timer("reward"):
             if cfg.grpo.dra.enabled:
-                scores = self._dra(scores, groups, texts, rollout.response_ids)
+                scores = self._dra(scores, groups, texts, hidden)
             advantages = compute_advantages(scores, groups, cfg.grpo.advantage, cfg.grpo.adv_eps)
             active = (~zero_variance_groups(scores, groups) if cfg.grpo.filter_zero_variance
                       else torch.ones(len(scores), dtype=torch.bool))
-        tb = TokenBatch.from_rollout(rollout, pad_id=self._pad_id(), device=self.device)
-        extras = self._logprob_extras(tb, rollout, timer, out)
         tb = tb.with_extras(advantages=advantages.to(self.device), active=active.to(self.device), **extras)
         if cfg.train.dump_generations:
             self._dump(rollout, texts, rewards, advantages)
@@ -371,28 +374,40 @@ class Trainer:
         pad = self.tokenizer.pad_token_id
         return int(pad if pad is not None else self.tokenizer.eos_token_id or 0)
 
-    def _dra(self, scores, groups, texts, response_ids) -> torch.Tensor:
-        from megatron_ngrpo.grpo.dra import (
-            TfidfEmbedder,
-            dra_rewards,
-            policy_embeddings,
-            similarity,
-        )
+    def _dra_hidden(self, tb: TokenBatch):
+        """The DRA capture of the policy's pooled hidden states (grpo.dra.embedder = policy_hidden)."""
+        from megatron_ngrpo.grpo.dra import ResponseHiddenMeans
 
         d = self.cfg.grpo.dra
-        emb = (TfidfEmbedder(d.ngram, d.hash_dim)(texts) if d.embedder == "tfidf"
-               else policy_embeddings(self.chunks, response_ids))
+        if not (d.enabled and d.embedder == "policy_hidden"):
+            return None
+        return ResponseHiddenMeans(self.chunks, tb, self.settings.micro_batch_size, self.settings.max_tokens)
+
+    @functools.cached_property
+    def _dra_text_embedder(self):
+        from megatron_ngrpo.grpo.dra import text_embedder
+
+        return text_embedder(self.cfg.grpo.dra)  # a local model loads once
+
+    def _dra(self, scores, groups, texts, hidden) -> torch.Tensor:
+        from megatron_ngrpo.grpo.dra import dra_rewards, similarity
+
+        d = self.cfg.grpo.dra
+        emb = hidden.means() if hidden is not None else self._dra_text_embedder(texts)
         return dra_rewards(scores, similarity(emb), groups if d.scope == "group" else None).double()
 
-    def _logprob_extras(self, tb: TokenBatch, rollout, timer: PhaseTimer, out: dict) -> dict:
-        """Old / reference log-probs, TIS weights and the rollout-vs-trainer gap (label-aligned)."""
+    def _logprob_extras(self, tb: TokenBatch, rollout, timer: PhaseTimer, out: dict, hidden=None) -> dict:
+        """Old / reference log-probs, TIS weights and the rollout-vs-trainer gap (label-aligned);
+        ``hidden`` (DRA's ResponseHiddenMeans) captures the policy's hidden states in the replay."""
         g, s = self.cfg.grpo, self.settings
         engine_lp = tb.label_aligned(rollout.logprobs)
         extras = {}
         mask = tb.mask
         with timer("old_logprobs"):
             if g.old_logprobs == "recompute":
-                old = batch_logprobs(self.chunks, tb, s.temperature, s.micro_batch_size, s.vocab_limit, s.max_tokens)
+                with hidden or contextlib.nullcontext():
+                    old = batch_logprobs(self.chunks, tb, s.temperature, s.micro_batch_size, s.vocab_limit,
+                                         s.max_tokens)
                 gap = (old - engine_lp).abs() * mask
                 sums = dp_sums({"gap": float(gap.sum()), "n": float(mask.sum())})
                 out["logprob_gap/mean_abs"] = sums["gap"] / max(sums["n"], 1.0)
