@@ -15,10 +15,10 @@ from safetensors.torch import load_file
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _run_demo(out: Path, steps: int, tmp_path: Path) -> subprocess.CompletedProcess:
+def _run_demo(out: Path, steps: int, tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "examples/tiny_ngrpo.py", "--out", str(out), "--steps", str(steps),
-           "train.warmstart.steps=4", "train.save_every=1", "validation.every=0",
-           "train.prompts_per_step=8", "train.mini_batch_prompts=8"]
+           "train.warmstart.steps=4", "train.save_every=1", "train.prompts_per_step=8",
+           "train.mini_batch_prompts=8", *(overrides or ["validation.every=0"])]
     env = {"NEMORUN_HOME": str(tmp_path / "nemorun"), "OMP_NUM_THREADS": "1", "PATH": __import__("os").environ["PATH"],
            "HOME": __import__("os").environ.get("HOME", "/root")}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
@@ -34,17 +34,24 @@ def _steps(run_dir: Path) -> list[int]:
 def demo(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("main_job")
     out = tmp / "demo"
-    first = _run_demo(out, 2, tmp)
+    # Held-out validation once, at the last step, on 8 problems (bounded time).
+    first = _run_demo(out, 2, tmp, "validation.every=2", "validation.limit=8")
     return tmp, out, first
 
 
 def test_writes_metrics_checkpoint_export_and_plot(demo):
-    _, out, _ = demo
+    _, out, first = demo
     run_dir = out / "train"
     assert _steps(run_dir) == [1, 2]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for key in ("reward/mean", "accuracy", "mixing/mixed_token_frac", "kl", "clip_frac"):
         assert key in rows[-1], key
+    # Held-out accuracy is logged and reported in the summary.
+    assert 0.0 <= rows[-1]["val/mean@4"] <= 1.0
+    summary = json.loads(first.stdout[first.stdout.rindex("\n{\n"):])
+    assert summary["validation"] == {"2": rows[-1]["val/mean@4"]}
+    # The job's progress bar is streamed to the terminal while it runs (not just "Waiting ...").
+    assert "train:" in first.stdout and "reward=" in first.stdout
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert (run_dir / "latest").read_text().strip() == "iter_0000002"
     assert (run_dir / "iter_0000002" / "megatron_ngrpo.json").is_file()
