@@ -14,6 +14,15 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SLURM_SCRIPTS = REPO / "scripts" / "slurm"
+# The launcher tests' workload (tests/smoke_workload.py), importable in jobs through smoke_env().
+SMOKE_MODULE = "smoke_workload"
+
+
+def smoke_env() -> dict[str, str]:
+    """This environment with ``tests/`` on PYTHONPATH: jobs inherit it, so ``--module
+    smoke_workload`` runs there."""
+    path = os.pathsep.join(p for p in (str(REPO / "tests"), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path}
 
 
 @dataclass
@@ -54,7 +63,8 @@ def experiment_id(output: str) -> str:
 
 
 def write_smoke_inputs(directory: Path) -> tuple[Path, Path]:
-    """The tiny Qwen2 (config only: megatron initialises the weights) and a config naming it."""
+    """The tiny Qwen2 (config only: megatron initialises the weights) and a smoke_workload config
+    naming it."""
     from megatron_ngrpo.testing.tiny import write_tiny_hf
 
     hf = write_tiny_hf(directory / "tiny-qwen2", weights=False)

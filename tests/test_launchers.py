@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 
 import pytest
-from slurm_harness import REPO, experiment_id, start_cli, write_smoke_inputs
+from slurm_harness import REPO, SMOKE_MODULE, experiment_id, smoke_env, start_cli, write_smoke_inputs
 
 from megatron_ngrpo.launch import cli, memory, recipes
 
@@ -171,22 +171,23 @@ def test_torchrun_gets_one_rank_per_gpu():
     assert "--nproc-per-node 8" in text
     het = (GOLDEN / "r1-14b.sbatch").read_text()
     assert "--nnodes 4 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $het_group_host_1:" in het
-    assert "#SBATCH hetjob" in het and "export NGRPO_ROLLOUT_HOST=$het_group_host_0" in het
+    assert "#SBATCH hetjob" in het and "python -m megatron_ngrpo.rollout.server" in het
+    assert "rollout.engine=remote rollout.remote.url_dir=<NEMORUN_HOME>/experiments/" in het
 
 
 # ---- a real job through NeMo-Run's LocalExecutor --------------------------------------------
 
 @pytest.fixture(scope="module")
 def local_runs(tmp_path_factory):
-    """Two CLI runs at once: the smoke forward under torchrun (2 gloo ranks, TP 2) and one with a
-    bad config value."""
+    """Two CLI runs at once: the smoke forward (tests/smoke_workload.py) under torchrun (2 gloo
+    ranks, TP 2) and one with a bad config value."""
     tmp = tmp_path_factory.mktemp("local")
     hf, config = write_smoke_inputs(tmp)
-    env = {**os.environ, "NEMORUN_HOME": str(tmp / "nemorun_home"), "OMP_NUM_THREADS": "1"}
-    base = ["run", "tiny", "--executor", "local", "--config", str(config), "--module", "megatron_ngrpo.launch.smoke",
+    env = {**smoke_env(), "NEMORUN_HOME": str(tmp / "nemorun_home"), "OMP_NUM_THREADS": "1"}
+    base = ["run", "tiny", "--executor", "local", "--config", str(config), "--module", SMOKE_MODULE,
             "--hf-path", str(hf)]
     ok = start_cli([*base, f"smoke.out={tmp / 'out.json'}", "--title", "local-ok"], env, tmp / "ok.log")
-    bad = start_cli([*base, "smoke.mode=bogus", "--title", "local-bad"], env, tmp / "bad.log")
+    bad = start_cli([*base, "model.pipeline_parallel=2", "--title", "local-bad"], env, tmp / "bad.log")
     yield tmp, ok, bad
     ok.kill()
     bad.kill()

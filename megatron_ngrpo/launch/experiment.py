@@ -92,10 +92,9 @@ def _add(exp: run.Experiment, plan: Plan) -> list[str]:
         exp.add(_script(task.command), executor=executor, name=task.name)
         return [task.name]
     scripts, executors = [], []
+    # The training group finds the rollout group's servers by their registrations in the job
+    # directory (recipes.ROLLOUT_URL_DIR), not by host names.
     for group, task in enumerate(plan.tasks):
-        if group > 0:  # the later groups find the rollout group (group 0) by its first host
-            task = replace(task, env={**task.env, "NGRPO_ROLLOUT_HOST": run.ExecutorMacros.group_host(0),
-                                      "NGRPO_ROLLOUT_NODES": "$SLURM_JOB_NODELIST_HET_GROUP_0"})
         scripts.append(_script(task.command) if task.command.per_node
                        else _torchrun_script(task, group, plan.cluster.rdzv_port))
         # No NeMo-Run launcher: one Slurm task per node; torchrun, if any, is spelled out above.

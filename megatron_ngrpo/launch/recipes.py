@@ -22,9 +22,12 @@ TRAIN_MODULE = "megatron_ngrpo.train"
 EVAL_MODULE = "megatron_ngrpo.eval"
 HF_TO_MEGATRON = "tools/convert_hf_to_megatron.py"
 MEGATRON_TO_HF = "tools/convert_megatron_to_hf.py"
-# N-GRPO's neighbour-mixing hook inside vLLM (megatron_ngrpo/rollout/vllm_hook.py).
-VLLM_WORKER_EXTENSION = "megatron_ngrpo.rollout.vllm_hook.NeighborMixExtension"
-VLLM_PORT = 8000
+# The rollout servers of a disaggregated job (vLLM with N-GRPO's mixing hook) listen on
+# consecutive ports from here, one per engine on a node, and register their URLs in a folder of
+# the job directory (NeMo-Run maps /nemo_run to it, inside containers and out).
+ROLLOUT_SERVER = "megatron_ngrpo.rollout.server"
+ROLLOUT_PORT = 8000
+ROLLOUT_URL_DIR = "/nemo_run/rollout_servers"
 
 TASKS = ("train", "eval", "convert-hf", "convert-megatron")
 
@@ -127,7 +130,17 @@ class Recipe:
                 f"model.pipeline_parallel={self.pipeline_parallel}",
                 f"model.sequence_parallel={self.sequence_parallel}", f"model.recompute={self.recompute}"]
 
-    def rollout_overrides(self) -> list[str]:
+    def rollout_servers_per_node(self) -> int:
+        """vLLM engines per node of the rollout group (data-parallel over the node's GPUs)."""
+        if self.gpus_per_node % self.vllm_tensor_parallel:
+            raise ConfigError(f"recipe {self.name}: vLLM TP = {self.vllm_tensor_parallel} does not divide the "
+                              f"rollout group's {self.gpus_per_node} GPUs per node")
+        return max(self.gpus_per_node // self.vllm_tensor_parallel, 1)
+
+    def rollout_overrides(self, disaggregated: bool = False) -> list[str]:
+        if disaggregated:  # the trainer finds the rollout group's servers by their registrations
+            return ["rollout.engine=remote", f"rollout.remote.url_dir={ROLLOUT_URL_DIR}",
+                    f"rollout.remote.num_servers={self.rollout_nodes * self.rollout_servers_per_node()}"]
         out = [f"rollout.engine={self.rollout_engine}"]
         if self.rollout_engine == "vllm":
             out += [f"rollout.vllm.tensor_parallel={self.vllm_tensor_parallel}",
@@ -206,12 +219,14 @@ class TaskSpec:
 
 def render(recipe: Recipe, task: str, *, hf_path: str, configs: tuple[str, ...] = (),
            checkpoint: str | None = None, output: str | None = None, nodes: int | None = None,
-           overrides: tuple[str, ...] = (), module: str | None = None, code_root: str = ".") -> TaskSpec:
+           overrides: tuple[str, ...] = (), module: str | None = None, code_root: str = ".",
+           disaggregated: bool = False) -> TaskSpec:
     """The command of ``task`` for ``recipe``.
 
     train / eval: ``python -m <module> --config FILE... <recipe overrides> <overrides>``; the
     recipe's overrides come first, so the user's win (OmegaConf applies them in order).
     ``module`` replaces the entry module (anything taking ``--config FILE [a.b=c ...]``).
+    ``disaggregated``: the trainer generates on the rollout group's servers (:func:`rollout_server`).
     convert-hf / convert-megatron: the tools under ``code_root`` with the recipe's TP × PP, one
     rank per model-parallel rank on one node; ``overrides`` are extra arguments of the tool.
     """
@@ -227,7 +242,7 @@ def render(recipe: Recipe, task: str, *, hf_path: str, configs: tuple[str, ...] 
                 raise ConfigError(f"override {o!r}: expected key.sub=value")
         entry = module or (TRAIN_MODULE if task == "train" else EVAL_MODULE)
         args = (*(a for c in configs for a in ("--config", c)), *recipe.model_overrides(hf_path),
-                *recipe.rollout_overrides(), *overrides)
+                *recipe.rollout_overrides(disaggregated), *overrides)
         return TaskSpec(task, Command.python(entry, args), nodes, recipe.procs_per_node, recipe.gpus_per_node)
     if not output:
         raise ConfigError(f"task {task}: --output DIR is required")
@@ -245,14 +260,14 @@ def render(recipe: Recipe, task: str, *, hf_path: str, configs: tuple[str, ...] 
                     min(recipe.gpus_per_node, model_parallel))
 
 
-def rollout_server(recipe: Recipe, hf_path: str) -> TaskSpec:
-    """The rollout group of a disaggregated job: one vLLM server per node, data-parallel over the
-    node's GPUs, with N-GRPO's mixing hook."""
-    dp = recipe.gpus_per_node // recipe.vllm_tensor_parallel
-    argv = ("vllm", "serve", hf_path, "--port", str(VLLM_PORT),
-            "--tensor-parallel-size", str(recipe.vllm_tensor_parallel), "--data-parallel-size", str(dp),
+def rollout_server(recipe: Recipe, hf_path: str, extra: tuple[str, ...] = ()) -> TaskSpec:
+    """The rollout group of a disaggregated job: on every node, one rollout server process
+    (vLLM with N-GRPO's mixing hook, :mod:`megatron_ngrpo.rollout.server`) running one engine of
+    vLLM TP per block of the node's GPUs; ``extra``: more server options."""
+    argv = ("python", "-m", ROLLOUT_SERVER, "--model", hf_path, "--port", str(ROLLOUT_PORT),
+            "--tensor-parallel-size", str(recipe.vllm_tensor_parallel),
+            "--data-parallel-size", str(recipe.rollout_servers_per_node()),
             "--gpu-memory-utilization", str(recipe.vllm_gpu_memory_utilization),
-            "--max-model-len", str(recipe.seq_len), "--worker-extension-cls", VLLM_WORKER_EXTENSION,
-            "--no-enable-prefix-caching")
+            "--max-model-len", str(recipe.seq_len), "--url-dir", ROLLOUT_URL_DIR, *extra)
     return TaskSpec("rollout", Command(argv, per_node=True),
                     recipe.rollout_nodes, 1, recipe.gpus_per_node)

@@ -42,8 +42,42 @@ class VLLMConfig:
 
 
 @dataclass
+class RemoteConfig:
+    """The rollout servers of a disaggregated job (``python -m megatron_ngrpo.rollout.server``),
+    used by ``rollout.engine=remote`` (rollout/remote_engine.py)."""
+
+    # Base URLs (http://host:port) of the servers; or, in a hetjob, the directory where each
+    # server registers its URL once its engine is up (``--url-dir``), and how many to wait for.
+    urls: list[str] = field(default_factory=list)
+    url_dir: str = ""
+    num_servers: int = 0
+    # Seconds to wait for the servers to come up (registrations, then /info) before training.
+    start_timeout_s: float = 900.0
+    # Per HTTP call: connecting, and a whole request (a generate call, one weight bucket).
+    connect_timeout_s: float = 10.0
+    request_timeout_s: float = 1800.0
+    # Weight push: tensors per HTTP request up to this size (MiB).
+    bucket_mb: int = 512
+    # The servers check a SHA-256 per received tensor against the trainer's (costs hashing time).
+    verify_weights: bool = False
+
+    def validate(self) -> None:
+        for u in self.urls:
+            if not u.startswith(("http://", "https://")):
+                fail("urls", u, "expected http://host:port")
+        if self.url_dir and self.num_servers < 1:
+            fail("num_servers", self.num_servers, "must be >= 1 with url_dir")
+        for name in ("start_timeout_s", "connect_timeout_s", "request_timeout_s"):
+            if getattr(self, name) <= 0:
+                fail(name, getattr(self, name), "must be > 0")
+        if self.bucket_mb < 1:
+            fail("bucket_mb", self.bucket_mb, "must be >= 1")
+
+
+@dataclass
 class RolloutConfig:
-    # "megatron" (built-in, default, runs anywhere) or "vllm".
+    # "megatron" (built-in, default, runs anywhere), "vllm" (colocated) or "remote" (rollout
+    # servers on other nodes: rollout.remote).
     engine: str = "megatron"
     n: int = 4  # G, responses per prompt
     temperature: float = 1.0
@@ -56,10 +90,11 @@ class RolloutConfig:
     # Megatron engine: max sequences decoded at once (0 = whole batch).
     max_batch_size: int = 0
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    remote: RemoteConfig = field(default_factory=RemoteConfig)
 
     def validate(self) -> None:
-        if self.engine not in ("megatron", "vllm"):
-            fail("engine", self.engine, "expected 'megatron' or 'vllm'")
+        if self.engine not in ("megatron", "vllm", "remote"):
+            fail("engine", self.engine, "expected 'megatron', 'vllm' or 'remote'")
         if self.n < 1:
             fail("n", self.n, "must be >= 1")
         if self.temperature <= 0:
@@ -68,6 +103,9 @@ class RolloutConfig:
             fail("top_p", self.top_p, "must be in (0, 1]")
         if self.max_new_tokens < 1:
             fail("max_new_tokens", self.max_new_tokens, "must be >= 1")
+        if self.engine == "remote" and bool(self.remote.urls) == bool(self.remote.url_dir):
+            fail("remote.urls", self.remote.urls, "rollout.engine=remote needs either rollout.remote.urls "
+                 "or rollout.remote.url_dir")
 
 
 def check_vllm_layout(rollout: RolloutConfig, world_size: int) -> None:

@@ -24,19 +24,25 @@ def build_engine(cfg, model_chunks, tokenizer=None, seed: int = 0) -> RolloutEng
     trainer's or the evaluation's) for the policy ``model_chunks``.
 
     "megatron" generates with ``model_chunks`` themselves; "vllm" starts a vLLM engine on
-    ``cfg.model.hf_path`` (one per rank, colocated, in a multi-rank job: a collective) and loads
-    ``model_chunks``' weights into it (so a randomly initialised or resumed policy is what vLLM
-    samples from)."""
+    ``cfg.model.hf_path`` (one per rank, colocated, in a multi-rank job: a collective); "remote"
+    connects to the rollout servers of ``cfg.rollout.remote`` (a collective; one-line errors for
+    unusable servers). Both load ``model_chunks``' weights into vLLM (so a randomly initialised
+    or resumed policy is what vLLM samples from)."""
     kwargs = tokenizer_kwargs(tokenizer)
     if cfg.rollout.engine == "megatron":
         from megatron_ngrpo.rollout.megatron_engine import MegatronEngine
 
         return MegatronEngine.from_config(cfg.rollout, model_chunks, cfg.model, **kwargs)
-    from megatron_ngrpo.rollout.vllm_engine import VLLMEngine
+    if cfg.rollout.engine == "remote":
+        from megatron_ngrpo.rollout.remote_engine import RemoteEngine
 
-    # Colocated in a multi-rank job every rank builds its engine here, at the same point
-    # (vLLM creates its groups collectively over the trainer's world group).
-    tok_path = getattr(tokenizer, "name_or_path", None) or None
-    engine = VLLMEngine.from_config(cfg.rollout, cfg.model, tokenizer=tok_path, seed=seed)
+        engine = RemoteEngine.from_config(cfg.rollout, cfg.model)
+    else:
+        from megatron_ngrpo.rollout.vllm_engine import VLLMEngine
+
+        # Colocated in a multi-rank job every rank builds its engine here, at the same point
+        # (vLLM creates its groups collectively over the trainer's world group).
+        tok_path = getattr(tokenizer, "name_or_path", None) or None
+        engine = VLLMEngine.from_config(cfg.rollout, cfg.model, tokenizer=tok_path, seed=seed)
     engine.sync_weights(model_chunks)
     return engine

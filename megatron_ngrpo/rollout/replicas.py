@@ -24,6 +24,19 @@ import torch.distributed as dist
 from megatron_ngrpo.rollout.types import RolloutBatch
 
 
+def gather_requests(prompts: list[list[int]], keys: list[int]) -> dict[int, list[int]]:
+    """Collective over all ranks: every rank's ``(key, prompt)`` requests, de-duplicated by key
+    (the ranks of one data-parallel group ask for the same prompts)."""
+    requests: list = [None] * dist.get_world_size()
+    dist.all_gather_object(requests, list(zip(keys, prompts)))
+    by_key: dict[int, list[int]] = {}
+    for reqs in requests:
+        for key, prompt in reqs:
+            if by_key.setdefault(key, prompt) != prompt:
+                raise ValueError(f"generate: key {key} was asked with two different prompts")
+    return by_key
+
+
 def generate_on_replicas(generate: Callable[[list[list[int]], list[int]], RolloutBatch],
                          prompts: list[list[int]], keys: list[int], replica_size: int) -> RolloutBatch:
     """Collective over all ranks: ``generate(prompts, keys)`` runs on this rank's replica for its
@@ -32,13 +45,7 @@ def generate_on_replicas(generate: Callable[[list[list[int]], list[int]], Rollou
     world, rank = dist.get_world_size(), dist.get_rank()
     if world % replica_size:
         raise ValueError(f"engine replicas of {replica_size} ranks do not tile the world size {world}")
-    requests: list = [None] * world
-    dist.all_gather_object(requests, list(zip(keys, prompts)))
-    by_key: dict[int, list[int]] = {}
-    for reqs in requests:
-        for key, prompt in reqs:
-            if by_key.setdefault(key, prompt) != prompt:
-                raise ValueError(f"generate: key {key} was asked with two different prompts")
+    by_key = gather_requests(prompts, keys)
     ordered = sorted(by_key)
     replicas, replica = world // replica_size, rank // replica_size
     per = -(-len(ordered) // replicas)

