@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_ngrpo.mixing.records import MixRecord
 from megatron_ngrpo.parallel import broadcast_from_rank0, is_rank0
 from megatron_ngrpo.rollout import wire
 from megatron_ngrpo.rollout.config import RemoteConfig
@@ -233,6 +234,8 @@ class RemoteEngine(RolloutEngine):
         """One contiguous slice of the prompts per live server, concurrently; responses in order."""
         import dataclasses
 
+        if not prompts:
+            return RolloutBatch([], [], [], [], MixRecord.empty(0, mixing.k if mixing is not None else 1), [])
         servers = list(self.servers)
         per = -(-len(prompts) // len(servers))
         slices = [(i, prompts[s:s + per], keys[s:s + per]) for i, s in enumerate(range(0, len(prompts), per))]
