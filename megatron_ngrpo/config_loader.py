@@ -4,12 +4,14 @@ Each package owns the dataclass of its section (``mixing/config.py``, ``grpo/con
 :mod:`megatron_ngrpo.training.job_config` composes them. This module only loads and validates: OmegaConf does
 the type checking and merging (structured configs), and every section may define ``validate()``
 which raises :class:`ConfigError` with a one-line message naming the field and value. Everything
-here runs before any process group starts.
+here runs before any process group starts. A field whose name is a Python keyword is declared with
+a trailing underscore (``async_``) and read, written and named in messages without it (``async``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import keyword
 import os
 import sys
 from pathlib import Path
@@ -58,7 +60,7 @@ def load(cls: type[T], yaml_paths: list[str | Path] | str | Path | None = None,
             raise ConfigError(f"config file {str(path)!r}: invalid YAML: {_one_line(e)}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {str(path)!r}: top level must be a mapping")
-        data = _rename_sections(data, renamed, f"config file {str(path)!r}")
+        data = _keyword_fields(_rename_sections(data, renamed, f"config file {str(path)!r}"))
         merged = _merge(merged, OmegaConf.create(data), f"config file {str(path)!r}")
     for item in overrides or []:
         if "=" not in item:
@@ -67,6 +69,8 @@ def load(cls: type[T], yaml_paths: list[str | Path] | str | Path | None = None,
         if head in renamed:
             _deprecated(head, renamed[head], f"override {item!r}")
             item = renamed[head] + item[len(head):]
+        key, value = item.split("=", 1)
+        item = ".".join(_field_name(k) for k in key.split(".")) + "=" + value
         try:
             parsed = OmegaConf.from_dotlist([item])
         except (yaml.YAMLError, OmegaConfBaseException) as e:
@@ -82,7 +86,7 @@ def validate(obj, prefix: str = "") -> None:
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value):
-            validate(value, f"{prefix}{f.name}.")
+            validate(value, f"{prefix}{_key_name(f.name)}.")
     if hasattr(obj, "validate"):
         try:
             obj.validate()
@@ -95,7 +99,23 @@ def validate(obj, prefix: str = "") -> None:
 
 def to_yaml(obj) -> str:
     """The resolved config as YAML (saved next to checkpoints and runs)."""
-    return OmegaConf.to_yaml(OmegaConf.structured(obj))
+    plain = OmegaConf.to_container(OmegaConf.structured(obj))
+    return OmegaConf.to_yaml(OmegaConf.create(_keyword_fields(plain, _key_name)))
+
+
+def _field_name(key: str) -> str:
+    return key + "_" if keyword.iskeyword(key) else key
+
+
+def _key_name(name: str) -> str:
+    return name[:-1] if name.endswith("_") and keyword.iskeyword(name[:-1]) else name
+
+
+def _keyword_fields(data, rename=_field_name):
+    """Nested mapping with every key renamed by ``rename`` (YAML keys -> field names or back)."""
+    if isinstance(data, dict):
+        return {rename(k) if isinstance(k, str) else k: _keyword_fields(v, rename) for k, v in data.items()}
+    return data
 
 
 def _rename_sections(data: dict, renamed: dict[str, str], source: str) -> dict:

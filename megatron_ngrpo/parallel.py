@@ -79,6 +79,33 @@ def _destroy_subgroups() -> None:
                 pass
 
 
+def duplicate_model_parallel_groups():
+    """A megatron ``ProcessGroupCollection`` whose model-parallel groups (tp, pp, mp, cp, tp_cp,
+    embd, pos_embd) are new groups over the same ranks as megatron's (collective: every rank
+    calls it at the same point). Collectives on them never pair up with ones on megatron's
+    groups, so a model built on them can run on a second thread while the first trains
+    (training/async_rollout.py); the other groups are megatron's own."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    names = ("tp", "pp", "mp", "cp", "tp_cp", "embd", "pos_embd")
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    mine = {n: _members(getattr(pgs, n, None)) for n in names}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    timeout = datetime.timedelta(seconds=_timeout_s)
+    for n in names:
+        # Every rank creates every distinct group of this kind, in one order, and keeps its own.
+        kinds = sorted({tuple(m[n]) for m in everyone if m[n] is not None})
+        groups = {ranks: dist.new_group(list(ranks), timeout=timeout) for ranks in kinds}
+        if mine[n] is not None:
+            setattr(pgs, n, groups[tuple(mine[n])])
+    return pgs
+
+
+def _members(group) -> list[int] | None:
+    return dist.get_process_group_ranks(group) if isinstance(group, dist.ProcessGroup) else None
+
+
 def model_parallel_seed(seed: int) -> None:
     """megatron's ``model_parallel_cuda_manual_seed`` on GPU, its CPU twin otherwise."""
     from megatron_ngrpo.compat import cpu as cpu_compat

@@ -75,6 +75,10 @@ ERRORS = [
      "'rollout.vllm.tensor_parallel' = 4: must divide the world size 2"),
     (["rollout.engine=vllm", "rollout.vllm.in_process=false"], 2, "'rollout.vllm.in_process' = False"),
     (["rollout.vllm.enforce_eager=false"], 1, "CUDA graphs bypass the mixing hook"),
+    (["train.async.max_staleness=2"], 1, "'train.async.max_staleness' = 2: expected 0 (synchronous) or 1"),
+    (["train.async.on_stale=skip"], 1, "'train.async.on_stale' = 'skip'"),
+    (["rollout.engine=vllm", "train.async.max_staleness=1"], 1,
+     "'train.async.max_staleness' = 1: one-step-off rollouts run on the built-in engine only"),
     (["train.no_such_field=1"], 1, "no_such_field"),
 ]
 
@@ -182,6 +186,8 @@ def _losses(run_dir: Path) -> list[tuple]:
 @pytest.mark.parametrize("variant,overrides", [
     ("adam", ()),  # DP 2, sharded (reshardable) optimizer state
     ("distopt", ("optim.distributed_optimizer=true",)),  # DP 2, per-rank optimizer shards
+    # TP 2, one-step-off rollouts: the checkpoint holds the in-flight batch and its weights
+    ("async", ("train.async.max_staleness=1", "model.tensor_parallel=2")),
 ])
 def test_sigkill_and_resume_is_bit_identical(task, tmp_path, variant, overrides):
     steps = ("train.max_steps=6", "train.save_every=2")
@@ -213,6 +219,13 @@ def test_sigkill_and_resume_is_bit_identical(task, tmp_path, variant, overrides)
                 assert all(torch.equal(x[n], y[n]) for n in x)
     assert _losses(straight) == _losses(killed)
     assert len(list(straight.glob("iter_*"))) == 2  # keep_last
+    if variant == "async":
+        for run in (straight, killed):
+            rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+            # Step 1 trains on its own rollouts; every later one on the last step's weights'.
+            assert [r["async/staleness"] for r in rows] == [0, 1, 1, 1, 1, 1]
+            # Old log-probs replayed under the generating weights (mixing on) = the engine's.
+            assert all(r["logprob_gap/max_abs"] < 1e-5 and r["mixing/mixed_token_frac"] > 0 for r in rows), rows
 
 
 # ---- colocated vLLM rollouts in multi-rank jobs -------------------------------------------------

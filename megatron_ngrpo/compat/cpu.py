@@ -19,6 +19,7 @@ Call :func:`install` once per process, before building models; it is a no-op whe
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
@@ -26,6 +27,7 @@ from torch.overrides import TorchFunctionMode
 
 _INSTALLED = False
 _MODE: "_CudaToCpuMode | None" = None
+_THREAD = threading.local()  # .no_fork: this thread's RNG-tracker forks leave the generator alone
 
 _FACTORIES = {
     torch.empty, torch.zeros, torch.ones, torch.full, torch.arange, torch.rand, torch.randn,
@@ -169,6 +171,9 @@ class CpuRNGStatesTracker(CudaRNGStatesTracker):
     def fork(self, name="model-parallel-rng"):
         if name not in self.states_:
             raise Exception(f"cuda rng state {name} is not added")
+        if getattr(_THREAD, "no_fork", False):
+            yield
+            return
         orig = torch.get_rng_state()
         torch.set_rng_state(self.states_[name])
         try:
@@ -228,6 +233,20 @@ def install() -> bool:
     _install_rng_tracker()
     _INSTALLED = True
     return True
+
+
+@contextlib.contextmanager
+def background_thread():
+    """Enter on a second thread that runs eval-mode megatron forwards (the one-step-off rollout
+    producer): the redirect mode is thread-local, so it is entered here too; and the RNG
+    tracker's forks on this thread leave the process-wide CPU generator alone, since swapping it
+    would race with the main thread's draws (eval-mode forwards draw nothing)."""
+    _THREAD.no_fork = True
+    try:
+        with _CudaToCpuMode() if _INSTALLED else contextlib.nullcontext():
+            yield
+    finally:
+        _THREAD.no_fork = False
 
 
 def is_active() -> bool:

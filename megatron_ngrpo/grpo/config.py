@@ -173,6 +173,23 @@ class WarmstartConfig:
 
 
 @dataclass
+class AsyncConfig:
+    """Asynchronous rollouts (training/async_rollout.py): 0 = synchronous; 1 = one-step-off, the
+    engine generates step n+1 with the weights of step n while the trainer updates on step n."""
+
+    max_staleness: int = 0
+    # A rollout older than max_staleness steps: "error" stops the run (one line), "drop" discards
+    # it (counted in async/dropped) and generates the step again with the current weights.
+    on_stale: str = "error"
+
+    def validate(self) -> None:
+        if self.max_staleness not in (0, 1):
+            fail("max_staleness", self.max_staleness, "expected 0 (synchronous) or 1 (one-step-off)")
+        if self.on_stale not in ("error", "drop"):
+            fail("on_stale", self.on_stale, "expected 'error' or 'drop'")
+
+
+@dataclass
 class TrainConfig:
     """The loop: batch arithmetic, schedule, checkpoints and logs."""
 
@@ -212,6 +229,8 @@ class TrainConfig:
     # Seconds a collective waits for the slowest rank (process-group timeout): longer than the
     # longest rollout of one data-parallel group and than a checkpoint save.
     dist_timeout_s: int = 1800
+    # Read and written as ``train.async`` (a Python keyword: config_loader maps ``async_``).
+    async_: AsyncConfig = field(default_factory=AsyncConfig)
 
     def validate(self) -> None:
         for name in ("prompts_per_step", "mini_batch_prompts", "epochs_per_rollout",

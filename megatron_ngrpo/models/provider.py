@@ -132,8 +132,9 @@ def layer_spec(spec: ArchSpec, cfg: ModelConfig, config, vp_stage: int | None):
 
 
 def build_gpt(spec: ArchSpec, cfg: ModelConfig, pre_process: bool, post_process: bool,
-              vp_stage: int | None = None, init_weights: bool = True):
-    """One GPTModel chunk for the current (TP, PP[, VPP]) rank, with the mixing embedding."""
+              vp_stage: int | None = None, init_weights: bool = True, pg_collection=None):
+    """One GPTModel chunk for the current (TP, PP[, VPP]) rank, with the mixing embedding;
+    ``pg_collection``: its process groups (default megatron's)."""
     from megatron.core.models.gpt import GPTModel
 
     from megatron_ngrpo.mixing.embedding import install_mixing_embedding
@@ -152,6 +153,7 @@ def build_gpt(spec: ArchSpec, cfg: ModelConfig, pre_process: bool, post_process:
         rope_scaling=spec.rope_scaling_factor is not None,
         rope_scaling_factor=spec.rope_scaling_factor or 8.0,
         vp_stage=vp_stage,
+        pg_collection=pg_collection,
     )
     if pre_process:
         install_mixing_embedding(model)
@@ -179,11 +181,12 @@ def zero_padded_vocab_rows(model, vocab_size: int) -> None:
             w[max(vocab_size - first, 0):].zero_()
 
 
-def build_model(cfg: ModelConfig, init_weights: bool = True) -> list:
+def build_model(cfg: ModelConfig, init_weights: bool = True, pg_collection=None) -> list:
     """Model chunks of this rank (one per virtual pipeline stage), unwrapped (training wraps them
     with :func:`megatron_ngrpo.grpo.update.wrap_for_training`). Parallel state must be initialised
     for ``cfg``'s layout.
-    ``init_weights=False`` skips megatron's random initialisation (weights loaded next)."""
+    ``init_weights=False`` skips megatron's random initialisation (weights loaded next);
+    ``pg_collection``: the chunks' process groups (default megatron's)."""
     from megatron.core import parallel_state as ps
 
     spec = ArchSpec.from_hf(cfg.hf_path)
@@ -196,7 +199,7 @@ def build_model(cfg: ModelConfig, init_weights: bool = True) -> list:
             spec, cfg,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-            vp_stage=stage, init_weights=init_weights,
+            vp_stage=stage, init_weights=init_weights, pg_collection=pg_collection,
         ))
     if torch.cuda.is_available():
         chunks = [c.cuda() for c in chunks]

@@ -92,12 +92,19 @@ class MegatronEngine(RolloutEngine):
         separate_copy: generate with a copy of the weights (built from ``model_cfg``) that
             :meth:`sync_weights` refreshes, instead of the chunks themselves.
         model_cfg: the policy's ``ModelConfig`` (only for ``separate_copy``).
+        groups: the process groups the engine's collectives (and a separate copy's layers) use,
+            a megatron ``ProcessGroupCollection`` with ``tp``, ``pp``, ``mp``; default megatron's.
+            Groups of their own let a separate copy generate on a second thread while the
+            trainer runs collectives (training/async_rollout.py).
     """
 
     def __init__(self, model_chunks, num_real_tokens: int, *, eos_token_ids: Sequence[int] = (),
                  decode: Callable[[list[int]], str] | None = None, special_ids: Sequence[int] = (),
                  neighbor_table: torch.Tensor | None = None, max_batch_size: int = 0,
-                 max_seq_len: int | None = None, separate_copy: bool = False, model_cfg=None):
+                 max_seq_len: int | None = None, separate_copy: bool = False, model_cfg=None,
+                 groups=None):
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
         from megatron_ngrpo.architecture import unwrap
         from megatron_ngrpo.compat.cpu import device
 
@@ -116,10 +123,11 @@ class MegatronEngine(RolloutEngine):
         # Per mixing-config key: neighbour table or STHT noise spec, derived from the weights.
         self._derived: dict[tuple, object] = {}
         self._src: int | None = None
+        self.groups = groups or ProcessGroupCollection.use_mpu_process_groups(["tp", "pp", "mp"])
         if separate_copy:
             from megatron_ngrpo.models.provider import build_model
 
-            self.chunks = build_model(model_cfg)
+            self.chunks = build_model(model_cfg, pg_collection=groups)
             self._copy_weights(model_chunks)
         else:
             self.chunks = list(model_chunks)
@@ -162,7 +170,7 @@ class MegatronEngine(RolloutEngine):
         row_keys = sequence_keys(keys, params.n)
         aux = self._mixing_aux(mixing) if mixing is not None else {}
         if self._src is None:
-            self._src = _decider_rank()
+            self._src = _decider_rank(self.groups.mp)
         order = sorted(range(len(row_prompts)), key=lambda r: len(row_prompts[r]))
         size = self.max_batch_size or len(order)
         out = _Outputs(len(row_prompts), mixing.k if mixing is not None else 1, aux.get("noise"))
@@ -235,11 +243,11 @@ class MegatronEngine(RolloutEngine):
         emb = mixing_embedding(self.chunks[0])
         if emb is not None:
             spec = NoiseSpec.from_embedding(emb.weight, self.num_real_tokens, scale,
-                                            emb.vocab_start_index, ps.get_tensor_model_parallel_group())
+                                            emb.vocab_start_index, self.groups.tp)
             sigma.fill_(spec.sigma)
         if ps.get_pipeline_model_parallel_world_size() > 1:
             dist.broadcast(sigma, src=ps.get_pipeline_model_parallel_first_rank(),
-                           group=ps.get_pipeline_model_parallel_group())
+                           group=self.groups.pp)
         return NoiseSpec(sigma=float(sigma), dim=self.config.hidden_size)
 
     # ---- the generation loop ----------------------------------------------------------------
@@ -312,7 +320,6 @@ class MegatronEngine(RolloutEngine):
     def _forward(self, tokens: torch.Tensor, ctx, mix: MixBatch | None) -> torch.Tensor | None:
         """One KV-cached step over all chunks of this rank: tokens [B, s] → last-position logits
         [B, V] (gathered over TP) on the last pipeline stage, None elsewhere."""
-        from megatron.core import parallel_state as ps
         from megatron.core.inference.communication_utils import (
             recv_from_prev_pipeline_rank_,
             send_to_next_pipeline_rank,
@@ -325,7 +332,7 @@ class MegatronEngine(RolloutEngine):
         pos = torch.arange(ctx.sequence_len_offset, ctx.sequence_len_offset + s,
                            device=self._device).unsqueeze(0).expand(b, s)
         comm_dtype = torch.float32 if self.config.fp32_residual_connection else self.config.params_dtype
-        pp_group = ps.get_pipeline_model_parallel_group()
+        pp_group = self.groups.pp
         out = None
         for chunk in self.chunks:
             inner = unwrap(chunk)
@@ -341,9 +348,7 @@ class MegatronEngine(RolloutEngine):
         return out[:, -1, :] if unwrap(self.chunks[-1]).post_process else None
 
     def _broadcast(self, packed: torch.Tensor | None, b: int, k: int) -> torch.Tensor:
-        from megatron.core import parallel_state as ps
-
-        group = ps.get_model_parallel_group()
+        group = self.groups.mp
         if dist.get_world_size(group) == 1:
             return packed
         if packed is None:
@@ -416,12 +421,11 @@ class MegatronEngine(RolloutEngine):
         return finish, mix_stop
 
 
-def _decider_rank() -> int:
+def _decider_rank(group) -> int:
     """Global rank that samples and decides for this model-parallel group: last pipeline
     stage, TP rank 0."""
     from megatron.core import parallel_state as ps
 
-    group = ps.get_model_parallel_group()
     me = dist.get_rank()
     mine = ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
     if dist.get_world_size(group) == 1:

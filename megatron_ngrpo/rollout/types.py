@@ -59,6 +59,7 @@ class RolloutBatch:
     mixes: MixRecord
     prompt_index: list[int]
     texts: list[str] | None = None
+    policy_version: int | None = None
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -76,6 +77,9 @@ class RolloutBatch:
             if len(toks) != len(lps):
                 raise ValueError(f"response {r}: {len(toks)} tokens but {len(lps)} log-probs")
         self.mixes.validate(self.response_lengths, vocab_size)
+        v = self.policy_version
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise ValueError(f"RolloutBatch.policy_version = {v!r}: expected a step number >= 0 or None")
 
     def select_prompts(self, indices: list[int]) -> "RolloutBatch":
         """The responses of the prompts at ``indices`` (in that order), renumbered 0..len-1."""
@@ -90,7 +94,8 @@ class RolloutBatch:
             logprobs=[self.logprobs[r] for r in rows],
             finish_reasons=[self.finish_reasons[r] for r in rows],
             mixes=self.mixes.select(rows), prompt_index=new_index,
-            texts=None if self.texts is None else [self.texts[r] for r in rows])
+            texts=None if self.texts is None else [self.texts[r] for r in rows],
+            policy_version=self.policy_version)
 
     @staticmethod
     def cat(batches: list["RolloutBatch"]) -> "RolloutBatch":
@@ -101,12 +106,16 @@ class RolloutBatch:
             index += [i + offset for i in b.prompt_index]
             offset += max(b.prompt_index, default=-1) + 1
         texts = None if any(b.texts is None for b in batches) else [t for b in batches for t in b.texts]
+        versions = {b.policy_version for b in batches}
+        if len(versions) > 1:
+            raise ValueError(f"RolloutBatch.cat: batches of different policy versions {sorted(versions, key=str)}")
         return RolloutBatch(
             prompt_ids=[x for b in batches for x in b.prompt_ids],
             response_ids=[x for b in batches for x in b.response_ids],
             logprobs=[x for b in batches for x in b.logprobs],
             finish_reasons=[x for b in batches for x in b.finish_reasons],
-            mixes=MixRecord.cat([b.mixes for b in batches]), prompt_index=index, texts=texts)
+            mixes=MixRecord.cat([b.mixes for b in batches]), prompt_index=index, texts=texts,
+            policy_version=versions.pop() if versions else None)
 
     def padded(self, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Right-padded prompt+response batch: ``tokens`` [B, L] int64, ``offsets`` [B] (prompt

@@ -1,7 +1,8 @@
 """Training checkpoints: the shared Megatron checkpoint layout
 (:mod:`megatron_ngrpo.conversion.checkpoint`: atomic directory, ``megatron_ngrpo.json``,
-``latest``) plus the optimizer, every rank's RNG state and a replicated ``trainer`` entry (step,
-data position, neighbour table, LR scheduler, ...).
+``latest``) plus the optimizer, every rank's RNG state, a replicated ``trainer`` entry (step,
+data position, neighbour table, LR scheduler, ...) and optionally every rank's own
+``rank_state`` (the one-step-off rollout in flight, training/async_rollout.py).
 
 Optimizer state: the non-distributed optimizer is saved as sharded tensors (reshardable). The
 distributed optimizer's dist-checkpointing formats save but do not load in megatron-core 0.16
@@ -50,19 +51,24 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 
 
 def save_training_checkpoint(run_dir: str | Path, step: int, chunks: list, meta: dict, optimizer,
-                             trainer_state: dict, keep_last: int = 0, protect: tuple[str, ...] = ()) -> Path:
+                             trainer_state: dict, keep_last: int = 0, protect: tuple[str, ...] = (),
+                             rank_state: dict | None = None) -> Path:
     """Write ``run_dir/iter_<step>`` atomically (collective), point ``latest`` at it and delete
-    all but the newest ``keep_last`` (0 = keep all; names in ``protect`` are kept)."""
+    all but the newest ``keep_last`` (0 = keep all; names in ``protect`` are kept).
+    ``rank_state``: this rank's own object (None on every rank, or given on every rank)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     from megatron_ngrpo.conversion.checkpoint import _sharded_state_dict
 
     final = iter_dir(run_dir, step)
     distopt = _is_distributed(optimizer)
-    extra = {"rng_state": _rng_object(ShardedObject, _rng_state()), "trainer": trainer_state}
+    extra = {"rng_state": _rank_object(ShardedObject, "rng_state", _rng_state()), "trainer": trainer_state}
+    if rank_state is not None:
+        extra["rank_state"] = _rank_object(ShardedObject, "rank_state", rank_state)
     if not distopt:
         extra["optimizer"] = optimizer.sharded_state_dict(_sharded_state_dict(chunks), is_loading=False)
-    meta = {**meta, "step": step, "world_size": dist.get_world_size(), "distributed_optimizer": distopt}
+    meta = {**meta, "step": step, "world_size": dist.get_world_size(), "distributed_optimizer": distopt,
+            "rank_state": rank_state is not None}
     save_megatron_checkpoint(chunks, final, meta, extra=extra, overwrite=True)
     if distopt:
         _save_distopt(optimizer, final)
@@ -79,7 +85,7 @@ def save_training_checkpoint(run_dir: str | Path, step: int, chunks: list, meta:
 
 def load_training_checkpoint(path: str | Path, chunks: list, optimizer) -> dict:
     """Restore model, optimizer and (same world size only) RNG states from ``path`` (collective);
-    returns the ``trainer`` entry."""
+    returns the ``trainer`` entry, with this rank's ``rank_state`` under that key when saved."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     from megatron_ngrpo.conversion.checkpoint import _sharded_state_dict
@@ -91,8 +97,14 @@ def load_training_checkpoint(path: str | Path, chunks: list, optimizer) -> dict:
                          f"{bool(meta.get('distributed_optimizer'))}, resuming with {distopt}")
     same_world = meta.get("world_size") == dist.get_world_size()
     extra = {"trainer": {}}
+    if meta.get("rank_state"):
+        if not same_world:
+            raise ValueError(f"{path}: holds per-rank state (a one-step-off rollout in flight) of "
+                             f"{meta.get('world_size')} ranks; resume with the same layout (now "
+                             f"{dist.get_world_size()} ranks)")
+        extra["rank_state"] = _rank_object(ShardedObject, "rank_state", None)
     if same_world:
-        extra["rng_state"] = _rng_object(ShardedObject, None)
+        extra["rng_state"] = _rank_object(ShardedObject, "rng_state", None)
     if not distopt:
         extra["optimizer"] = optimizer.sharded_state_dict(_sharded_state_dict(chunks), is_loading=True)
     _, loaded = load_megatron_checkpoint(chunks, path, extra=extra)
@@ -102,14 +114,16 @@ def load_training_checkpoint(path: str | Path, chunks: list, optimizer) -> dict:
         optimizer.load_state_dict(loaded["optimizer"])
     if same_world:
         _set_rng_state(loaded["rng_state"])
+    if "rank_state" in extra:
+        return {**loaded["trainer"], "rank_state": loaded["rank_state"]}
     return loaded["trainer"]
 
 
 # ---- internals -----------------------------------------------------------------------------
-def _rng_object(sharded_object, data):
-    """This rank's RNG state as one shard of a [world] object (restored only at the same size)."""
+def _rank_object(sharded_object, key: str, data):
+    """This rank's own ``data`` as one shard of a [world] object (restored only at the same size)."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    return sharded_object("rng_state", data, (world,), (rank,), replica_id=0)
+    return sharded_object(key, data, (world,), (rank,), replica_id=0)
 
 
 def _is_distributed(optimizer) -> bool:

@@ -46,6 +46,7 @@ from megatron_ngrpo.training.checkpoint import (
     save_training_checkpoint,
 )
 from megatron_ngrpo.training.job_config import NGRPOConfig
+from megatron_ngrpo.training.snapshot import WeightSnapshot
 
 logger = logging.getLogger(__name__)
 BEST_FILE = "best"
@@ -62,7 +63,7 @@ class ReferencePolicy:
 
         self.mode = mode
         if mode == "swap":
-            self.saved = [[p.detach().to("cpu", copy=True) for p in unwrap(c).parameters()] for c in chunks]
+            self.saved = WeightSnapshot(chunks)
             self.model = None
         else:
             self.model = build_model(model_cfg)
@@ -76,24 +77,11 @@ class ReferencePolicy:
     @contextlib.contextmanager
     def active(self, chunks: list):
         """Yield model chunks computing the reference policy (restores the policy on exit)."""
-        from megatron_ngrpo.architecture import unwrap
-
         if self.model is not None:
             yield self.model
             return
-        params = [list(unwrap(c).parameters()) for c in chunks]
-        current = [[p.detach().to("cpu", copy=True) for p in ps] for ps in params]
-        with torch.no_grad():
-            for ps, ref in zip(params, self.saved):
-                for p, r in zip(ps, ref):
-                    p.copy_(r)
-        try:
+        with self.saved.active(chunks):
             yield chunks
-        finally:
-            with torch.no_grad():
-                for ps, cur in zip(params, current):
-                    for p, c in zip(ps, cur):
-                        p.copy_(c)
 
 
 class Trainer:
@@ -132,7 +120,7 @@ class Trainer:
             model_parallel_seed,
         )
         from megatron_ngrpo.rewards.registry import build_reward
-        from megatron_ngrpo.rollout.factory import build_engine
+        from megatron_ngrpo.training.async_rollout import build_rollouts
 
         cfg = self.cfg
         init_distributed(cfg.train.dist_timeout_s)
@@ -172,7 +160,7 @@ class Trainer:
         # The reference policy is the policy RL starts from (after any warm-start).
         self.reference = ReferencePolicy(self.chunks, cfg.train.reference, cfg.model) if cfg.grpo.needs_reference else None
         self.reward_fn = build_reward(cfg.reward, cfg.rollout.max_new_tokens)
-        self.engine = build_engine(cfg, self.chunks, tokenizer=self.tokenizer, seed=cfg.train.seed)
+        self.engine, self.rollouts = build_rollouts(cfg, self.chunks, self.tokenizer, cfg.train.seed)
         self.settings = UpdateSettings(
             temperature=cfg.rollout.temperature, micro_batch_size=cfg.train.micro_batch_size,
             max_tokens=cfg.train.max_tokens_per_micro_batch, vocab_limit=self.num_real_tokens,
@@ -253,7 +241,8 @@ class Trainer:
         meta = checkpoint_meta(self.cfg.model, config=dataclasses.asdict(self.cfg))
         protect = (self.best["checkpoint"],) if self.best else ()
         return save_training_checkpoint(self.run_dir, self.step, self.chunks, meta, self.optimizer,
-                                        self._trainer_state(), self.cfg.train.keep_last, protect)
+                                        self._trainer_state(), self.cfg.train.keep_last, protect,
+                                        rank_state=self.rollouts.state_dict() if self.rollouts else None)
 
     def _resume(self, path: Path) -> None:
         state = load_training_checkpoint(path, self.chunks, self.optimizer)
@@ -262,6 +251,10 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.table, self.table_updates = state["neighbor_table"], int(state["table_updates"])
         self.best = state.get("best")
+        if state.get("rank_state") is not None:  # the one-step-off rollout in flight at the save
+            in_flight = state["rank_state"]
+            self.prompts.load_state_dict(in_flight["data_before"])
+            self.rollouts.load_state_dict(in_flight, self._draw_prompts()[0])
         self.metrics.truncate(self.step)
         logger.info("resumed from %s at step %d", path, self.step)
 
@@ -298,16 +291,16 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         cfg = self.cfg
         timer = PhaseTimer()
-        batch = next(self.prompts)
-        per_rank = len(batch) // self.dp_size
-        start = self.dp_rank * per_rank
-        mine = batch[start:start + per_rank]
         out: dict[str, float] = {}
-
-        with timer("neighbor_table"):
-            out["mixing/table_refreshed"] = float(self._refresh_table())
-        with timer("rollout"):
-            rollout = self._generate([ex.prompt_ids for ex in mine], keys=list(range(start, start + per_rank)))
+        generating = None  # the generating weights of a one-step-off batch
+        if self.rollouts is None:
+            mine, keys = self._draw_prompts()
+            with timer("neighbor_table"):
+                out["mixing/table_refreshed"] = float(self._refresh_table())
+            with timer("rollout"):
+                rollout = self._generate([ex.prompt_ids for ex in mine], keys=keys)
+        else:
+            mine, rollout, generating = self._one_step_off(timer, out)
         with timer("reward"):
             texts = rollout.texts or [self.tokenizer.decode(r, skip_special_tokens=True) for r in rollout.response_ids]
             rewards = self.reward_fn(texts, [mine[i].problem.answers for i in rollout.prompt_index],
@@ -316,7 +309,7 @@ class Trainer:
             groups = group_ids(rollout.prompt_index)
         tb = TokenBatch.from_rollout(rollout, pad_id=self._pad_id(), device=self.device)
         hidden = self._dra_hidden(tb)
-        extras = self._logprob_extras(tb, rollout, timer, out, hidden)
+        extras = self._logprob_extras(tb, rollout, timer, out, hidden, generating)
         with timer("reward"):
             if cfg.grpo.dra.enabled:
                 scores = self._dra(scores, groups, texts, hidden)
@@ -336,6 +329,38 @@ class Trainer:
         return out
 
     # ---- rollout pieces ----------------------------------------------------------------------
+    def _draw_prompts(self) -> tuple[list, list[int]]:
+        """The next step's prompts of this DP rank and their global indices (the sequence keys)."""
+        batch = next(self.prompts)
+        per_rank = len(batch) // self.dp_size
+        start = self.dp_rank * per_rank
+        return batch[start:start + per_rank], list(range(start, start + per_rank))
+
+    def _one_step_off(self, timer: PhaseTimer, out: dict):
+        """train.async.max_staleness 1 (training/async_rollout.py): this step's rollouts, made
+        with the last step's weights while it trained (or now, at the first step or after a
+        drop), then the next step's launched with the current weights and table. Returns the
+        prompts, the batch and its generating weights (None: the current ones)."""
+        with timer("rollout_wait"):
+            job = self.rollouts.take(self.step)
+        with timer("neighbor_table"):
+            out["mixing/table_refreshed"] = float(self._refresh_table())
+        mine, keys = (job.examples, job.keys) if job is not None else self._draw_prompts()
+        if job is None or job.rollout is None:
+            with timer("rollout"):
+                rollout, generating = self._generate([ex.prompt_ids for ex in mine], keys=keys), None
+        else:
+            rollout, generating = job.rollout, job.snapshot
+            rollout.validate(self.num_real_tokens)
+        if self.step + 1 < self.total_steps:
+            before = self.prompts.state_dict()
+            ahead, ahead_keys = self._draw_prompts()
+            self.rollouts.launch(self.step, self.chunks, self.table, [ex.prompt_ids for ex in ahead],
+                                 self._sampling(self.step + 1), self._mixing(), examples=ahead,
+                                 keys=ahead_keys, data_before=before)
+        out.update(self.rollouts.metrics(self.step, rollout.policy_version))
+        return mine, rollout, generating
+
     def _refresh_table(self) -> bool:
         """(Re)compute the neighbour table when due; hand it to the engine. True if recomputed."""
         from megatron_ngrpo.data.tokenizer import special_token_ids
@@ -353,22 +378,29 @@ class Trainer:
         return bool(due)
 
     def _generate(self, prompts: list[list[int]], keys: list[int]):
-        from megatron_ngrpo.rollout.types import SamplingParams
-
-        r = self.cfg.rollout
-        eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
-        params = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                max_new_tokens=r.max_new_tokens, stop=list(r.stop), stop_token_ids=eos,
-                                seed=(self.cfg.train.seed * 1_000_003 + self.step) % 2**31)
         self.engine.wake_up()
         self.engine.sync_weights(self.chunks)
         if self.table is not None:
             self.engine.set_neighbor_table(self.table)
-        mixing = self.cfg.mixing if self.cfg.mixing.enabled else None
-        rollout = self.engine.generate(prompts, params, mixing=mixing, keys=keys)
+        rollout = self.engine.generate(prompts, self._sampling(self.step), mixing=self._mixing(), keys=keys)
         self.engine.sleep()
+        rollout.policy_version = self.step
         rollout.validate(self.num_real_tokens)
         return rollout
+
+    def _sampling(self, step: int):
+        """Sampling settings of ``step``'s rollouts (seeded by (seed, step): a resumed run
+        regenerates the same responses)."""
+        from megatron_ngrpo.rollout.types import SamplingParams
+
+        r = self.cfg.rollout
+        eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+        return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              max_new_tokens=r.max_new_tokens, stop=list(r.stop), stop_token_ids=eos,
+                              seed=(self.cfg.train.seed * 1_000_003 + step) % 2**31)
+
+    def _mixing(self):
+        return self.cfg.mixing if self.cfg.mixing.enabled else None
 
     def _pad_id(self) -> int:
         pad = self.tokenizer.pad_token_id
@@ -396,17 +428,20 @@ class Trainer:
         emb = hidden.means() if hidden is not None else self._dra_text_embedder(texts)
         return dra_rewards(scores, similarity(emb), groups if d.scope == "group" else None).double()
 
-    def _logprob_extras(self, tb: TokenBatch, rollout, timer: PhaseTimer, out: dict, hidden=None) -> dict:
+    def _logprob_extras(self, tb: TokenBatch, rollout, timer: PhaseTimer, out: dict, hidden=None,
+                        generating: WeightSnapshot | None = None) -> dict:
         """Old / reference log-probs, TIS weights and the rollout-vs-trainer gap (label-aligned);
-        ``hidden`` (DRA's ResponseHiddenMeans) captures the policy's hidden states in the replay."""
+        ``hidden`` (DRA's ResponseHiddenMeans) captures the policy's hidden states in the replay;
+        old log-probs under ``generating`` (a one-step-off batch's weights) when given."""
         g, s = self.cfg.grpo, self.settings
         engine_lp = tb.label_aligned(rollout.logprobs)
         extras = {}
         mask = tb.mask
         with timer("old_logprobs"):
             if g.old_logprobs == "recompute":
-                with hidden or contextlib.nullcontext():
-                    old = batch_logprobs(self.chunks, tb, s.temperature, s.micro_batch_size, s.vocab_limit,
+                weights = generating.active(self.chunks) if generating else contextlib.nullcontext(self.chunks)
+                with hidden or contextlib.nullcontext(), weights as chunks:
+                    old = batch_logprobs(chunks, tb, s.temperature, s.micro_batch_size, s.vocab_limit,
                                          s.max_tokens)
                 gap = (old - engine_lp).abs() * mask
                 sums = dp_sums({"gap": float(gap.sum()), "n": float(mask.sum())})
@@ -499,6 +534,8 @@ class Trainer:
 
         v = self.cfg.validation
         benchmarks = load_benchmarks(v.benchmarks, v.limit)
+        if self.rollouts is not None:
+            self.rollouts.settle()  # the engine is free: the in-flight batch is kept
         eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
         self.engine.wake_up()
         self.engine.sync_weights(self.chunks)
