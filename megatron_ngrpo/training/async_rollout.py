@@ -26,17 +26,22 @@ step n's rollouts, the engine generates step n+1's with the weights of step n.
   blocked on the engine), ``async/generation_waits_training_s`` (the engine idle between its
   batch and the next launch), ``async/generation_s``, ``async/dropped``.
 
-On GPU the two threads share one device: the speedup is bounded by the generation/training split
-(not measured here). On the 2-core CPU machine each rank's two threads share its core with the
+On GPU the two threads share one device (the producer on a CUDA stream of its own): the speedup
+is bounded by the generation/training split. No GPU run has been made: that path, and
+megatron's CUDA RNG tracker forks on the producer thread (only the CPU shim's are kept off the
+process-wide generator), are not measured. On the 2-core CPU machine each rank's two threads share its core with the
 other rank, so little overlap is possible there (bench/bench_async.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
+
+import torch
 
 from megatron_ngrpo.mixing.records import MixRecord
 from megatron_ngrpo.rollout.types import RolloutBatch, RolloutEngine
@@ -113,17 +118,23 @@ class RolloutProducer:
             self.engine.set_neighbor_table(table)
         job = InFlight(version, examples, keys, data_before,
                        WeightSnapshot(chunks) if self.keep_weights else None)
-        job.thread = threading.Thread(target=self._generate, args=(job, prompts, params, mixing),
+        stream = None
+        if torch.cuda.is_available():
+            # NCCL collectives of two communicators queued on one stream in different orders
+            # on two ranks would deadlock: the producer gets its own stream, after the copy.
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+        job.thread = threading.Thread(target=self._generate, args=(job, prompts, params, mixing, stream),
                                       name="rollout-producer", daemon=True)
         self._job = job
         job.thread.start()
 
-    def _generate(self, job: InFlight, prompts, params, mixing) -> None:
+    def _generate(self, job: InFlight, prompts, params, mixing, stream) -> None:
         from megatron_ngrpo.compat.cpu import background_thread
 
         start = time.perf_counter()
         try:
-            with background_thread():
+            with background_thread(), torch.cuda.stream(stream) if stream else contextlib.nullcontext():
                 job.rollout = self.engine.generate(prompts, params, mixing=mixing, keys=job.keys)
             job.rollout.policy_version = job.version
         except BaseException as e:  # re-raised on the trainer's thread by take()

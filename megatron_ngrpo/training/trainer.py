@@ -7,7 +7,8 @@ One rollout step (``Trainer.train_step``):
 2. neighbour table: computed at start and every ``mixing.refresh_every`` updates
    (:func:`~megatron_ngrpo.mixing.neighbors.neighbor_table_for_model`), checkpointed;
 3. rollout through the engine (``rollout.factory.build_engine``), seeded by (seed, step) and
-   keyed by the prompt's position in the step, so a resumed run regenerates the same responses;
+   keyed by the prompt's position in the step, so a resumed run regenerates the same responses
+   (``train.async.max_staleness: 1``: made one step ahead, training/async_rollout.py);
 4. rewards (grader + shaping), optional DRA adjustment, group advantages, zero-variance filter;
 5. old log-probs (recomputed on the replayed history, or the engine's), reference log-probs
    (frozen initial weights), the rollout/trainer log-prob gap and optional TIS weights;
@@ -254,7 +255,8 @@ class Trainer:
         if state.get("rank_state") is not None:  # the one-step-off rollout in flight at the save
             in_flight = state["rank_state"]
             self.prompts.load_state_dict(in_flight["data_before"])
-            self.rollouts.load_state_dict(in_flight, self._draw_prompts()[0])
+            if self.rollouts is not None:  # else (resumed synchronous) its prompts are generated again
+                self.rollouts.load_state_dict(in_flight, self._draw_prompts()[0])
         self.metrics.truncate(self.step)
         logger.info("resumed from %s at step %d", path, self.step)
 
