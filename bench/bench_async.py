@@ -74,6 +74,9 @@ def main() -> None:
         print(f"{cfg.rollout.n} x {cfg.train.prompts_per_step} responses per step, {args.max_new_tokens} new "
               f"tokens max, blocks of {args.block} steps")
         print(result)
+        per_step = {m: statistics.median(result.samples[k][1]) for m, k in (("one-step-off", "a"), ("synchronous", "b"))}
+        print("wall steps/hour (median over blocks, each block's pipeline-filling first step included): "
+              + ", ".join(f"{m} {3600 / s:.0f}" for m, s in per_step.items()))
         # Overlapped steps only: every async step but each block's first, which generates in line.
         steady = [m for _, m in seen["async"] if m["async/staleness"] == 1]
         gen = sum(m["async/generation_s"] for m in steady)
