@@ -26,6 +26,11 @@ step n's rollouts, the engine generates step n+1's with the weights of step n.
   blocked on the engine), ``async/generation_waits_training_s`` (the engine idle between its
   batch and the next launch), ``async/generation_s``, ``async/dropped``.
 
+Costs: one more copy of the weights on the device (the engine's) plus, with recomputed old
+log-probs, one device-to-host copy of this rank's weights per step, held in host memory and
+written into every checkpoint with the in-flight batch (``grpo.old_logprobs: rollout`` needs
+neither).
+
 On GPU the two threads share one device (the producer on a CUDA stream of its own): the speedup
 is bounded by the generation/training split. No GPU run has been made: that path, and
 megatron's CUDA RNG tracker forks on the producer thread (only the CPU shim's are kept off the
