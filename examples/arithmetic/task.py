@@ -1,11 +1,13 @@
-"""A task a tiny model can learn on CPU: one-step integer arithmetic answered as ``\\boxed{N}``.
+"""A task a tiny model can learn on CPU, and learn in general: the maximum or minimum of a list of two
+to four two-digit numbers, answered as ``\\boxed{N}``. About 18,000 distinct problems of three
+difficulty levels (list length); 64 held-out problems per level, none of them trained on.
 
 Writes, into a directory:
 - ``tokenizer/``: a character-level task tokenizer (HF ``tokenizers`` WordLevel model, one token per
   character plus ``\\boxed{``), loadable with ``AutoTokenizer.from_pretrained``;
 - ``model/config.json``: a tiny Qwen2 whose vocabulary is that tokenizer;
-- ``train.jsonl`` / ``heldout.jsonl``: problems ``{"problem": "7+5=", "answer": "12"}``;
-- ``sft.jsonl``: worked solutions ``{"problem": ..., "response": "\\boxed{12}"}`` for the brief
+- ``train.jsonl`` / ``heldout.jsonl``: problems ``{"problem": "max(37,52,18)=", "answer": "52", "level": 2}``;
+- ``sft.jsonl``: worked solutions ``{"problem": ..., "response": "\\boxed{52}"}`` for the brief
   supervised warm-start (stated as such in the README).
 The answers are graded by the project's own math grader, exactly as real runs are.
 """
@@ -18,23 +20,34 @@ import random
 from pathlib import Path
 
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>"]
-CHARS = list("0123456789+-*=?\n ")
+CHARS = list("0123456789+-*=?\n (),maxin")
 BOXED = "\\boxed{"
 
 
-def problems(seed: int, ops: str = "+-", lo: int = 0, hi: int = 9) -> list[dict]:
-    """Every ``a op b`` with a, b in [lo, hi], shuffled."""
-    out = []
-    for op in ops:
-        for a in range(lo, hi + 1):
-            for b in range(lo, hi + 1):
-                out.append({"problem": f"{a}{op}{b}=", "answer": str(eval_op(a, op, b))})
-    random.Random(seed).shuffle(out)
+# Difficulty: how many numbers the list holds. Lists are drawn at random from two-digit numbers, so
+# there are far more problems than a demo can see: a model can only score on held-out problems by
+# learning to compare, not by memorising answers.
+LEVELS = {1: 2, 2: 3, 3: 4}
+OPS = {"max": max, "min": min}
+
+
+def problems(seed: int, per_level: int = 6000, levels: tuple[int, ...] = (1, 2, 3)) -> list[dict]:
+    """``per_level`` distinct problems ``max(37,52,18)=`` / ``min(...)=`` per level (``level`` field)."""
+    rng = random.Random(seed)
+    out, seen = [], set()
+    for level in levels:
+        count = 0
+        while count < per_level:
+            op = rng.choice(sorted(OPS))
+            xs = [rng.randint(10, 99) for _ in range(LEVELS[level])]
+            problem = f"{op}({','.join(map(str, xs))})="
+            if problem in seen:
+                continue
+            seen.add(problem)
+            out.append({"problem": problem, "answer": str(OPS[op](xs)), "level": level})
+            count += 1
+    rng.shuffle(out)
     return out
-
-
-def eval_op(a: int, op: str, b: int) -> int:
-    return {"+": a + b, "-": a - b, "*": a * b}[op]
 
 
 def build_tokenizer(path: Path):
@@ -52,7 +65,7 @@ def build_tokenizer(path: Path):
     return fast
 
 
-def write_task(out: Path, seed: int = 0, heldout_fraction: float = 0.25, hidden_size: int = 64,
+def write_task(out: Path, seed: int = 0, heldout_per_level: int = 64, hidden_size: int = 64,
                num_layers: int = 2) -> dict:
     from megatron_ngrpo.testing.tiny import tiny_hf_config
 
@@ -66,8 +79,11 @@ def write_task(out: Path, seed: int = 0, heldout_fraction: float = 0.25, hidden_
     (out / "model").mkdir(exist_ok=True)
     (out / "model" / "config.json").write_text(json.dumps(cfg, indent=1))
     probs = problems(seed)
-    n_held = int(len(probs) * heldout_fraction)
-    held, train = probs[:n_held], probs[n_held:]
+    # Held out: a fixed number per level (none of them trained on), so held-out accuracy measures
+    # the rule at every difficulty rather than the memorised one-digit table.
+    held = [p for level in LEVELS for p in [q for q in probs if q["level"] == level][:heldout_per_level]]
+    seen = {p["problem"] for p in held}
+    train = [p for p in probs if p["problem"] not in seen]
     _jsonl(out / "train.jsonl", train)
     _jsonl(out / "heldout.jsonl", held)
     _jsonl(out / "sft.jsonl", [{"problem": p["problem"], "response": f"{BOXED}{p['answer']}}}"}

@@ -1,0 +1,212 @@
+"""The seeded study: plain GRPO vs N-GRPO vs its baselines on the arithmetic task, several seeds each.
+
+Every (arm, seed) run is the main job's training (``configs/tiny_cpu.yaml``: supervised warm-start,
+then GRPO with held-out validation) in one process (TP=1) so that runs go two at a time on a
+2-core machine; arms differ only in the exploration strategy, and a seed gives every arm the same
+warm-start and the same prompt order. Then, from the runs' ``metrics.jsonl`` and saved validation
+generations:
+
+- held-out mean@n and pass@n at the last validation, mean ± std over seeds per arm, and a paired
+  t-test of each arm against plain GRPO over the seeds (scipy);
+- rollout diversity on the held-out problems at the last validation: distinct extracted answers
+  per problem, mean pairwise edit distance between a problem's responses, and the entropy (nats) of
+  its answer distribution;
+- ``heldout.png``: held-out mean@n per step per arm, mean over seeds with a ±1 std band;
+- ``results.json`` and ``table.md`` (the table that ``RESULTS.md`` quotes).
+
+    python examples/study/run_study.py --out runs/study --seeds 5 --steps 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "examples" / "arithmetic"))
+
+# Arm → config overrides. ρ and k are the paper's; STHT perturbs the same fraction of steps.
+ARMS = {
+    "grpo": ["mixing.strategy=none"],
+    "ngrpo": ["mixing.strategy=neighbor", "mixing.rate=0.1", "mixing.k=3"],
+    "stht": ["mixing.strategy=stht", "mixing.rate=0.1"],
+    "ngrpo_rho1": ["mixing.strategy=neighbor", "mixing.rate=1.0", "mixing.k=3"],
+}
+
+
+def train_one(out: Path, paths: Path, arm: str, seed: int, steps: int, extra: list[str]) -> Path:
+    """One (arm, seed) training run (resumes if its run directory holds a checkpoint)."""
+    run_dir = out / "runs" / f"{arm}_seed{seed}"
+    log = out / "logs" / f"{arm}_seed{seed}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "megatron_ngrpo.train", "--config", "configs/tiny_cpu.yaml",
+           "--config", str(paths), "model.tensor_parallel=1", f"train.seed={seed}",
+           f"train.max_steps={steps}", f"train.run_dir={run_dir}", "train.progress=false",
+           "reward.workers=1", *ARMS[arm], *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with log.open("w") as f:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+    if proc.returncode:
+        raise SystemExit(f"run {arm} seed {seed} failed (exit {proc.returncode}): see {log}")
+    return run_dir
+
+
+def edit_distance(a: str, b: str) -> int:
+    """Levenshtein distance (responses here are a few characters: a plain DP needs no library)."""
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i]
+        for j, cb in enumerate(b, 1):
+            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb)))
+        prev = cur
+    return prev[-1]
+
+
+def diversity(records: list[dict]) -> dict[str, float]:
+    """Per-problem diversity of the sampled responses, averaged over problems."""
+    groups: dict[int, list[dict]] = {}
+    for r in records:
+        groups.setdefault(r["problem"], []).append(r)
+    distinct, dist, entropy = [], [], []
+    for group in groups.values():
+        answers = [str(r.get("extracted")) for r in group]
+        counts = [answers.count(a) for a in set(answers)]
+        distinct.append(len(counts))
+        entropy.append(-sum(c / len(answers) * math.log(c / len(answers)) for c in counts))
+        pairs = list(itertools.combinations([r["response"] for r in group], 2))
+        dist.append(sum(edit_distance(a, b) for a, b in pairs) / max(len(pairs), 1))
+    mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
+    return {"distinct_answers": mean(distinct), "edit_distance": mean(dist), "answer_entropy": mean(entropy)}
+
+
+def summarise_run(run_dir: Path) -> dict:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    val = [r for r in rows if any(k.startswith("val/mean@") for k in r)]
+    if not val:
+        raise SystemExit(f"{run_dir}: no validation rows in metrics.jsonl")
+    mean_key = next(k for k in val[-1] if k.startswith("val/mean@"))
+    pass_key = mean_key.replace("mean@", "pass@")
+    last = val[-1]
+    gen_dir = run_dir / "validation" / f"step{last['step']:07d}" / "generations"
+    records = [json.loads(line) for path in sorted(gen_dir.glob("*.jsonl"))
+               for line in path.read_text().splitlines() if line.strip()]
+    return {"curve": {r["step"]: r[mean_key] for r in val}, "mean": last[mean_key],
+            "pass": last.get(pass_key, float("nan")), "metric": mean_key[len("val/"):],
+            "first": val[0][mean_key], **diversity(records)}
+
+
+def paired_test(a: list[float], b: list[float]) -> float:
+    """Two-sided paired t-test p-value of a vs b over seeds (nan when undefined)."""
+    from scipy.stats import ttest_rel
+
+    if len(a) < 2 or all(x == y for x, y in zip(a, b)):
+        return float("nan")
+    return float(ttest_rel(a, b).pvalue)
+
+
+def aggregate(results: dict[str, dict[int, dict]]) -> dict:
+    import numpy as np
+
+    out = {}
+    seeds = sorted(set.intersection(*(set(r) for r in results.values())))
+    for arm, runs in results.items():
+        row = {}
+        for key in ("mean", "pass", "first", "distinct_answers", "edit_distance", "answer_entropy"):
+            xs = np.array([runs[s][key] for s in seeds], dtype=np.float64)
+            row[key] = {"mean": float(xs.mean()), "std": float(xs.std(ddof=1)) if len(xs) > 1 else 0.0}
+        if arm != "grpo" and "grpo" in results:
+            row["p_vs_grpo"] = paired_test([runs[s]["mean"] for s in seeds],
+                                           [results["grpo"][s]["mean"] for s in seeds])
+        out[arm] = row
+    return {"seeds": seeds, "arms": out, "metric": next(iter(next(iter(results.values())).values()))["metric"]}
+
+
+def table(agg: dict) -> str:
+    m = agg["metric"]
+    lines = [f"| arm | held-out {m}, first validation | held-out {m}, last | pass@n, last | paired p vs GRPO "
+             "| distinct answers / problem | pairwise edit distance | answer entropy (nats) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for arm, r in agg["arms"].items():
+        f = lambda k: f"{r[k]['mean']:.3f} ± {r[k]['std']:.3f}"  # noqa: E731
+        p = r.get("p_vs_grpo")
+        lines.append(f"| {arm} | {f('first')} | {f('mean')} | {f('pass')} | "
+                     f"{'—' if p is None else f'{p:.3f}'} | {f('distinct_answers')} | {f('edit_distance')} "
+                     f"| {f('answer_entropy')} |")
+    return "\n".join(lines) + f"\n\nmean ± std over seeds {agg['seeds']}\n"
+
+
+def plot(results: dict[str, dict[int, dict]], path: Path, metric: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for arm, runs in results.items():
+        steps = sorted(next(iter(runs.values()))["curve"])
+        ys = np.array([[run["curve"][s] for s in steps] for run in runs.values()], dtype=np.float64)
+        mean, std = ys.mean(0), ys.std(0, ddof=1) if len(ys) > 1 else np.zeros(len(steps))
+        ax.plot(steps, mean, marker="o", label=f"{arm} ({len(ys)} seeds)")
+        ax.fill_between(steps, mean - std, mean + std, alpha=0.2)
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel(f"held-out {metric}")
+    ax.set_title("arithmetic task, tiny Qwen2 (CPU): mean ± 1 std over seeds")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=REPO / "runs" / "study")
+    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from {list(ARMS)}")
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=60, help="GRPO steps per run")
+    ap.add_argument("--parallel", type=int, default=2, help="runs at a time (one core each)")
+    ap.add_argument("overrides", nargs="*", help="extra config overrides for every run, a.b=c")
+    args = ap.parse_args(argv)
+    arms = args.arms.split(",")
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        ap.error(f"--arms: unknown {unknown}; expected some of {list(ARMS)}")
+
+    from task import write_task
+
+    out = args.out.resolve()
+    task_dir = out / "task"
+    write_task(task_dir)
+    paths = out / "task_paths.yaml"
+    paths.write_text(yaml.safe_dump({
+        "tokenizer": str(task_dir / "tokenizer"), "model": {"hf_path": str(task_dir / "model")},
+        "train": {"warmstart": {"path": str(task_dir / "sft.jsonl")}},
+        "data": {"train": [{"path": str(task_dir / "train.jsonl")}]},
+        "validation": {"benchmarks": [str(task_dir / "heldout.jsonl")]},
+    }))
+    jobs = [(arm, seed) for seed in range(args.seeds) for arm in arms]
+    with ThreadPoolExecutor(args.parallel) as pool:
+        dirs = list(pool.map(lambda j: train_one(out, paths, j[0], j[1], args.steps, args.overrides), jobs))
+    results: dict[str, dict[int, dict]] = {arm: {} for arm in arms}
+    for (arm, seed), run_dir in zip(jobs, dirs):
+        results[arm][seed] = summarise_run(run_dir)
+    agg = aggregate(results)
+    (out / "results.json").write_text(json.dumps({"aggregate": agg, "runs": results}, indent=1))
+    (out / "table.md").write_text(table(agg))
+    plot(results, out / "heldout.png", agg["metric"])
+    print(table(agg))
+    print(f"wrote {out / 'results.json'}, {out / 'table.md'}, {out / 'heldout.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
