@@ -31,7 +31,7 @@ LEVELS = {1: 2, 2: 3, 3: 4}
 OPS = {"max": max, "min": min}
 
 
-def problems(seed: int, per_level: int = 6000, levels: tuple[int, ...] = (1, 2, 3)) -> list[dict]:
+def problems(seed: int, per_level: int = 12000, levels: tuple[int, ...] = (1, 2, 3)) -> list[dict]:
     """``per_level`` distinct problems ``max(37,52,18)=`` / ``min(...)=`` per level (``level`` field)."""
     rng = random.Random(seed)
     out, seen = [], set()
@@ -83,12 +83,15 @@ def write_task(out: Path, seed: int = 0, heldout_per_level: int = 64, hidden_siz
     # the rule at every difficulty rather than the memorised one-digit table.
     held = [p for level in LEVELS for p in [q for q in probs if q["level"] == level][:heldout_per_level]]
     seen = {p["problem"] for p in held}
-    train = [p for p in probs if p["problem"] not in seen]
+    rest = [p for p in probs if p["problem"] not in seen]
+    # The warm-start's worked solutions and the GRPO prompts are disjoint halves: every training
+    # reward is then earned on a problem the model never saw solved, as on the held-out set.
+    sft, train = rest[: len(rest) // 2], rest[len(rest) // 2:]
     _jsonl(out / "train.jsonl", train)
     _jsonl(out / "heldout.jsonl", held)
     _jsonl(out / "sft.jsonl", [{"problem": p["problem"], "response": f"{BOXED}{p['answer']}}}"}
-                               for p in train])
-    return {"train": len(train), "heldout": len(held), "vocab": len(tok)}
+                               for p in sft])
+    return {"train": len(train), "sft": len(sft), "heldout": len(held), "vocab": len(tok)}
 
 
 def _jsonl(path: Path, rows: list[dict]) -> None:

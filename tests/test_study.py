@@ -1,0 +1,57 @@
+"""The study script end to end at toy size: 2 arms × 2 seeds × 2 GRPO steps (its real run is
+examples/study/RESULTS.md), then its statistics on hand-made inputs."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "examples" / "study"))
+import run_study  # noqa: E402
+
+
+def test_study_runs_arms_and_seeds_and_writes_table_and_plot(tmp_path):
+    out = tmp_path / "study"
+    cmd = [sys.executable, "examples/study/run_study.py", "--out", str(out), "--arms", "grpo,ngrpo",
+           "--seeds", "2", "--steps", "2", "train.warmstart.steps=4", "validation.every=1",
+           "validation.limit=8", "train.prompts_per_step=8", "train.mini_batch_prompts=8", "train.save_every=0"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    results = json.loads((out / "results.json").read_text())
+    agg = results["aggregate"]
+    assert agg["seeds"] == [0, 1] and set(agg["arms"]) == {"grpo", "ngrpo"}
+    for arm in ("grpo", "ngrpo"):
+        for seed in ("0", "1"):
+            run = results["runs"][arm][seed]
+            assert sorted(int(s) for s in run["curve"]) == [1, 2]
+            assert 0.0 <= run["mean"] <= 1.0 and 1.0 <= run["distinct_answers"] <= 4.0
+    assert "p_vs_grpo" in agg["arms"]["ngrpo"] and "p_vs_grpo" not in agg["arms"]["grpo"]
+    assert "| ngrpo |" in (out / "table.md").read_text()
+    assert (out / "heldout.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Mixing happened in the N-GRPO arm only.
+    mixed = {arm: [json.loads(line)["mixing/mixed_token_frac"]
+                   for line in (out / "runs" / f"{arm}_seed0" / "metrics.jsonl").read_text().splitlines()]
+             for arm in ("grpo", "ngrpo")}
+    assert all(x == 0 for x in mixed["grpo"]) and any(x > 0 for x in mixed["ngrpo"])
+
+
+def test_diversity_and_paired_test():
+    records = [{"problem": 0, "response": r, "extracted": e} for r, e in
+               [("\\boxed{12}", "12"), ("\\boxed{12}", "12"), ("\\boxed{13}", "13"), ("\\boxed{7}", "7")]]
+    records += [{"problem": 1, "response": "\\boxed{5}", "extracted": "5"}] * 4
+    d = run_study.diversity(records)
+    assert d["distinct_answers"] == pytest.approx((3 + 1) / 2)
+    p = [0.5, 0.25, 0.25]
+    assert d["answer_entropy"] == pytest.approx(-sum(x * math.log(x) for x in p) / 2)
+    # problem 0: pairs (12,12)=0, (12,13)=1 ×2, (12,7)=2 ×2, (13,7)=2 → 8 / 6; problem 1: 0.
+    assert d["edit_distance"] == pytest.approx((8 / 6) / 2)
+    assert run_study.edit_distance("kitten", "sitting") == 3
+    # differences 0.2, 0.25, 0.2: t = 13 with 2 degrees of freedom, two-sided p = 1 - t / sqrt(t² + 2).
+    assert run_study.paired_test([0.3, 0.45, 0.5], [0.1, 0.2, 0.3]) == pytest.approx(1 - 13 / math.sqrt(171), rel=1e-6)
+    assert math.isnan(run_study.paired_test([0.3, 0.4], [0.3, 0.4]))
