@@ -4,8 +4,8 @@ A rollout is replayed as one right-padded token batch (prompt + response per row
 the column of response token t is ``E[response[t]]``, or the recorded mixture ``Σ w·E[ids]``
 where the engine mixed (docs/ALGORITHM.md §1.2); the *label* of the column before it is always the
 emitted token ``response[t]`` (the anchor in paper mode, the sample in reference mode, §1.3).
-Log-probs are ``log softmax(logits / τ)[label]`` computed by megatron's
-``vocab_parallel_cross_entropy`` on the vocab-parallel logits, so TP never gathers the vocabulary.
+Log-probs are ``log softmax(logits / τ)[label]`` computed on the vocab-parallel logits in one fused
+pass (:mod:`megatron_ngrpo.grpo.token_logprobs`), so TP never gathers the vocabulary.
 
 The same micro-batch runner serves the forward-only passes (current/old/reference log-probs,
 engine verification via :func:`sequence_logprobs`) and the training step (a loss function in
@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ngrpo.architecture import unwrap
+from megatron_ngrpo.grpo.token_logprobs import vocab_parallel_logprobs
 from megatron_ngrpo.mixing.embedding import MixBatch, mixing_inputs
 from megatron_ngrpo.rollout.types import RolloutBatch
 
@@ -226,41 +227,14 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: floa
     ``logits`` [..., V/TP] this rank's vocab partition, ``labels`` [...] global ids. Columns with
     global id ≥ ``vocab_limit`` (megatron's padded rows) are excluded from the softmax.
     Returns log-probs [...] (float32, differentiable) and, if asked, the entropy [...] of the
-    same distribution (no gradient; a metric).
+    same distribution (no gradient; a metric). One fused pass, no copy of the logits
+    (:mod:`megatron_ngrpo.grpo.token_logprobs`); its backward reuses ``logits`` as the gradient.
     """
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    scaled = logits.float() / temperature
-    if vocab_limit is not None:
-        v_local = scaled.shape[-1]
-        start = ps.get_tensor_model_parallel_rank() * v_local
-        if start + v_local > vocab_limit:
-            cols = torch.arange(start, start + v_local, device=scaled.device)
-            scaled = scaled.masked_fill(cols >= vocab_limit, float("-inf"))
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = vocab_parallel_entropy(scaled)
-    # vocab_parallel_cross_entropy works in place on its input: `scaled` is ours alone.
-    return -vocab_parallel_cross_entropy(scaled, labels), entropy
-
-
-def vocab_parallel_entropy(scaled: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(scaled) over the TP-split last dimension ([..., V/TP] → [...])."""
-    from megatron.core import parallel_state as ps
-
-    group = ps.get_tensor_model_parallel_group()
-    z_max = scaled.max(dim=-1).values
-    if group.size() > 1:
-        dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=group)
-    shifted = scaled - z_max.unsqueeze(-1)
-    exp = shifted.exp()
-    # exp = 0 where shifted = -inf (excluded columns): count them as 0·z, not 0·(-inf).
-    sums = torch.stack([exp.sum(-1), torch.where(exp > 0, exp * shifted, torch.zeros_like(exp)).sum(-1)])
-    if group.size() > 1:
-        dist.all_reduce(sums, group=group)
-    return sums[0].log() - sums[1] / sums[0]
+    return vocab_parallel_logprobs(
+        logits, labels, temperature, vocab_start=ps.get_tensor_model_parallel_rank() * logits.shape[-1],
+        vocab_limit=vocab_limit, group=ps.get_tensor_model_parallel_group(), with_entropy=with_entropy)
 
 
 # ---- running micro-batches through megatron's schedule ---------------------------------------

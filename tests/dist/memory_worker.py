@@ -94,6 +94,45 @@ def measure(layers, hidden, ffn, heads, kv_heads, vocab, rows, seq_len) -> dict:
     return {"peak": int(peak), "seconds": seconds, "dp": dist.get_world_size()}
 
 
+# (rows, vocab) of the log-prob pass measured alone, at TP 1 and 2 (hidden 64 output layer).
+LOGITS_PASS_SHAPES = [(1024, 16384), (4096, 8192), (256, 65536)]
+
+
+def logits_pass_peak(rows: int, vocab: int) -> float:
+    """Peak resident memory of the log-prob + entropy forward and backward above the live logits,
+    in fp32 logits tensors (this rank's partition)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_ngrpo.grpo.logprobs import token_logprobs
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    g = torch.Generator().manual_seed(dist.get_rank())
+    hidden = torch.randn(rows, 64, generator=g, requires_grad=True)
+    weight = torch.randn(vocab // tp, 64, generator=g, requires_grad=True)
+    labels = torch.randint(0, vocab, (rows,), generator=g)
+    logits = hidden @ weight.t()
+    gc.collect()
+    base = _status("VmRSS")
+    _reset_peak()
+    lp, ent = token_logprobs(logits, labels, 0.7, vocab - 3, with_entropy=True)
+    (lp * 0.5).sum().backward()
+    extra = torch.tensor([_status("VmHWM") - base], dtype=torch.float64)
+    dist.all_reduce(extra, op=dist.ReduceOp.MAX)
+    return float(extra) / (logits.numel() * 4)
+
+
+@case
+def logits_pass():
+    from megatron_ngrpo.parallel import initialize_model_parallel
+
+    out = {}
+    for tp in (1, 2):
+        initialize_model_parallel(tp, 1)
+        for rows, vocab in LOGITS_PASS_SHAPES:
+            out[f"tp{tp}_{rows}x{vocab}"] = logits_pass_peak(rows, vocab)
+    return out
+
+
 @case
 def fixed_overhead():
     return measure(*SHAPES["fixed_overhead"])
