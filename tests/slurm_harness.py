@@ -115,7 +115,7 @@ class SlurmCluster:
 
     def __init__(self, state: Path):
         self.state = state
-        base = next(b for b in (random.randrange(20000, 40000, 4) for _ in range(100)) if _ports_free(b, 4))
+        base = next(b for b in (random.randrange(20000, 40000, 5) for _ in range(100)) if _ports_free(b, 5))
         self.script_env = {**os.environ, "NGRPO_SLURM_PORT_BASE": str(base)}
         self.env = {**os.environ, "SLURM_CONF": str(state / "etc" / "slurm.conf")}
 

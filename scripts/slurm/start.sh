@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # Start a single-host Slurm test cluster (docs/ENVIRONMENT.md §5): munged, MariaDB, slurmdbd, slurmctld
-# and two slurmd (n1, n2) with 8 fake GPUs each. Everything lives under STATE (default
+# and three slurmd (n1, n2, n3) with 8 fake GPUs each. Everything lives under STATE (default
 # /tmp/ngrpo-slurm); clients need `source STATE/env.sh` (SLURM_CONF). Idempotent: daemons that
 # are already up are left alone, an already-running munged is reused (and not stopped by stop.sh).
 #
 #   scripts/slurm/start.sh [STATE]      exit 0 ready, 2 not root, 3 packages missing, 1 failed
-# Ports: NGRPO_SLURM_PORT_BASE (16817) = slurmctld, +1 slurmdbd, +2/+3 the two slurmd.
+# Ports: NGRPO_SLURM_PORT_BASE (16817) = slurmctld, +1 slurmdbd, +2/+3/+4 the three slurmd.
 set -euo pipefail
 trap 'echo "start.sh: failed at line $LINENO: $BASH_COMMAND" >&2' ERR
 HERE="$(cd "$(dirname "$0")" && pwd)"
 D="$(mkdir -p "${1:-${NGRPO_SLURM_DIR:-/tmp/ngrpo-slurm}}" && cd "${1:-${NGRPO_SLURM_DIR:-/tmp/ngrpo-slurm}}" && pwd)"
 BASE="${NGRPO_SLURM_PORT_BASE:-16817}"
-NODES=(n1 n2)
+NODES=(n1 n2 n3)  # three: a hetjob's components get distinct nodes (1 rollout + 2 training)
 
 [ "$(id -u)" -eq 0 ] || { echo "start.sh: needs root (daemons run as root, fake GPUs need mknod)" >&2; exit 2; }
 for bin in munged mungekey slurmctld slurmd slurmdbd sinfo sacctmgr mariadbd mariadb-install-db gcc; do
@@ -34,11 +34,12 @@ wait_for() {  # wait_for SECONDS WHAT CMD...
 render() {
   sed -e "s|@STATE@|$D|g" -e "s|@HOST@|$(hostname -s)|g" -e "s|@CTLD_PORT@|$BASE|g" \
       -e "s|@DBD_PORT@|$((BASE + 1))|g" -e "s|@N1_PORT@|$((BASE + 2))|g" -e "s|@N2_PORT@|$((BASE + 3))|g" \
+      -e "s|@N3_PORT@|$((BASE + 4))|g" \
       "$HERE/$1.in" > "$D/etc/$1"
 }
 render slurm.conf; render gres.conf; render slurmdbd.conf; chmod 600 "$D/etc/slurmdbd.conf"
 for i in $(seq 0 7); do [ -c "$D/dev/gpu$i" ] || mknod "$D/dev/gpu$i" c 195 "$i"; done
-getent hosts "${NODES[0]}" >/dev/null || echo "127.0.0.1 ${NODES[*]}" >> /etc/hosts
+for n in "${NODES[@]}"; do getent hosts "$n" >/dev/null || echo "127.0.0.1 $n" >> /etc/hosts; done
 echo "export SLURM_CONF=$SLURM_CONF" > "$D/env.sh"
 
 # The SPANK container stub (pyxis' --container-* options), rebuilt when its source changes.

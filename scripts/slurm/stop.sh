@@ -35,7 +35,8 @@ if pid_of "$D/run/slurmctld.pid" slurmctld >/dev/null; then
   timeout 5 scancel --user="$(id -un)" 2>/dev/null
   for _ in $(seq 50); do [ -z "$(timeout 2 squeue -h 2>/dev/null)" ] && break; sleep 0.1; done
 fi
-stop "$D/run/slurmd-n1.pid slurmd" "$D/run/slurmd-n2.pid slurmd" "$D/run/slurmctld.pid slurmctld"
+stop "$D/run/slurmd-n1.pid slurmd" "$D/run/slurmd-n2.pid slurmd" "$D/run/slurmd-n3.pid slurmd" \
+  "$D/run/slurmctld.pid slurmctld"
 stop "$D/run/slurmdbd.pid slurmdbd"
 stop "$D/mysqld/mariadbd.pid mariadbd"
 stop "$D/run/munged.pid munged" && rm -f "$D/run/munged.pid"
