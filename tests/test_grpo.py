@@ -45,6 +45,11 @@ def test_loss_and_gradients_match_float64_reference(dist_results, name):
         assert value[variant]["grad_rel_err"] < 1e-5
 
 
+def test_fused_logprob_pass_matches_float64(dist_results):
+    errs = check(dist_results, "fused_logprob_pass")
+    assert set(errs) == {"tp2_float32", "tp2_bfloat16", "tp4_float32", "tp4_bfloat16"}, errs
+
+
 # ---- advantages ------------------------------------------------------------------------------
 def test_grpo_advantages_are_group_normalised_with_unbiased_std():
     r = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0])

@@ -354,6 +354,46 @@ def run_layout(tp, pp, vpp=None, max_tokens=0, sp=False, recompute=False):
 
 
 @case
+def fused_logprob_pass():
+    """token_logprobs (log-probs, entropy, gradient) at TP 2 and 4 equals float64 log_softmax on
+    the gathered vocabulary, with padded columns excluded (at TP 4 the last rank holds only padded
+    columns), in fp32 and from bf16 logits."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_ngrpo.grpo.logprobs import token_logprobs
+    from megatron_ngrpo.parallel import initialize_model_parallel
+
+    vocab, limit = 320, 237
+    report = {}
+    for tp in (2, 4):
+        initialize_model_parallel(tp, 1)
+        r, v_local = ps.get_tensor_model_parallel_rank(), vocab // tp
+        g = torch.Generator().manual_seed(5)
+        full = 4 * torch.randn(3, 11, vocab, generator=g, dtype=torch.float64)
+        labels = torch.randint(0, limit, (3, 11), generator=g)
+        w = torch.randn(3, 11, generator=g, dtype=torch.float64)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = full.to(dtype)
+            ref = x.double().requires_grad_()
+            log_p = torch.log_softmax(ref[..., :limit] / TEMP, -1)
+            lp_ref = log_p.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+            ent_ref = -(log_p.exp() * log_p).sum(-1)
+            (lp_ref * w).sum().backward()
+            mine = x[..., r * v_local:(r + 1) * v_local].clone().requires_grad_()
+            lp, ent = token_logprobs(mine, labels, TEMP, limit, with_entropy=True)
+            (lp * w.float()).sum().backward()
+            grad_ref = ref.grad[..., r * v_local:(r + 1) * v_local]
+            errs = {"lp": float((lp.detach().double() - lp_ref.detach()).abs().max()),
+                    "entropy": float((ent.double() - ent_ref.detach()).abs().max()),
+                    "grad": float((mine.grad.double() - grad_ref).abs().max() / ref.grad.abs().max())}
+            grad_tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16 gradient: its own rounding
+            assert errs["lp"] < 1e-5 and errs["entropy"] < 1e-5 and errs["grad"] < grad_tol, (tp, dtype, errs)
+            assert mine.grad.dtype == dtype
+            report[f"tp{tp}_{str(dtype)[6:]}"] = errs
+    return report
+
+
+@case
 def layout_tp1_dp4():
     return run_layout(1, 1)
 
