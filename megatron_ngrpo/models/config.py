@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_ngrpo.architecture import ArchSpec
 from megatron_ngrpo.config_loader import fail
 
 
@@ -17,8 +18,9 @@ class ModelConfig:
     virtual_pipeline: int | None = None
     # Embedding/output rows are padded to a multiple of this × TP (megatron's rule).
     make_vocab_size_divisible_by: int = 128
-    # Number of real token ids (tokenizer length); rows at or beyond it are never sampled and
-    # never neighbours. None = the HF vocab_size.
+    # Number of real token ids; rows at or beyond it (HF rows no tokenizer id maps to, megatron's
+    # padding) are never sampled, anchors or neighbours. None = the tokenizer's id count
+    # (:func:`real_token_count`); an explicit value overrides it (at most the HF vocab_size).
     num_real_tokens: int | None = None
     # "auto": bf16 on GPU, fp32 on CPU.
     dtype: str = "auto"
@@ -41,3 +43,27 @@ class ModelConfig:
             fail("layer_spec", self.layer_spec, "expected auto, local or te")
         if self.make_vocab_size_divisible_by < 1:
             fail("make_vocab_size_divisible_by", self.make_vocab_size_divisible_by, "must be >= 1")
+        if self.num_real_tokens is not None:
+            real_token_count(self.num_real_tokens, ArchSpec.from_hf(self.hf_path).vocab_size)
+
+
+def tokenizer_id_count(tokenizer) -> int:
+    """Ids ``tokenizer`` can produce: its largest id + 1 (``len(tokenizer)`` when ids have no gaps)."""
+    return max(len(tokenizer), max(tokenizer.get_vocab().values()) + 1)
+
+
+def real_token_count(num_real_tokens: int | None, vocab_size: int, tokenizer=None) -> int:
+    """``model.num_real_tokens`` resolved: the explicit value, else the tokenizer's id count, else
+    (no tokenizer) the HF ``vocab_size``. Raises a one-line ConfigError when it exceeds
+    ``vocab_size`` (Qwen2: 151,665 tokenizer ids in 151,936 rows)."""
+    if num_real_tokens is not None:
+        if not 0 < num_real_tokens <= vocab_size:
+            fail("num_real_tokens", num_real_tokens, f"must be in [1, vocab_size = {vocab_size}]")
+        return num_real_tokens
+    if tokenizer is None:
+        return vocab_size
+    count = tokenizer_id_count(tokenizer)
+    if count > vocab_size:
+        fail("tokenizer", getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__,
+             f"has {count} token ids, more than the model's vocab_size = {vocab_size}")
+    return count

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from megatron_ngrpo.architecture import ArchSpec
 from megatron_ngrpo.data.tokenizer import special_token_ids
+from megatron_ngrpo.models.config import real_token_count
 from megatron_ngrpo.rollout.types import RolloutEngine
 
 
@@ -29,20 +33,23 @@ def build_engine(cfg, model_chunks, tokenizer=None, seed: int = 0) -> RolloutEng
     unusable servers). Both load ``model_chunks``' weights into vLLM (so a randomly initialised
     or resumed policy is what vLLM samples from)."""
     kwargs = tokenizer_kwargs(tokenizer)
+    # Every engine samples the ids the trainer's tokenizer knows (model.num_real_tokens resolved).
+    model_cfg = replace(cfg.model, num_real_tokens=real_token_count(
+        cfg.model.num_real_tokens, ArchSpec.from_hf(cfg.model.hf_path).vocab_size, tokenizer))
     if cfg.rollout.engine == "megatron":
         from megatron_ngrpo.rollout.megatron_engine import MegatronEngine
 
-        return MegatronEngine.from_config(cfg.rollout, model_chunks, cfg.model, **kwargs)
+        return MegatronEngine.from_config(cfg.rollout, model_chunks, model_cfg, **kwargs)
     if cfg.rollout.engine == "remote":
         from megatron_ngrpo.rollout.remote_engine import RemoteEngine
 
-        engine = RemoteEngine.from_config(cfg.rollout, cfg.model)
+        engine = RemoteEngine.from_config(cfg.rollout, model_cfg)
     else:
         from megatron_ngrpo.rollout.vllm_engine import VLLMEngine
 
         # Colocated in a multi-rank job every rank builds its engine here, at the same point
         # (vLLM creates its groups collectively over the trainer's world group).
         tok_path = getattr(tokenizer, "name_or_path", None) or None
-        engine = VLLMEngine.from_config(cfg.rollout, cfg.model, tokenizer=tok_path, seed=seed)
+        engine = VLLMEngine.from_config(cfg.rollout, model_cfg, tokenizer=tok_path, seed=seed)
     engine.sync_weights(model_chunks)
     return engine

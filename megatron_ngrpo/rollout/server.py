@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="HF checkpoint directory (config.json, safetensors)")
     p.add_argument("--tokenizer", help="tokenizer directory (default: the model's, if it has one)")
-    p.add_argument("--num-real-tokens", type=int, help="ids >= this are never sampled (default: vocab)")
+    p.add_argument("--num-real-tokens", type=int, help="ids >= this are never sampled (default: the tokenizer's id count, else the HF vocab_size)")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--advertise-host", default=socket.gethostname(),

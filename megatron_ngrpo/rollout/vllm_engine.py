@@ -63,6 +63,7 @@ from megatron_ngrpo.atomic import atomic_file
 from megatron_ngrpo.data.tokenizer import special_token_ids
 from megatron_ngrpo.mixing.config import MixingConfig
 from megatron_ngrpo.mixing.records import MixRecord
+from megatron_ngrpo.models.config import real_token_count
 from megatron_ngrpo.rollout.config import VLLMConfig
 from megatron_ngrpo.rollout.replicas import generate_on_replicas
 from megatron_ngrpo.rollout.types import (
@@ -90,7 +91,7 @@ class VLLMEngine(RolloutEngine):
         hf_path: directory with config.json and safetensors weights (and tokenizer files, if any).
         cfg: construction options (:class:`~megatron_ngrpo.rollout.config.VLLMConfig`).
         num_real_tokens: ids ``>=`` this are never sampled, anchors or neighbours (default: the
-            HF vocab size).
+            tokenizer's id count, or the HF vocab size without a tokenizer).
         tokenizer: tokenizer directory (default ``hf_path`` when it has tokenizer files; without
             one, no texts, stop strings or ``stop_after``).
         seed: vLLM's engine seed (sampling draws; the mixing gate uses ``SamplingParams.seed``).
@@ -105,11 +106,8 @@ class VLLMEngine(RolloutEngine):
         self.cfg.validate()
         self.hf_path = str(hf_path)
         self.spec = ArchSpec.from_hf(self.hf_path)
-        self.num_real_tokens = int(num_real_tokens or self.spec.vocab_size)
-        if not 0 < self.num_real_tokens <= self.spec.vocab_size:
-            raise ValueError(f"num_real_tokens = {self.num_real_tokens}: must be in "
-                             f"[1, {self.spec.vocab_size}]")
         self.tokenizer = _load_tokenizer(tokenizer, self.hf_path)
+        self.num_real_tokens = real_token_count(num_real_tokens, self.spec.vocab_size, self.tokenizer)
         self.special_ids = special_token_ids(self.tokenizer)
         self.max_model_len = self.cfg.max_model_len
         self.last_sync: dict = {}

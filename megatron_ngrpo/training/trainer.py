@@ -114,6 +114,7 @@ class Trainer:
         from megatron_ngrpo.data.batches import PromptBatches
         from megatron_ngrpo.data.datasets import load_train_set
         from megatron_ngrpo.data.tokenizer import load_tokenizer
+        from megatron_ngrpo.models.config import real_token_count
         from megatron_ngrpo.models.provider import build_model
         from megatron_ngrpo.parallel import (
             init_distributed,
@@ -130,7 +131,6 @@ class Trainer:
         self.device = device()
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.spec = ArchSpec.from_hf(cfg.model.hf_path)
-        self.num_real_tokens = cfg.model.num_real_tokens or self.spec.vocab_size
         self.run_dir = Path(cfg.train.run_dir)
         if dist.get_rank() == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -138,6 +138,7 @@ class Trainer:
 
             (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
         self.tokenizer = load_tokenizer(cfg.tokenizer)
+        self.num_real_tokens = real_token_count(cfg.model.num_real_tokens, self.spec.vocab_size, self.tokenizer)
         self.examples = load_train_set(cfg.data, self.tokenizer)
         self.prompts = PromptBatches(self.examples, cfg.train.prompts_per_step, seed=cfg.data.seed,
                                      shuffle=cfg.data.shuffle)
