@@ -102,13 +102,13 @@ class MixingVocabParallelEmbedding(VocabParallelEmbedding):
         Σ w·E[ids] (+ noise on TP rank 0)."""
         b, s = input_.shape
         ids, outside = self._localise(input_.reshape(-1))
-        cand_ids, cand_outside = self._localise(mix.ids.reshape(b * s, -1)[rows])
-        cand_w = mix.weights.reshape(b * s, -1)[rows].float()
+        cand_ids, cand_outside = self._localise(mix.ids.reshape(b * s, -1).index_select(0, rows))
+        cand_w = mix.weights.reshape(b * s, -1).index_select(0, rows).float()
         if cand_outside is not None:
             cand_w = cand_w.masked_fill(cand_outside, 0.0)
         noise = None
         if mix.noise is not None and self.tp_group.rank() == 0:
-            noise = mix.noise.reshape(b * s, -1)[rows]
+            noise = mix.noise.reshape(b * s, -1).index_select(0, rows)
         out = _MixedLookup.apply(self.weight, ids, outside, rows, cand_ids, cand_w, noise,
                                  self.embedding_grad)
         return out.view(b, s, -1)
@@ -118,12 +118,16 @@ class _MixedLookup(torch.autograd.Function):
     """Rows ``weight[ids]`` (zero where ``outside``) with rows ``rows`` replaced by
     Σ_j cand_w[:, j]·weight[cand_ids[:, j]] (+ noise), as one op.
 
-    Written by hand because the autograd composition (lookup, then index_put of the mixture)
-    clones the [N, h] output gradient and runs two dense [V, h] embedding backwards that are
-    then summed; here the backward is one [V+1, h] buffer, one ``index_add_`` of the output
-    gradient (replaced and masked rows go to a sink row) and k ``index_add_``s of its mixed rows
-    scaled by one candidate weight each (no [M, k, h] temporaries). Its cost over megatron's
-    lookup is a fixed amount per mixed position: k row reads forward, k row updates backward.
+    Forward (fp32/fp64 weights): one ``embedding_bag`` whose bag per position is its token
+    (weight 1, or 0 outside this TP partition) or its k candidates, so plain and mixed rows are
+    gathered in a single pass, straight into the output (no [M, h] mixture to copy into place,
+    no wasted lookup of the replaced token). Backward: one [V+1, h] buffer, one ``index_add_``
+    of the output gradient (replaced and masked rows go to a sink row) and one ``index_add_`` of
+    the mixed rows' gradient times each candidate weight ([M·k, h]). Written by hand because
+    the autograd composition clones the [N, h] output gradient and runs two dense [V, h]
+    embedding backwards; torch's ``embedding_bag`` backward sorts the index list (slower here).
+    The cost over megatron's lookup is a fixed amount per mixed position: k - 1 extra row
+    reads forward, k row updates backward.
 
     Precision: the mixture and the gradient are accumulated in fp32 for 16-bit weights (the
     k rows are upcast before the weighted sum; the gradient buffer is fp32 and rounded once to
@@ -134,17 +138,18 @@ class _MixedLookup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, weight, ids, outside, rows, cand_ids, cand_w, noise, cand_grad):
-        out = F.embedding(ids, weight)
-        if outside is not None:
-            out.masked_fill_(outside.unsqueeze(1), 0.0)
         if weight.dtype in (torch.float32, torch.float64):
-            # fused gather + weighted sum of the k rows
-            mixed = F.embedding_bag(cand_ids, weight, mode="sum", per_sample_weights=cand_w.to(weight.dtype))
+            out = _bag_lookup(weight, ids, outside, rows, cand_ids, cand_w)
+            if noise is not None:
+                out.index_add_(0, rows, noise.to(out.dtype))
         else:
+            out = F.embedding(ids, weight)
+            if outside is not None:
+                out.masked_fill_(outside.unsqueeze(1), 0.0)
             mixed = torch.bmm(cand_w.unsqueeze(1), F.embedding(cand_ids, weight).float()).squeeze(1)
-        if noise is not None:
-            mixed = mixed + noise.to(mixed.dtype)
-        out.index_copy_(0, rows, mixed.to(out.dtype))
+            if noise is not None:
+                mixed = mixed + noise.float()
+            out.index_copy_(0, rows, mixed.to(out.dtype))
         ctx.save_for_backward(ids, outside, rows, cand_ids, cand_w)
         ctx.num_rows, ctx.cand_grad, ctx.weight_dtype = weight.shape[0], cand_grad, weight.dtype
         return out
@@ -161,13 +166,26 @@ class _MixedLookup(torch.autograd.Function):
             dest.masked_fill_(outside, sink)
         grad_weight.index_add_(0, dest, grad)
         if ctx.cand_grad:
-            grad_rows = grad.index_select(0, rows)
             # weight-0 entries (padding, rows of other partitions) go to the sink: 0·inf is nan.
-            cand_dest = cand_ids.masked_fill(cand_w == 0, sink)
-            cand_w = cand_w.to(acc)
-            for j in range(cand_ids.shape[1]):
-                grad_weight.index_add_(0, cand_dest[:, j], grad_rows * cand_w[:, j:j + 1])
+            cand_dest = cand_ids.masked_fill(cand_w == 0, sink).reshape(-1)
+            scaled = grad.index_select(0, rows).unsqueeze(1) * cand_w.to(acc).unsqueeze(2)
+            grad_weight.index_add_(0, cand_dest, scaled.reshape(-1, grad.shape[1]))
         return grad_weight[:sink].to(ctx.weight_dtype), None, None, None, None, None, None, None
+
+
+def _bag_lookup(weight, ids, outside, rows, cand_ids, cand_w) -> torch.Tensor:
+    """Σ over each position's bag (its token, or its k candidates at ``rows``) in one
+    ``embedding_bag``; bag-major index list built with O(N + M·k) index writes."""
+    (m, k), n = cand_ids.shape, ids.shape[0]
+    sizes = torch.ones_like(ids).index_fill_(0, rows, k)
+    first = sizes.cumsum(0).sub_(sizes)  # offset of each position's bag
+    slots = (first.index_select(0, rows).unsqueeze(1) + torch.arange(k, device=ids.device)).reshape(-1)
+    flat = ids.new_empty(n + m * (k - 1)).index_copy_(0, first, ids).index_copy_(0, slots, cand_ids.reshape(-1))
+    per_sample = weight.new_ones(flat.shape[0])
+    if outside is not None:
+        per_sample.index_copy_(0, first, (~outside).to(weight.dtype))
+    per_sample.index_copy_(0, slots, cand_w.reshape(-1).to(weight.dtype))
+    return F.embedding_bag(flat, weight, first, mode="sum", per_sample_weights=per_sample)
 
 
 def install_mixing_embedding(model, embedding_grad: bool = True) -> MixingVocabParallelEmbedding:
