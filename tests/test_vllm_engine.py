@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
@@ -54,8 +55,10 @@ def model_dir(tmp_path_factory):
 def engine(model_dir):
     from megatron_ngrpo.rollout.vllm_engine import VLLMEngine
 
+    # Weight sync through vLLM's weight-transfer API (the gloo engine), in buckets smaller than
+    # one tensor, each tensor's SHA-256 checked on arrival; load_weights keeps the reload route.
     cfg = VLLMConfig(max_model_len=256, kv_cache_memory_bytes=1_200_000, max_num_batched_tokens=64,
-                     max_num_seqs=32)
+                     max_num_seqs=32, weight_transfer="gloo", sync_bucket_mb=0.05, verify_weights=True)
     eng = VLLMEngine(model_dir, cfg, tokenizer=model_dir.parent / "tokenizer")
     yield eng
     eng.close()
@@ -252,9 +255,13 @@ def test_weight_sync_from_megatron(engine, model_dir, hf_model):
     try:
         engine.sync_weights(chunks)
         sync = engine.last_sync
-        assert sync["num_params"] == sum(p.numel() for p in hf_model.parameters()) and sync["seconds"] > 0
+        num_params = sum(p.numel() for p in hf_model.parameters())
+        assert sync["num_params"] == num_params and sync["bytes"] == 4 * num_params and sync["seconds"] > 0
+        assert sync["buckets"] > 10  # 0.05 MiB buckets: the embedding (256 KiB) travels alone
+        exported = dict(export_hf_tensors(chunks, spec))
+        assert_vllm_weights_equal(engine, exported)
         new_hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        new_hf.load_state_dict(dict(export_hf_tensors(chunks, spec)))
+        new_hf.load_state_dict(exported)
 
         greedy = engine.generate(PROMPTS[:6], SamplingParams(temperature=0.0, max_new_tokens=16))
         for r, p in enumerate(PROMPTS[:6]):
@@ -280,3 +287,70 @@ def test_weight_sync_from_megatron(engine, model_dir, hf_model):
     restored = engine.generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_new_tokens=8))
     d = max_delta(restored, hf_replay(hf_model, restored, 1.0))
     assert d < TOL, d
+
+
+def vllm_weights(engine) -> dict[str, torch.Tensor]:
+    """The in-process worker's weights (vLLM names, fused q/k/v and gate/up). CPU vLLM repacks
+    linear weights for its GEMM kernels and empties ``weight``: those are read back by applying
+    the layer to the identity (fp32: x·1 and + 0 are exact)."""
+
+    def read(worker):
+        out = {}
+        for mname, m in worker.model_runner.model.named_modules():
+            for pname, p in m.named_parameters(recurse=False):
+                name = f"{mname}.{pname}"
+                if pname == "weight" and p.numel() == 0:
+                    eye = torch.eye(m.input_size_per_partition, dtype=p.dtype)
+                    out[name] = m.quant_method.apply(m, eye, None).t().contiguous()
+                else:
+                    out[name] = p.detach().clone()
+        return out
+
+    return engine.llm.collective_rpc(read)[0]
+
+
+def assert_vllm_weights_equal(engine, hf: dict[str, torch.Tensor]) -> None:
+    """Every vLLM parameter equals the HF tensors it is made of, exactly (fp32, TP 1)."""
+    fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    got = vllm_weights(engine)
+    assert got
+    for name, t in got.items():
+        parts = [name]
+        for f, names in fused.items():
+            if f"{f}." in name:
+                parts = [name.replace(f, n) for n in names]
+        want = torch.cat([hf[p] for p in parts])
+        assert t.shape[1:] == want.shape[1:] and torch.equal(t[:want.shape[0]], want), name
+
+
+def test_weight_sync_verify_catches_corruption(engine, model_dir, monkeypatch):
+    """gloo route with verify_weights: a tensor changed on arrival fails the sync in one line
+    naming it; the next sync succeeds and the weights equal the sent ones exactly."""
+    from megatron_ngrpo.conversion.hf_io import HFCheckpoint
+    from megatron_ngrpo.rollout.weight_transfer import NamedSource, WeightSyncError
+
+    original = list(HFCheckpoint(model_dir).items())
+    receiver = engine.llm.collective_rpc(lambda worker: worker.weight_transfer_engine)[0]
+    target = "model.layers.1.mlp.up_proj.weight"
+    parse, unpack, names = receiver.parse_update_info, receiver._unpack, []
+
+    def note_names(info):  # the bucket's tensor names, for the fault below
+        typed = parse(info)
+        names[:] = typed.names
+        return typed
+
+    def corrupt(*args):  # one value of the target changes between the wire and the model
+        tensors = unpack(*args)
+        for n, t in zip(names, tensors):
+            if n == target:
+                t.view(-1)[7] += 1e-3
+        return tensors
+
+    monkeypatch.setattr(receiver, "parse_update_info", note_names)
+    monkeypatch.setattr(receiver, "_unpack", corrupt)
+    with pytest.raises(WeightSyncError, match=rf"^weight sync: {re.escape(target)} \[\d+, \d+\] arrived "
+                                              r"with SHA-256 \w+…, the trainer sent \w+…$"):
+        engine.push_weights(NamedSource(original))
+    monkeypatch.undo()
+    engine.push_weights(NamedSource(original))
+    assert_vllm_weights_equal(engine, dict(original))

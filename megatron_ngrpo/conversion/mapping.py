@@ -372,6 +372,14 @@ def _export_plan(chunks: list, spec: ArchSpec) -> tuple[list[_Item], dict[str, t
     return sorted((i for stage in everything for i in stage), key=lambda i: (i.vstage, i.index)), local
 
 
+def export_hf_layout(chunks: list, spec: ArchSpec) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """What :func:`export_hf_tensors` yields, in its order, without gathering: ``(hf_name, HF
+    shape, dtype)`` (a collective of the PP group when PP > 1)."""
+    plan, _ = _export_plan(chunks, spec)
+    shapes = hf_layout(spec)
+    return [(n, shapes[n], item.dtype) for item in plan for n in rule(spec, item.global_name).hf_names]
+
+
 @torch.no_grad()
 def export_hf_tensors(chunks: list, spec: ArchSpec, num_vocab: int | None = None,
                       rank0_only: bool = False, dtype: torch.dtype | None = None

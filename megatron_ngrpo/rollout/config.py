@@ -26,6 +26,15 @@ class VLLMConfig:
     # vLLM sleep mode between rollouts (GPU only; 0 = off, 1 = offload weights, 2 = discard them:
     # the next weight sync reloads them). CPU vLLM has no sleep mode: the calls are no-ops there.
     sleep_level: int = 1
+    # Weight sync route (rollout/weight_transfer.py): vLLM's weight-transfer API with the gloo
+    # engine registered here (CPU, any layout), its "ipc" engine (colocated, GPU) or "nccl"
+    # (GPU); "reload" streams the tensors through collective_rpc("reload_weights") (in-process
+    # worker) or a safetensors directory (worker processes): the fallback.
+    weight_transfer: str = "reload"
+    # Largest bucket of tensors sent at once (MiB): the sender's extra memory beyond one tensor.
+    sync_bucket_mb: float = 512.0
+    # gloo route: the worker checks each received tensor's SHA-256 against the trainer's.
+    verify_weights: bool = False
 
     def validate(self) -> None:
         if self.tensor_parallel < 1:
@@ -36,6 +45,17 @@ class VLLMConfig:
             fail("max_model_len", self.max_model_len, "must be >= 1")
         if self.sleep_level not in (0, 1, 2):
             fail("sleep_level", self.sleep_level, "expected 0, 1 or 2")
+        if self.weight_transfer == "nccl_m2n":
+            fail("weight_transfer", self.weight_transfer, "not wired: vLLM's shard-to-shard engine needs "
+                 "per-parameter placements, and Megatron's fused QKV / gate-up shards are not slices of one HF "
+                 "tensor (use nccl)")
+        if self.weight_transfer not in ("gloo", "ipc", "nccl", "reload"):
+            fail("weight_transfer", self.weight_transfer, "expected gloo, ipc, nccl or reload")
+        if self.sync_bucket_mb <= 0:
+            fail("sync_bucket_mb", self.sync_bucket_mb, "must be > 0")
+        if self.verify_weights and self.weight_transfer != "gloo":
+            fail("verify_weights", self.verify_weights, "checks tensors on the gloo route only "
+                 "(rollout.vllm.weight_transfer=gloo)")
         if not self.enforce_eager:
             # CUDA-graph replay would bypass the hook's per-step overwrite of input embeddings.
             fail("enforce_eager", self.enforce_eager, "must be true: CUDA graphs bypass the mixing hook")

@@ -116,6 +116,7 @@ class VLLMEngine(RolloutEngine):
         self._table_mixing: MixingConfig | None = None
         self._sync_dir: tempfile.TemporaryDirectory | None = None
         self._trainer_table: torch.Tensor | None = None
+        self._sender = None  # rollout.weight_transfer.WeightSender, built on the first push
         # Colocated in a multi-rank job: one vLLM worker per rank (external_launcher), vLLM TP over
         # consecutive blocks of ranks; every rank builds its engine at the same point.
         self.colocated = dist.is_initialized() and dist.get_world_size() > 1
@@ -169,6 +170,11 @@ class VLLMEngine(RolloutEngine):
             kwargs["load_format"] = "dummy"
         if gpu and self.cfg.sleep_level:
             kwargs["enable_sleep_mode"] = True  # CPU vLLM refuses sleep mode: sleep()/wake_up() are no-ops there
+        if self.cfg.weight_transfer != "reload":
+            from megatron_ngrpo.rollout.weight_transfer import register
+
+            register()
+            kwargs["weight_transfer_config"] = {"backend": self.cfg.weight_transfer}
         llm = LLM(**kwargs)
         llm.collective_rpc("nbr_mix_install", args=(self.num_real_tokens,))
         return llm
@@ -182,6 +188,9 @@ class VLLMEngine(RolloutEngine):
             except Exception as e:  # noqa: BLE001 - shutdown is best effort
                 logger.warning("vLLM engine shutdown: %s", e)
             self.llm = None
+        if self._sender is not None:
+            self._sender.close()
+            self._sender = None
         if self._sync_dir is not None:
             self._sync_dir.cleanup()
             self._sync_dir = None
@@ -232,10 +241,16 @@ class VLLMEngine(RolloutEngine):
         ``model_chunks``: this rank's Megatron chunks, any TP/PP layout. Colocated in a multi-rank
         job this is a collective of all ranks: each rank streams the full HF tensors (gathered
         over TP/PP one parameter at a time) into its vLLM worker, whose weight loaders keep the
-        worker's TP shard.
+        worker's TP shard; by ``cfg.weight_transfer`` (vLLM's weight-transfer API in buckets of
+        ``sync_bucket_mb``, :mod:`~megatron_ngrpo.rollout.weight_transfer`, or ``reload``).
         """
         t0 = time.perf_counter()
-        self.load_weights(_export(model_chunks, self.spec))
+        if self.cfg.weight_transfer == "reload":
+            self.load_weights(_export(model_chunks, self.spec))
+        else:
+            from megatron_ngrpo.rollout.weight_transfer import MegatronSource
+
+            self.push_weights(MegatronSource(model_chunks, self.spec))
         self.last_sync["seconds"] = time.perf_counter() - t0
         logger.info("vLLM weight sync: %.3g M params, %.3f s", self.last_sync["num_params"] / 1e6,
                     self.last_sync["seconds"])
@@ -284,6 +299,23 @@ class VLLMEngine(RolloutEngine):
         table_seconds = self._refresh_table()
         self.last_sync = {"load_seconds": t1 - t0, "table_seconds": table_seconds,
                           "num_params": count["params"], "bytes": count["bytes"]}
+
+    def push_weights(self, source) -> None:
+        """Send a vLLM ``WeightSource`` (HF names, the full set) through the weight-transfer
+        engine ``cfg.weight_transfer`` and rebuild the table as :meth:`load_weights` does."""
+        from megatron_ngrpo.rollout.weight_transfer import WeightSender
+
+        if self._sender is None:
+            self._sender = WeightSender(self.llm, self.cfg.weight_transfer,
+                                        int(self.cfg.sync_bucket_mb * 2**20), self.cfg.verify_weights,
+                                        num_workers=1 if self.colocated else self.cfg.tensor_parallel)
+        sources: dict[str, torch.Tensor] = {}
+        stats = self._sender.send(_Keep(source, (EMBED_NAME, OUTPUT_NAME), sources))
+        self._sources = sources
+        table_seconds = self._refresh_table()
+        self.last_sync = {"load_seconds": stats["seconds"], "table_seconds": table_seconds,
+                          "num_params": stats["params"], "bytes": stats["bytes"],
+                          **({"buckets": stats["buckets"]} if "buckets" in stats else {})}
 
     def _write_safetensors(self, named) -> str:
         from safetensors.torch import save_file
@@ -380,6 +412,23 @@ class VLLMEngine(RolloutEngine):
             prompt_index=[i for i in range(len(prompts)) for _ in range(n)],
             texts=texts if self.tokenizer is not None else None,
         )
+
+
+class _Keep:
+    """A weight source that also keeps the tensors named ``names`` in ``into`` (the neighbour
+    table's source matrices)."""
+
+    def __init__(self, source, names, into: dict):
+        self.source, self.names, self.into = source, names, into
+
+    def metadata(self):
+        return self.source.metadata()
+
+    def __iter__(self):
+        for name, t in self.source:
+            if name in self.names:
+                self.into[name] = t.detach()
+            yield name, t
 
 
 def _export(model_chunks, spec):

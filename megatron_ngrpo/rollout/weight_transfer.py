@@ -1,0 +1,388 @@
+"""Megatron → vLLM weight sync through vLLM 0.32's weight-transfer API
+(``vllm/distributed/weight_transfer/``).
+
+The trainer side is a vLLM ``TrainerWeightTransferEngine`` driven through
+``WeightTransferTrainerFactory`` for every route, on a :class:`MegatronSource` (the model as HF
+tensors, names and shapes from :mod:`megatron_ngrpo.conversion.mapping`):
+
+* ``gloo`` (registered here, both sides): CPU / tests. A two-member gloo group (trainer sender,
+  vLLM worker) over a TCP store opened by the trainer; tensors travel in buckets of
+  ``bucket_bytes`` packed into one flat byte buffer, the worker unpacks views and loads them with
+  ``model.load_weights`` inside vLLM's layerwise reload (as vLLM's ``ipc`` engine does).
+  ``verify``: the update info carries each tensor's SHA-256 and the worker checks what it received
+  before loading (one-line :class:`WeightSyncError` naming the tensor).
+* ``ipc`` (colocated, GPU) and ``nccl`` (disaggregated, GPU): vLLM's own engines, packed into
+  buffers of ``bucket_bytes``. Not measured here (no GPU).
+* ``nccl_m2n`` (shard-to-shard) is not wired: its trainer engine needs vLLM's ``M2NWeightSource``
+  (DTensor-style placements per parameter), and a Megatron shard is not a slice of one HF tensor:
+  ``linear_qkv`` interleaves q/k/v per query group and ``linear_fc1`` stacks ``[gate_r; up_r]``,
+  so a placement would have to describe a fused, permuted layout vLLM's resharder does not model.
+
+Memory: the source gathers one Megatron parameter at a time over TP (and broadcasts it over PP),
+and the sender holds at most one bucket (a tensor larger than the bucket travels alone), so the
+peak extra memory is one bucket plus one full tensor, never the model. Every rank is the sender
+of its own colocated vLLM engine; the gather is a collective of the model-parallel group. Why not
+shard-to-shard: vLLM's ``load_weights`` takes full HF tensors and cuts its own TP shard (and
+fuses q/k/v, gate/up in vLLM's per-rank order), which differs from Megatron's shard layout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import ClassVar
+
+import torch
+from vllm.distributed.weight_transfer import base
+from vllm.distributed.weight_transfer import factory as _factory
+
+from megatron_ngrpo.rollout.wire import digest
+
+_ALIGN = 16  # byte alignment of each tensor in a packed bucket (any dtype view is legal)
+
+
+class WeightSyncError(RuntimeError):
+    """A tensor arrived different from what the trainer sent."""
+
+
+
+
+# ---------------------------------------------------------------- the trainer's weights
+
+
+class MegatronSource(base.WeightSource):
+    """This rank's Megatron chunks as a vLLM ``WeightSource``: ``(HF name, full tensor)`` in
+    model order (:func:`~megatron_ngrpo.conversion.mapping.export_hf_tensors`; iterating is a
+    collective of the model-parallel group). ``metadata()`` is the HF layout in export order."""
+
+    def __init__(self, chunks, spec):
+        self.chunks, self.spec = chunks, spec
+
+    def metadata(self) -> list:
+        from megatron_ngrpo.conversion.mapping import export_hf_layout
+
+        return [base.ParamMeta(n, dtype, shape) for n, shape, dtype in export_hf_layout(self.chunks, self.spec)]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from megatron_ngrpo.conversion.mapping import export_hf_tensors
+
+        return export_hf_tensors(self.chunks, self.spec)
+
+
+class NamedSource(base.WeightSource):
+    """A fixed list of ``(name, tensor)`` pairs (a checkpoint, tests)."""
+
+    def __init__(self, named: list[tuple[str, torch.Tensor]]):
+        self.named = named
+
+    def metadata(self) -> list:
+        return [base.ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.named]
+
+    def __iter__(self):
+        return iter(self.named)
+
+
+class LLMClient:
+    """vLLM's ``VLLMWeightSyncClient`` protocol over an offline ``vllm.LLM`` (whose methods take
+    request dicts)."""
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version)
+
+
+# ---------------------------------------------------------------- gloo: the wire format
+
+
+@dataclass
+class GlooInitInfo(base.WeightTransferInitInfo):
+    """Worker side: where the trainer's TCP store listens."""
+
+    host: str
+    port: int
+    timeout_s: float = 1800.0
+
+
+@dataclass
+class GlooUpdateInfo(base.WeightTransferUpdateInfo):
+    """One bucket: the tensors packed in order, each at a multiple of 16 bytes."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    digests: list[str] | None = None
+
+
+def _layout(dtypes: list[torch.dtype], shapes: list[list[int]]) -> tuple[list[int], int]:
+    """Byte offsets of the tensors in a bucket and its total size."""
+    offsets, size = [], 0
+    for dt, shape in zip(dtypes, shapes):
+        offsets.append(size)
+        n = torch.Size(shape).numel() * dt.itemsize
+        size += -(-n // _ALIGN) * _ALIGN
+    return offsets, size
+
+
+def _views(buf: torch.Tensor, dtypes, shapes, offsets) -> list[torch.Tensor]:
+    return [buf[o:o + torch.Size(s).numel() * dt.itemsize].view(dt).view(s)
+            for o, dt, s in zip(offsets, dtypes, shapes)]
+
+
+def _pair_group(host: str, port: int, rank: int, timeout_s: float, store=None):
+    """The two-member gloo group (rank 0 trainer, rank 1 vLLM worker)."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if store is None:
+        store = dist.TCPStore(host, port, 2, is_master=False, timeout=timeout)
+    return dist.ProcessGroupGloo(store, rank, 2, timeout)
+
+
+class GlooWeightTransferEngine(base.WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
+    """vLLM worker side of the ``gloo`` route (registered as ``"gloo"``)."""
+
+    init_info_cls = GlooInitInfo
+    update_info_cls = GlooUpdateInfo
+
+    def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+        self.group = _pair_group(init_info.host, init_info.port, 1, init_info.timeout_s)
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def update_weights(self, update_info: dict) -> None:
+        # The base class ends with torch.accelerator.synchronize(), which raises on CPU; the gloo
+        # receive is synchronous and load_weights copies on the current stream.
+        try:
+            self.receive_weights(self.parse_update_info(update_info))
+        except BaseException:
+            # Close vLLM's layerwise reload (the worker ends the session on errors): untouched
+            # layers get their previous weights back, so the next full sync can start.
+            self.finish_weight_update()
+            raise
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+        dtypes = [getattr(torch, d) for d in update_info.dtype_names]
+        offsets, size = _layout(dtypes, update_info.shapes)
+        buf = torch.empty(size, dtype=torch.uint8)
+        self.group.recv([buf], 0, 0).wait()
+        tensors = self._unpack(buf, dtypes, update_info.shapes, offsets)
+        if update_info.digests is not None:
+            for name, t, want in zip(update_info.names, tensors, update_info.digests):
+                if digest(t) != want:
+                    raise WeightSyncError(f"weight sync: {name} {list(t.shape)} arrived with SHA-256 "
+                                          f"{digest(t)[:16]}…, the trainer sent {want[:16]}…")
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+        with disable_mtp_completeness_check():
+            self.model.load_weights(list(zip(update_info.names, tensors)))
+
+    def _unpack(self, buf, dtypes, shapes, offsets) -> list[torch.Tensor]:
+        return _views(buf, dtypes, shapes, offsets)
+
+    def shutdown(self) -> None:
+        self.group = None
+
+
+@dataclass
+class GlooTrainerInitInfo(base.TrainerInitInfo):
+    """Trainer side of the ``gloo`` route: the TCP store's host (port 0: any free port), the
+    bucket size and whether the worker checks each tensor's SHA-256."""
+
+    backend: ClassVar[str] = "gloo"
+    host: str = "127.0.0.1"
+    port: int = 0
+    bucket_bytes: int = 512 * 2**20
+    verify: bool = False
+    timeout_s: float = 1800.0
+
+
+class GlooTrainerWeightTransferEngine(base.TrainerWeightTransferEngine[GlooTrainerInitInfo]):
+    """Sends the source in buckets over the pair group; the worker receives inside
+    ``update_weights``, which runs on a helper thread meanwhile (both sides meet in the same
+    send/recv)."""
+
+    init_info_cls = GlooTrainerInitInfo
+
+    @classmethod
+    def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client, source=None):
+        import torch.distributed as dist
+
+        engine = cls(client=client, source=source, is_sender=True)
+        engine.info = init_info
+        store = dist.TCPStore(init_info.host, init_info.port, 2, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=init_info.timeout_s))
+        worker = asdict(GlooInitInfo(init_info.host, store.port, init_info.timeout_s))
+        join = _in_thread(client.init_weight_transfer_engine, worker)
+        engine.group = _pair_group(init_info.host, store.port, 0, init_info.timeout_s, store=store)
+        join()
+        engine.store = store
+        engine.stats = {}
+        return engine
+
+    def send_weights(self) -> None:
+        stats = {"tensors": 0, "params": 0, "bytes": 0, "buckets": 0}
+        self.client.start_weight_update()
+        bucket, size = [], 0
+        for name, t in self.source:
+            n = t.numel() * t.element_size()
+            if bucket and size + n > self.info.bucket_bytes:
+                self._send(bucket, stats)
+                bucket, size = [], 0
+            bucket.append((name, t.detach()))
+            size += n
+            stats["tensors"] += 1
+            stats["params"] += t.numel()
+            stats["bytes"] += n
+        if bucket:
+            self._send(bucket, stats)
+        self.client.finish_weight_update()
+        self.stats = stats
+
+    def _send(self, bucket: list[tuple[str, torch.Tensor]], stats: dict) -> None:
+        dtypes = [t.dtype for _, t in bucket]
+        shapes = [list(t.shape) for _, t in bucket]
+        offsets, size = _layout(dtypes, shapes)
+        buf = torch.empty(size, dtype=torch.uint8)
+        for view, (_, t) in zip(_views(buf, dtypes, shapes, offsets), bucket):
+            view.copy_(t)
+        info = GlooUpdateInfo(names=[n for n, _ in bucket], dtype_names=[str(d).split(".")[-1] for d in dtypes],
+                              shapes=shapes, digests=[digest(t) for _, t in bucket] if self.info.verify else None)
+        join = _in_thread(self.client.update_weights, asdict(info))
+        self.group.send([buf], 1, 0).wait()
+        join()
+        stats["buckets"] += 1
+
+    def shutdown(self) -> None:
+        self.group = self.store = None
+
+
+def _in_thread(fn, *args):
+    """Run ``fn(*args)`` on a helper thread; the returned callable joins it and re-raises."""
+    out: dict = {}
+
+    def run():
+        try:
+            fn(*args)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            out["error"] = e
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+
+    def join():
+        th.join()
+        if "error" in out:
+            raise out["error"]
+    return join
+
+
+def register() -> None:
+    """Register the ``gloo`` engines with vLLM's factories (idempotent; call before building an
+    ``LLM`` with ``weight_transfer_config={"backend": "gloo"}`` in this process)."""
+    if "gloo" not in _factory.WeightTransferEngineFactory._registry:
+        _factory.WeightTransferEngineFactory.register_engine("gloo", GlooWeightTransferEngine)
+    if "gloo" not in _factory.WeightTransferTrainerFactory._registry:
+        _factory.WeightTransferTrainerFactory.register_engine("gloo", GlooTrainerWeightTransferEngine)
+
+
+# ---------------------------------------------------------------- the sender
+
+
+class WeightSender:
+    """Trainer side of one vLLM engine's weight sync over ``route`` (``gloo``, ``ipc``,
+    ``nccl``), built on the first :meth:`send` (the rendezvous) and reused after.
+
+    Args:
+        llm: the vLLM engine (``vllm.LLM``, built with ``weight_transfer_config={"backend":
+            route}``) or any ``VLLMWeightSyncClient``.
+        route: the backend.
+        bucket_bytes: the largest bucket / packed buffer.
+        verify: per-tensor SHA-256 check on the worker (``gloo``; vLLM's engines have none).
+        num_workers: vLLM workers behind ``llm`` (``nccl``: the transfer group is 1 + this).
+        host: address the trainer's rendezvous listens on (``gloo``, ``nccl``).
+    """
+
+    def __init__(self, llm, route: str, bucket_bytes: int, verify: bool = False, num_workers: int = 1,
+                 host: str = "127.0.0.1"):
+        if route not in ("gloo", "ipc", "nccl"):
+            raise ValueError(f"weight_transfer = {route!r}: expected gloo, ipc or nccl")
+        self.client = LLMClient(llm) if hasattr(llm, "llm_engine") else llm
+        self.route, self.bucket_bytes, self.verify = route, bucket_bytes, verify
+        self.num_workers, self.host = num_workers, host
+        self.engine = None
+        self.current = None
+
+    def _init_info(self):
+        if self.route == "gloo":
+            return GlooTrainerInitInfo(rank=0, host=self.host, bucket_bytes=self.bucket_bytes, verify=self.verify)
+        if self.route == "ipc":
+            from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+            return IPCTrainerInitInfo(rank=0, packed=True, packed_buffer_size_bytes=self.bucket_bytes)
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+        from vllm.utils.network_utils import get_open_port
+
+        return NCCLTrainerInitInfo(rank=0, master_address=self.host, master_port=get_open_port(),
+                                   world_size=1 + self.num_workers, packed=True,
+                                   packed_buffer_size_bytes=self.bucket_bytes)
+
+    def send(self, source) -> dict:
+        """Push every tensor of ``source`` (a ``WeightSource``); returns seconds, tensors,
+        params, bytes and buckets of this sync."""
+        t0 = time.perf_counter()
+        if self.engine is None:
+            register()
+            self.engine = _factory.WeightTransferTrainerFactory.trainer_init(
+                self._init_info(), client=self.client, source=_Deferred(self))
+        self.current = source
+        self.engine.send_weights()
+        stats = dict(getattr(self.engine, "stats", {}) or {})
+        if not stats:  # vLLM's engines count nothing: the layout says what travelled
+            meta = source.metadata()
+            stats = {"tensors": len(meta), "params": sum(torch.Size(m.shape).numel() for m in meta),
+                     "bytes": sum(torch.Size(m.shape).numel() * m.dtype.itemsize for m in meta)}
+        stats["seconds"] = time.perf_counter() - t0
+        return stats
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
+
+class _Deferred(base.WeightSource):
+    """The source of the sender's current sync (vLLM's trainer engines keep the source given at
+    ``trainer_init``; each sync here brings its own)."""
+
+    def __init__(self, sender: WeightSender):
+        self.sender = sender
+
+    def metadata(self):
+        return self.sender.current.metadata()
+
+    def __iter__(self):
+        return iter(self.sender.current)
