@@ -354,3 +354,16 @@ def test_weight_sync_verify_catches_corruption(engine, model_dir, monkeypatch):
     monkeypatch.undo()
     engine.push_weights(NamedSource(original))
     assert_vllm_weights_equal(engine, dict(original))
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"weight_transfer": "nccl_m2n"}, r"^config field 'weight_transfer' = 'nccl_m2n': not wired: .*use nccl\)$"),
+    ({"weight_transfer": "tcp"}, r"^config field 'weight_transfer' = 'tcp': expected gloo, ipc, nccl or reload$"),
+    ({"sync_bucket_mb": 0}, r"^config field 'sync_bucket_mb' = 0: must be > 0$"),
+    ({"verify_weights": True}, r"^config field 'verify_weights' = True: checks tensors on the gloo route only"),
+])
+def test_weight_transfer_config_errors(fields, match):
+    from megatron_ngrpo.config_loader import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        VLLMConfig(**fields).validate()

@@ -15,11 +15,15 @@
   ``>= num_real_tokens`` and special ids excluded), from the checkpoint at start-up and from the
   synced tensors after every ``sync_weights``, then sent to the workers.
 * ``sync_weights(model_chunks)`` gathers the Megatron shards with HF names
-  (``conversion.mapping.export_hf_tensors``) and reloads them into the live engine: when the
-  worker lives in this process (``in_process`` and TP = 1),
-  ``collective_rpc("reload_weights", weights_iterator=...)`` (tensors passed by reference);
-  with worker processes, a safetensors directory (``weights_path``; RPC arguments must be
-  msgspec-serialisable, tensors are not). Its time is in :attr:`VLLMEngine.last_sync`.
+  (``conversion.mapping.export_hf_tensors``, one parameter at a time) and loads them into the
+  live engine by ``cfg.weight_transfer``: ``gloo`` / ``ipc`` / ``nccl`` through vLLM's
+  weight-transfer API in buckets of ``sync_bucket_mb``
+  (:mod:`~megatron_ngrpo.rollout.weight_transfer`; ``verify_weights``: SHA-256 per tensor on the
+  gloo route); ``reload`` (the fallback): when the worker lives in this process (``in_process``
+  and TP = 1, or colocated), ``collective_rpc("reload_weights", weights_iterator=...)`` (tensors
+  passed by reference); with worker processes, a safetensors directory (``weights_path``; RPC
+  arguments must be msgspec-serialisable, tensors are not). Seconds, parameters, bytes (and
+  buckets) are in :attr:`VLLMEngine.last_sync`.
 * Strategies: ``neighbor`` (N-GRPO) and the baselines ``soft_thinking`` / ``stht`` / ``gumbel``
   (``mixing.perturbations``); the STHT noise scale is computed here from the input embedding.
 * The hook never samples ids ``>= num_real_tokens`` and normalises log-probs over the real ids,
@@ -37,13 +41,9 @@ set it before the first ``vllm.LLM`` of the process). Per-request vLLM seeds are
 on CPU a seeded request whose prefill is chunked crashes vLLM 0.32 ("CPU Generator does not use
 offset"); ``SamplingParams.seed`` seeds the mixing gate only.
 
-GPU weight sync (untested here): the in-process route passes CUDA tensors straight into
-``reload_weights`` (TP = 1); across processes (TP > 1 or ``in_process=False``) the safetensors
-route works but goes through the file system (``/dev/shm`` when present). The fast routes of
-vLLM 0.32 are its weight-transfer engines (``WeightTransferConfig(backend="nccl")``:
-``init_weight_transfer_engine`` → ``start_weight_update`` / ``update_weights`` /
-``finish_weight_update`` with an NCCL broadcast from the trainer, or the CUDA-IPC engine for
-colocated processes); they are not wired here.
+GPU weight sync (not run here): ``ipc`` (colocated) and ``nccl`` are vLLM's own engines on the
+same sender as ``gloo``; ``reload`` passes CUDA tensors straight into ``reload_weights``
+in-process, and goes through the file system (``/dev/shm`` when present) across processes.
 """
 
 from __future__ import annotations
