@@ -1,7 +1,9 @@
 """GRPO objective: single-process unit tests, plus one 4-process launch (tests/dist/grpo_worker.py)
-comparing loss and gradients of one step at TP 1/2, PP 2, TP2×PP2, PP2×VPP2, DP 2/4 and token-budget
-micro-batches with a float64 reference, with and without mixing records, for GRPO, GSPO, Dr.GRPO,
-token-mean + TIS + zero-variance filtering, and an all-masked batch."""
+comparing loss and gradients of one step at TP 1/2, PP 2, TP2×PP2, PP2×VPP2, DP 2/4, TP 2 + SP,
+recomputation and token-budget micro-batches (TP 2; PP2×VPP2: different lengths and row counts,
+dummy micro-batches) with a float64 reference, with and without mixing records, for GRPO, GSPO,
+Dr.GRPO, token-mean + TIS + zero-variance filtering, and an all-masked batch; and one 8-process
+launch for DP×TP×PP = 2×2×2 (plain, and VPP 2 + SP)."""
 
 from __future__ import annotations
 
@@ -29,17 +31,24 @@ from megatron_ngrpo.testing.multiproc import check, launch
 WORKER = Path(__file__).parent / "dist" / "grpo_worker.py"
 CASES = ["layout_tp1_dp4", "layout_tp2_dp2", "layout_pp2_dp2", "layout_tp2_pp2", "layout_pp2_vpp2_dp2",
          "layout_tp2_token_budget", "layout_tp2_sequence_parallel", "layout_tp2_pp2_sequence_parallel_recompute",
-         "layout_pp2_recompute"]
+         "layout_pp2_recompute", "layout_pp2_vpp2_token_budget"]
+CASES_8 = ["layout_dp2_tp2_pp2", "layout_dp2_tp2_pp2_vpp2_sequence_parallel"]
 
 
 @pytest.fixture(scope="module")
 def dist_results():
-    return launch(WORKER, nproc=4, timeout=600)
+    return launch(WORKER, nproc=4, timeout=600, only=["fused_logprob_pass"] + CASES)
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_loss_and_gradients_match_float64_reference(dist_results, name):
-    value = check(dist_results, name)
+@pytest.fixture(scope="module")
+def dist_results_8():
+    return launch(WORKER, nproc=8, timeout=600, only=CASES_8)
+
+
+@pytest.mark.parametrize("name", CASES + CASES_8)
+def test_loss_and_gradients_match_float64_reference(request, name):
+    results = request.getfixturevalue("dist_results_8" if name in CASES_8 else "dist_results")
+    value = check(results, name)
     for variant in ("mix_token", "plain_token", "gspo", "drgrpo", "tokmean_tis_filter", "all_masked"):
         assert variant in value, f"{name}: variant {variant} not run"
         assert value[variant]["grad_rel_err"] < 1e-5

@@ -190,9 +190,10 @@ class MicroBatchPlan:
     def micro_batches(self, batch: TokenBatch) -> list[TokenBatch]:
         out = []
         for g in self.groups:
-            if not g:  # dummy micro-batch: row 0, masked out below
-                mb = batch.micro_batch([0], *(self.fixed_shape or (1, None)))
-                mb = replace(mb, mask=torch.zeros_like(mb.mask))
+            if not g:
+                # Dummy micro-batch: only padding rows (zero mask and zero extras, so zero token
+                # weights: no loss, no gradient).
+                mb = batch.micro_batch([], *(self.fixed_shape or (1, self.seq_multiple)))
             elif self.fixed_shape:
                 mb = batch.micro_batch(g, *self.fixed_shape)
             else:

@@ -2,7 +2,7 @@
 float64 single-process reference (a TP=1 megatron model cast to float64, run per sequence with
 hand-built mixed input embeddings, and a loss written out term by term here).
 
-Run by tests/test_grpo.py under torchrun with 4 processes.
+Run by tests/test_grpo.py under torchrun with 4 processes, and the DP×TP×PP = 2×2×2 cases with 8.
 """
 
 from __future__ import annotations
@@ -437,6 +437,25 @@ def layout_tp2_pp2_sequence_parallel_recompute():
 @case
 def layout_pp2_recompute():
     return run_layout(1, 2, recompute=True)
+
+
+@case
+def layout_pp2_vpp2_token_budget():
+    """Token-budget micro-batches of different lengths and row counts through the interleaved
+    pipeline (one p2p shape on CPU: rows and columns padded and masked; dummy micro-batches up to a
+    multiple of PP)."""
+    return run_layout(1, 2, vpp=2, max_tokens=24)
+
+
+# ---- 8 ranks (a launch of their own, tests/test_grpo.py) ----------------------------------------
+@case
+def layout_dp2_tp2_pp2():
+    return run_layout(2, 2)
+
+
+@case
+def layout_dp2_tp2_pp2_vpp2_sequence_parallel():
+    return run_layout(2, 2, vpp=2, sp=True)
 
 
 if __name__ == "__main__":
