@@ -62,27 +62,45 @@ def wrap_for_training(chunks: list, ddp_config=None) -> list:
     return wrapped
 
 
+def update_step(model_chunks: list, batch: TokenBatch, loss_fn, micro_batch_size: int, max_tokens: int = 0,
+                optimizer=None, scheduler=None, step: bool = True) -> tuple[list[dict], float]:
+    """One update of the GRPO loss and of the supervised warm-start: zero the gradient buffers (and
+    ``optimizer``'s gradients: after a step megatron's optimizers leave ``param.grad`` aliasing
+    ``main_grad``, which the next backward would add in twice), forward + backward ``batch``
+    through megatron's schedule with ``loss_fn(mb, logits) -> (loss, num_tokens, stats)`` (the
+    gradients end in the DDP ``main_grad`` buffers, reduced over DP), then the ``optimizer`` step
+    when ``step`` (False: gradients only, e.g. no signal to step on) and a ``scheduler`` step.
+    Returns the last pipeline stage's per-micro-batch statistics and the gradient norm (0.0
+    without a step)."""
+    for c in model_chunks:
+        c.zero_grad_buffer()
+    if optimizer is not None:
+        optimizer.zero_grad()
+    plan = MicroBatchPlan.make(model_chunks, batch, micro_batch_size, max_tokens)
+    store = run_schedule(model_chunks, plan.micro_batches(batch), plan, loss_fn, forward_only=False)
+    grad_norm = None
+    if step and optimizer is not None:
+        _, grad_norm, _ = optimizer.step()
+    if scheduler is not None:
+        scheduler.step(1)
+    return store, float(grad_norm or 0.0)
+
+
 def loss_and_grads(model_chunks: list, batch: TokenBatch, cfg: GRPOConfig, settings: UpdateSettings,
-                   optimizer=None, with_entropy: bool = True) -> dict[str, float]:
-    """Zero the gradient buffers (and ``optimizer``'s gradients: after a step megatron's
-    optimizers leave ``param.grad`` aliasing ``main_grad``, which the next backward would add in
-    twice), then forward + backward ``batch``; gradients end in the DDP ``main_grad`` buffers,
-    reduced over DP. Returns mini-batch statistics reduced over DP
-    (on every rank): ``loss``/``pg_loss``/``kl_loss`` (the aggregated objective), per-token means
-    ``clip_frac``, ``kl``, ``entropy``, ``ratio``, max ``ratio_max``, and the global
-    ``normaliser`` (0: nothing active, the gradients are zero)."""
+                   optimizer=None, with_entropy: bool = True, *, scheduler=None,
+                   step: bool = False) -> dict[str, float]:
+    """The GRPO loss through :func:`update_step`: gradients of ``batch``, and with ``step`` the
+    optimizer step (skipped when nothing is active anywhere: no signal) and ``scheduler``'s.
+    Returns mini-batch statistics reduced over DP (on every rank): ``loss``/``pg_loss``/
+    ``kl_loss`` (the aggregated objective), per-token means ``clip_frac``, ``kl``, ``entropy``,
+    ``ratio``, max ``ratio_max``, the global ``normaliser`` (0: nothing active, the gradients
+    are zero) and ``grad_norm`` (0.0 without a step)."""
     from megatron.core import parallel_state as ps
 
     dp_group = ps.get_data_parallel_group()
     weights, norm = aggregation_weights(batch.mask, batch.extras["active"], cfg.loss_agg,
                                         settings.max_response_len, dp_group)
     batch = batch.with_extras(token_weight=weights)
-    for c in model_chunks:
-        c.zero_grad_buffer()
-    if optimizer is not None:
-        optimizer.zero_grad()
-    plan = MicroBatchPlan.make(model_chunks, batch, settings.micro_batch_size, settings.max_tokens)
-    micro_batches = plan.micro_batches(batch)
 
     def loss_fn(mb: TokenBatch, logits: torch.Tensor):
         lp, ent = token_logprobs(logits, mb.labels, settings.temperature, settings.vocab_limit, with_entropy)
@@ -90,8 +108,9 @@ def loss_and_grads(model_chunks: list, batch: TokenBatch, cfg: GRPOConfig, setti
         # num_tokens 0: the loss is already globally normalised (see module docstring).
         return loss, torch.zeros((), dtype=torch.int, device=loss.device), stats
 
-    store = run_schedule(model_chunks, micro_batches, plan, loss_fn, forward_only=False)
-    return _reduce_stats(store, norm)
+    store, grad_norm = update_step(model_chunks, batch, loss_fn, settings.micro_batch_size, settings.max_tokens,
+                                   optimizer, scheduler, step=step and norm != 0)
+    return {**_reduce_stats(store, norm), "grad_norm": grad_norm}
 
 
 def _reduce_stats(store: list[dict], norm: float) -> dict[str, float]:

@@ -471,17 +471,12 @@ class Trainer:
         for _ in range(t.epochs_per_rollout):
             for start in range(0, tb.num_rows, rows_per_mini):
                 mini = tb.micro_batch(list(range(start, min(start + rows_per_mini, tb.num_rows))))
-                stats = loss_and_grads(self.chunks, mini, self.cfg.grpo, self.settings, self.optimizer)
+                stats = loss_and_grads(self.chunks, mini, self.cfg.grpo, self.settings, self.optimizer,
+                                       scheduler=self.scheduler, step=True)
                 first = first or stats
-                if stats["normaliser"] == 0:  # nothing active anywhere: no signal, no step
-                    skipped += 1
-                    grad_norm = 0.0
-                else:
-                    _, grad_norm, _ = self.optimizer.step()
-                self.scheduler.step(1)
+                skipped += stats["normaliser"] == 0  # nothing active anywhere: no signal, no step
                 self.updates += 1
                 n += 1
-                stats["grad_norm"] = float(grad_norm or 0.0)
                 for k, v in stats.items():
                     totals[k] = max(totals.get(k, v), v) if k == "ratio_max" else totals.get(k, 0.0) + v
         out = {k: (v if k == "ratio_max" else v / n) for k, v in totals.items() if k not in ("tokens", "normaliser")}

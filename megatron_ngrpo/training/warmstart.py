@@ -2,9 +2,9 @@
 
 Tiny models created from scratch (the CPU demo, the study) never write a gradeable answer, so
 GRPO has no reward signal to work with; a brief supervised phase on worked solutions teaches the
-answer format. It uses the trainer's own pieces — ``TokenBatch`` replay batches, megatron's
-schedule (``run_schedule``) and vocab-parallel log-probs — with the token-mean NLL as the loss,
-so it runs at any TP/PP/DP layout. Real runs start from a pretrained model and skip it
+answer format. It uses the trainer's own pieces — ``TokenBatch`` replay batches, the GRPO update
+step (``grpo.update.update_step``: megatron's schedule and optimizer) and vocab-parallel
+log-probs — with the token-mean NLL as the loss, so it runs at any TP/PP/DP layout. Real runs start from a pretrained model and skip it
 (``train.warmstart.steps = 0``).
 """
 
@@ -16,13 +16,9 @@ from pathlib import Path
 import torch
 
 from megatron_ngrpo.grpo.config import WarmstartConfig
-from megatron_ngrpo.grpo.logprobs import (
-    MicroBatchPlan,
-    TokenBatch,
-    run_schedule,
-    token_logprobs,
-)
+from megatron_ngrpo.grpo.logprobs import TokenBatch, token_logprobs
 from megatron_ngrpo.grpo.loss import aggregation_weights
+from megatron_ngrpo.grpo.update import update_step
 from megatron_ngrpo.mixing.records import MixRecord
 from megatron_ngrpo.rollout.types import RolloutBatch
 
@@ -73,17 +69,12 @@ def warmstart(model_chunks: list, optimizer, pairs: list[tuple[list[int], list[i
         weights, _ = aggregation_weights(batch.mask, torch.ones(len(mine), dtype=torch.bool, device=batch.mask.device),
                                          "token-mean", 1, ps.get_data_parallel_group())
         batch = batch.with_extras(token_weight=weights)
-        for c in model_chunks:
-            c.zero_grad_buffer()
-        optimizer.zero_grad()  # else param.grad still aliases main_grad from the last step
-        plan = MicroBatchPlan.make(model_chunks, batch, micro_batch_size)
 
         def loss_fn(mb: TokenBatch, logits: torch.Tensor):
             lp, _ = token_logprobs(logits, mb.labels, 1.0, vocab_limit)
             loss = -(lp * mb.extras["token_weight"]).sum()
             return loss, torch.zeros((), dtype=torch.int, device=loss.device), {"nll": loss.detach()}
 
-        store = run_schedule(model_chunks, plan.micro_batches(batch), plan, loss_fn, forward_only=False)
-        optimizer.step()
+        store, _ = update_step(model_chunks, batch, loss_fn, micro_batch_size, optimizer=optimizer)
         losses.append(float(sum(s["nll"] for s in store)) if store else float("nan"))
     return losses
