@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             from megatron_ngrpo.data.tokenizer import load_tokenizer
             from megatron_ngrpo.parallel import init_distributed
             from megatron_ngrpo.rollout.factory import build_engine
+            from megatron_ngrpo.rollout.types import SamplingParams
 
             tokenizer = load_tokenizer(cfg.tokenizer)
             benchmarks = load_benchmarks(list(cfg.benchmarks) + list(cfg.extra_benchmarks), cfg.limit)
@@ -61,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
             chunks = build_policy(cfg.model, cfg.checkpoint)
             engine = build_engine(cfg, chunks, tokenizer)
             is_main = int(os.environ.get("RANK", "0")) == 0
-            result = evaluate(engine, tokenizer, benchmarks, cfg.sampling.params(), graders,
+            params = SamplingParams.from_config(cfg.sampling, tokenizer.eos_token_id)
+            result = evaluate(engine, tokenizer, benchmarks, params, graders,
                               template=cfg.template, ks=cfg.ks or None,
                               out_dir=cfg.output_dir if is_main else None,
                               max_tokens_per_call=cfg.max_tokens_per_call,

@@ -24,20 +24,8 @@ class EvalSamplingConfig:
     max_new_tokens: int = 8192
     seed: int = 0
 
-    def params(self, stop_token_ids: list[int] | None = None) -> SamplingParams:
-        return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              max_new_tokens=self.max_new_tokens, seed=self.seed,
-                              stop_token_ids=list(stop_token_ids or []))
-
     def validate(self) -> None:
-        if self.n < 1:
-            fail("n", self.n, "must be >= 1")
-        if self.temperature < 0:
-            fail("temperature", self.temperature, "must be >= 0")
-        if not 0 < self.top_p <= 1:
-            fail("top_p", self.top_p, "must be in (0, 1]")
-        if self.max_new_tokens < 1:
-            fail("max_new_tokens", self.max_new_tokens, "must be >= 1")
+        SamplingParams.from_config(self).validate(fail)
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron_ngrpo.config_loader import fail
+from megatron_ngrpo.rollout.types import SamplingParams
 
 
 @dataclass
@@ -115,14 +116,9 @@ class RolloutConfig:
     def validate(self) -> None:
         if self.engine not in ("megatron", "vllm", "remote"):
             fail("engine", self.engine, "expected 'megatron', 'vllm' or 'remote'")
-        if self.n < 1:
-            fail("n", self.n, "must be >= 1")
         if self.temperature <= 0:
             fail("temperature", self.temperature, "must be > 0 for RL rollouts")
-        if not 0 < self.top_p <= 1:
-            fail("top_p", self.top_p, "must be in (0, 1]")
-        if self.max_new_tokens < 1:
-            fail("max_new_tokens", self.max_new_tokens, "must be >= 1")
+        SamplingParams.from_config(self).validate(fail)
         if self.engine == "remote" and bool(self.remote.urls) == bool(self.remote.url_dir):
             fail("remote.urls", self.remote.urls, "rollout.engine=remote needs either rollout.remote.urls "
                  "or rollout.remote.url_dir")

@@ -29,15 +29,33 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int = 0
 
-    def validate(self) -> None:
+    @classmethod
+    def from_config(cls, section, eos_token_id: int | None = None, seed: int | None = None) -> SamplingParams:
+        """The one builder from a config section (the training job's ``rollout``, the evaluation
+        CLI's and in-training validation's ``sampling``): its ``n``, ``temperature``, ``top_p``,
+        ``top_k``, ``max_new_tokens``, and ``stop`` / ``seed`` where it has them; ``seed``
+        overrides the section's. Responses also stop at ``eos_token_id`` (the tokenizer's EOS)."""
+        return cls(n=section.n, temperature=section.temperature, top_p=section.top_p, top_k=section.top_k,
+                   max_new_tokens=section.max_new_tokens, stop=list(getattr(section, "stop", [])),
+                   stop_token_ids=[eos_token_id] if eos_token_id is not None else [],
+                   seed=seed if seed is not None else getattr(section, "seed", 0))
+
+    def validate(self, fail=None) -> None:
+        """The one rule for sampling settings. ``fail(field, value, why)`` raises (default: a
+        ``ValueError``; config sections pass ``config_loader.fail`` for their one-line errors)."""
+        fail = fail or _value_error
         if self.n < 1:
-            raise ValueError(f"sampling n = {self.n}: must be >= 1")
+            fail("n", self.n, "must be >= 1")
         if self.temperature < 0:
-            raise ValueError(f"sampling temperature = {self.temperature}: must be >= 0")
+            fail("temperature", self.temperature, "must be >= 0")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"sampling top_p = {self.top_p}: must be in (0, 1]")
+            fail("top_p", self.top_p, "must be in (0, 1]")
         if self.max_new_tokens < 1:
-            raise ValueError(f"sampling max_new_tokens = {self.max_new_tokens}: must be >= 1")
+            fail("max_new_tokens", self.max_new_tokens, "must be >= 1")
+
+
+def _value_error(field: str, value, why: str) -> None:
+    raise ValueError(f"sampling {field} = {value}: {why}")
 
 
 @dataclass

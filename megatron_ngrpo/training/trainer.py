@@ -39,6 +39,7 @@ from megatron_ngrpo.grpo.advantages import (
 from megatron_ngrpo.grpo.logprobs import TokenBatch, batch_logprobs
 from megatron_ngrpo.grpo.metrics import MetricsWriter, PhaseTimer, dp_max, dp_sums
 from megatron_ngrpo.grpo.update import UpdateSettings, loss_and_grads, wrap_for_training
+from megatron_ngrpo.rollout.types import SamplingParams
 from megatron_ngrpo.training.checkpoint import (
     checkpoint_meta,
     iter_dir,
@@ -394,13 +395,8 @@ class Trainer:
     def _sampling(self, step: int):
         """Sampling settings of ``step``'s rollouts (seeded by (seed, step): a resumed run
         regenerates the same responses)."""
-        from megatron_ngrpo.rollout.types import SamplingParams
-
-        r = self.cfg.rollout
-        eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
-        return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                              max_new_tokens=r.max_new_tokens, stop=list(r.stop), stop_token_ids=eos,
-                              seed=(self.cfg.train.seed * 1_000_003 + step) % 2**31)
+        return SamplingParams.from_config(self.cfg.rollout, self.tokenizer.eos_token_id,
+                                          seed=(self.cfg.train.seed * 1_000_003 + step) % 2**31)
 
     def _mixing(self):
         return self.cfg.mixing if self.cfg.mixing.enabled else None
@@ -534,13 +530,13 @@ class Trainer:
         benchmarks = load_benchmarks(v.benchmarks, v.limit)
         if self.rollouts is not None:
             self.rollouts.settle()  # the engine is free: the in-flight batch is kept
-        eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
         self.engine.wake_up()
         self.engine.sync_weights(self.chunks)
         out_dir = self.run_dir / "validation" / f"step{self.step:07d}" if dist.get_rank() == 0 else None
         grader = build_grader(self.cfg.reward)
         try:
-            result = evaluate(self.engine, self.tokenizer, benchmarks, v.sampling.params(eos), grader,
+            params = SamplingParams.from_config(v.sampling, self.tokenizer.eos_token_id)
+            result = evaluate(self.engine, self.tokenizer, benchmarks, params, grader,
                               template=self.cfg.data.template, out_dir=out_dir,
                               max_tokens_per_call=v.max_tokens_per_call,
                               dp_group=ps.get_data_parallel_group(), progress=False)
