@@ -4,12 +4,24 @@
 data position, neighbour table, LR scheduler, ...) and optionally every rank's own
 ``rank_state`` (the one-step-off rollout in flight, training/async_rollout.py).
 
-Optimizer state: the non-distributed optimizer is saved as sharded tensors (reshardable). The
-distributed optimizer's dist-checkpointing formats save but do not load in megatron-core 0.16
-(docs/ENVIRONMENT.md §2.3), and its legacy ``save/load_parameter_state`` (dp_zero) fails to load with
-torch's Adam (no ``step`` in the saved tensors: ``KeyError: 'step'``). So each rank saves its own
-shard (``distopt/rankNNNNN.pt``: inner optimizer state, fp32 master shards, grad scaler):
-resuming the distributed optimizer needs the same world size and layout.
+Optimizer state is saved as sharded tensors in model space (one tensor per parameter and state,
+keyed by the parameter's sharded key), so dist_checkpointing reshards it to any TP/PP/DP layout on
+load, for both optimizers. The distributed optimizer uses megatron's ``fully_reshardable`` format:
+on save its DP shards are gathered (gloo, to CPU on DP rank 0) into whole TP-local tensors; on load
+every rank reads whole tensors (CPU) and keeps its own flat range.
+
+megatron-core 0.16.1 cannot load that format with torch's Adam (no apex / TE here; reproduced;
+0.19.2 too, docs/ENVIRONMENT.md §2.3), for two reasons worked around in :func:`_load_distopt`:
+
+- ``DistributedOptimizer.state_dict()`` (called by ``sharded_state_dict(is_loading=True)``) reads
+  the ``step`` from the inner optimizer's per-parameter state and asserts there is exactly one
+  (``assert len(steps) == 1``); torch's Adam allocates that state lazily at its first step, so a
+  fresh optimizer fails. Fix: allocate Adam's state (step 0, zero moments: what Adam's first step
+  would allocate) before building the sharded state dict.
+- ``_set_main_param_and_optimizer_states`` copies every key of the inner state, ``step``
+  included, from the loaded tensors, which hold no ``step`` (megatron keeps it in the param
+  groups, as apex / TE FusedAdam do): ``KeyError: 'step'``. Fix: load the param groups, step and
+  grad scaler first, then copy the tensors with ``step`` taken out of the inner state.
 """
 
 from __future__ import annotations
@@ -32,6 +44,11 @@ from megatron_ngrpo.conversion.checkpoint import (
     save_megatron_checkpoint,
     write_latest,
 )
+
+# The distributed optimizer's checkpoint format (ignored by the other optimizers): model space,
+# gathered over DP with gloo onto DP rank 0's CPU (not all-gathered on every GPU).
+_DISTOPT_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable",
+                   "distrib_optim_fully_reshardable_mem_efficient": True}
 
 __all__ = ["checkpoint_meta", "iter_dir", "latest_checkpoint", "load_training_checkpoint",
            "save_training_checkpoint", "read_meta", "resolve_checkpoint"]
@@ -62,16 +79,16 @@ def save_training_checkpoint(run_dir: str | Path, step: int, chunks: list, meta:
 
     final = iter_dir(run_dir, step)
     distopt = _is_distributed(optimizer)
-    extra = {"rng_state": _rank_object(ShardedObject, "rng_state", _rng_state()), "trainer": trainer_state}
+    if distopt:
+        _allocate_adam_state(optimizer)
+    extra = {"rng_state": _rank_object(ShardedObject, "rng_state", _rng_state()), "trainer": trainer_state,
+             "optimizer": optimizer.sharded_state_dict(_sharded_state_dict(chunks), is_loading=False,
+                                                       metadata=_DISTOPT_FORMAT)}
     if rank_state is not None:
         extra["rank_state"] = _rank_object(ShardedObject, "rank_state", rank_state)
-    if not distopt:
-        extra["optimizer"] = optimizer.sharded_state_dict(_sharded_state_dict(chunks), is_loading=False)
     meta = {**meta, "step": step, "world_size": dist.get_world_size(), "distributed_optimizer": distopt,
             "rank_state": rank_state is not None}
     save_megatron_checkpoint(chunks, final, meta, extra=extra, overwrite=True)
-    if distopt:
-        _save_distopt(optimizer, final)
     if dist.get_rank() == 0:
         write_latest(run_dir, final.name)
         if keep_last:
@@ -84,8 +101,9 @@ def save_training_checkpoint(run_dir: str | Path, step: int, chunks: list, meta:
 
 
 def load_training_checkpoint(path: str | Path, chunks: list, optimizer) -> dict:
-    """Restore model, optimizer and (same world size only) RNG states from ``path`` (collective);
-    returns the ``trainer`` entry, with this rank's ``rank_state`` under that key when saved."""
+    """Restore model, optimizer and (same world size only) RNG states from ``path`` (collective),
+    in the current layout (any TP/PP/DP); returns the ``trainer`` entry, with this rank's
+    ``rank_state`` under that key when saved."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     from megatron_ngrpo.conversion.checkpoint import _sharded_state_dict
@@ -105,11 +123,13 @@ def load_training_checkpoint(path: str | Path, chunks: list, optimizer) -> dict:
         extra["rank_state"] = _rank_object(ShardedObject, "rank_state", None)
     if same_world:
         extra["rng_state"] = _rank_object(ShardedObject, "rng_state", None)
-    if not distopt:
-        extra["optimizer"] = optimizer.sharded_state_dict(_sharded_state_dict(chunks), is_loading=True)
+    if distopt:
+        _allocate_adam_state(optimizer)
+    extra["optimizer"] = optimizer.sharded_state_dict(_sharded_state_dict(chunks), is_loading=True,
+                                                      metadata=_DISTOPT_FORMAT)
     _, loaded = load_megatron_checkpoint(chunks, path, extra=extra)
     if distopt:
-        _load_distopt(optimizer, Path(path))
+        _load_distopt(optimizer, loaded["optimizer"])
     else:
         optimizer.load_state_dict(loaded["optimizer"])
     if same_world:
@@ -129,48 +149,35 @@ def _rank_object(sharded_object, key: str, data):
 def _is_distributed(optimizer) -> bool:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    inner = getattr(optimizer, "chained_optimizers", [optimizer])
-    return any(isinstance(o, DistributedOptimizer) for o in inner)
+    return any(isinstance(o, DistributedOptimizer) for o in _inner(optimizer))
 
 
-def _distopt_file(path: Path) -> Path:
-    return path / "distopt" / f"rank{dist.get_rank():05d}.pt"
+def _inner(optimizer) -> list:
+    return getattr(optimizer, "chained_optimizers", [optimizer])
 
 
-def _save_distopt(optimizer, path: Path) -> None:
-    """This rank's optimizer shard: the inner torch optimizer's state (moments, step), the fp32
-    master shards of low-precision parameters and the grad scaler. Written into the already
-    renamed checkpoint, before ``latest`` points at it."""
-    f = _distopt_file(path)
-    if dist.get_rank() == 0:
-        f.parent.mkdir(exist_ok=True)
-    dist.barrier()
-    shards = []
-    for o in getattr(optimizer, "chained_optimizers", [optimizer]):
-        shards.append({
-            "inner": o.optimizer.state_dict(),
-            "masters": [p.detach().clone() for g in o.shard_fp32_from_float16_groups for p in g],
-            "grad_scaler": o.grad_scaler.state_dict() if o.grad_scaler else None,
-        })
-    torch.save(shards, f)
-    dist.barrier()
+def _allocate_adam_state(optimizer) -> None:
+    """Give every parameter of the inner torch Adam its state (step 0, zero moments) if it has
+    none yet: the state Adam's first step would allocate, so nothing changes numerically."""
+    for o in _inner(optimizer):
+        for group in o.optimizer.param_groups:
+            for p in group["params"]:
+                if not o.optimizer.state[p]:
+                    o.optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                            "exp_avg_sq": torch.zeros_like(p)}
 
 
-def _load_distopt(optimizer, path: Path) -> None:
-    f = _distopt_file(path)
-    saved_world = read_meta(path).get("world_size")
-    if saved_world != dist.get_world_size() or not f.is_file():
-        raise ValueError(f"{path}: distributed-optimizer state was saved by {saved_world} ranks; resume "
-                         f"with the same layout (now {dist.get_world_size()} ranks)")
-    shards = torch.load(f, weights_only=False)
-    with torch.no_grad():
-        for o, shard in zip(getattr(optimizer, "chained_optimizers", [optimizer]), shards, strict=True):
-            o.optimizer.load_state_dict(shard["inner"])
-            masters = [p for g in o.shard_fp32_from_float16_groups for p in g]
-            for p, q in zip(masters, shard["masters"], strict=True):
-                p.copy_(q)
-            if o.grad_scaler and shard["grad_scaler"]:
-                o.grad_scaler.load_state_dict(shard["grad_scaler"])
+def _load_distopt(optimizer, loaded: dict) -> None:
+    """Load a ``fully_reshardable`` distributed-optimizer state (megatron's
+    ``load_state_dict`` in two parts, see the module docstring)."""
+    inner = _inner(optimizer)
+    parts = [loaded] if len(inner) == 1 else [loaded[i] for i in range(len(inner))]
+    for o, part in zip(inner, parts, strict=True):
+        o.load_state_dict({k: v for k, v in part.items() if k != "param_state"})
+        steps = {p: s.pop("step") for p, s in o.optimizer.state.items()}
+        o.load_parameter_state_from_fully_reshardable(part["param_state"])
+        for p, step in steps.items():
+            o.optimizer.state[p]["step"] = step.clone()
 
 
 def _rng_state() -> dict:
