@@ -90,7 +90,8 @@ def _parameters(chunks) -> dict[str, list[float]]:
     from megatron_ngrpo.architecture import unwrap
     from megatron_ngrpo.conversion.checkpoint import _flat_sharded_tensors
 
-    mine = [(sh.key, sh.global_shape, sh.global_offset, sh.data.reshape(sh.local_shape))
+    mine = [(sh.key, sh.global_shape, sh.global_offset,  # with the layer axes megatron prepends
+             sh.data.reshape((1,) * (len(sh.global_shape) - sh.data.dim()) + tuple(sh.data.shape)))
             for _, _, sh in _flat_sharded_tensors(unwrap(chunks[0]).sharded_state_dict())
             if sh.key.endswith(("weight", "bias"))]
     shards = [None] * dist.get_world_size()
