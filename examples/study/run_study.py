@@ -160,7 +160,7 @@ def plot(results: dict[str, dict[int, dict]], path: Path, metric: str) -> None:
         ax.fill_between(steps, mean - std, mean + std, alpha=0.2)
     ax.set_xlabel("GRPO step")
     ax.set_ylabel(f"held-out {metric}")
-    ax.set_title("arithmetic task, tiny Qwen2 (CPU): mean ± 1 std over seeds")
+    ax.set_title("max / min task (examples/arithmetic), tiny Qwen2, CPU: mean ± 1 std over seeds")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
