@@ -125,7 +125,7 @@ def weight_sync(args) -> None:
         best = min(runs, key=lambda r: r["seconds"])
         print(f"sync {n / 1e6:6.2f} M params (hidden {hidden}, {layers} layers, vocab {vocab}): "
               f"best {best['seconds']:.3f} s = {best['seconds'] / n * 1e6:.3f} s per M params "
-              f"(export {best['export_seconds']:.3f}, reload {best['load_seconds']:.3f}, "
+              f"(export + reload {best['load_seconds']:.3f}, "
               f"table {best['table_seconds']:.3f}); median "
               f"{statistics.median(r['seconds'] for r in runs):.3f} s")
         engine.close()
