@@ -268,7 +268,7 @@ def dist_results():
 
 
 @pytest.mark.parametrize("name", ["validation_dp2_generates_like_dp1", "validation_dp2_metrics_like_dp1",
-                                  "keep_best_disagreement_is_decided_by_rank0"])
+                                  "mixing_at_eval", "keep_best_disagreement_is_decided_by_rank0"])
 def test_validation_at_data_parallel_scale(dist_results, name):
     from megatron_ngrpo.testing.multiproc import check
 

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from megatron_ngrpo.eval.report import to_markdown
-    from megatron_ngrpo.eval.runner import evaluate, load_benchmarks, regrade
+    from megatron_ngrpo.eval.runner import eval_mixing, evaluate, load_benchmarks, regrade
 
     graders = build_graders(cfg.reward)
     try:
@@ -50,8 +50,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from megatron.core import parallel_state as ps
 
+            from megatron_ngrpo.architecture import ArchSpec
             from megatron_ngrpo.conversion.loading import build_policy
-            from megatron_ngrpo.data.tokenizer import load_tokenizer
+            from megatron_ngrpo.data.tokenizer import load_tokenizer, special_token_ids
+            from megatron_ngrpo.models.config import real_token_count
             from megatron_ngrpo.parallel import init_distributed
             from megatron_ngrpo.rollout.factory import build_engine
             from megatron_ngrpo.rollout.types import SamplingParams
@@ -61,13 +63,16 @@ def main(argv: list[str] | None = None) -> int:
             init_distributed(cfg.dist_timeout_s)
             chunks = build_policy(cfg.model, cfg.checkpoint)
             engine = build_engine(cfg, chunks, tokenizer)
+            num_real = real_token_count(cfg.model.num_real_tokens, ArchSpec.from_hf(cfg.model.hf_path).vocab_size,
+                                        tokenizer)
+            mixing = eval_mixing(cfg.mixing, engine, chunks, num_real, special_token_ids(tokenizer))
             is_main = int(os.environ.get("RANK", "0")) == 0
             params = SamplingParams.from_config(cfg.sampling, tokenizer.eos_token_id)
             result = evaluate(engine, tokenizer, benchmarks, params, graders,
                               template=cfg.template, ks=cfg.ks or None,
                               out_dir=cfg.output_dir if is_main else None,
                               max_tokens_per_call=cfg.max_tokens_per_call,
-                              dp_group=ps.get_data_parallel_group(), progress=is_main)
+                              dp_group=ps.get_data_parallel_group(), progress=is_main, mixing=mixing)
             if not is_main:
                 return 0
     finally:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from megatron_ngrpo.config_loader import fail, launch_world_size
 from megatron_ngrpo.data.config import SourceConfig, validate_sources
 from megatron_ngrpo.data.templates import TemplateConfig
+from megatron_ngrpo.mixing.config import MixingConfig
 from megatron_ngrpo.models.config import ModelConfig
 from megatron_ngrpo.rewards.config import RewardConfig
 from megatron_ngrpo.rollout.config import RolloutConfig, check_vllm_layout
@@ -43,8 +44,11 @@ class EvalConfig:
     model: ModelConfig | None = None
     # Megatron checkpoint directory (engine megatron); "" = the HF weights in model.hf_path.
     checkpoint: str = ""
-    # Engine choice (rollout.engine: megatron | vllm) and its options; mixing is always off.
+    # Engine choice (rollout.engine: megatron | vllm) and its options.
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    # Off (the paper's evaluation) unless mixing.at_eval=true: the inference-time mixing ablation,
+    # with the neighbour table of the evaluated weights.
+    mixing: MixingConfig = field(default_factory=MixingConfig)
     sampling: EvalSamplingConfig = field(default_factory=EvalSamplingConfig)
     template: TemplateConfig = field(default_factory=TemplateConfig)
     # Grading: reward.name is ignored (math benchmarks use the math grader, mcq ones the letter

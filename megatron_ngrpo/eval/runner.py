@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
@@ -34,6 +35,8 @@ from megatron_ngrpo.data.templates import EVAL_INSTRUCTION, MCQ_INSTRUCTION, Tem
 from megatron_ngrpo.eval.passk import benchmark_metrics
 from megatron_ngrpo.eval.report import write_report
 from megatron_ngrpo.eval.result import EvalResult, read_generations
+from megatron_ngrpo.mixing.config import MixingConfig
+from megatron_ngrpo.mixing.neighbors import neighbor_table_for_model
 from megatron_ngrpo.rewards.extract import extract_answer
 from megatron_ngrpo.rollout.types import RolloutEngine, SamplingParams
 
@@ -92,12 +95,13 @@ def call_plan(num_prompts: int, longest_prompt: int, params: SamplingParams, max
 
 
 def _generate(engine: RolloutEngine, prompts: list[list[int]], params: SamplingParams, tokenizer,
-              max_tokens_per_call: int, dp_group, desc: str, progress: bool
-              ) -> dict[int, list[tuple[str, str, int]]]:
-    """Per prompt of this rank's share, its n samples as (text, finish_reason, response tokens)."""
+              max_tokens_per_call: int, dp_group, desc: str, progress: bool, mixing: MixingConfig | None
+              ) -> dict[int, list[tuple]]:
+    """Per prompt of this rank's share, its n samples as (text, finish_reason, response tokens),
+    plus the number of mixed steps when ``mixing`` is given."""
     dp, rank = (dist.get_world_size(dp_group), dist.get_rank(dp_group)) if dp_group is not None else (1, 0)
     calls = call_plan(len(prompts), max(map(len, prompts), default=1), params, max_tokens_per_call, dp)
-    out: dict[int, list[tuple[str, str, int]]] = {}
+    out: dict[int, list[tuple]] = {}
     bar = tqdm(total=sum(len(c[rank::dp]) for c in calls), desc=desc, unit="prompt", disable=not progress)
     for call in calls:
         mine = list(call[rank::dp])
@@ -106,13 +110,15 @@ def _generate(engine: RolloutEngine, prompts: list[list[int]], params: SamplingP
         # its key (vLLM's replicas generate a key once) and drops the result.
         # Keys = global problem index: the split and the call sizes do not change any sequence's seed.
         keys = mine or [call[0]]
-        batch = engine.generate([prompts[k] for k in keys], params, mixing=None, keys=keys)
+        batch = engine.generate([prompts[k] for k in keys], params, mixing=mixing, keys=keys)
         if not mine:
             continue
         texts = batch.texts if batch.texts is not None else tokenizer.batch_decode(
             batch.response_ids, skip_special_tokens=True)
+        mixed = torch.bincount(batch.mixes.seq, minlength=batch.mixes.num_seqs).tolist() if mixing else None
         for r, local in enumerate(batch.prompt_index):
-            out.setdefault(mine[local], []).append((texts[r], batch.finish_reasons[r], len(batch.response_ids[r])))
+            sample = (texts[r], batch.finish_reasons[r], len(batch.response_ids[r]))
+            out.setdefault(mine[local], []).append(sample + (mixed[r],) if mixed is not None else sample)
         bar.update(len(mine))
     bar.close()
     for i in (k for c in calls for k in c[rank::dp]):
@@ -130,11 +136,11 @@ def _gather(records: list[dict], dp_group) -> list[dict]:
     return sorted(records, key=lambda r: (r["problem"], r["sample"]))
 
 
-def _records(bench: Benchmark, samples: dict[int, list[tuple[str, str, int]]]) -> list[dict]:
+def _records(bench: Benchmark, samples: dict[int, list[tuple]]) -> list[dict]:
     return [{"benchmark": bench.name, "problem": i, "row": bench.problems[i].row, "sample": j, "response": text,
              "finish_reason": reason, "response_tokens": tokens, "answers": list(bench.problems[i].answers),
-             "kind": bench.problems[i].kind}
-            for i in sorted(samples) for j, (text, reason, tokens) in enumerate(samples[i])]
+             "kind": bench.problems[i].kind, **({"mixed_steps": rest[0]} if rest else {})}
+            for i in sorted(samples) for j, (text, reason, tokens, *rest) in enumerate(samples[i])]
 
 
 def _grade(records: list[dict], grader, kind: str) -> None:
@@ -174,12 +180,27 @@ def _result(generations: dict[str, list[dict]], ks, settings: dict) -> EvalResul
     return EvalResult(n=ns.pop(), metrics=metrics, average=average, generations=generations, settings=settings)
 
 
+def eval_mixing(mixing: MixingConfig, engine: RolloutEngine, model_chunks: list, num_real_tokens: int,
+                special_ids=()) -> MixingConfig | None:
+    """The mixing an evaluation generates with: None (the paper) unless ``mixing.at_eval`` (the
+    inference-time ablation) and mixing is enabled; then ``engine`` gets the neighbour table of
+    the evaluated weights ``model_chunks`` (a collective of the model-parallel group)."""
+    if not (mixing.at_eval and mixing.enabled):
+        return None
+    if mixing.strategy == "neighbor":
+        engine.set_neighbor_table(neighbor_table_for_model(model_chunks, mixing, num_real_tokens, special_ids).cpu())
+    return mixing
+
+
 def evaluate(engine: RolloutEngine, tokenizer, benchmarks: Sequence[Benchmark],
              params: SamplingParams = PAPER_SAMPLING, grader=None, *,
              template: TemplateConfig | None = None, ks: Sequence[int] | None = None,
              out_dir: str | Path | None = None, max_tokens_per_call: int = DEFAULT_TOKENS_PER_CALL,
-             dp_group=None, progress: bool = True) -> EvalResult:
-    """Generate ``params.n`` samples per problem (mixing off), grade, compute metrics.
+             dp_group=None, progress: bool = True, mixing: MixingConfig | None = None) -> EvalResult:
+    """Generate ``params.n`` samples per problem, grade, compute metrics.
+
+    ``mixing``: None (the paper's evaluation) or the inference-time mixing ablation (see
+    :func:`eval_mixing`); each record then has ``mixed_steps``, the response's mixed positions.
 
     ``grader``: one grader with ``score_batch([(text, gold)])`` for every benchmark, or a mapping
     benchmark kind ("math" / "mcq") → grader. ``ks``: Pass@k values (default 1, 2, 4, ..., n).
@@ -198,11 +219,13 @@ def evaluate(engine: RolloutEngine, tokenizer, benchmarks: Sequence[Benchmark],
     for bench in benchmarks:
         prompts = [encode_prompt(prompt_message(p, template), tokenizer, template) for p in bench.problems]
         samples = _generate(engine, prompts, params, tokenizer, max_tokens_per_call, dp_group, bench.name,
-                            progress)
+                            progress, mixing)
         records = _records(bench, samples)
         _grade(records, grader, bench.kind)
         generations[bench.name] = _gather(records, dp_group)
     settings = {"sampling": dataclasses.asdict(params), "template": dataclasses.asdict(template)}
+    if mixing is not None:
+        settings["mixing"] = dataclasses.asdict(mixing)
     result = _result(generations, ks, settings)
     if out_dir is not None:
         write_report(result, out_dir)

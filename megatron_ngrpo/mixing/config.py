@@ -44,7 +44,8 @@ class MixingConfig:
     # Baselines: STHT σ = noise_scale × RMS embedding norm; soft_thinking/gumbel use top-`k`.
     noise_scale: float = 0.33
     gumbel_temperature: float = 1.0
-    # Mixing at evaluation (paper: off).
+    # Mixing at evaluation and in-training validation, the inference-time ablation (paper: off;
+    # eval.runner.eval_mixing).
     at_eval: bool = False
 
     def validate(self) -> None:

@@ -523,7 +523,8 @@ class Trainer:
         same metrics."""
         from megatron.core import parallel_state as ps
 
-        from megatron_ngrpo.eval.runner import evaluate, load_benchmarks
+        from megatron_ngrpo.data.tokenizer import special_token_ids
+        from megatron_ngrpo.eval.runner import eval_mixing, evaluate, load_benchmarks
         from megatron_ngrpo.rewards.graders import build_grader
 
         v = self.cfg.validation
@@ -536,10 +537,12 @@ class Trainer:
         grader = build_grader(self.cfg.reward)
         try:
             params = SamplingParams.from_config(v.sampling, self.tokenizer.eos_token_id)
+            mixing = eval_mixing(self.cfg.mixing, self.engine, self.chunks, self.num_real_tokens,
+                                 special_token_ids(self.tokenizer))
             result = evaluate(self.engine, self.tokenizer, benchmarks, params, grader,
                               template=self.cfg.data.template, out_dir=out_dir,
                               max_tokens_per_call=v.max_tokens_per_call,
-                              dp_group=ps.get_data_parallel_group(), progress=False)
+                              dp_group=ps.get_data_parallel_group(), progress=False, mixing=mixing)
         finally:
             grader.close()
             self.engine.sleep()

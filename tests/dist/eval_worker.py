@@ -3,6 +3,9 @@
 * the benchmark's problems split over DP = 2 give the same generations (the built-in Megatron
   engine on a tiny random model, sampled) and the same Mean@k / Pass@k (scripted answers with
   known grades) as one rank evaluating everything; each rank's engine only saw its share;
+* ``mixing.at_eval``: evaluation generates with neighbour mixing, the table built from the
+  evaluated weights (mixed steps in the records); at_eval false generates exactly as the paper's
+  evaluation (no mixing);
 * ``best_decision``: ranks whose validation numbers disagree still take one decision (global rank
   0's), so the collective checkpoint save that follows cannot hang.
 """
@@ -118,6 +121,71 @@ def validation_dp2_metrics_like_dp1():
     assert split.metrics == whole.metrics and split.average == whole.average
     assert 0 < split.metrics["aime24"][f"mean@{N}"] < 1, (split.metrics, golds)
     return split.metrics["aime24"]
+
+
+class _ByteTokenizer:
+    """UTF-8 bytes as ids 3..258 (EOS 2): small enough for a 512-row model, whose neighbour table
+    a CPU builds at once (the R1 vocabulary's takes minutes)."""
+
+    eos_token_id = 2
+
+    def __call__(self, text, add_special_tokens=False):
+        return type("Encoding", (), {"input_ids": [3 + b for b in text.encode()]})()
+
+    def decode(self, ids, skip_special_tokens=False):
+        return bytes(i - 3 for i in ids if 3 <= i < 259).decode(errors="replace")
+
+    def batch_decode(self, seqs, skip_special_tokens=True):
+        return [self.decode(s) for s in seqs]
+
+
+@case
+def mixing_at_eval():
+    from megatron_ngrpo.data.datasets import Problem
+    from megatron_ngrpo.data.templates import TemplateConfig
+    from megatron_ngrpo.eval.runner import Benchmark, eval_mixing, evaluate
+    from megatron_ngrpo.mixing.config import MixingConfig
+    from megatron_ngrpo.models.config import ModelConfig
+    from megatron_ngrpo.models.provider import build_model
+    from megatron_ngrpo.parallel import initialize_model_parallel, model_parallel_seed
+    from megatron_ngrpo.rewards import MathGrader
+    from megatron_ngrpo.rollout.megatron_engine import MegatronEngine
+    from megatron_ngrpo.rollout.types import SamplingParams
+    from megatron_ngrpo.testing.tiny import write_tiny_hf
+
+    initialize_model_parallel(1, 1)  # DP = 2
+    tok, real = _ByteTokenizer(), 259
+    hf = [tempfile.mkdtemp(prefix="eval_worker_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(hf)
+    if dist.get_rank() == 0:
+        write_tiny_hf(os.path.join(hf[0], "m"), weights=False, vocab_size=512, hidden_size=64, num_heads=2,
+                      num_kv_heads=1, intermediate_size=128, num_layers=2)
+    dist.barrier()
+    model_parallel_seed(0)
+    chunks = build_model(ModelConfig(hf_path=os.path.join(hf[0], "m"), num_real_tokens=real))
+    with torch.no_grad():
+        for p in chunks[0].parameters():
+            dist.broadcast(p, src=0)
+    engine = MegatronEngine(chunks, real, eos_token_ids=[tok.eos_token_id], decode=tok.decode)
+    benchmarks = [Benchmark("toy", [Problem("toy", i, f"What is {i} + {i}?", (str(2 * i),)) for i in range(3)])]
+    params = SamplingParams(n=N, temperature=1.0, max_new_tokens=MAX_NEW, seed=3, stop_token_ids=[tok.eos_token_id])
+
+    def run(mixing):
+        return evaluate(engine, tok, benchmarks, params, grader, template=TemplateConfig(kind="plain"),
+                        dp_group=dist.group.WORLD, progress=False, mixing=mixing)
+
+    with MathGrader(timeout_s=30.0, workers=1) as grader:
+        paper = run(None)
+        off = eval_mixing(MixingConfig(rate=1.0, at_eval=False), engine, chunks, real, [tok.eos_token_id])
+        assert off is None and run(off).generations == paper.generations
+        assert all("mixed_steps" not in r for r in paper.generations["toy"])
+        on = eval_mixing(MixingConfig(rate=0.5, k=3, at_eval=True), engine, chunks, real, [tok.eos_token_id])
+        assert on is not None and engine._fixed_table.shape == (512, 3)
+        mixed = run(on)
+    steps = [r["mixed_steps"] for r in mixed.generations["toy"]]
+    assert len(steps) == 3 * N and sum(steps) > 0, steps
+    assert mixed.settings["mixing"]["at_eval"] is True
+    return {"mixed_steps": sum(steps)}
 
 
 @case
