@@ -52,7 +52,10 @@ def train_one(out: Path, paths: Path, arm: str, seed: int, steps: int, extra: li
            "--config", str(paths), "model.tensor_parallel=1", f"train.seed={seed}",
            f"train.max_steps={steps}", f"train.run_dir={run_dir}", "train.progress=false",
            "reward.workers=1", *ARMS[arm], *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # Each run is its own single-process job: a rendezvous address inherited from a launcher
+    # (MASTER_PORT, RANK, ...) would make the runs that go in parallel collide on one port.
+    launcher = {"MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"}
+    env = {**{k: v for k, v in os.environ.items() if k not in launcher}, "OMP_NUM_THREADS": "1"}
     with log.open("w") as f:
         proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
     if proc.returncode:
