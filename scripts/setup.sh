@@ -13,7 +13,7 @@ if command -v apt-get >/dev/null && ! command -v slurmctld >/dev/null; then
   # Slurm + munge + slurmdbd/MariaDB (sacct, which NeMo-Run reads job status from).
   $SUDO apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client \
     slurm-wlm-basic-plugins munge slurmdbd slurm-wlm-mysql-plugin mariadb-server libslurm-dev gcc \
-    >/dev/null
+    >/dev/null 2> >(grep -v '^debconf: delaying package configuration' >&2)
 fi
 
 # What this script installs, checked without pip: setup.py's requirements (base and the vllm, dev,
