@@ -123,13 +123,14 @@ def is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def broadcast_from_rank0(obj):
-    """Global rank 0's ``obj`` on every rank (``obj`` itself without a process group): one
-    decision for collective follow-ups that ranks must not take from their own data."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def broadcast_from_rank0(obj, group: dist.ProcessGroup | None = None):
+    """Global rank 0's ``obj`` on every rank of ``group`` (default: the world; ``group`` must
+    hold global rank 0), ``obj`` itself without a process group: one decision for collective
+    follow-ups that ranks must not take from their own data."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return obj
     box = [obj if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 

@@ -102,28 +102,36 @@ def _one_line_error(match: str, fn, *args, **kwargs):
 
 # ---- training through the servers --------------------------------------------------------------
 
-def test_trainer_trains_with_mixing_on_the_servers(task, servers, tmp_path):
+@pytest.mark.parametrize("staleness", [0, 1], ids=["sync", "one_step_off"])
+def test_trainer_trains_with_mixing_on_the_servers(task, servers, tmp_path, staleness):
+    """Synchronous, then one-step-off (the servers generate step n+1 with the weights of step n
+    while the trainer updates): replayed log-probs under the generating weights equal the
+    servers' at every step."""
     url_dir, urls, _ = servers
+    before = [_version(url)["weight_version"] for url in urls]
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
            str(free_port()), "-m", "megatron_ngrpo.train", "--config", str(TINY), "--config",
            str(task / "paths.yaml"), "model.tensor_parallel=2", "train.max_steps=3",
            f"train.run_dir={run_dir}", "rollout.engine=remote", f"rollout.remote.url_dir={url_dir}",
            "rollout.remote.num_servers=2", "rollout.remote.verify_weights=true",
-           "rollout.remote.request_timeout_s=300"]
+           "rollout.remote.request_timeout_s=300", f"train.async.max_staleness={staleness}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
-        assert r["logprob_gap/max_abs"] < 1e-5, r  # the servers sampled from the trainer's weights
+        assert r["logprob_gap/max_abs"] < 1e-5, r  # the servers sampled from the generating weights
         assert r["mixing/mixed_token_frac"] > 0, r
         assert r["weight_sync/num_params"] > 0 and r["weight_sync/bytes"] == 4 * r["weight_sync/num_params"]
         assert r["weight_sync/verified"] == r["weight_sync/tensors"] > 0, r
-    for url in urls:  # the sync at start-up (version 0) and one per step, each with its table
+    if staleness:
+        assert [r["async/staleness"] for r in rows] == [0, 1, 1]
+        assert rows[-1]["async/generation_s"] > 0
+    for url, old in zip(urls, before):  # a sync at start-up and one per generated batch, each with its table
         v = _version(url)
-        assert v["weight_version"] == 3 and v["table_version"] == 3, v
+        assert v["weight_version"] == old + 4 and v["table_version"] == old + 4, v
 
 
 # ---- start-up errors -------------------------------------------------------------------------

@@ -78,7 +78,7 @@ ERRORS = [
     (["train.async.max_staleness=2"], 1, "'train.async.max_staleness' = 2: expected 0 (synchronous) or 1"),
     (["train.async.on_stale=skip"], 1, "'train.async.on_stale' = 'skip'"),
     (["rollout.engine=vllm", "train.async.max_staleness=1"], 1,
-     "'train.async.max_staleness' = 1: one-step-off rollouts run on the built-in engine only"),
+     "'train.async.max_staleness' = 1: one-step-off rollouts need an engine beside the trainer's groups"),
     (["train.no_such_field=1"], 1, "no_such_field"),
 ]
 

@@ -4,7 +4,9 @@
 the rollout servers of :mod:`megatron_ngrpo.rollout.server` (``rollout.remote``: their URLs, or
 the directory a hetjob's servers register in). Global rank 0 is the only rank that talks to
 them; every method is a collective of all ranks, and an error on rank 0 is raised on every rank
-(no rank is left waiting in a collective).
+(no rank is left waiting in a collective). Those collectives run on a gloo group of the engine's
+own (CPU objects need no device copies, and a one-step-off producer generating on a second
+thread, ``training/async_rollout.py``, never pairs them with the trainer's collectives).
 
 * Start-up (the constructor), one-line errors before training starts: a server that does not
   answer within ``start_timeout_s``, a server that is not an N-GRPO rollout server or runs
@@ -72,13 +74,15 @@ class RemoteEngine(RolloutEngine):
         self.last_sync: dict = {}
         self.servers: list[str] = []
         self._sessions: dict = {}
+        multi = dist.is_initialized() and dist.get_world_size() > 1
+        self.group = dist.new_group(backend="gloo") if multi else None
         error = None
         if is_rank0():
             try:
                 self.servers, self.version = self._start()
             except RolloutServerError as e:
                 error = str(e)
-        self.servers, self.version, error = broadcast_from_rank0((self.servers, self.version, error))
+        self.servers, self.version, error = broadcast_from_rank0((self.servers, self.version, error), self.group)
         if error:
             raise RolloutServerError(error)
         logger.info("rollout servers: %s", ", ".join(self.servers))
@@ -213,8 +217,7 @@ class RemoteEngine(RolloutEngine):
         keys = list(range(len(prompts))) if keys is None else [int(k) for k in keys]
         if len(keys) != len(prompts):
             raise ValueError(f"generate: {len(keys)} keys for {len(prompts)} prompts")
-        multi = dist.is_initialized() and dist.get_world_size() > 1
-        by_key = gather_requests(prompts, keys) if multi else dict(zip(keys, prompts))
+        by_key = gather_requests(prompts, keys, self.group) if self.group is not None else dict(zip(keys, prompts))
         result = None
         if is_rank0():
             ordered = sorted(by_key)
@@ -222,7 +225,7 @@ class RemoteEngine(RolloutEngine):
                 result = (ordered, self._spread([by_key[k] for k in ordered], ordered, params, mixing))
             except RolloutServerError as e:
                 result = str(e)
-        result = broadcast_from_rank0((result, self.servers))
+        result = broadcast_from_rank0((result, self.servers), self.group)
         result, self.servers = result
         if isinstance(result, str):
             raise RolloutServerError(result)
@@ -305,7 +308,7 @@ class RemoteEngine(RolloutEngine):
                 push(bucket, last=True)
             except RolloutServerError as e:
                 error = str(e)
-        error, stats = broadcast_from_rank0((error, stats))
+        error, stats = broadcast_from_rank0((error, stats), self.group)
         if error:
             raise RolloutServerError(error)
         self.last_sync = {**stats, "buckets": index + 1, "seconds": time.perf_counter() - t0}
@@ -320,7 +323,7 @@ class RemoteEngine(RolloutEngine):
                              headers={"Content-Type": "application/octet-stream"})
             except RolloutServerError as e:
                 error = str(e)
-        error = broadcast_from_rank0(error)
+        error = broadcast_from_rank0(error, self.group)
         if error:
             raise RolloutServerError(error)
 

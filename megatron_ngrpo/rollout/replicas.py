@@ -24,11 +24,12 @@ import torch.distributed as dist
 from megatron_ngrpo.rollout.types import RolloutBatch
 
 
-def gather_requests(prompts: list[list[int]], keys: list[int]) -> dict[int, list[int]]:
-    """Collective over all ranks: every rank's ``(key, prompt)`` requests, de-duplicated by key
-    (the ranks of one data-parallel group ask for the same prompts)."""
-    requests: list = [None] * dist.get_world_size()
-    dist.all_gather_object(requests, list(zip(keys, prompts)))
+def gather_requests(prompts: list[list[int]], keys: list[int],
+                    group: dist.ProcessGroup | None = None) -> dict[int, list[int]]:
+    """Collective over ``group`` (default: all ranks): every rank's ``(key, prompt)`` requests,
+    de-duplicated by key (the ranks of one data-parallel group ask for the same prompts)."""
+    requests: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(requests, list(zip(keys, prompts)), group=group)
     by_key: dict[int, list[int]] = {}
     for reqs in requests:
         for key, prompt in reqs:

@@ -6,11 +6,20 @@ step n's rollouts, the engine generates step n+1's with the weights of step n.
     trainer  | take(n) | table, launch(n+1) | old/ref log-probs, update W_n -> W_{n+1} | take(n+1) ...
     engine   |         | generate step n+1 with W_n (second thread) ......|  idle    |
 
-* The engine is the built-in Megatron engine on a separate copy of the weights whose layers and
-  collectives use duplicates of megatron's model-parallel groups
+* The engine is either the built-in Megatron engine on a separate copy of the weights whose
+  layers and collectives use duplicates of megatron's model-parallel groups
   (:func:`~megatron_ngrpo.parallel.duplicate_model_parallel_groups`): its TP/PP collectives on
   the second thread never pair with the trainer's. torch ops release the GIL, so the two threads
   compute at once; the engine's per-token Python between ops does not.
+* Or the client of rollout servers on other nodes (``rollout.engine: remote``, vLLM with the
+  mixing hook): the natural home of one-step-off, as generation runs on devices of its own. The
+  weights of step n are pushed at launch, on the trainer's thread, while the servers are idle
+  (no request is in flight during a sync); the second thread waits on HTTP, and the client's
+  collectives use a gloo group of its own.
+* Colocated vLLM (``rollout.engine: vllm``) is refused: its workers adopt the trainer's process
+  groups and devices (``external_launcher``), so generating on a second thread would interleave
+  its collectives with training's on the same groups; the peers' one-step-off (verl) likewise
+  puts generation on devices of its own.
 * Every :class:`~megatron_ngrpo.rollout.types.RolloutBatch` carries ``policy_version``, the step
   whose weights generated it; :func:`check_staleness` refuses (one line) or drops older ones.
 * Old log-probs (``grpo.old_logprobs: recompute``) are the trainer's replay under the weights
@@ -213,19 +222,24 @@ def _zero_stats() -> dict[str, float]:
 
 def build_rollouts(cfg, chunks: list, tokenizer, seed: int) -> tuple[RolloutEngine, RolloutProducer | None]:
     """The trainer's engine and, for ``train.async.max_staleness`` > 0, the producer that owns
-    it: a built-in engine on a separate weight copy with duplicated model-parallel groups
-    (collective). Synchronous training gets ``rollout.factory.build_engine``'s engine."""
+    it: a built-in engine on a separate weight copy with duplicated model-parallel groups, or
+    the client of the rollout servers (collective). Synchronous training gets
+    ``rollout.factory.build_engine``'s engine."""
     from megatron_ngrpo.rollout.factory import build_engine, tokenizer_kwargs
 
     a = cfg.train.async_
-    if not a.max_staleness:
-        return build_engine(cfg, chunks, tokenizer=tokenizer, seed=seed), None
-    from megatron_ngrpo.parallel import duplicate_model_parallel_groups
-    from megatron_ngrpo.rollout.megatron_engine import MegatronEngine
+    if not a.max_staleness or cfg.rollout.engine == "remote":
+        # The servers hold their own weights, and the client's collectives have their own group.
+        engine = build_engine(cfg, chunks, tokenizer=tokenizer, seed=seed)
+        if not a.max_staleness:
+            return engine, None
+    else:
+        from megatron_ngrpo.parallel import duplicate_model_parallel_groups
+        from megatron_ngrpo.rollout.megatron_engine import MegatronEngine
 
-    rollout_cfg = dataclasses.replace(cfg.rollout, separate_copy=True)
-    engine = MegatronEngine.from_config(rollout_cfg, chunks, cfg.model, groups=duplicate_model_parallel_groups(),
-                                        **tokenizer_kwargs(tokenizer))
+        rollout_cfg = dataclasses.replace(cfg.rollout, separate_copy=True)
+        engine = MegatronEngine.from_config(rollout_cfg, chunks, cfg.model, groups=duplicate_model_parallel_groups(),
+                                            **tokenizer_kwargs(tokenizer))
     producer = RolloutProducer(engine, a.max_staleness, a.on_stale,
                                keep_weights=cfg.grpo.old_logprobs == "recompute")
     return engine, producer

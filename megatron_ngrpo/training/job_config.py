@@ -52,10 +52,10 @@ class NGRPOConfig:
         if self.mixing.enabled and self.mixing.k > (self.model.num_real_tokens or spec.vocab_size):
             fail("mixing.k", self.mixing.k, "larger than the vocabulary")
         check_vllm_layout(self.rollout, launch_world_size())
-        if self.train.async_.max_staleness and self.rollout.engine != "megatron":
+        if self.train.async_.max_staleness and self.rollout.engine == "vllm":
             fail("train.async.max_staleness", self.train.async_.max_staleness,
-                 f"one-step-off rollouts run on the built-in engine only, not rollout.engine = "
-                 f"{self.rollout.engine!r}")
+                 "one-step-off rollouts need an engine beside the trainer's groups: rollout.engine = "
+                 "megatron (a separate weight copy) or remote (rollout servers), not colocated vllm")
         t = self.train
         dp = data_parallel_size(self.model)
         for name in ("prompts_per_step", "mini_batch_prompts"):
