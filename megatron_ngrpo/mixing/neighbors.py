@@ -12,11 +12,14 @@ Algorithm (never materialises V×V):
 2. Each TP rank scores the chunk against its local rows in fp32 (matmuls over blocks of key
    rows; ``cdist`` for L1), masks excluded rows and the anchor itself, and takes a local
    top-(k-1+margin) in two stages (maxima of 32-row blocks, then the best blocks' rows).
-3. The candidates are re-scored in float64. A rigorous fp32 error bound ``tol`` certifies the
-   result: if the weakest fp32 candidate lies below (the (k-1)-th float64 score - tol), no other
-   local row can reach the true top-(k-1); otherwise every local row whose fp32 score clears
-   that threshold is re-scored in float64 too (rare: near-ties at the candidate boundary).
-   Sorting by (-score64, id) gives the exact local top-(k-1), ties broken by the lower id.
+3. A rigorous fp32 error bound ``tol`` of one score certifies the result. A query whose first k
+   fp32 candidates are each more than 2·tol above the next is exact as it stands (nearly every
+   query; single-rank and DP paths, which need no scores). The others (and, under TP, every
+   query: the ranks' lists are merged by score) are re-scored in float64: if the weakest fp32
+   candidate lies below (the (k-1)-th float64 score - tol), no other local row can reach the
+   true top-(k-1); otherwise every local row whose fp32 score clears that threshold is
+   re-scored in float64 too (rare: near-ties at the candidate boundary). Sorting by
+   (-score64, id) gives the exact local top-(k-1), ties broken by the lower id.
 4. The local lists are all-gathered over TP (one all-gather of (score, id) pairs) and merged
    in the same order (the global top-(k-1) is contained in the union of the local ones); the
    DP shares are all-gathered at the end.
@@ -26,8 +29,8 @@ sorted by (-score, id) (``testing.reference.neighbor_table64``), and is replicat
 
 Peak extra memory per rank, with ``c = chunk_size``, ``V_l`` local rows and width ``d``:
 ``4·c·V_l`` bytes of fp32 chunk scores (one reused buffer), ``4·V_l·d`` for the fp32 (normalised
-under cosine) copy of the local rows (none for fp32 weights under dot/l2), ``8·V_l`` of float64
-row norms, ``4·c·d`` for the query chunk, small [c, k+margin] candidate buffers, float64
+under cosine) copy of the local rows (none for fp32 weights under dot/l2), ``4·c·d`` for the
+query chunk, small [c, k+margin] candidate buffers, float64
 re-scoring in blocks of at most 32 MiB, and ``~40`` bytes per above-threshold (query, row) pair
 of the near-tie fallback (bounded by ``c·V_l`` pairs in the degenerate all-ties case). E.g.
 Qwen2.5-1.5B (V_l = 151936, d = 1536) at c = 1024: 0.62 GB of scores + 0.93 GB normalised copy.
@@ -220,7 +223,6 @@ class _Keys:
         if metric == "cosine":
             w32 = w32 / norms.clamp_min(_NORM_EPS).unsqueeze(1)
         self.w32 = w32
-        self.norm64 = _row_norms64(weight) if metric == "cosine" else None
         self.sq32 = norms * norms if metric == "l2" else None
         self.excluded = exclude[vocab_start:vocab_start + self.n].nonzero().squeeze(1)
         # Largest key magnitude (L2 for dot/l2, L1 for l1) for the error bound, from fp32 sums
@@ -276,11 +278,16 @@ class _Keys:
         out = self._out(c)[:n]
         own = ids - self.start - first
         cols = ((own >= 0) & (own < n)).nonzero().squeeze(1)
-        own = own[cols]
-        excluded = self.excluded[self.excluded >= first] - first
+        own, order = torch.sort(own[cols])
+        cols = cols[order]
+        excluded = self.excluded[self.excluded >= first] - first  # sorted
+        # Where each key block's own / excluded rows start (one host sync, not one per block).
+        starts = torch.arange(0, n + _KEY_BLOCK, _KEY_BLOCK, device=q32.device).clamp_max_(n)
+        own_at = torch.searchsorted(own, starts).tolist()
+        ex_at = torch.searchsorted(excluded, starts).tolist()
         nb = n // _TOPK_BLOCK
         maxima = torch.empty(nb, c, dtype=torch.float32, device=q32.device) if nb else None
-        for j in range(0, n, _KEY_BLOCK):
+        for bi, j in enumerate(range(0, n, _KEY_BLOCK)):
             blk = slice(j, min(j + _KEY_BLOCK, n))
             keys = slice(first + blk.start, first + blk.stop)
             o = out[blk]
@@ -290,12 +297,10 @@ class _Keys:
                 _mm_into(self.w32[keys], qt, o)
                 if self.metric == "l2":
                     o.mul_(2.0).sub_(self.sq32[keys].unsqueeze(1))
-            ex = excluded[(excluded >= blk.start) & (excluded < blk.stop)]
-            if ex.numel():
-                out.index_fill_(0, ex, float("-inf"))
-            inb = (own >= blk.start) & (own < blk.stop)
-            if inb.any():
-                out[own[inb], cols[inb]] = float("-inf")
+            if ex_at[bi + 1] > ex_at[bi]:
+                out.index_fill_(0, excluded[ex_at[bi]:ex_at[bi + 1]], float("-inf"))
+            if own_at[bi + 1] > own_at[bi]:
+                out[own[own_at[bi]:own_at[bi + 1]], cols[own_at[bi]:own_at[bi + 1]]] = float("-inf")
             full = (blk.stop - blk.start) // _TOPK_BLOCK
             if full:
                 b0 = blk.start // _TOPK_BLOCK
@@ -308,15 +313,9 @@ class _Keys:
         if not q.shape[0]:
             return torch.zeros(cols.shape, dtype=torch.float64, device=q.device)
         step = max(1, _BLOCK_BYTES // (8 * max(1, cols.shape[1]) * self.dim))
-        parts = []
-        for i in range(0, q.shape[0], step):
-            q64, c = q[i:i + step].double().unsqueeze(-2), cols[i:i + step]
-            if self.metric == "cosine":  # pair_scores64 with the key norms precomputed
-                qn = torch.linalg.vector_norm(q64, dim=-1).clamp_min(_NORM_EPS)
-                parts.append((q64 * self.raw[c].double()).sum(-1) / (qn * self.norm64[c].clamp_min(_NORM_EPS)))
-            else:
-                parts.append(pair_scores64(q64, self.raw[c].double(), self.metric))
-        return torch.cat(parts)
+        # Key norms (cosine) from the gathered rows: a query slice needs few of the V_l rows.
+        return torch.cat([pair_scores64(q[i:i + step].double().unsqueeze(-2), self.raw[cols[i:i + step]].double(),
+                                        self.metric) for i in range(0, q.shape[0], step)])
 
 
 def pair_scores64(q: torch.Tensor, r: torch.Tensor, metric: str) -> torch.Tensor:
@@ -334,19 +333,13 @@ def pair_scores64(q: torch.Tensor, r: torch.Tensor, metric: str) -> torch.Tensor
     return -(q - r).abs().sum(-1)
 
 
-def _row_norms64(w: torch.Tensor) -> torch.Tensor:
-    """float64 L2 norm of every row [V_l], in row blocks of ~_BLOCK_BYTES."""
-    step = max(1, _BLOCK_BYTES // (8 * max(1, w.shape[1])))
-    return torch.cat([torch.linalg.vector_norm(w[i:i + step].double(), dim=-1) for i in range(0, w.shape[0], step)]) \
-        if w.shape[0] else torch.zeros(0, dtype=torch.float64, device=w.device)
-
-
 def _chunk_neighbors(keys: _Keys, ids: torch.Tensor, kk: int, tp_group) -> torch.Tensor:
     """Global ids [c, kk] of the kk nearest allowed rows ≠ self of the queries with global ids
     ``ids`` [c]."""
     q32 = _query_rows(keys, ids, tp_group)
-    local_scores, local_ids = _local_topk(keys, q32, ids, kk)
-    if not _active(tp_group):
+    tp = _active(tp_group)
+    local_scores, local_ids = _local_topk(keys, q32, ids, kk, exact_scores=tp)
+    if not tp:
         return local_ids
     # One all-gather of (score, id) pairs; ids < 2^53 are exact in float64.
     packed = torch.cat([local_scores, local_ids.double()], 1)
@@ -370,20 +363,44 @@ def _query_rows(keys: _Keys, ids: torch.Tensor, tp_group) -> torch.Tensor:
     return q
 
 
-def _local_topk(keys: _Keys, q32: torch.Tensor, ids: torch.Tensor, kk: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _local_topk(keys: _Keys, q32: torch.Tensor, ids: torch.Tensor, kk: int,
+                exact_scores: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Exact local top-kk of the queries ``ids`` [c] (rows q32): float64 scores [c, kk] (-inf
-    where fewer allowed local rows) and global ids [c, kk] (ordered by (-score, id); id =
-    _SENTINEL for -inf entries)."""
+    where fewer allowed local rows; None unless ``exact_scores``) and global ids [c, kk]
+    (ordered by (-score, id); id = _SENTINEL for -inf entries)."""
     st32, maxima, shift, tol = keys.scores32(q32, ids)  # [V_l, c]
     vals, cols = _blocked_topk(st32, maxima, min(kk + _MARGIN, keys.n))
-    return _certify(keys, q32, vals, cols, shift, tol, kk, lambda r: st32[:, r].T)
+    return _certify(keys, q32, vals, cols, shift, tol, kk, lambda r: st32[:, r].T, exact_scores)
 
 
-def _certify(keys: _Keys, q32, vals, cols, shift, tol, kk: int, rows32) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact top-kk from the fp32 top-m candidates ``vals``/``cols`` [c, m] (m ≥ kk unless the
-    partition is smaller) of queries q32 [c, d]: float64 re-scoring of the candidates, and the
-    near-tie fallback on the rows the certificate does not cover (``rows32(r)`` → their fp32
-    scores [len(r), V_l] against every local key, excluded keys and self at -inf)."""
+def _certify(keys: _Keys, q32, vals, cols, shift, tol, kk: int, rows32,
+             exact_scores: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Exact top-kk ids [c, kk] (and, with ``exact_scores``, their float64 scores) from the
+    fp32 top-m candidates ``vals``/``cols`` [c, m] (sorted by decreasing value; m ≥ kk unless
+    the partition is smaller) of queries q32 [c, d].
+
+    A row whose first kk+1 fp32 scores are each more than 2·tol above the next is exact as it
+    stands: every true score lies within tol of its fp32 score, so the order of the kk and their
+    lead over every other key (≤ the (kk+1)-th fp32 score) hold exactly, without ties. That is
+    nearly every row of real or random embeddings; only the others are re-scored in float64
+    (:func:`_certify64`). Scores are needed when TP ranks merge their local lists."""
+    m = vals.shape[1]
+    if exact_scores or m <= kk:
+        return _certify64(keys, q32, vals, cols, shift, tol, kk, rows32)
+    v = vals[:, :kk + 1].double()
+    apart = (v[:, :kk] - v[:, 1:] > 2.0 * tol.unsqueeze(1)) | torch.isneginf(v[:, 1:])
+    slow = (~(apart.all(1) & torch.isfinite(v[:, kk - 1]))).nonzero().squeeze(1)
+    ids = cols[:, :kk] + keys.start
+    if slow.numel():
+        ids[slow] = _certify64(keys, q32[slow], vals[slow], cols[slow], shift[slow], tol[slow], kk,
+                               lambda r: rows32(slow[r]))[1]
+    return None, ids
+
+
+def _certify64(keys: _Keys, q32, vals, cols, shift, tol, kk: int, rows32) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_certify` by float64 re-scoring of the candidates, and the near-tie fallback on
+    the rows the certificate does not cover (``rows32(r)`` → their fp32 scores [len(r), V_l]
+    against every local key, excluded keys and self at -inf)."""
     m = vals.shape[1]
     cand64 = keys.scores64(q32, cols).masked_fill_(torch.isneginf(vals), float("-inf"))
     if m < kk:  # fewer local rows than kk: pad
@@ -450,7 +467,7 @@ def _symmetric_neighbors(keys: _Keys, kk: int, chunk: int) -> torch.Tensor:
         ids = torch.arange(c0, c1, device=dev)
         _, shift, tol = keys.bound(q32)
         _, out[c0:c1] = _certify(keys, q32, run_v[c0:c1], run_i[c0:c1], shift, tol, kk,
-                                 lambda r: keys.scores32(q32[r], ids[r])[0].T)
+                                 lambda r: keys.scores32(q32[r], ids[r])[0].T, exact_scores=False)
     ex = keys.excluded
     for i in range(0, ex.numel(), chunk):
         out[ex[i:i + chunk]] = _chunk_neighbors(keys, ex[i:i + chunk], kk, None)
