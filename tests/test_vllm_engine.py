@@ -381,3 +381,17 @@ def test_colocated_tp2_weights_equal_the_trainers_after_every_sync():
                      env={"NGRPO_TEST_PG_TIMEOUT": "120"})
     syncs = check(results, "vllm_tp2_weights_equal_the_trainers_after_every_sync")
     assert len(syncs) == 3 and all(s["num_params"] > 0 and s["buckets"] > 10 for s in syncs), syncs
+
+
+def test_rotary_reload_warning_is_dropped_others_kept(engine):
+    """Every sync made vLLM warn "RotaryEmbedding: Failed to load weights" (a computed cache, never
+    loaded); the engine drops that one warning and keeps the same warning for other layers."""
+    import logging
+
+    log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+
+    def record(layer):
+        return log.makeRecord(log.name, logging.WARNING, __file__, 0, "%s: Failed to load weights", (layer,), None)
+
+    assert not log.filter(record("RotaryEmbedding")) and not log.filter(record("MRotaryEmbedding"))
+    assert log.filter(record("ParallelLMHead")) and log.filter(record("QKVParallelLinear"))

@@ -140,6 +140,7 @@ class VLLMEngine(RolloutEngine):
             _keep_trainer_process_groups()
         if self.colocated and not torch.cuda.is_available():
             _unique_cpu_shm_names()
+        _quiet_expected_reload_warning()
         gpu = torch.cuda.is_available()
         dtype = self.cfg.dtype if self.cfg.dtype != "auto" else ("bfloat16" if gpu else "float32")
         memory = ({"gpu_memory_utilization": self.cfg.gpu_memory_utilization} if gpu
@@ -474,6 +475,24 @@ def _unique_cpu_shm_names() -> None:
 
     make_group_name.ngrpo_base = base
     shm.make_group_name = staticmethod(make_group_name)
+
+
+class _RotaryReloadFilter(logging.Filter):
+    """Drops vLLM's "RotaryEmbedding: Failed to load weights", which its layerwise reload logs at
+    every sync on every rank: the rotary cos/sin cache is computed, never part of a checkpoint, so
+    nothing is missing. The same warning for any other layer still shows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and record.args
+                    and str(record.args[0]).endswith("RotaryEmbedding"))
+
+
+def _quiet_expected_reload_warning() -> None:
+    """Install :class:`_RotaryReloadFilter` on vLLM's layerwise-reload logger (in this process:
+    the in-process worker's reloads), once."""
+    log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if not any(isinstance(f, _RotaryReloadFilter) for f in log.filters):
+        log.addFilter(_RotaryReloadFilter())
 
 
 def _keep_trainer_process_groups() -> None:
