@@ -289,38 +289,11 @@ def test_weight_sync_from_megatron(engine, model_dir, hf_model):
     assert d < TOL, d
 
 
-def vllm_weights(engine) -> dict[str, torch.Tensor]:
-    """The in-process worker's weights (vLLM names, fused q/k/v and gate/up). CPU vLLM repacks
-    linear weights for its GEMM kernels and empties ``weight``: those are read back by applying
-    the layer to the identity (fp32: x·1 and + 0 are exact)."""
-
-    def read(worker):
-        out = {}
-        for mname, m in worker.model_runner.model.named_modules():
-            for pname, p in m.named_parameters(recurse=False):
-                name = f"{mname}.{pname}"
-                if pname == "weight" and p.numel() == 0:
-                    eye = torch.eye(m.input_size_per_partition, dtype=p.dtype)
-                    out[name] = m.quant_method.apply(m, eye, None).t().contiguous()
-                else:
-                    out[name] = p.detach().clone()
-        return out
-
-    return engine.llm.collective_rpc(read)[0]
-
-
 def assert_vllm_weights_equal(engine, hf: dict[str, torch.Tensor]) -> None:
     """Every vLLM parameter equals the HF tensors it is made of, exactly (fp32, TP 1)."""
-    fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-    got = vllm_weights(engine)
-    assert got
-    for name, t in got.items():
-        parts = [name]
-        for f, names in fused.items():
-            if f"{f}." in name:
-                parts = [name.replace(f, n) for n in names]
-        want = torch.cat([hf[p] for p in parts])
-        assert t.shape[1:] == want.shape[1:] and torch.equal(t[:want.shape[0]], want), name
+    from megatron_ngrpo.testing.vllm_weights import assert_equal_to_hf, vllm_weights
+
+    assert_equal_to_hf(vllm_weights(engine.llm), hf)
 
 
 def test_weight_sync_verify_catches_corruption(engine, model_dir, monkeypatch):
