@@ -102,11 +102,13 @@ def _one_line_error(match: str, fn, *args, **kwargs):
 
 # ---- training through the servers --------------------------------------------------------------
 
-@pytest.mark.parametrize("staleness", [0, 1], ids=["sync", "one_step_off"])
-def test_trainer_trains_with_mixing_on_the_servers(task, servers, tmp_path, staleness):
-    """Synchronous, then one-step-off (the servers generate step n+1 with the weights of step n
-    while the trainer updates): replayed log-probs under the generating weights equal the
-    servers' at every step."""
+@pytest.mark.parametrize("staleness,transfer", [(0, "http"), (1, "http"), (0, "gloo")],
+                         ids=["sync", "one_step_off", "gloo_transfer"])
+def test_trainer_trains_with_mixing_on_the_servers(task, servers, tmp_path, staleness, transfer):
+    """Synchronous, one-step-off (the servers generate step n+1 with the weights of step n while
+    the trainer updates), and with weights sent through vLLM's weight-transfer API (gloo, 1 MiB
+    buckets, SHA-256 checked by each server's worker) instead of HTTP pushes: replayed log-probs
+    under the generating weights equal the servers' at every step."""
     url_dir, urls, _ = servers
     before = [_version(url)["weight_version"] for url in urls]
     run_dir = tmp_path / "run"
@@ -115,7 +117,9 @@ def test_trainer_trains_with_mixing_on_the_servers(task, servers, tmp_path, stal
            str(task / "paths.yaml"), "model.tensor_parallel=2", "train.max_steps=3",
            f"train.run_dir={run_dir}", "rollout.engine=remote", f"rollout.remote.url_dir={url_dir}",
            "rollout.remote.num_servers=2", "rollout.remote.verify_weights=true",
-           "rollout.remote.request_timeout_s=300", f"train.async.max_staleness={staleness}"]
+           "rollout.remote.request_timeout_s=300", f"train.async.max_staleness={staleness}",
+           f"rollout.remote.weight_transfer={transfer}", "rollout.remote.transfer_host=127.0.0.1",
+           "rollout.remote.bucket_mb=1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
@@ -126,6 +130,8 @@ def test_trainer_trains_with_mixing_on_the_servers(task, servers, tmp_path, stal
         assert r["mixing/mixed_token_frac"] > 0, r
         assert r["weight_sync/num_params"] > 0 and r["weight_sync/bytes"] == 4 * r["weight_sync/num_params"]
         assert r["weight_sync/verified"] == r["weight_sync/tensors"] > 0, r
+        if transfer == "gloo":
+            assert r["weight_sync/buckets"] > 1, r
     if staleness:
         assert [r["async/staleness"] for r in rows] == [0, 1, 1]
         assert rows[-1]["async/generation_s"] > 0
@@ -163,6 +169,10 @@ def test_startup_errors_are_one_line(task, servers, tmp_path, capsys):
                           ({"protocol": 0}, "wire protocol 0")]:
         _one_line_error(match, engine.check, urls[0], {**info, **change})
     engine.close()
+    assert info["weight_transfer"] == "gloo"  # a CPU server at TP 1
+    _one_line_error(r"weight-transfer backend 'gloo', the trainer sends with 'nccl' \(start the servers with "
+                    r"--weight-transfer nccl, or rollout.remote.weight_transfer=http\)$",
+                    _engine, task, urls=urls, weight_transfer="nccl")
 
     # A server on another vLLM refuses to start (its installed version as vLLM 0.33 reports it).
     fake = ("import importlib.metadata as m, sys; real = m.version; "

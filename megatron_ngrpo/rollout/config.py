@@ -77,7 +77,13 @@ class RemoteConfig:
     # Per HTTP call: connecting, and a whole request (a generate call, one weight bucket).
     connect_timeout_s: float = 10.0
     request_timeout_s: float = 1800.0
-    # Weight push: tensors per HTTP request up to this size (MiB).
+    # Weight push: "http" (safetensors bytes per HTTP request, the fallback), or vLLM's
+    # weight-transfer API with the servers' backend ("gloo" on CPU servers, "nccl" on GPU ones):
+    # global rank 0 sends buckets straight to each server's worker (rollout/weight_transfer.py).
+    weight_transfer: str = "http"
+    # Address the servers reach global rank 0 at for gloo / nccl (default: its host name).
+    transfer_host: str = ""
+    # Tensors per HTTP request / transfer bucket up to this size (MiB).
     bucket_mb: int = 512
     # The servers check a SHA-256 per received tensor against the trainer's (costs hashing time).
     verify_weights: bool = False
@@ -93,6 +99,11 @@ class RemoteConfig:
                 fail(name, getattr(self, name), "must be > 0")
         if self.bucket_mb < 1:
             fail("bucket_mb", self.bucket_mb, "must be >= 1")
+        if self.weight_transfer not in ("http", "gloo", "nccl"):
+            fail("weight_transfer", self.weight_transfer, "expected http, gloo or nccl")
+        if self.verify_weights and self.weight_transfer == "nccl":
+            fail("verify_weights", self.verify_weights, "no per-tensor check on vLLM's nccl engine "
+                 "(rollout.remote.weight_transfer=http or gloo)")
 
 
 @dataclass

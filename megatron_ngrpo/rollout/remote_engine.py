@@ -20,11 +20,14 @@ thread, ``training/async_rollout.py``, never pairs them with the trainer's colle
   server. Every HTTP call has a connect and a request timeout: a dead or hung server never
   hangs the trainer.
 * ``sync_weights``: a new weight version. The HF-named tensors (the one mapping,
-  ``conversion.mapping.export_hf_tensors``, gathered to rank 0 one parameter at a time) are
-  pushed to every live server in buckets of ``bucket_mb`` (safetensors bytes over HTTP); the last
-  bucket loads them into vLLM (``reload_weights``, the colocated engine's route). With
-  ``verify_weights`` each server checks a SHA-256 per tensor. Not vLLM's weight-transfer API
-  (NCCL broadcast to the servers): that route is not wired here yet.
+  ``conversion.mapping.export_hf_tensors``, gathered to rank 0 one parameter at a time) reach
+  every live server in buckets of ``bucket_mb``. ``weight_transfer: http`` (the fallback):
+  safetensors bytes over HTTP, the last bucket loads them into vLLM (``reload_weights``).
+  ``gloo`` / ``nccl``: vLLM's weight-transfer API, the same trainer engine as the colocated
+  route (:class:`~megatron_ngrpo.rollout.weight_transfer.WeightSender`, one per server, whose
+  client is the server's ``/transfer`` routes); the tensors travel over the backend from rank 0
+  to the server's worker (``transfer_host``: where the servers reach rank 0). With
+  ``verify_weights`` each server checks a SHA-256 per tensor (http, gloo).
 * ``set_neighbor_table``: the trainer's table of the current weight version, shipped to every
   server as int32 ``[V, k]`` (≈1.8 MB for a 152k vocabulary with k = 3).
 * ``sleep`` / ``wake_up``: no-ops (the servers' memory is not the trainer's).
@@ -33,6 +36,7 @@ thread, ``training/async_rollout.py``, never pairs them with the trainer's colle
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -74,6 +78,8 @@ class RemoteEngine(RolloutEngine):
         self.last_sync: dict = {}
         self.servers: list[str] = []
         self._sessions: dict = {}
+        self._senders: dict = {}  # url → WeightSender (weight_transfer gloo / nccl)
+        self._workers: dict[str, int] = {}  # url → the server's vLLM TP (workers of one transfer)
         multi = dist.is_initialized() and dist.get_world_size() > 1
         self.group = dist.new_group(backend="gloo") if multi else None
         error = None
@@ -102,6 +108,7 @@ class RemoteEngine(RolloutEngine):
         infos = [self._version(url, deadline) for url in urls]
         for url, info in zip(urls, infos):
             self.check(url, info)
+            self._workers[url] = int(info.get("tensor_parallel", 1))
         return urls, max(int(i["weight_version"]) for i in infos)
 
     def _registered(self, deadline: float) -> list[str]:
@@ -152,6 +159,12 @@ class RemoteEngine(RolloutEngine):
         if info.get("protocol") != wire.PROTOCOL:
             raise RolloutServerError(f"rollout server {url}: wire protocol {info.get('protocol')}, "
                                      f"this trainer speaks {wire.PROTOCOL} (different code versions)")
+        route = self.cfg.weight_transfer
+        if route != "http" and info.get("weight_transfer") != route:
+            raise RolloutServerError(f"rollout server {url}: weight-transfer backend "
+                                     f"{info.get('weight_transfer')!r}, the trainer sends with {route!r} "
+                                     f"(start the servers with --weight-transfer {route}, or "
+                                     f"rollout.remote.weight_transfer=http)")
         ours = {"vocab_size": self.spec.vocab_size, "hidden_size": self.spec.hidden_size,
                 "num_real_tokens": self.num_real_tokens}
         for key, value in ours.items():
@@ -275,6 +288,9 @@ class RemoteEngine(RolloutEngine):
         from megatron_ngrpo.conversion.mapping import export_hf_tensors
 
         self.version += 1
+        if self.cfg.weight_transfer != "http":
+            self._transfer_weights(model_chunks)
+            return
         t0 = time.perf_counter()
         limit, bucket, size, index = self.cfg.bucket_mb * 2**20, [], 0, 0
         stats = {"num_params": 0, "bytes": 0, "tensors": 0, "verified": 0, "load_seconds": 0.0}
@@ -313,6 +329,40 @@ class RemoteEngine(RolloutEngine):
             raise RolloutServerError(error)
         self.last_sync = {**stats, "buckets": index + 1, "seconds": time.perf_counter() - t0}
 
+    def _transfer_weights(self, model_chunks) -> None:
+        """``sync_weights`` through vLLM's weight-transfer API: rank 0 sends the export to each
+        live server in turn (every rank drives each export; after a failure rank 0 drains it,
+        then every rank raises the same one-line error)."""
+        from megatron_ngrpo.conversion.mapping import export_hf_tensors
+        from megatron_ngrpo.rollout.weight_transfer import WeightSender
+
+        t0 = time.perf_counter()
+        servers = broadcast_from_rank0(list(self.servers), self.group)
+        stats, error = {}, None
+        for url in servers:
+            export = export_hf_tensors(model_chunks, self.spec, rank0_only=True)
+            if is_rank0() and error is None:
+                if url not in self._senders:
+                    self._senders[url] = WeightSender(
+                        _ServerWeightClient(self, url), self.cfg.weight_transfer, self.cfg.bucket_mb * 2**20,
+                        self.cfg.verify_weights, num_workers=self._workers.get(url, 1),
+                        host=self.cfg.transfer_host or socket.gethostname(), timeout_s=self.cfg.request_timeout_s)
+                try:
+                    stats = self._senders[url].send(_Stream(export, model_chunks, self.spec))
+                except Exception as e:  # noqa: BLE001 - reported on every rank as one line
+                    self._senders.pop(url).close()
+                    error = e if isinstance(e, RolloutServerError) else \
+                        f"rollout server {url}: weight transfer failed: {_short(e)}"
+            for _ in export:  # the other ranks' share of the collectives (rank 0: after a failure)
+                pass
+        error, stats = broadcast_from_rank0((str(error) if error else None, stats), self.group)
+        if error:
+            raise RolloutServerError(error)
+        verified = stats["tensors"] if self.cfg.verify_weights else 0
+        self.last_sync = {"num_params": stats["params"], "bytes": stats["bytes"], "tensors": stats["tensors"],
+                          "verified": verified, "buckets": stats.get("buckets", 0),
+                          "load_seconds": stats["seconds"], "seconds": time.perf_counter() - t0}
+
     def set_neighbor_table(self, table: torch.Tensor) -> None:
         """Ship the trainer's ``[V, k]`` table of the current weight version to every server."""
         error = None
@@ -328,9 +378,54 @@ class RemoteEngine(RolloutEngine):
             raise RolloutServerError(error)
 
     def close(self) -> None:
+        for sender in self._senders.values():
+            sender.close()
+        self._senders = {}
         for s in self._sessions.values():
             s.close()
         self._sessions = {}
+
+
+class _ServerWeightClient:
+    """vLLM's ``VLLMWeightSyncClient`` protocol over one server's ``/transfer`` routes (what
+    ``LLMClient`` is for an in-process engine)."""
+
+    def __init__(self, engine: RemoteEngine, url: str):
+        self.engine, self.url = engine, url
+
+    def _step(self, step: str, body: dict) -> None:
+        try:
+            self.engine._post(self.url, f"/transfer/{step}", json=body)
+        except _Failed as e:
+            raise RolloutServerError(f"rollout server {self.url}: weight transfer {step} failed: {e}") from None
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self._step("init", init_info)
+
+    def start_weight_update(self) -> None:
+        self._step("start", {})
+
+    def update_weights(self, update_info: dict) -> None:
+        self._step("update", update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._step("finish", {"version": self.engine.version})
+
+
+class _Stream:
+    """A one-pass vLLM ``WeightSource``: rank 0's share of an export (``export_hf_tensors`` with
+    ``rank0_only``, read once by the sender) and the layout of the whole model."""
+
+    def __init__(self, named, model_chunks, spec):
+        self.named, self.chunks, self.spec = named, model_chunks, spec
+
+    def metadata(self) -> list:
+        from megatron_ngrpo.rollout.weight_transfer import MegatronSource
+
+        return MegatronSource(self.chunks, self.spec).metadata()
+
+    def __iter__(self):
+        return iter(self.named)
 
 
 def _short(e) -> str:

@@ -27,6 +27,11 @@ Routes (JSON unless noted):
   :func:`~megatron_ngrpo.rollout.wire.pack_tensors`); the last bucket loads them all into vLLM
   and makes ``V`` the weight version. With digests in the bucket, each tensor is checked.
 * ``POST /neighbor_table?version=V``: the trainer's ``[V, k]`` table (safetensors ``table``).
+* ``POST /transfer/{init,start,update,finish}``: vLLM's weight-transfer API on the engine's
+  ``--weight-transfer`` backend (``gloo`` on CPU, ``nccl`` on GPU): the JSON body is the init /
+  update info of the trainer's engine (rollout/weight_transfer.py), ``finish`` takes
+  ``{"version": V}``. ``init`` and ``update`` return once the worker has met the trainer's
+  sender (the tensors travel over the backend, not HTTP).
 
 Start-up refuses, with one line on stderr and exit code 1: a vLLM other than the minor version
 the hook patches, a hook that did not install, a TP that does not divide the visible GPUs. With
@@ -68,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-memory-bytes", type=int, default=512 * 2**20, help="CPU only")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int)
+    p.add_argument("--weight-transfer", choices=("gloo", "nccl"),
+                   help="vLLM weight-transfer backend of the /transfer routes (default: nccl on GPU, gloo "
+                        "on CPU at TP 1, none otherwise: HTTP pushes only)")
     return p
 
 
@@ -76,6 +84,7 @@ class RolloutServer:
 
     def __init__(self, engine, tensor_parallel: int, hook: str):
         self.engine, self.hook, self.tensor_parallel = engine, hook, tensor_parallel
+        self.weight_transfer = engine.cfg.weight_transfer
         self.lock = threading.Lock()
         self.weight_version = -1  # the checkpoint's weights, before the trainer's first sync
         self.table_version = -1
@@ -92,7 +101,8 @@ class RolloutServer:
                 "hook": self.hook, "tensor_parallel": self.tensor_parallel, "model": self.engine.hf_path,
                 "vocab_size": spec.vocab_size, "hidden_size": spec.hidden_size,
                 "num_real_tokens": self.engine.num_real_tokens, "max_model_len": self.engine.max_model_len,
-                "weight_version": self.weight_version, "table_version": self.table_version}
+                "weight_version": self.weight_version, "table_version": self.table_version,
+                "weight_transfer": self.weight_transfer}
 
     def generate(self, req: dict) -> dict:
         from megatron_ngrpo.mixing.config import MixingConfig
@@ -131,6 +141,24 @@ class RolloutServer:
             self.weight_version = version
             return {"version": version, "tensors": len(named), "verified": len(expected),
                     "load_seconds": time.perf_counter() - t0}
+
+    def transfer(self, step: str, body: dict) -> dict:
+        """One step of vLLM's weight-transfer API on this engine (the trainer drives the order:
+        init once, then start, update per bucket, finish with the new weight version)."""
+        llm = self.engine.llm
+        with self.lock:  # no generate call while weights change
+            if step == "init":
+                llm.init_weight_transfer_engine({"init_info": body})
+            elif step == "start":
+                llm.start_weight_update()
+            elif step == "update":
+                llm.update_weights({"update_info": body})
+            elif step == "finish":
+                llm.finish_weight_update()
+                self.weight_version = int(body["version"])
+            else:
+                raise ValueError(f"unknown weight-transfer step {step!r}")
+        return {"step": step, "version": self.weight_version}
 
     def set_table(self, data: bytes, version: int) -> dict:
         from megatron_ngrpo.rollout.wire import unpack_tensors
@@ -184,6 +212,10 @@ def make_app(server: RolloutServer):
         data = await request.body()
         return await _in_thread(answer, server.sync, data, version, bucket, bool(last))
 
+    @app.post("/transfer/{step}")
+    def transfer(step: str, body: dict):
+        return answer(server.transfer, step, body)
+
     @app.post("/neighbor_table")
     async def neighbor_table(request: Request, version: int):
         data = await request.body()
@@ -214,7 +246,12 @@ def start_engine(args):
     if torch.cuda.is_available() and torch.cuda.device_count() % tp:
         raise RuntimeError(f"--tensor-parallel-size {tp} does not divide the {torch.cuda.device_count()} "
                            f"visible GPUs")
-    cfg = VLLMConfig(tensor_parallel=tp, dtype=args.dtype, max_model_len=args.max_model_len,
+    # The gloo engine pairs the trainer with one worker: a CPU server of TP > 1 takes HTTP pushes only.
+    backend = args.weight_transfer or ("nccl" if torch.cuda.is_available() else "gloo" if tp == 1 else "reload")
+    if backend == "gloo" and tp > 1:
+        raise RuntimeError(f"--weight-transfer gloo sends to one worker: --tensor-parallel-size {tp} "
+                           f"needs nccl")
+    cfg = VLLMConfig(tensor_parallel=tp, weight_transfer=backend, dtype=args.dtype, max_model_len=args.max_model_len,
                      gpu_memory_utilization=args.gpu_memory_utilization,
                      kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_num_seqs=args.max_num_seqs,
                      max_num_batched_tokens=args.max_num_batched_tokens)

@@ -48,8 +48,6 @@ class WeightSyncError(RuntimeError):
     """A tensor arrived different from what the trainer sent."""
 
 
-
-
 # ---------------------------------------------------------------- the trainer's weights
 
 
@@ -324,21 +322,23 @@ class WeightSender:
         verify: per-tensor SHA-256 check on the worker (``gloo``; vLLM's engines have none).
         num_workers: vLLM workers behind ``llm`` (``nccl``: the transfer group is 1 + this).
         host: address the trainer's rendezvous listens on (``gloo``, ``nccl``).
+        timeout_s: how long a ``gloo`` transfer waits for the worker (rendezvous, each bucket).
     """
 
     def __init__(self, llm, route: str, bucket_bytes: int, verify: bool = False, num_workers: int = 1,
-                 host: str = "127.0.0.1"):
+                 host: str = "127.0.0.1", timeout_s: float = 1800.0):
         if route not in ("gloo", "ipc", "nccl"):
             raise ValueError(f"weight_transfer = {route!r}: expected gloo, ipc or nccl")
         self.client = LLMClient(llm) if hasattr(llm, "llm_engine") else llm
         self.route, self.bucket_bytes, self.verify = route, bucket_bytes, verify
-        self.num_workers, self.host = num_workers, host
+        self.num_workers, self.host, self.timeout_s = num_workers, host, timeout_s
         self.engine = None
         self.current = None
 
     def _init_info(self):
         if self.route == "gloo":
-            return GlooTrainerInitInfo(rank=0, host=self.host, bucket_bytes=self.bucket_bytes, verify=self.verify)
+            return GlooTrainerInitInfo(rank=0, host=self.host, bucket_bytes=self.bucket_bytes, verify=self.verify,
+                                       timeout_s=self.timeout_s)
         if self.route == "ipc":
             from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
