@@ -334,10 +334,11 @@ class RemoteEngine(RolloutEngine):
         live server in turn (every rank drives each export; after a failure rank 0 drains it,
         then every rank raises the same one-line error)."""
         from megatron_ngrpo.conversion.mapping import export_hf_tensors
-        from megatron_ngrpo.rollout.weight_transfer import WeightSender
+        from megatron_ngrpo.rollout.weight_transfer import MegatronSource, WeightSender
 
         t0 = time.perf_counter()
         servers = broadcast_from_rank0(list(self.servers), self.group)
+        layout = MegatronSource(model_chunks, self.spec).metadata()  # vLLM's engines read it
         stats, error = {}, None
         for url in servers:
             export = export_hf_tensors(model_chunks, self.spec, rank0_only=True)
@@ -348,7 +349,7 @@ class RemoteEngine(RolloutEngine):
                         self.cfg.verify_weights, num_workers=self._workers.get(url, 1),
                         host=self.cfg.transfer_host or socket.gethostname(), timeout_s=self.cfg.request_timeout_s)
                 try:
-                    stats = self._senders[url].send(_Stream(export, model_chunks, self.spec))
+                    stats = self._senders[url].send(_Stream(export, layout))
                 except Exception as e:  # noqa: BLE001 - reported on every rank as one line
                     self._senders.pop(url).close()
                     error = e if isinstance(e, RolloutServerError) else \
@@ -414,15 +415,14 @@ class _ServerWeightClient:
 
 class _Stream:
     """A one-pass vLLM ``WeightSource``: rank 0's share of an export (``export_hf_tensors`` with
-    ``rank0_only``, read once by the sender) and the layout of the whole model."""
+    ``rank0_only``, read once by the sender) and the whole model's layout, computed beforehand on
+    every rank (a collective of the PP group)."""
 
-    def __init__(self, named, model_chunks, spec):
-        self.named, self.chunks, self.spec = named, model_chunks, spec
+    def __init__(self, named, layout: list):
+        self.named, self.layout = named, layout
 
     def metadata(self) -> list:
-        from megatron_ngrpo.rollout.weight_transfer import MegatronSource
-
-        return MegatronSource(self.chunks, self.spec).metadata()
+        return self.layout
 
     def __iter__(self):
         return iter(self.named)
