@@ -16,6 +16,7 @@ with head_dim 32), started once for the module, and the trainer's rollout client
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -47,14 +48,13 @@ def task(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.fixture(scope="module")
-def servers(task, tmp_path_factory):
-    """Two rollout servers registering in ``url_dir``; yields (url_dir, urls, processes)."""
-    url_dir = tmp_path_factory.mktemp("urls")
+@contextlib.contextmanager
+def _running_servers(task, url_dir: Path, count: int):
+    """``count`` rollout servers registering in ``url_dir``; yields (urls, processes)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     procs = []
-    for i in range(2):
-        log = open(url_dir.parent / f"server{i}.log", "w")
+    for i in range(count):
+        log = open(url_dir.parent / f"{url_dir.name}_server{i}.log", "w")
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "megatron_ngrpo.rollout.server", "--model", str(task / "model"),
              "--tokenizer", str(task / "tokenizer"), "--port", str(free_port()), "--host", "127.0.0.1",
@@ -62,18 +62,26 @@ def servers(task, tmp_path_factory):
              "--kv-cache-memory-bytes", "4000000"], env=env, stdout=log, stderr=subprocess.STDOUT))
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
-        while len(list(url_dir.glob("*.url"))) < 2:
+        while len(list(url_dir.glob("*.url"))) < count:
             dead = [p for p in procs if p.poll() is not None]
-            assert not dead, (url_dir.parent / "server0.log").read_text()[-3000:]
+            assert not dead, (url_dir.parent / f"{url_dir.name}_server0.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "rollout servers did not start"
             time.sleep(0.5)
-        yield url_dir, [f.read_text() for f in sorted(url_dir.glob("*.url"))], procs
+        yield [f.read_text() for f in sorted(url_dir.glob("*.url"))], procs
     finally:
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGCONT)
                 p.kill()
             p.wait()
+
+
+@pytest.fixture(scope="module")
+def servers(task, tmp_path_factory):
+    """Two rollout servers registering in ``url_dir``; yields (url_dir, urls, processes)."""
+    url_dir = tmp_path_factory.mktemp("urls")
+    with _running_servers(task, url_dir, 2) as (urls, procs):
+        yield url_dir, urls, procs
 
 
 def _version(url: str) -> dict:
@@ -251,3 +259,53 @@ def test_killed_servers_retry_then_one_line_error(task, servers):
     assert str(out).startswith(f"rollout server {urls[0]}: generate failed twice: ")
     assert seconds < 60
     engine.close()
+
+
+def test_server_killed_during_weight_transfer_is_one_line(task, tmp_path, monkeypatch):
+    """gloo weight transfer (vLLM's API) to a server that dies between two buckets of a sync: a
+    one-line error naming the server within the request timeout, never a hang; the sync before it
+    worked."""
+    from megatron_ngrpo.models.config import ModelConfig
+    from megatron_ngrpo.models.provider import build_model
+    from megatron_ngrpo.parallel import init_distributed, initialize_model_parallel
+    from megatron_ngrpo.rollout import remote_engine
+    from megatron_ngrpo.rollout.remote_engine import RolloutServerError
+
+    url_dir = tmp_path / "urls"
+    url_dir.mkdir()
+    with _running_servers(task, url_dir, 1) as ([url], [proc]):
+        init_distributed()
+        initialize_model_parallel(1, 1)
+        chunks = build_model(ModelConfig(hf_path=str(task / "model")))  # random weights: the task has none
+        engine = _engine(task, urls=[url], weight_transfer="gloo", transfer_host="127.0.0.1", bucket_mb=1,
+                         request_timeout_s=20)
+        engine.sync_weights(chunks)
+        assert engine.last_sync["buckets"] > 1 and _version(url)["weight_version"] == engine.version
+
+        update, calls = remote_engine._ServerWeightClient.update_weights, []
+
+        def dies_before_second_bucket(self, info):
+            calls.append(1)
+            if len(calls) == 2:
+                proc.kill()
+                proc.wait()
+            return update(self, info)
+
+        monkeypatch.setattr(remote_engine._ServerWeightClient, "update_weights", dies_before_second_bucket)
+        result = {}
+
+        def sync():
+            try:
+                engine.sync_weights(chunks)
+            except Exception as e:  # noqa: BLE001 - handed to the test
+                result["error"] = e
+
+        t0 = time.monotonic()
+        thread = threading.Thread(target=sync, daemon=True)
+        thread.start()
+        thread.join(timeout=120)
+        assert not thread.is_alive(), "weight transfer hung after its server was killed"
+        error = result.get("error")
+        assert len(calls) == 2 and isinstance(error, RolloutServerError) and "\n" not in str(error), error
+        assert str(error).startswith(f"rollout server {url}: weight transfer ") and time.monotonic() - t0 < 60, error
+        engine.close()
