@@ -342,17 +342,19 @@ def test_weight_transfer_config_errors(fields, match):
         VLLMConfig(**fields).validate()
 
 
-def test_colocated_tp2_weights_equal_the_trainers_after_every_sync():
-    """2 ranks, trainer TP=2, colocated vLLM TP=2 on the gloo weight-transfer route: after each of
-    three syncs, vLLM's parameters reassembled from both workers equal the trainer's exactly
-    (tests/dist/vllm_sync_worker.py)."""
+@pytest.mark.parametrize("layout", ["vllm_tp2_under_trainer_tp2", "vllm_tp1_replicas_under_trainer_dp2"])
+def test_colocated_weights_equal_the_trainers_after_every_sync(layout):
+    """2 ranks, colocated vLLM on the gloo weight-transfer route: after each of three syncs,
+    vLLM's parameters (reassembled from both workers' shards at vLLM TP 2) equal the trainer's
+    exactly (tests/dist/vllm_sync_worker.py; one launch per layout: a process builds one
+    colocated engine)."""
     from pathlib import Path
 
     from megatron_ngrpo.testing.multiproc import check, launch
 
     results = launch(Path(__file__).parent / "dist" / "vllm_sync_worker.py", nproc=2, timeout=600,
-                     env={"NGRPO_TEST_PG_TIMEOUT": "120"})
-    syncs = check(results, "vllm_tp2_weights_equal_the_trainers_after_every_sync")
+                     env={"NGRPO_TEST_PG_TIMEOUT": "120"}, only=[layout])
+    syncs = check(results, layout)
     assert len(syncs) == 3 and all(s["num_params"] > 0 and s["buckets"] > 10 for s in syncs), syncs
 
 

@@ -1,8 +1,10 @@
-"""Colocated vLLM weight sync at 2 ranks (tests/test_vllm_engine.py): trainer TP=2, one in-process
-vLLM worker per rank (``external_launcher``) with vLLM TP=2, weights pushed through vLLM's
-weight-transfer API (the gloo engine, small buckets, SHA-256 per tensor). After every one of three
-syncs of changed weights, every vLLM parameter, read back from both workers and reassembled from
-its TP shards, equals the trainer's tensors exactly (fp32).
+"""Colocated vLLM weight sync at 2 ranks (tests/test_vllm_engine.py), one in-process vLLM worker
+per rank (``external_launcher``), weights pushed through vLLM's weight-transfer API (the gloo
+engine, small buckets, SHA-256 per tensor): trainer TP=2 with vLLM TP=2, then trainer DP=2 with
+one vLLM TP=1 replica per rank. After every one of three syncs of changed weights, every vLLM
+parameter, read back (and reassembled from its TP shards), equals the trainer's tensors exactly
+(fp32). One case per launch (``--only``): vLLM cannot build a second colocated engine in a
+process whose first one has shut down.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ from megatron_ngrpo.testing.multiproc import case, run_cases
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
-@case
-def vllm_tp2_weights_equal_the_trainers_after_every_sync():
+def _syncs_match(trainer_tp: int, vllm_tp: int) -> list[dict]:
+    """Three syncs of changed weights from a trainer of TP ``trainer_tp`` (DP the rest) into one
+    colocated vLLM worker per rank (vLLM TP ``vllm_tp``); after each, vLLM's parameters,
+    reassembled over its TP group, equal the trainer's exactly."""
     from megatron_ngrpo.architecture import ArchSpec
     from megatron_ngrpo.conversion.hf_io import HFCheckpoint
     from megatron_ngrpo.conversion.mapping import export_hf_tensors, load_hf_tensors
@@ -31,31 +35,42 @@ def vllm_tp2_weights_equal_the_trainers_after_every_sync():
     from megatron_ngrpo.testing.tiny import write_tiny_hf
     from megatron_ngrpo.testing.vllm_weights import assert_equal_to_hf, vllm_weights
 
-    initialize_model_parallel(2, 1)
+    initialize_model_parallel(trainer_tp, 1)
     box = [tempfile.mkdtemp(prefix="vllm_sync_") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     if dist.get_rank() == 0:  # head_dim 32 (vLLM's CPU attention takes no smaller heads), 2 KV heads
         write_tiny_hf(box[0], vocab_size=512, hidden_size=128, num_heads=4, num_kv_heads=2, seed=5)
     dist.barrier()
     spec = ArchSpec.from_hf(box[0])
-    chunks = build_model(ModelConfig(hf_path=box[0], tensor_parallel=2))
+    chunks = build_model(ModelConfig(hf_path=box[0], tensor_parallel=trainer_tp))
     load_hf_tensors(chunks, spec, HFCheckpoint(box[0]))
-    cfg = VLLMConfig(max_model_len=64, kv_cache_memory_bytes=2_000_000, tensor_parallel=2,
+    cfg = VLLMConfig(max_model_len=64, kv_cache_memory_bytes=2_000_000, tensor_parallel=vllm_tp,
                      weight_transfer="gloo", sync_bucket_mb=0.05, verify_weights=True)
     engine = VLLMEngine(box[0], cfg)
+    group = dist.group.WORLD if vllm_tp == dist.get_world_size() else None  # else one worker per rank
     try:
         syncs = []
         for step in range(1, 4):
-            with torch.no_grad():  # the same change on every rank (TP-replicated norms stay equal)
+            with torch.no_grad():  # the same change on every rank (replicated tensors stay equal)
                 for p in chunks[0].parameters():
                     p.mul_(1.0 + 0.01 * step).add_(0.001 * step)
             engine.sync_weights(chunks)
-            want = dict(export_hf_tensors(chunks, spec))  # vLLM TP 2 = the world
-            assert_equal_to_hf(vllm_weights(engine.llm, dist.group.WORLD), want, where=f"sync {step}: ")
+            want = dict(export_hf_tensors(chunks, spec))
+            assert_equal_to_hf(vllm_weights(engine.llm, group), want, where=f"sync {step}: ")
             syncs.append({k: engine.last_sync[k] for k in ("num_params", "buckets")})
         return syncs
     finally:
         engine.close()
+
+
+@case
+def vllm_tp2_under_trainer_tp2():
+    return _syncs_match(trainer_tp=2, vllm_tp=2)
+
+
+@case
+def vllm_tp1_replicas_under_trainer_dp2():
+    return _syncs_match(trainer_tp=1, vllm_tp=1)
 
 
 if __name__ == "__main__":
