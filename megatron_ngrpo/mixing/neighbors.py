@@ -13,8 +13,8 @@ Algorithm (never materialises V×V):
    rows; ``cdist`` for L1), masks excluded rows and the anchor itself, and takes a local
    top-(k-1+margin) in two stages (maxima of 32-row blocks, then the best blocks' rows).
 3. A rigorous fp32 error bound ``tol`` of one score certifies the result. A query whose first k
-   fp32 candidates are each more than 2·tol above the next is exact as it stands (nearly every
-   query; single-rank and DP paths, which need no scores). The others (and, under TP, every
+   fp32 candidates are each more than 2·tol above the next is exact as it stands (most queries;
+   single-rank and DP paths, which need no scores). The others (and, under TP, every
    query: the ranks' lists are merged by score) are re-scored in float64: if the weakest fp32
    candidate lies below (the (k-1)-th float64 score - tol), no other local row can reach the
    true top-(k-1); otherwise every local row whose fp32 score clears that threshold is
@@ -381,9 +381,9 @@ def _certify(keys: _Keys, q32, vals, cols, shift, tol, kk: int, rows32,
 
     A row whose first kk+1 fp32 scores are each more than 2·tol above the next is exact as it
     stands: every true score lies within tol of its fp32 score, so the order of the kk and their
-    lead over every other key (≤ the (kk+1)-th fp32 score) hold exactly, without ties. That is
-    nearly every row of real or random embeddings; only the others are re-scored in float64
-    (:func:`_certify64`). Scores are needed when TP ranks merge their local lists."""
+    lead over every other key (≤ the (kk+1)-th fp32 score) hold exactly, without ties (81% of
+    the rows of a random Gaussian 32768 × 512 matrix at k = 3); only the others are re-scored
+    in float64 (:func:`_certify64`). Scores are needed when TP ranks merge their local lists."""
     m = vals.shape[1]
     if exact_scores or m <= kk:
         return _certify64(keys, q32, vals, cols, shift, tol, kk, rows32)
