@@ -358,15 +358,23 @@ def test_colocated_weights_equal_the_trainers_after_every_sync(layout):
     assert len(syncs) == 3 and all(s["num_params"] > 0 and s["buckets"] > 10 for s in syncs), syncs
 
 
-def test_rotary_reload_warning_is_dropped_others_kept(engine):
+def test_expected_vllm_messages_are_dropped_others_kept(engine, model_dir):
     """Every sync made vLLM warn "RotaryEmbedding: Failed to load weights" (a computed cache, never
-    loaded); the engine drops that one warning and keeps the same warning for other layers."""
+    loaded), and every engine start log "Error parsing config for <tokenizer folder>" as an ERROR
+    twice (a probe it ignores); the engine drops those and keeps the same messages otherwise."""
     import logging
 
     log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
 
-    def record(layer):
-        return log.makeRecord(log.name, logging.WARNING, __file__, 0, "%s: Failed to load weights", (layer,), None)
+    def record(logger, msg, *args):
+        return logger.makeRecord(logger.name, logging.WARNING, __file__, 0, msg, args, None)
 
-    assert not log.filter(record("RotaryEmbedding")) and not log.filter(record("MRotaryEmbedding"))
-    assert log.filter(record("ParallelLMHead")) and log.filter(record("QKVParallelLinear"))
+    failed = "%s: Failed to load weights"
+    assert not log.filter(record(log, failed, "RotaryEmbedding")) and not log.filter(record(log, failed, "MRotaryEmbedding"))
+    assert log.filter(record(log, failed, "ParallelLMHead")) and log.filter(record(log, failed, "QKVParallelLinear"))
+
+    log = logging.getLogger("vllm.transformers_utils.repo_utils")
+    tokenizer, model = model_dir.parent / "tokenizer", model_dir
+    assert not log.filter(record(log, "%s: %s, retrying %d of %d", f"Error parsing config for {tokenizer}", "x", 1, 2))
+    assert not log.filter(record(log, "%s: %s", f"Error parsing config for {tokenizer}", "x"))
+    assert log.filter(record(log, "%s: %s", f"Error parsing config for {model}", "x"))

@@ -140,14 +140,15 @@ class VLLMEngine(RolloutEngine):
             _keep_trainer_process_groups()
         if self.colocated and not torch.cuda.is_available():
             _unique_cpu_shm_names()
-        _quiet_expected_reload_warning()
+        tokenizer = self.tokenizer.name_or_path if self.tokenizer is not None else None
+        _quiet_expected_vllm_messages(tokenizer if tokenizer != self.hf_path else None)
         gpu = torch.cuda.is_available()
         dtype = self.cfg.dtype if self.cfg.dtype != "auto" else ("bfloat16" if gpu else "float32")
         memory = ({"gpu_memory_utilization": self.cfg.gpu_memory_utilization} if gpu
                   else {"kv_cache_memory_bytes": self.cfg.kv_cache_memory_bytes})
         kwargs = dict(
             model=self.hf_path,
-            tokenizer=self.tokenizer.name_or_path if self.tokenizer is not None else None,
+            tokenizer=tokenizer,
             skip_tokenizer_init=self.tokenizer is None,
             dtype=dtype,
             tensor_parallel_size=self.cfg.tensor_parallel,
@@ -477,22 +478,52 @@ def _unique_cpu_shm_names() -> None:
     shm.make_group_name = staticmethod(make_group_name)
 
 
-class _RotaryReloadFilter(logging.Filter):
-    """Drops vLLM's "RotaryEmbedding: Failed to load weights", which its layerwise reload logs at
-    every sync on every rank: the rotary cos/sin cache is computed, never part of a checkpoint, so
-    nothing is missing. The same warning for any other layer still shows."""
+# Tokenizer folders given to vLLM apart from the model's (see _tokenizer_config_probe).
+_SEPARATE_TOKENIZERS: set[str] = set()
+
+
+def _rotary_reload(record: logging.LogRecord) -> bool:
+    """vLLM's layerwise reload logs "RotaryEmbedding: Failed to load weights" at every sync on
+    every rank: the rotary cos/sin cache is computed, never part of a checkpoint, so nothing is
+    missing. The same warning for any other layer still shows."""
+    return record.msg == "%s: Failed to load weights" and bool(record.args) \
+        and str(record.args[0]).endswith("RotaryEmbedding")
+
+
+def _tokenizer_config_probe(record: logging.LogRecord) -> bool:
+    """vLLM reads a model config from the tokenizer folder too, only to pick a tokenizer class,
+    and ignores a failure there; but it logs "Error parsing config for <folder>" as an ERROR, twice
+    (one retry). A tokenizer folder apart from the model (the shared tokenizers: vocab, merges and
+    tokenizer_config.json only) always fails that probe; the model's own config errors still show."""
+    return bool(record.args) and any(str(record.args[0]) == f"Error parsing config for {d}"
+                                     for d in _SEPARATE_TOKENIZERS)
+
+
+_EXPECTED = {"vllm.model_executor.model_loader.reload.layerwise": _rotary_reload,
+             "vllm.transformers_utils.repo_utils": _tokenizer_config_probe}
+
+
+class _ExpectedVLLMMessage(logging.Filter):
+    """Drops the records of one vLLM logger that report something expected here."""
+
+    def __init__(self, expected):
+        super().__init__()
+        self.expected = expected
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.msg == "%s: Failed to load weights" and record.args
-                    and str(record.args[0]).endswith("RotaryEmbedding"))
+        return not self.expected(record)
 
 
-def _quiet_expected_reload_warning() -> None:
-    """Install :class:`_RotaryReloadFilter` on vLLM's layerwise-reload logger (in this process:
-    the in-process worker's reloads), once."""
-    log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-    if not any(isinstance(f, _RotaryReloadFilter) for f in log.filters):
-        log.addFilter(_RotaryReloadFilter())
+def _quiet_expected_vllm_messages(separate_tokenizer: str | None) -> None:
+    """Install the filters of :data:`_EXPECTED` on vLLM's loggers, once (in this process: the
+    in-process worker's messages); ``separate_tokenizer``: a tokenizer folder that is not the
+    model's."""
+    if separate_tokenizer:
+        _SEPARATE_TOKENIZERS.add(str(separate_tokenizer))
+    for name, expected in _EXPECTED.items():
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _ExpectedVLLMMessage) for f in log.filters):
+            log.addFilter(_ExpectedVLLMMessage(expected))
 
 
 def _keep_trainer_process_groups() -> None:
