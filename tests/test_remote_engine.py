@@ -5,13 +5,16 @@ with head_dim 32), started once for the module, and the trainer's rollout client
 
 * A 2-rank TP=2 trainer finds the servers by their registrations and trains 3 steps with mixing
   through them: its replayed log-probs equal the servers' within 1e-5 at every step, and every
-  server checked each pushed tensor's SHA-256 against the trainer's.
+  server checked each pushed tensor's SHA-256 against the trainer's. Three ways: synchronous,
+  one-step-off, and with the weights sent through vLLM's weight-transfer API (gloo) instead of
+  HTTP pushes.
 * Start-up errors, one line each: unreachable, not a rollout server (no hook), a hook missing
   from the server's report, another vLLM version (reported by a server; and a server refusing to
-  start on one), another model, too few registrations, a vLLM TP that does not divide the rollout
-  group's GPUs, a remote engine without servers.
+  start on one), another model, another weight-transfer backend, too few registrations, a vLLM TP
+  that does not divide the rollout group's GPUs, a remote engine without servers.
 * Servers killed while a request is in flight: the request is retried on the other server (the
-  dead one is dropped); with no server left, a one-line error naming it. Never a hang.
+  dead one is dropped); with no server left, a one-line error naming it. A server of its own
+  killed between two buckets of a weight transfer: a one-line error naming it. Never a hang.
 """
 
 from __future__ import annotations
