@@ -337,10 +337,10 @@ class RemoteEngine(RolloutEngine):
         from megatron_ngrpo.rollout.weight_transfer import MegatronSource, WeightSender
 
         t0 = time.perf_counter()
-        servers = broadcast_from_rank0(list(self.servers), self.group)
         layout = MegatronSource(model_chunks, self.spec).metadata()  # vLLM's engines read it
         stats, error = {}, None
-        for url in servers:
+        # self.servers is the same list on every rank: rank 0's changes are broadcast where made.
+        for url in list(self.servers):
             export = export_hf_tensors(model_chunks, self.spec, rank0_only=True)
             if is_rank0() and error is None:
                 if url not in self._senders:

@@ -228,11 +228,11 @@ def build_rollouts(cfg, chunks: list, tokenizer, seed: int) -> tuple[RolloutEngi
     from megatron_ngrpo.rollout.factory import build_engine, tokenizer_kwargs
 
     a = cfg.train.async_
-    if not a.max_staleness or cfg.rollout.engine == "remote":
+    if not a.max_staleness:
+        return build_engine(cfg, chunks, tokenizer=tokenizer, seed=seed), None
+    if cfg.rollout.engine == "remote":
         # The servers hold their own weights, and the client's collectives have their own group.
         engine = build_engine(cfg, chunks, tokenizer=tokenizer, seed=seed)
-        if not a.max_staleness:
-            return engine, None
     else:
         from megatron_ngrpo.parallel import duplicate_model_parallel_groups
         from megatron_ngrpo.rollout.megatron_engine import MegatronEngine
