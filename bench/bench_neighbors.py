@@ -5,8 +5,9 @@
 Both run single-threaded on the same random fp32 matrix, timed in interleaved pairs by
 ``bench/_timing.py`` (process CPU time, paired-median ratio with a bootstrap 95% interval,
 repeated until ±1.5%). The ratio printed is throughput ours / faiss (a "rate" ratio; goal
-≥ 1.0). Ours includes the float64 certification that makes the table exact; the result is
-checked equal to faiss's ids.
+≥ 1.0). Ours includes the certification that makes the table exact (its scoring screen is bf16
+on CPUs with bf16 dot-product instructions, fp32 otherwise; faiss scores in fp32); the result
+is checked equal to faiss's ids.
 
 1. The full table (every row a query, V = --vocab): the single-rank path, which scores each pair
    once (the cosine matrix is symmetric), against faiss's search of all rows.
@@ -34,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _timing import compare  # noqa: E402
 
-from megatron_ngrpo.mixing.neighbors import build_neighbor_table  # noqa: E402
+from megatron_ngrpo.mixing.neighbors import screen_dtype, build_neighbor_table  # noqa: E402
 
 
 def rss_mb() -> float:
@@ -103,7 +104,9 @@ def main() -> None:
     threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
     torch.set_num_threads(threads)
     faiss.omp_set_num_threads(threads)
-    print(f"threads {torch.get_num_threads()}, d={args.dim}, k={args.k}, chunk {args.chunk}", flush=True)
+    screen = screen_dtype(torch.device("cpu"), "cosine")
+    print(f"threads {torch.get_num_threads()}, d={args.dim}, k={args.k}, chunk {args.chunk}, "
+          f"scoring screen {screen} (faiss: fp32)", flush=True)
 
     w = torch.randn(args.vocab, args.dim, generator=torch.Generator().manual_seed(0))
     base = rss_mb()
@@ -111,8 +114,8 @@ def main() -> None:
     extra = peak_rss_mb() - base
     same = torch.equal(table, faiss_ids(w, args.k, args.vocab))
     print(f"full table V={args.vocab}: identical to faiss: {same}; peak RSS growth {extra:.0f} MiB "
-          f"(bound: scores {4 * args.chunk * args.vocab / 2**20:.0f} + normalised copy "
-          f"{4 * args.vocab * args.dim / 2**20:.0f} MiB + small buffers)", flush=True)
+          f"(bound: scores {screen.itemsize * args.chunk * args.vocab / 2**20:.0f} + normalised copy "
+          f"{screen.itemsize * args.vocab * args.dim / 2**20:.0f} MiB + small buffers)", flush=True)
     r = compare(lambda: build_neighbor_table(w, 0, args.k, "cosine", chunk_size=args.chunk),
                 lambda: faiss_ids(w, args.k, args.vocab), kind="rate",
                 label=f"full table V={args.vocab}, throughput ours / faiss", max_seconds=args.max_seconds)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_ngrpo.mixing import neighbors as N
 from megatron_ngrpo.mixing import perturbations as P
 from megatron_ngrpo.mixing.config import MixingConfig
 from megatron_ngrpo.mixing.decision import counter_uniform, gate, gate_uniform
@@ -29,7 +30,7 @@ def results():
 # ---- multi-process --------------------------------------------------------------------------
 def test_neighbor_table_tp_dp_equals_bruteforce(results):
     """Random, tied/duplicate and clustered matrices, 4 metrics, exclusions: TP=1/2/4 (+DP)."""
-    assert check(results, "neighbor_table_matches_bruteforce")["tables_checked"] == 64
+    assert check(results, "neighbor_table_matches_bruteforce")["tables_checked"] == 128
 
 
 def test_mixing_embedding_equals_reference(results):
@@ -76,8 +77,17 @@ def test_table_bad_inputs_raise():
         build_neighbor_table(w.index_fill(0, torch.tensor([3]), float("nan")), 0, 2)
 
 
+@pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["fp32_screen", "bf16_screen"])
+def screen(request, monkeypatch):
+    """Both scoring screens whatever this CPU has (bf16 applies to the matmul metrics cosine,
+    dot; the others keep fp32)."""
+    monkeypatch.setattr(N, "screen_dtype", lambda device, metric: request.param if metric in ("cosine", "dot")
+                        else torch.float32)
+    return request.param
+
+
 @pytest.mark.parametrize("metric", METRICS)
-def test_table_all_ties_and_chunking(metric):
+def test_table_all_ties_and_chunking(metric, screen):
     """Identical rows (every score ties: the float64 fallback path) and a zero row; chunk sizes
     1, 5 and > V; a row range is the matching slice."""
     w = torch.ones(23, 3)
@@ -91,7 +101,7 @@ def test_table_all_ties_and_chunking(metric):
     assert torch.equal(build_neighbor_table(w, 0, 1, metric), torch.arange(23).unsqueeze(1))
 
 
-def test_table_orders_fp32_indistinguishable_scores_by_float64():
+def test_table_orders_fp32_indistinguishable_scores_by_float64(screen):
     """Dot scores 1 + i·2^-25 collapse in fp32; the certificate falls back to float64."""
     x = torch.arange(40, dtype=torch.float64) * 2.0 ** -13
     w = torch.stack([torch.ones(40, dtype=torch.float64), x], 1).float()
@@ -102,7 +112,7 @@ def test_table_orders_fp32_indistinguishable_scores_by_float64():
 
 
 @pytest.mark.parametrize("metric", METRICS)
-def test_table_two_stage_topk_path(metric):
+def test_table_two_stage_topk_path(metric, screen):
     """V large enough for the blocked top-k (several key blocks), with heavy ties and exclusions."""
     g = torch.Generator().manual_seed(0)
     w = torch.cat([torch.randint(-1, 2, (2500, 3), generator=g).float(), torch.randn(2500, 3, generator=g)])
@@ -112,9 +122,45 @@ def test_table_two_stage_topk_path(metric):
     assert torch.equal(got[rows], neighbor_table64(w, 4, metric, exclude, rows=rows))
 
 
-def test_table_bf16_weights():
+def test_table_bf16_weights(screen):
     w = torch.randn(50, 8).bfloat16()
     assert torch.equal(build_neighbor_table(w, 0, 4), neighbor_table64(w.float(), 4))
+
+
+@pytest.mark.parametrize("metric", ["cosine", "dot"])
+@pytest.mark.parametrize("own", [False, True])  # general path queries / symmetric path (key rows)
+def test_screen_score_bounds_contain_float64_scores(metric, own, screen):
+    """Every screen score's [lower, upper] interval contains the float64 score, on rows of
+    mixed magnitudes (dot) and with a near-parallel pair; the cosine bf16 interval is a few u_bf16."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(2000, 96, generator=g) * torch.logspace(-2, 2, 2000).unsqueeze(1)[torch.randperm(2000, generator=g)]
+    w[1] = w[0] * (1 + 1e-3)
+    keys = N._Keys(w, 0, metric, torch.zeros(2000, dtype=torch.bool))
+    ids = torch.arange(0, 300)
+    st, _, shift, tol = keys.screen_scores(w[ids], ids, own=own)
+    assert st.dtype == screen and not bool(shift.any())
+    s = st.T
+    true = N.pair_scores64(w[ids].double().unsqueeze(1), w.double().unsqueeze(0), metric)
+    finite = torch.isfinite(s)
+    assert int((~finite).sum()) == 300  # self only
+    t = tol.unsqueeze(1)
+    assert bool((N._lower(s, t) <= true)[finite].all()) and bool((true <= N._upper(s, t))[finite].all())
+    if metric == "cosine":  # (dot's bound scales with the largest key norm, 10^4 × the smallest here)
+        width = (N._upper(s, t) - N._lower(s, t))[finite]
+        assert float(width.max()) < (8 * 2.0 ** -8 if screen == torch.bfloat16 else 1e-3)
+
+
+def test_bf16_screen_rescores_only_near_ties(monkeypatch, screen):
+    """The bf16 screen's wider margin keeps the near-tie fallback rare on random rows (general
+    and symmetric paths), and the table exact."""
+    retried = []
+    rescore = N._rescore_above
+    monkeypatch.setattr(N, "_rescore_above", lambda keys, q32, *a: retried.append(len(q32)) or rescore(keys, q32, *a))
+    w = torch.randn(3000, 128, generator=torch.Generator().manual_seed(0))
+    ref = neighbor_table64(w, 3, "cosine")
+    assert torch.equal(build_neighbor_table(w, 0, 3, "cosine", chunk_size=1024), ref)
+    assert torch.equal(build_neighbor_table(w, 0, 3, "cosine", rows=(0, 1500), chunk_size=1024), ref[:1500])
+    assert sum(retried) < 0.03 * 4500, retried
 
 
 def test_exclusion_mask_from_config():
@@ -217,8 +263,7 @@ def test_table_exact_under_tf32_matmul(monkeypatch, rows):
     """TF32 matmul (GPU "high" precision), emulated on CPU: the certificate's bound covers the
     input rounding, the table is still exact, and only near-tie rows are re-scored (the bound
     used to exceed the cosine range at large d, re-scoring every pair)."""
-    from megatron_ngrpo.mixing import neighbors as N
-
+    monkeypatch.setattr(N, "screen_dtype", lambda device, metric: torch.float32)
     monkeypatch.setattr(N, "_input_roundoff", lambda device: 2.0 ** -11)
     monkeypatch.setattr(N, "_mm_into", lambda a, b, out: torch.mm(_tf32(a), _tf32(b.contiguous()), out=out))
     retried = []

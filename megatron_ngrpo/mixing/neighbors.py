@@ -9,17 +9,20 @@ Algorithm (never materialises V×V):
 1. The query rows are split into chunks of ``chunk_size`` ids (and, with a data-parallel group,
    the chunks are shared out among the DP ranks). Each chunk's embedding rows are assembled on
    every TP rank from the partitions that own them (one all-reduce of [chunk, d]).
-2. Each TP rank scores the chunk against its local rows in fp32 (matmuls over blocks of key
-   rows; ``cdist`` for L1), masks excluded rows and the anchor itself, and takes a local
-   top-(k-1+margin) in two stages (maxima of 32-row blocks, then the best blocks' rows).
-3. A rigorous fp32 error bound ``tol`` of one score certifies the result. A query whose first k
-   fp32 candidates are each more than 2·tol above the next is exact as it stands (most queries;
-   single-rank and DP paths, which need no scores). The others (and, under TP, every
-   query: the ranks' lists are merged by score) are re-scored in float64: if the weakest fp32
-   candidate lies below (the (k-1)-th float64 score - tol), no other local row can reach the
-   true top-(k-1); otherwise every local row whose fp32 score clears that threshold is
-   re-scored in float64 too (rare: near-ties at the candidate boundary). Sorting by
-   (-score64, id) gives the exact local top-(k-1), ties broken by the lower id.
+2. Each TP rank scores the chunk against its local rows with a *screen* matmul over blocks of
+   key rows (fp32; bf16 with fp32 accumulation for cosine/dot on CPUs with bf16 dot-product
+   instructions, 2.2× the FLOP rate, see `screen_dtype`; ``cdist`` for L1), masks excluded
+   rows and the anchor itself, and takes a local top-(k-1+margin) in two stages (maxima of
+   32-row blocks, then the best blocks' rows).
+3. A rigorous error bound ``tol`` of one screen score certifies the result (`_upper`,
+   `_lower`). A query whose first k candidates are apart (each one's lower bound above the
+   next one's upper bound; under the bf16 screen, after re-scoring the candidates in fp32)
+   is exact as it stands (most queries; single-rank and DP paths, which need no scores). The
+   others (and, under TP, every query: the ranks' lists are merged by score) are re-scored in
+   float64: if the weakest candidate's upper bound lies below the (k-1)-th float64 score, no
+   other local row can reach the true top-(k-1); otherwise every local row whose upper bound
+   reaches it is re-scored in float64 too (rare: near-ties at the candidate boundary). Sorting
+   by (-score64, id) gives the exact local top-(k-1), ties broken by the lower id.
 4. The local lists are all-gathered over TP (one all-gather of (score, id) pairs) and merged
    in the same order (the global top-(k-1) is contained in the union of the local ones); the
    DP shares are all-gathered at the end.
@@ -27,17 +30,20 @@ Algorithm (never materialises V×V):
 The result equals the float64 definition :func:`pair_scores64` evaluated for every pair and
 sorted by (-score, id) (``testing.reference.neighbor_table64``), and is replicated on every rank.
 
-Peak extra memory per rank, with ``c = chunk_size``, ``V_l`` local rows and width ``d``:
-``4·c·V_l`` bytes of fp32 chunk scores (one reused buffer), ``4·V_l·d`` for the fp32 (normalised
-under cosine) copy of the local rows (none for fp32 weights under dot/l2), ``4·c·d`` for the
-query chunk, small [c, k+margin] candidate buffers, float64
+Peak extra memory per rank, with ``c = chunk_size``, ``V_l`` local rows, width ``d`` and ``b``
+bytes per screen value (4 for fp32, 2 for bf16): ``b·c·V_l`` bytes of chunk scores (one reused
+buffer), ``b·V_l·d`` for the screen (normalised under cosine) copy of the local rows (none for
+fp32 weights under dot/l2 with the fp32 screen), ``4·c·d`` for the query chunk, small
+[c, k+margin] candidate buffers and their fp32 rows (``4·c·(k+margin)·d``), float64
 re-scoring in blocks of at most 32 MiB, and ``~40`` bytes per above-threshold (query, row) pair
 of the near-tie fallback (bounded by ``c·V_l`` pairs in the degenerate all-ties case). E.g.
-Qwen2.5-1.5B (V_l = 151936, d = 1536) at c = 1024: 0.62 GB of scores + 0.93 GB normalised copy.
+Qwen2.5-1.5B (V_l = 151936, d = 1536) at c = 1024: 0.31 GB of scores + 0.47 GB bf16 copy
+(0.62 + 0.93 GB with the fp32 screen).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -47,9 +53,15 @@ import torch.nn.functional as F
 
 from megatron_ngrpo.mixing.config import METRICS, MixingConfig
 
-# Extra fp32 candidates per query beyond k-1: enough that the float64 certificate almost always
-# holds, so the fallback re-scoring runs only on genuine near-ties.
-_MARGIN = 2
+# Extra candidates per query beyond k-1, per screen dtype: enough that the certificate almost
+# always holds, so the fallback re-scoring runs only on genuine near-ties. The bf16 screen's
+# error bound is ~30× the fp32 one, hence its wider margin (fallback on 0 of 4096 random 32768 × 512
+# queries and 1 of 1024 random 151936 × 1536 ones at k = 3). The symmetric path's running top-m merge costs grow with m
+# while its fallback is one cheap row of scores: a narrower margin there (~0.5% fallback).
+_MARGIN = {torch.float32: 2, torch.bfloat16: 14}
+_SYMMETRIC_MARGIN = {torch.float32: 2, torch.bfloat16: 6}
+# Unit roundoff of a bf16 value (8 significant bits).
+_U_BF16 = 2.0 ** -8
 _NORM_EPS = 1e-12
 # Id of "no candidate" (-inf score) entries: above every id, exact in float64.
 _SENTINEL = 2 ** 53
@@ -210,19 +222,22 @@ def exclusion_mask(vocab_size: int, cfg: MixingConfig, num_real_tokens: int, spe
 
 
 class _Keys:
-    """This rank's key rows in the forms the scoring needs (fp32 for scoring, float64 for the
-    certificate) and the fp32 error bound of one score."""
+    """This rank's key rows in the forms the scoring needs (the screen dtype for scoring, float64
+    for the certificate) and the error bound of one screen score."""
 
     def __init__(self, weight: torch.Tensor, vocab_start: int, metric: str, exclude: torch.Tensor):
         self.metric = metric
         self.start = vocab_start
         self.n, self.dim = weight.shape
         self.raw = weight
-        w32 = weight.float()
-        norms = w32.norm(dim=1)
-        if metric == "cosine":
-            w32 = w32 / norms.clamp_min(_NORM_EPS).unsqueeze(1)
-        self.w32 = w32
+        self.screen = screen_dtype(weight.device, metric)
+        if self.screen == torch.float32:
+            w32 = weight.float()
+            norms = w32.norm(dim=1)
+            self.wmm = w32 / norms.clamp_min(_NORM_EPS).unsqueeze(1) if metric == "cosine" else w32
+        else:
+            norms = self._prepare_bf16(weight)
+        self.norm32 = norms
         self.sq32 = norms * norms if metric == "l2" else None
         self.excluded = exclude[vocab_start:vocab_start + self.n].nonzero().squeeze(1)
         # Largest key magnitude (L2 for dot/l2, L1 for l1) for the error bound, from fp32 sums
@@ -239,21 +254,54 @@ class _Keys:
         self.u_mm = 2.02 * _input_roundoff(weight.device)
         self._buf: torch.Tensor | None = None
 
+    def _prepare_bf16(self, weight: torch.Tensor) -> torch.Tensor:
+        """The bf16 key rows ``wmm`` (normalised in fp32 first under cosine), in blocks (no fp32
+        copy of the matrix), and per row for `_bound_bf16`: ‖r‖ before and ‖r̂‖ after rounding
+        and the rounding error ‖r̂ - r‖ (the difference is exact in fp32); fp32 sums, slack
+        1e-4 as below. Returns the raw rows' fp32 norms [V_l]."""
+        n, dev = self.n, weight.device
+        self.wmm = torch.empty(n, self.dim, dtype=self.screen, device=dev)
+        norms, key_norm, self.wmm_norm, self.round_err = (torch.empty(n, device=dev) for _ in range(4))
+        for i in range(0, n, _KEY_BLOCK):
+            rows = slice(i, min(i + _KEY_BLOCK, n))
+            b = weight[rows].float()
+            norms[rows] = b.norm(dim=1)
+            if self.metric == "cosine":
+                b = b / norms[rows].clamp_min(_NORM_EPS).unsqueeze(1)
+            self.wmm[rows] = b
+            lo = self.wmm[rows].float()
+            key_norm[rows], self.wmm_norm[rows], self.round_err[rows] = b.norm(dim=1), lo.norm(dim=1), (lo - b).norm(dim=1)
+        key_norm, self.wmm_norm, self.round_err = (t.double() * (1 + 1e-4) for t in (key_norm, self.wmm_norm, self.round_err))
+        self.key_max, self.wmm_max, self.round_max = (
+            float(t.max()) if n else 0.0 for t in (key_norm, self.wmm_norm, self.round_err))
+        return norms
+
     def _out(self, c: int) -> torch.Tensor:
-        """Reused [V_l, c] fp32 score buffer (fresh pages for every chunk cost page faults)."""
+        """Reused [V_l, c] score buffer (fresh pages for every chunk cost page faults)."""
         if self._buf is None or self._buf.shape[1] < c:
-            self._buf = torch.empty(self.n, c, dtype=torch.float32, device=self.raw.device)
+            self._buf = torch.empty(self.n, c, dtype=self.screen, device=self.raw.device)
         return self._buf[:, :c] if self._buf.shape[1] == c else self._buf.view(-1)[:self.n * c].view(self.n, c)
 
-    def bound(self, q32: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-        """For query rows q32 [c, d]: the fp32 right-hand side of the score matmul qt [d, c]
-        (None for l1), the per-query shift [c] (float64, score ≈ fp32 score + shift) and the
-        error bound tol [c] (float64) of one fp32 score."""
+    def bound(self, q32: torch.Tensor, own: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """For query rows q32 [c, d]: the right-hand side of the score matmul qt [d, c] in the
+        screen dtype (None for l1), the per-query shift [c] (float64, score ≈ screen score +
+        shift) and the error bound tol [c] (float64) of one screen score (before its rounding
+        to the screen dtype: see `upper`). ``own`` [c]: the queries are these local key rows,
+        scored as the very vectors the keys are (the symmetric path reads each product from
+        both sides; cosine, dot)."""
+        q64 = q32.double()
+        shift = torch.zeros(q32.shape[0], dtype=torch.float64, device=q32.device)
+        if self.screen != torch.float32:
+            return self._bound_bf16(q32, own)
+        return self._bound_fp32(q32, own)
+
+    def _bound_fp32(self, q32: torch.Tensor, own: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         q64 = q32.double()
         shift = torch.zeros(q32.shape[0], dtype=torch.float64, device=q32.device)
         if self.metric == "cosine":  # unit rows (to within the slack of 3γ)
             tol = 3.0 * self.gamma + 1.01 * self.u_mm
-            return F.normalize(q32, dim=1, eps=_NORM_EPS).T, shift, torch.full_like(shift, tol)
+            qt = self.wmm[own].T if own is not None else F.normalize(q32, dim=1, eps=_NORM_EPS).T
+            return qt, shift, torch.full_like(shift, tol)
         if self.metric == "dot":
             return q32.T, shift, (self.gamma + self.u_mm) * q64.norm(dim=1) * self.max_l2
         if self.metric == "l2":  # -|q-r|² = 2q·r - |r|² - |q|²; |q|² is a per-query shift
@@ -262,11 +310,44 @@ class _Keys:
             return q32.T, -(q64 * q64).sum(1), tol
         return None, shift, self.gamma * (q64.abs().sum(1) + self.max_l1)  # cdist: no matmul
 
-    def scores32(self, q32: torch.Tensor, ids: torch.Tensor, first: int = 0) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-        """Scores of queries with global ids ``ids`` [c] (rows q32 [c, d]) against the local keys
-        ``first ..``.
+    def _bound_bf16(self, q32: torch.Tensor, own: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`bound` of the bf16 screen (cosine, dot): q̂·r̂ accumulated in fp32 (products of bf16
+        values are exact in fp32), then rounded once to bf16 (checked on oneDNN's kernels). With
+        q, r the fp32 rows (normalised under cosine), |q̂·r̂ - q·r| ≤ ‖q̂ - q‖‖r‖ + ‖q̂‖‖r̂ - r‖
+        (Cauchy-Schwarz), measured per query and maximised over keys: ~1.3 u_bf16 on random
+        rows where the a-priori (2u + u²)‖q‖‖r‖ is 2 u; plus fp32 accumulation γ‖q̂‖‖r̂‖ and,
+        under cosine, the fp32 normalisation (2γ, as in the fp32 bound). The symmetric path's
+        queries are the key rows themselves, so the bound of a product holds from both sides."""
+        if own is not None:
+            qlo, qn, dq = self.wmm[own], self.wmm_norm[own], self.round_err[own]
+        else:
+            q = F.normalize(q32, dim=1, eps=_NORM_EPS) if self.metric == "cosine" else q32
+            qlo = q.to(self.screen)
+            qn = qlo.double().norm(dim=1) * (1 + 1e-12)
+            dq = (qlo.float() - q).double().norm(dim=1) * (1 + 1e-12)
+        tol = dq * self.key_max + qn * self.round_max + self.gamma * qn * self.wmm_max
+        if self.metric == "cosine":
+            tol = tol + 2.0 * self.gamma
+        return qlo.T, torch.zeros_like(tol), tol
 
-        Returns transposed fp32 scores st [V_l - first, c] (shifted by a per-query constant;
+    def rescore32(self, q32: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 scores [c, m] of queries q32 [c, d] against local rows ``cols`` [c, m], from the
+        raw rows (cosine: divided by their fp32 norms; no normalised copy is kept), and their
+        error bound [c] (float64): the fp32 screen's, which covers one more rounding (3γ holds
+        a factor 4 of slack). Cheaper than float64 re-scoring: the bf16 screen's interval is
+        too wide to separate neighbours, this one usually is."""
+        qt, _, tol = self._bound_fp32(q32)
+        s = torch.bmm(self.raw[cols].float(), qt.T.unsqueeze(2)).squeeze(2)
+        if self.metric == "cosine":
+            s = s / self.norm32[cols].clamp_min(_NORM_EPS)
+        return s, tol
+
+    def screen_scores(self, q32: torch.Tensor, ids: torch.Tensor, first: int = 0,
+                      own: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """Screen scores of queries with global ids ``ids`` [c] (rows q32 [c, d]) against the
+        local keys ``first ..`` (``own``: the queries are local key rows, see `bound`).
+
+        Returns transposed screen-dtype scores st [V_l - first, c] (shifted by a per-query constant;
         excluded keys and each query's own row set to -inf), the maxima of every _TOPK_BLOCK
         keys [(V_l - first) // _TOPK_BLOCK, c] (or None), the shift [c] (float64, score ≈ st +
         shift) and the per-query error bound tol [c] (float64). Keys-major, in blocks of
@@ -274,7 +355,7 @@ class _Keys:
         in cache.
         """
         c, n = q32.shape[0], self.n - first
-        qt, shift, tol = self.bound(q32)
+        qt, shift, tol = self.bound(q32, ids - self.start if own else None)
         out = self._out(c)[:n]
         own = ids - self.start - first
         cols = ((own >= 0) & (own < n)).nonzero().squeeze(1)
@@ -286,15 +367,15 @@ class _Keys:
         own_at = torch.searchsorted(own, starts).tolist()
         ex_at = torch.searchsorted(excluded, starts).tolist()
         nb = n // _TOPK_BLOCK
-        maxima = torch.empty(nb, c, dtype=torch.float32, device=q32.device) if nb else None
+        maxima = torch.empty(nb, c, dtype=self.screen, device=q32.device) if nb else None
         for bi, j in enumerate(range(0, n, _KEY_BLOCK)):
             blk = slice(j, min(j + _KEY_BLOCK, n))
             keys = slice(first + blk.start, first + blk.stop)
             o = out[blk]
             if self.metric == "l1":
-                o.copy_(torch.cdist(self.w32[keys].unsqueeze(0), q32.unsqueeze(0), p=1).squeeze(0)).neg_()
+                o.copy_(torch.cdist(self.wmm[keys].unsqueeze(0), q32.unsqueeze(0), p=1).squeeze(0)).neg_()
             else:
-                _mm_into(self.w32[keys], qt, o)
+                _mm_into(self.wmm[keys], qt, o)
                 if self.metric == "l2":
                     o.mul_(2.0).sub_(self.sq32[keys].unsqueeze(1))
             if ex_at[bi + 1] > ex_at[bi]:
@@ -368,39 +449,57 @@ def _local_topk(keys: _Keys, q32: torch.Tensor, ids: torch.Tensor, kk: int,
     """Exact local top-kk of the queries ``ids`` [c] (rows q32): float64 scores [c, kk] (-inf
     where fewer allowed local rows; None unless ``exact_scores``) and global ids [c, kk]
     (ordered by (-score, id); id = _SENTINEL for -inf entries)."""
-    st32, maxima, shift, tol = keys.scores32(q32, ids)  # [V_l, c]
-    vals, cols = _blocked_topk(st32, maxima, min(kk + _MARGIN, keys.n))
-    return _certify(keys, q32, vals, cols, shift, tol, kk, lambda r: st32[:, r].T, exact_scores)
+    st, maxima, shift, tol = keys.screen_scores(q32, ids)  # [V_l, c]
+    vals, cols = _blocked_topk(st, maxima, min(kk + _MARGIN[keys.screen], keys.n))
+    return _certify(keys, q32, vals, cols, shift, tol, kk, lambda r: st[:, r].T, exact_scores)
 
 
-def _certify(keys: _Keys, q32, vals, cols, shift, tol, kk: int, rows32,
+def _certify(keys: _Keys, q32, vals, cols, shift, tol, kk: int, screen_rows,
              exact_scores: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Exact top-kk ids [c, kk] (and, with ``exact_scores``, their float64 scores) from the
-    fp32 top-m candidates ``vals``/``cols`` [c, m] (sorted by decreasing value; m ≥ kk unless
+    screen top-m candidates ``vals``/``cols`` [c, m] (sorted by decreasing value; m ≥ kk unless
     the partition is smaller) of queries q32 [c, d].
 
-    A row whose first kk+1 fp32 scores are each more than 2·tol above the next is exact as it
-    stands: every true score lies within tol of its fp32 score, so the order of the kk and their
-    lead over every other key (≤ the (kk+1)-th fp32 score) hold exactly, without ties (81% of
-    the rows of a random Gaussian 32768 × 512 matrix at k = 3); only the others are re-scored
-    in float64 (:func:`_certify64`). Scores are needed when TP ranks merge their local lists."""
+    A row whose first kk+1 scores are apart (each one's lower bound, :func:`_lower`, above the
+    next one's upper bound, and the kk-th's above every other key's, ≤ the weakest candidate's)
+    is exact as it stands: the order of the kk and their lead hold exactly, without ties (81%
+    of the rows of a random Gaussian 32768 × 512 matrix at k = 3 under the fp32 screen; the
+    bf16 screen's interval is too wide for that, so its candidates are re-scored in fp32 first,
+    `_Keys.rescore32`). Only the others are re-scored in float64 (:func:`_certify64`). Scores
+    (float64, of the kk only on rows that are apart) are needed when TP ranks merge their
+    local lists."""
     m = vals.shape[1]
-    if exact_scores or m <= kk:
-        return _certify64(keys, q32, vals, cols, shift, tol, kk, rows32)
-    v = vals[:, :kk + 1].double()
-    apart = (v[:, :kk] - v[:, 1:] > 2.0 * tol.unsqueeze(1)) | torch.isneginf(v[:, 1:])
-    slow = (~(apart.all(1) & torch.isfinite(v[:, kk - 1]))).nonzero().squeeze(1)
-    ids = cols[:, :kk] + keys.start
+    if m <= kk:
+        return _certify64(keys, q32, vals, cols, shift, tol, kk, screen_rows)
+    # Every other key scores at most the weakest candidate's upper bound.
+    ceiling = _upper(vals[:, m - 1], tol) if m < keys.n else torch.full_like(tol, float("-inf"))
+    v, c, t = vals, cols, tol
+    if vals.dtype == torch.bfloat16:
+        s, t = keys.rescore32(q32, cols)
+        v, pos = torch.sort(s.masked_fill_(torch.isneginf(vals), float("-inf")), dim=1, descending=True)
+        c = torch.gather(cols, 1, pos)
+    t = t.unsqueeze(1)
+    apart = (_lower(v[:, :kk], t) > _upper(v[:, 1:kk + 1], t)) | torch.isneginf(v[:, 1:kk + 1])
+    lead = _lower(v[:, kk - 1], t.squeeze(1)) > ceiling
+    fast = apart.all(1) & lead & torch.isfinite(v[:, kk - 1])
+    slow = (~fast).nonzero().squeeze(1)
+    ids = c[:, :kk] + keys.start
+    scores = None
+    if exact_scores:
+        scores = torch.empty(ids.shape, dtype=torch.float64, device=ids.device)
+        scores[fast] = keys.scores64(q32[fast], c[fast, :kk])
     if slow.numel():
-        ids[slow] = _certify64(keys, q32[slow], vals[slow], cols[slow], shift[slow], tol[slow], kk,
-                               lambda r: rows32(slow[r]))[1]
-    return None, ids
+        s64, ids[slow] = _certify64(keys, q32[slow], vals[slow], cols[slow], shift[slow], tol[slow], kk,
+                                    lambda r: screen_rows(slow[r]))
+        if exact_scores:
+            scores[slow] = s64
+    return scores, ids
 
 
-def _certify64(keys: _Keys, q32, vals, cols, shift, tol, kk: int, rows32) -> tuple[torch.Tensor, torch.Tensor]:
+def _certify64(keys: _Keys, q32, vals, cols, shift, tol, kk: int, screen_rows) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_certify` by float64 re-scoring of the candidates, and the near-tie fallback on
-    the rows the certificate does not cover (``rows32(r)`` → their fp32 scores [len(r), V_l]
-    against every local key, excluded keys and self at -inf)."""
+    the rows the certificate does not cover (``screen_rows(r)`` → their screen scores
+    [len(r), V_l] against every local key, excluded keys and self at -inf)."""
     m = vals.shape[1]
     cand64 = keys.scores64(q32, cols).masked_fill_(torch.isneginf(vals), float("-inf"))
     if m < kk:  # fewer local rows than kk: pad
@@ -408,11 +507,11 @@ def _certify64(keys: _Keys, q32, vals, cols, shift, tol, kk: int, rows32) -> tup
         cand64 = F.pad(cand64, (0, pad), value=float("-inf"))
         cols = F.pad(cols, (0, pad), value=0)
         vals = F.pad(vals, (0, pad), value=float("-inf"))
-    # The kk-th best float64 score among candidates is a lower bound of the true kk-th score.
+    # The kk-th best float64 score among candidates is a lower bound of the true kk-th score;
+    # no other key can reach it if the weakest candidate's upper bound stays below.
     bound = torch.topk(cand64, kk, dim=1).values[:, -1]
-    threshold = bound - tol
-    weakest = vals[:, m - 1].double() + shift
-    certified = (m == keys.n) | torch.isneginf(vals[:, m - 1]) | (weakest < threshold)
+    ceiling = _upper(vals[:, m - 1], tol) + shift
+    certified = (m == keys.n) | torch.isneginf(vals[:, m - 1]) | (ceiling < bound)
 
     sentinel = _SENTINEL
     ids = torch.where(torch.isneginf(cand64), torch.full_like(cols, sentinel), cols + keys.start)
@@ -422,7 +521,7 @@ def _certify64(keys: _Keys, q32, vals, cols, shift, tol, kk: int, rows32) -> tup
     retry = (~certified).nonzero().squeeze(1)
     if retry.numel():
         out_scores[retry], out_ids[retry] = _rescore_above(
-            keys, q32[retry], rows32(retry), (threshold - shift)[retry], kk, sentinel)
+            keys, q32[retry], screen_rows(retry), (bound - shift)[retry], tol[retry], kk, sentinel)
     return out_scores, out_ids
 
 
@@ -439,15 +538,15 @@ def _symmetric_neighbors(keys: _Keys, kk: int, chunk: int) -> torch.Tensor:
     path. Then each query's top-m is certified exactly as in :func:`_local_topk`.
     """
     n, dev = keys.n, keys.raw.device
-    m = min(kk + _MARGIN, n)
-    run_v = torch.full((n, m), float("-inf"), dtype=torch.float32, device=dev)
+    m = min(kk + _SYMMETRIC_MARGIN[keys.screen], n)
+    run_v = torch.full((n, m), float("-inf"), dtype=keys.screen, device=dev)
     run_i = torch.zeros(n, m, dtype=torch.long, device=dev)
     excluded = torch.zeros(n, dtype=torch.bool, device=dev)
     excluded[keys.excluded] = True
     for c0 in range(0, n, chunk):
         c1 = min(c0 + chunk, n)
         c = c1 - c0
-        st, maxima, _, _ = keys.scores32(keys.raw[c0:c1].float(), torch.arange(c0, c1, device=dev), first=c0)
+        st, maxima, _, _ = keys.screen_scores(keys.raw[c0:c1].float(), torch.arange(c0, c1, device=dev), c0, own=True)
         vals, cols = _blocked_topk(st, maxima, min(m, n - c0))
         _merge_topk(run_v, run_i, slice(c0, c1), vals, cols + c0)
         if c1 == n:
@@ -465,9 +564,9 @@ def _symmetric_neighbors(keys: _Keys, kk: int, chunk: int) -> torch.Tensor:
         c1 = min(c0 + chunk, n)
         q32 = keys.raw[c0:c1].float()
         ids = torch.arange(c0, c1, device=dev)
-        _, shift, tol = keys.bound(q32)
+        _, shift, tol = keys.bound(q32, ids)
         _, out[c0:c1] = _certify(keys, q32, run_v[c0:c1], run_i[c0:c1], shift, tol, kk,
-                                 lambda r: keys.scores32(q32[r], ids[r])[0].T, exact_scores=False)
+                                 lambda r: keys.screen_scores(q32[r], ids[r], own=True)[0].T, exact_scores=False)
     ex = keys.excluded
     for i in range(0, ex.numel(), chunk):
         out[ex[i:i + chunk]] = _chunk_neighbors(keys, ex[i:i + chunk], kk, None)
@@ -483,10 +582,11 @@ def _merge_topk(run_v: torch.Tensor, run_i: torch.Tensor, rows, vals: torch.Tens
     run_v[rows], run_i[rows] = top, torch.gather(i, 1, pos)
 
 
-def _rescore_above(keys: _Keys, q32, s32, threshold32, kk: int, sentinel: int):
-    """Near-tie fallback: float64 re-scoring of every local row whose fp32 score reaches the
-    threshold (contains the true top-kk by the error bound); exact top-kk per query."""
-    row, col = (s32.double() >= threshold32.unsqueeze(1)).nonzero(as_tuple=True)
+def _rescore_above(keys: _Keys, q32, s, bound, tol, kk: int, sentinel: int):
+    """Near-tie fallback: float64 re-scoring of every local row whose screen score ``s``
+    [r, V_l] has an upper bound reaching ``bound`` [r] (a lower bound of the true kk-th score,
+    shift removed: contains the true top-kk); exact top-kk per query."""
+    row, col = (_upper(s, tol.unsqueeze(1)) >= bound.unsqueeze(1)).nonzero(as_tuple=True)
     s64 = keys.scores64(q32[row], col.unsqueeze(1)).squeeze(1)
     ids = col + keys.start
     # Sort pairs by (row, -score, id) with stable sorts, least significant key first.
@@ -506,6 +606,46 @@ def _rescore_above(keys: _Keys, q32, s32, threshold32, kk: int, sentinel: int):
     return scores, out
 
 
+def _upper(v: torch.Tensor, tol: torch.Tensor) -> torch.Tensor:
+    """float64 upper bound of the true (shifted) score of screen scores ``v`` whose error bound
+    is ``tol`` (broadcastable). A bf16 value is also off by up to u_bf16·|v| (its own rounding:
+    x = fl(x)(1 + δ), |δ| ≤ u) and by less than 2^-133 where it is subnormal; an fp32 value's
+    rounding is inside ``tol``."""
+    if v.dtype != torch.bfloat16:
+        return v.double() + tol
+    v = v.double()
+    return v * torch.where(v >= 0, 1 + _U_BF16, 1 - _U_BF16) + (tol + 2.0 ** -120)
+
+
+def _lower(v: torch.Tensor, tol: torch.Tensor) -> torch.Tensor:
+    """float64 lower bound, the counterpart of :func:`_upper`."""
+    if v.dtype != torch.bfloat16:
+        return v.double() - tol
+    v = v.double()
+    return v * torch.where(v >= 0, 1 - _U_BF16, 1 + _U_BF16) - (tol + 2.0 ** -120)
+
+
+def screen_dtype(device: torch.device, metric: str) -> torch.dtype:
+    """dtype of the scoring matmul: bf16 on CPUs with bf16 dot-product instructions (AVX512-BF16,
+    AMX), where oneDNN's bf16 GEMM with fp32 accumulation runs 2.2× the fp32 sgemm's FLOP rate
+    (measured on the AMD EPYC machines here), for the matmul metrics whose score is the bare
+    product (cosine, dot); fp32 otherwise. Exactness does not depend on it: the certificate's
+    bound follows the dtype. GPUs keep fp32 (TF32 per torch's setting, `_input_roundoff`)."""
+    if device.type != "cpu" or metric not in _SYMMETRIC or not _cpu_has_bf16_dot():
+        return torch.float32
+    return torch.bfloat16
+
+
+@functools.cache
+def _cpu_has_bf16_dot() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def _input_roundoff(device: torch.device) -> float:
     """Unit roundoff to which an fp32 matmul on ``device`` rounds its inputs: 0 for IEEE fp32
     products (CPU: numpy's BLAS), 2^-11 under TF32 (``torch.set_float32_matmul_precision("high")``
@@ -521,9 +661,9 @@ def _input_roundoff(device: torch.device) -> float:
 
 
 def _mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-    """out = a @ b (fp32). On CPU through numpy's BLAS (OpenBLAS): on the AMD EPYC machines here
+    """out = a @ b. fp32 on CPU through numpy's BLAS (OpenBLAS): on the AMD EPYC machines here
     torch's MKL sgemm is ~10% slower, and this matmul is nearly all of the table's cost."""
-    if out.device.type == "cpu":
+    if out.device.type == "cpu" and out.dtype == torch.float32:
         np.matmul(a.numpy(), b.numpy(), out=out.numpy())
     else:
         torch.mm(a, b, out=out)
