@@ -19,8 +19,9 @@ tensors, names and shapes from :mod:`megatron_ngrpo.conversion.mapping`):
   so a placement would have to describe a fused, permuted layout vLLM's resharder does not model.
 
 Memory: the source gathers one Megatron parameter at a time over TP (and broadcasts it over PP),
-and the sender holds at most one bucket (a tensor larger than the bucket travels alone), so the
-peak extra memory is one bucket plus one full tensor, never the model. Every rank is the sender
+and the sender holds at most one bucket (a tensor larger than the bucket travels alone; the
+``gloo`` sender keeps that buffer between syncs), so the peak extra memory is one bucket plus
+one full tensor, never the model. Every rank is the sender
 of its own colocated vLLM engine; the gather is a collective of the model-parallel group. Why not
 shard-to-shard: vLLM's ``load_weights`` takes full HF tensors and cuts its own TP shard (and
 fuses q/k/v, gate/up in vLLM's per-rank order), which differs from Megatron's shard layout.
@@ -140,6 +141,21 @@ def _views(buf: torch.Tensor, dtypes, shapes, offsets) -> list[torch.Tensor]:
             for o, dt, s in zip(offsets, dtypes, shapes)]
 
 
+class _Staging:
+    """The sender's reused bucket buffer: a fresh multi-MiB tensor for every bucket costs the
+    page faults of zero-filled pages at every sync (~1 ms per M fp32 params here), more than
+    the copy into it. The receiver cannot reuse one: vLLM's layerwise reload keeps the loaded
+    tensors (views of the bucket) until each layer is complete, some until the reload ends."""
+
+    def __init__(self):
+        self.buf = torch.empty(0, dtype=torch.uint8)
+
+    def get(self, size: int) -> torch.Tensor:
+        if self.buf.numel() < size:
+            self.buf = torch.empty(size, dtype=torch.uint8)
+        return self.buf[:size]
+
+
 def _pair_group(host: str, port: int, rank: int, timeout_s: float, store=None):
     """The two-member gloo group (rank 0 trainer, rank 1 vLLM worker)."""
     import torch.distributed as dist
@@ -185,7 +201,7 @@ class GlooWeightTransferEngine(base.WeightTransferEngine[GlooInitInfo, GlooUpdat
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
         dtypes = [getattr(torch, d) for d in update_info.dtype_names]
         offsets, size = _layout(dtypes, update_info.shapes)
-        buf = torch.empty(size, dtype=torch.uint8)
+        buf = torch.empty(size, dtype=torch.uint8)  # a fresh one: see _Staging
         self.group.recv([buf], 0, 0).wait()
         tensors = self._unpack(buf, dtypes, update_info.shapes, offsets)
         if update_info.digests is not None:
@@ -239,6 +255,7 @@ class GlooTrainerWeightTransferEngine(base.TrainerWeightTransferEngine[GlooTrain
         join()
         engine.store = store
         engine.stats = {}
+        engine.staging = _Staging()
         return engine
 
     def send_weights(self) -> None:
@@ -264,7 +281,7 @@ class GlooTrainerWeightTransferEngine(base.TrainerWeightTransferEngine[GlooTrain
         dtypes = [t.dtype for _, t in bucket]
         shapes = [list(t.shape) for _, t in bucket]
         offsets, size = _layout(dtypes, shapes)
-        buf = torch.empty(size, dtype=torch.uint8)
+        buf = self.staging.get(size)
         for view, (_, t) in zip(_views(buf, dtypes, shapes, offsets), bucket):
             view.copy_(t)
         info = GlooUpdateInfo(names=[n for n, _ in bucket], dtype_names=[str(d).split(".")[-1] for d in dtypes],
@@ -275,7 +292,7 @@ class GlooTrainerWeightTransferEngine(base.TrainerWeightTransferEngine[GlooTrain
         stats["buckets"] += 1
 
     def shutdown(self) -> None:
-        self.group = self.store = None
+        self.group = self.store = self.staging = None
 
 
 def _in_thread(fn, *args):
