@@ -29,6 +29,7 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
 )
 
+from megatron_ngrpo.compat.cpu import bypass
 from megatron_ngrpo.mixing.records import MixRecord
 
 
@@ -100,6 +101,10 @@ class MixingVocabParallelEmbedding(VocabParallelEmbedding):
     def _mixed_local_rows(self, input_: torch.Tensor, mix: MixBatch, rows: torch.Tensor) -> torch.Tensor:
         """This rank's share [B, S, h] of E[input_] with flat positions ``rows`` replaced by
         Σ w·E[ids] (+ noise on TP rank 0)."""
+        with bypass():  # none of these calls needs the CPU shim's redirects
+            return self._mixed_local_rows_unshimmed(input_, mix, rows)
+
+    def _mixed_local_rows_unshimmed(self, input_: torch.Tensor, mix: MixBatch, rows: torch.Tensor) -> torch.Tensor:
         b, s = input_.shape
         ids, outside = self._localise(input_.reshape(-1))
         cand_ids, cand_outside = self._localise(mix.ids.reshape(b * s, -1).index_select(0, rows))
@@ -156,6 +161,11 @@ class _MixedLookup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        with bypass():
+            return _MixedLookup._backward(ctx, grad)
+
+    @staticmethod
+    def _backward(ctx, grad):
         ids, outside, rows, cand_ids, cand_w = ctx.saved_tensors
         sink = ctx.num_rows
         acc = torch.promote_types(grad.dtype, torch.float32)
