@@ -70,15 +70,15 @@ def main() -> None:
             print(sync)
         engines["vllm"].close()
         return
-    syncs = []
+    syncs, n_model = [], model_params(engines["vllm"], trainer.chunks)
 
     def step(name: str):
         def run():
             trainer.engine = engines[name]
             out = trainer.train_step()
             trainer.step += 1
-            if name == "vllm":
-                syncs.append((out["weight_sync/load_seconds"], out["weight_sync/num_params"]))
+            if name == "vllm":  # per M parameters of the model (a rank loads fewer shard-to-shard)
+                syncs.append((out["weight_sync/load_seconds"], n_model))
             return None
         return run
 
@@ -98,9 +98,19 @@ def main() -> None:
     engines["vllm"].close()
 
 
+def model_params(engine, chunks) -> int:
+    """Parameters of the HF model the engine syncs."""
+    import math
+
+    from megatron_ngrpo.conversion.mapping import export_hf_layout
+
+    return sum(math.prod(shape) for _, shape, _ in export_hf_layout(chunks, engine.spec))
+
+
 def weight_sync_comparison(engine, chunks, max_seconds: float) -> str:
     """gloo weight-transfer route vs reload route on one colocated engine, whole syncs in
-    interleaved pairs (a collective of all ranks); CPU seconds per M parameters."""
+    interleaved pairs (a collective of all ranks), shard-to-shard where the engine syncs so
+    (``engine.tp_shards``); CPU seconds per M parameters of the model."""
     import numpy as np
     import torch.distributed as dist
 
@@ -108,15 +118,16 @@ def weight_sync_comparison(engine, chunks, max_seconds: float) -> str:
     from megatron_ngrpo.rollout.weight_transfer import MegatronSource
 
     engine.sync_weights(chunks)  # builds the sender (the rendezvous is not a sync)
-    num_params = engine.last_sync["num_params"]
+    num_params = model_params(engine, chunks)
+    shards = engine.tp_shards
 
     def gloo():
-        engine._sender.send(MegatronSource(chunks, engine.spec))
+        engine._sender.send(MegatronSource(chunks, engine.spec, tp_shards=shards))
         return num_params / 1e6
 
     def reload():
-        engine.llm.collective_rpc("reload_weights",
-                                  kwargs={"weights_iterator": export_hf_tensors(chunks, engine.spec)})
+        engine.llm.collective_rpc("reload_weights", kwargs={
+            "weights_iterator": export_hf_tensors(chunks, engine.spec, tp_shards=shards)})
         return num_params / 1e6
 
     r = compare(gloo, reload, label="weight sync, gloo / reload route", max_seconds=max_seconds / 2,
@@ -128,7 +139,7 @@ def weight_sync_comparison(engine, chunks, max_seconds: float) -> str:
         c, w = paired_median_ratio(cpu, np.ones_like(cpu)), paired_median_ratio(wall, np.ones_like(wall))
         lines.append(f"{name} route: {c} CPU s per M params, wall {w} s per M params "
                      f"({num_params / 1e6:.2f} M params, median [95% CI], {r.pairs} syncs, bucket "
-                     f"{engine.cfg.sync_bucket_mb:g} MiB)")
+                     f"{engine.cfg.sync_bucket_mb:g} MiB, shard-to-shard: {'yes' if shards else 'no'})")
     return "\n".join(lines)
 
 

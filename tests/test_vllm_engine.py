@@ -346,8 +346,9 @@ def test_weight_transfer_config_errors(fields, match):
 def test_colocated_weights_equal_the_trainers_after_every_sync(layout):
     """2 ranks, colocated vLLM on the gloo weight-transfer route: after each of three syncs,
     vLLM's parameters (reassembled from both workers' shards at vLLM TP 2) equal the trainer's
-    exactly (tests/dist/vllm_sync_worker.py; one launch per layout: a process builds one
-    colocated engine)."""
+    exactly; at trainer TP 2 = vLLM TP 2 the first two syncs go shard-to-shard (each rank loads
+    ~half the layers' parameters), the third gathered (tests/dist/vllm_sync_worker.py; one launch
+    per layout: a process builds one colocated engine)."""
     from pathlib import Path
 
     from megatron_ngrpo.testing.multiproc import check, launch
@@ -356,6 +357,10 @@ def test_colocated_weights_equal_the_trainers_after_every_sync(layout):
                      env={"NGRPO_TEST_PG_TIMEOUT": "120"}, only=[layout])
     syncs = check(results, layout)
     assert len(syncs) == 3 and all(s["num_params"] > 0 and s["buckets"] > 10 for s in syncs), syncs
+    sharded = layout == "vllm_tp2_under_trainer_tp2"
+    assert [s["tp_shards"] for s in syncs] == [sharded, sharded, False], syncs
+    if sharded:  # the layers' parameters halve; the gathered vocabulary matrices do not
+        assert syncs[2]["num_params"] / 2 < syncs[0]["num_params"] < syncs[2]["num_params"], syncs
 
 
 def test_expected_vllm_messages_are_dropped_others_kept(engine, model_dir):

@@ -6,6 +6,9 @@ GPTModel parameters, used by checkpoint conversion and by live weight sync into 
 * :func:`load_hf_tensors` — the same, copied into the chunks' parameters.
 * :func:`export_hf_tensors` — model chunks → ``(hf_name, full tensor)`` one tensor at a time,
   gathered over TP and PP on every rank (or on global rank 0 only).
+* :func:`export_hf_tensors` with ``tp_shards`` — the same without gathering the column- and
+  row-split layers: each TP rank yields its slice of every q/k/v, gate/up, o/down tensor, which is
+  vLLM's TP shard of it at the same TP size (shard-to-shard weight sync).
 
 Megatron layouts (h hidden, d head_dim, nq query heads, ng query groups = KV heads, f ffn):
 ``linear_qkv`` [ng·(nq/ng + 2)·d, h] interleaved per query group ``[q_g0 (nq/ng·d), k_g0 (d),
@@ -176,11 +179,12 @@ def fuse(spec: ArchSpec, kind: Kind, hf: list[torch.Tensor], padded_vocab: int) 
     return t
 
 
-def unfuse(spec: ArchSpec, kind: Kind, full: torch.Tensor, num_vocab: int) -> list[torch.Tensor]:
+def unfuse(spec: ArchSpec, kind: Kind, full: torch.Tensor, num_vocab: int, tp: int = 1) -> list[torch.Tensor]:
     """The full Megatron tensor → HF tensors (inverse of :func:`fuse`; vocab rows cut to
-    ``num_vocab``)."""
+    ``num_vocab``). With ``tp`` > 1, ``full`` is one TP rank's shard of a column- or row-split
+    kind and the result its slices of the HF tensors (a rank holds whole query groups)."""
     if kind is Kind.QKV:
-        ng, d = spec.num_kv_heads, spec.head_dim
+        ng, d = spec.num_kv_heads // tp, spec.head_dim
         rest = full.shape[1:]
         grouped = full.reshape(ng, -1, *rest)
         q, k, v = grouped.split([grouped.shape[1] - 2 * d, d, d], dim=1)
@@ -372,24 +376,53 @@ def _export_plan(chunks: list, spec: ArchSpec) -> tuple[list[_Item], dict[str, t
     return sorted((i for stage in everything for i in stage), key=lambda i: (i.vstage, i.index)), local
 
 
-def export_hf_layout(chunks: list, spec: ArchSpec) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+_TP_SPLIT = (Kind.QKV, Kind.GATE_UP, Kind.ROW)
+
+
+def export_hf_layout(chunks: list, spec: ArchSpec, tp_shards: bool = False
+                     ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """What :func:`export_hf_tensors` yields, in its order, without gathering: ``(hf_name, HF
     shape, dtype)`` (a collective of the PP group when PP > 1)."""
+    from megatron.core import parallel_state as ps
+
     plan, _ = _export_plan(chunks, spec)
     shapes = hf_layout(spec)
-    return [(n, shapes[n], item.dtype) for item in plan for n in rule(spec, item.global_name).hf_names]
+    tp = ps.get_tensor_model_parallel_world_size() if tp_shards else 1
+    out = []
+    for item in plan:
+        r = rule(spec, item.global_name)
+        for n in r.hf_names:
+            shape = list(shapes[n])
+            if r.kind in _TP_SPLIT and tp > 1:
+                shape[split_dim(r.kind)] //= tp
+            out.append((n, tuple(shape), item.dtype))
+    return out
+
+
+def check_tp_shards(spec: ArchSpec, tp: int, pp: int) -> str | None:
+    """Why :func:`export_hf_tensors` cannot yield TP shards for this layout, or None."""
+    if pp != 1:
+        return f"pipeline parallel size {pp} (a rank holds only its stage's layers)"
+    if spec.num_kv_heads % tp:
+        return f"{spec.num_kv_heads} KV heads do not split over TP {tp}"
+    return None
 
 
 @torch.no_grad()
 def export_hf_tensors(chunks: list, spec: ArchSpec, num_vocab: int | None = None,
-                      rank0_only: bool = False, dtype: torch.dtype | None = None
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
+                      rank0_only: bool = False, dtype: torch.dtype | None = None,
+                      tp_shards: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream the model as HF tensors ``(hf_name, full tensor)`` in model order, one Megatron
     parameter at a time: the owning PP stage's shard is broadcast over the PP group and
     all-gathered over TP (``rank0_only``: gathered to TP rank 0 of the owning stage and sent to
     global rank 0; other ranks yield nothing). Every rank of the model-parallel group must drive
     the iterator to the end. Vocab rows are cut to ``num_vocab`` (default: HF ``vocab_size``).
-    Tensors are in the parameters' dtype unless ``dtype`` is given."""
+    Tensors are in the parameters' dtype unless ``dtype`` is given.
+
+    ``tp_shards`` (PP = 1, KV heads divisible by TP: :func:`check_tp_shards`): the column- and
+    row-split kinds are not gathered; each rank yields its contiguous slice of each HF tensor
+    (rows of q/k/v, gate/up; columns of o_proj/down_proj), the layout vLLM's linear layers hold
+    at the same TP size. Vocab tensors are still gathered (the padded partitions differ)."""
     from megatron.core import parallel_state as ps
 
     num_vocab = num_vocab or spec.vocab_size
@@ -400,10 +433,17 @@ def export_hf_tensors(chunks: list, spec: ArchSpec, num_vocab: int | None = None
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     if rank0_only and ps.get_data_parallel_rank() != 0:
         return  # other data-parallel replicas hold the same weights
+    if tp_shards and (why := check_tp_shards(spec, tp, pp)):
+        raise ValueError(f"export_hf_tensors(tp_shards=True): {why}")
     for item in plan:
         kind = rule(spec, item.global_name).kind
         owner = item.vstage % pp
         shard = local.get(item.global_name)
+        names = rule(spec, item.global_name).hf_names
+        if tp_shards and kind in _TP_SPLIT and tp > 1:
+            for name, t in zip(names, unfuse(spec, kind, shard.detach(), num_vocab, tp)):
+                yield name, (t if dtype is None else t.to(dtype))
+            continue
         if rank0_only:
             full = _gather_to_rank0(item, shard, kind, owner, tp, tp_rank, pp_rank, tp_group, pp_group,
                                     device)
@@ -416,7 +456,6 @@ def export_hf_tensors(chunks: list, spec: ArchSpec, num_vocab: int | None = None
                 shard = shard.detach().contiguous()
                 dist.broadcast(shard, dist.get_global_rank(pp_group, owner), group=pp_group)
             full = _tp_gather(shard, kind, tp, tp_group, all_ranks=True)
-        names = rule(spec, item.global_name).hf_names
         for name, t in zip(names, unfuse(spec, kind, full, num_vocab)):
             yield name, (t if dtype is None else t.to(dtype))
 

@@ -121,6 +121,7 @@ class VLLMEngine(RolloutEngine):
         # consecutive blocks of ranks; every rank builds its engine at the same point.
         self.colocated = dist.is_initialized() and dist.get_world_size() > 1
         self.llm = self._build(seed)
+        self.tp_shards = self._tp_shard_sync()
 
     @classmethod
     def from_config(cls, rollout_cfg, model_cfg, **kwargs) -> "VLLMEngine":
@@ -180,6 +181,30 @@ class VLLMEngine(RolloutEngine):
         llm = LLM(**kwargs)
         llm.collective_rpc("nbr_mix_install", args=(self.num_real_tokens,))
         return llm
+
+    def _tp_shard_sync(self) -> bool:
+        """Whether weight syncs hand each vLLM worker its own rank's TP shards, gathering only
+        the vocabulary matrices (shard-to-shard): colocated, vLLM's TP groups are the trainer's
+        (same size > 1, same ranks), PP = 1, KV heads divisible by TP
+        (``conversion.mapping.check_tp_shards``); the workers' linear loaders are switched to
+        take shards. Otherwise every rank loads full tensors gathered over TP."""
+        if not self.colocated or self.cfg.tensor_parallel == 1:
+            return False
+        from megatron.core import parallel_state as ps
+        from vllm.distributed.parallel_state import get_tp_group
+
+        from megatron_ngrpo.conversion.mapping import check_tp_shards
+
+        if not ps.model_parallel_is_initialized():
+            return False
+        group = ps.get_tensor_model_parallel_group()
+        if dist.get_process_group_ranks(group) != list(get_tp_group().ranks) or check_tp_shards(
+                self.spec, dist.get_world_size(group), ps.get_pipeline_model_parallel_world_size()):
+            return False
+        self.llm.collective_rpc("nbr_load_tp_shards", args=(True,))
+        logger.info("vLLM weight sync: shard-to-shard over TP %d (vocabulary matrices gathered)",
+                    self.cfg.tensor_parallel)
+        return True
 
     def close(self) -> None:
         """Shut the engine down (frees its worker processes / KV cache); never raises, so a
@@ -243,17 +268,20 @@ class VLLMEngine(RolloutEngine):
         ``model_chunks``: this rank's Megatron chunks, any TP/PP layout. Colocated in a multi-rank
         job this is a collective of all ranks: each rank streams the full HF tensors (gathered
         over TP/PP one parameter at a time) into its vLLM worker, whose weight loaders keep the
-        worker's TP shard; by ``cfg.weight_transfer`` (vLLM's weight-transfer API in buckets of
-        ``sync_bucket_mb``, :mod:`~megatron_ngrpo.rollout.weight_transfer`, or ``reload``).
+        worker's TP shard, or, where the layouts coincide (:attr:`tp_shards`), its own shards of
+        the linear layers as they are; by ``cfg.weight_transfer`` (vLLM's weight-transfer API in
+        buckets of ``sync_bucket_mb``, :mod:`~megatron_ngrpo.rollout.weight_transfer`, or
+        ``reload``). ``last_sync["num_params"]`` counts what this rank loaded.
         """
         t0 = time.perf_counter()
         if self.cfg.weight_transfer == "reload":
-            self.load_weights(_export(model_chunks, self.spec))
+            self.load_weights(_export(model_chunks, self.spec, self.tp_shards))
         else:
             from megatron_ngrpo.rollout.weight_transfer import MegatronSource
 
-            self.push_weights(MegatronSource(model_chunks, self.spec))
+            self.push_weights(MegatronSource(model_chunks, self.spec, tp_shards=self.tp_shards))
         self.last_sync["seconds"] = time.perf_counter() - t0
+        self.last_sync["tp_shards"] = self.tp_shards
         logger.info("vLLM weight sync: %.3g M params, %.3f s", self.last_sync["num_params"] / 1e6,
                     self.last_sync["seconds"])
 
@@ -433,10 +461,10 @@ class _Keep:
             yield name, t
 
 
-def _export(model_chunks, spec):
+def _export(model_chunks, spec, tp_shards: bool):
     from megatron_ngrpo.conversion.mapping import export_hf_tensors
 
-    return export_hf_tensors(model_chunks, spec)
+    return export_hf_tensors(model_chunks, spec, tp_shards=tp_shards)
 
 
 # The vLLM minor version whose private V1 runner internals the mixing hook patches.

@@ -409,6 +409,36 @@ class NeighborMixExtension:
         response-token index. Forgets those requests."""
         return self.model_runner._nm.pop(call)
 
+    def nbr_load_tp_shards(self, on: bool) -> int:
+        """Make the TP-split linear layers (q/k/v, o, gate/up, down) take tensors that already
+        are this rank's shard (shard-to-shard weight sync, ``on``) or full HF tensors again;
+        returns how many parameters it set. vLLM's v1 loaders (biases) read their own
+        ``is_sharded_weight`` flag; its v2 parameters always cut ``narrow(tp_rank · shard,
+        shard)``, which is the identity on a shard-sized tensor at ``tp_rank`` 0. Both are set
+        on the live parameters and on the copies vLLM's layerwise reload recorded at load time
+        (it rebuilds the parameters from those). Vocab-parallel layers still cut full tensors."""
+        from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+        from vllm.model_executor.parameter import BasevLLMParameter
+
+        count = 0
+        for module in self.model_runner.get_model().modules():
+            if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                continue
+            info = LAYERWISE_INFO.get(module)
+            recorded = info.restore_metadata[0] if info is not None else {}
+            for name, param in module.named_parameters(recurse=False):
+                for p in (param, recorded.get(name)):
+                    if p is None:
+                        continue
+                    p.is_sharded_weight = on
+                    if isinstance(p, BasevLLMParameter):
+                        if not hasattr(p, "nbr_tp_rank"):
+                            p.nbr_tp_rank = p.tp_rank
+                        p.tp_rank = 0 if on else p.nbr_tp_rank
+                count += 1
+        return count
+
     def nbr_mix_stats(self) -> dict:
         """Counters since install, plus ``tracked``: requests still held (0 once every call's
         records were popped)."""

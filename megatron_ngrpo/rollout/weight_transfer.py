@@ -13,18 +13,19 @@ tensors, names and shapes from :mod:`megatron_ngrpo.conversion.mapping`):
   before loading (one-line :class:`WeightSyncError` naming the tensor).
 * ``ipc`` (colocated, GPU) and ``nccl`` (disaggregated, GPU): vLLM's own engines, packed into
   buffers of ``bucket_bytes``. Not measured here (no GPU).
-* ``nccl_m2n`` (shard-to-shard) is not wired: its trainer engine needs vLLM's ``M2NWeightSource``
-  (DTensor-style placements per parameter), and a Megatron shard is not a slice of one HF tensor:
-  ``linear_qkv`` interleaves q/k/v per query group and ``linear_fc1`` stacks ``[gate_r; up_r]``,
-  so a placement would have to describe a fused, permuted layout vLLM's resharder does not model.
+* ``nccl_m2n`` (vLLM's shard-to-shard engine) is not wired: its trainer engine needs vLLM's
+  ``M2NWeightSource`` (DTensor-style placements per parameter of one HF tensor), while a
+  Megatron shard of ``linear_qkv`` / ``linear_fc1`` fuses several; colocated shard-to-shard runs
+  on the routes above instead (below).
 
 Memory: the source gathers one Megatron parameter at a time over TP (and broadcasts it over PP),
 and the sender holds at most one bucket (a tensor larger than the bucket travels alone; the
 ``gloo`` sender keeps that buffer between syncs), so the peak extra memory is one bucket plus
-one full tensor, never the model. Every rank is the sender
-of its own colocated vLLM engine; the gather is a collective of the model-parallel group. Why not
-shard-to-shard: vLLM's ``load_weights`` takes full HF tensors and cuts its own TP shard (and
-fuses q/k/v, gate/up in vLLM's per-rank order), which differs from Megatron's shard layout.
+one full tensor, never the model. Every rank is the sender of its own colocated vLLM engine;
+the gather is a collective of the model-parallel group. With ``MegatronSource(tp_shards=True)``
+(colocated, vLLM's TP groups = the trainer's) the linear layers are not gathered: each rank
+sends its own shards as HF slices and the worker's loaders take them as they are
+(``VLLMEngine.tp_shards``); only the vocabulary matrices are gathered.
 """
 
 from __future__ import annotations
@@ -55,20 +56,22 @@ class WeightSyncError(RuntimeError):
 class MegatronSource(base.WeightSource):
     """This rank's Megatron chunks as a vLLM ``WeightSource``: ``(HF name, full tensor)`` in
     model order (:func:`~megatron_ngrpo.conversion.mapping.export_hf_tensors`; iterating is a
-    collective of the model-parallel group). ``metadata()`` is the HF layout in export order."""
+    collective of the model-parallel group; ``tp_shards``: the linear layers' TP shards as they
+    are). ``metadata()`` is the HF layout in export order."""
 
-    def __init__(self, chunks, spec):
-        self.chunks, self.spec = chunks, spec
+    def __init__(self, chunks, spec, tp_shards: bool = False):
+        self.chunks, self.spec, self.tp_shards = chunks, spec, tp_shards
 
     def metadata(self) -> list:
         from megatron_ngrpo.conversion.mapping import export_hf_layout
 
-        return [base.ParamMeta(n, dtype, shape) for n, shape, dtype in export_hf_layout(self.chunks, self.spec)]
+        return [base.ParamMeta(n, dtype, shape)
+                for n, shape, dtype in export_hf_layout(self.chunks, self.spec, self.tp_shards)]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         from megatron_ngrpo.conversion.mapping import export_hf_tensors
 
-        return export_hf_tensors(self.chunks, self.spec)
+        return export_hf_tensors(self.chunks, self.spec, tp_shards=self.tp_shards)
 
 
 class NamedSource(base.WeightSource):

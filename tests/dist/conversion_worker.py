@@ -132,6 +132,38 @@ def check_export(chunks, name: str, rank0_only: bool) -> int:
     return len(got)
 
 
+def check_tp_shard_export(chunks, name: str) -> int:
+    """export_hf_tensors(tp_shards=True): every TP-split tensor is this rank's contiguous slice
+    of the HF tensor (rows, or columns for o_proj / down_proj), the others the full tensor;
+    refused in one line where the layout cannot be cut (PP > 1, KV heads not divisible)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_ngrpo.architecture import ArchSpec
+    from megatron_ngrpo.conversion.hf_io import HFCheckpoint
+    from megatron_ngrpo.conversion.mapping import check_tp_shards, export_hf_tensors
+
+    spec = ArchSpec.from_hf(hf_dir(name))
+    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    why = check_tp_shards(spec, tp, ps.get_pipeline_model_parallel_world_size())
+    if why:
+        try:
+            list(export_hf_tensors(chunks, spec, tp_shards=True))
+        except ValueError as e:
+            assert why in str(e), e
+            return 0
+        raise AssertionError(f"tp_shards export at an unsplittable layout ({why}) did not raise")
+    ref, cut = HFCheckpoint(hf_dir(name)), 0
+    for hf_name, t in export_hf_tensors(chunks, spec, tp_shards=True):
+        full = ref[hf_name]
+        if t.shape != full.shape:
+            dim = next(d for d in range(t.dim()) if t.shape[d] != full.shape[d])
+            full = full.chunk(tp, dim=dim)[rank]
+            cut += 1
+        assert torch.equal(t, full), f"{name} {hf_name}: not rank {rank}'s slice"
+    assert (cut > 0) == (tp > 1), cut
+    return cut
+
+
 def _layout_case(tp: int, pp: int, vpp: int | None):
     def fn():
         from megatron_ngrpo.architecture import ArchSpec
@@ -145,6 +177,7 @@ def _layout_case(tp: int, pp: int, vpp: int | None):
             errors[name] = check_logits(chunks, name)
             check_export(chunks, name, rank0_only=False)
             check_export(chunks, name, rank0_only=True)
+            check_tp_shard_export(chunks, name)
         return errors
 
     fn.__name__ = layout_name(tp, pp, vpp)

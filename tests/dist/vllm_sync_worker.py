@@ -1,9 +1,9 @@
 """Colocated vLLM weight sync at 2 ranks (tests/test_vllm_engine.py), one in-process vLLM worker
 per rank (``external_launcher``), weights pushed through vLLM's weight-transfer API (the gloo
-engine, small buckets, SHA-256 per tensor): trainer TP=2 with vLLM TP=2, then trainer DP=2 with
-one vLLM TP=1 replica per rank. After every one of three syncs of changed weights, every vLLM
-parameter, read back (and reassembled from its TP shards), equals the trainer's tensors exactly
-(fp32). One case per launch (``--only``): vLLM cannot build a second colocated engine in a
+engine, small buckets, SHA-256 per tensor): trainer TP=2 with vLLM TP=2 (two syncs
+shard-to-shard, the third with gathered tensors again), then trainer DP=2 with one vLLM TP=1
+replica per rank. After every one of three syncs of changed weights, every vLLM parameter, read
+back (and reassembled from its TP shards), equals the trainer's tensors exactly (fp32). One case per launch (``--only``): vLLM cannot build a second colocated engine in a
 process whose first one has shut down.
 """
 
@@ -23,7 +23,8 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 def _syncs_match(trainer_tp: int, vllm_tp: int) -> list[dict]:
     """Three syncs of changed weights from a trainer of TP ``trainer_tp`` (DP the rest) into one
     colocated vLLM worker per rank (vLLM TP ``vllm_tp``); after each, vLLM's parameters,
-    reassembled over its TP group, equal the trainer's exactly."""
+    reassembled over its TP group, equal the trainer's exactly. Where the engine syncs
+    shard-to-shard, the third sync switches the workers back to full tensors."""
     from megatron_ngrpo.architecture import ArchSpec
     from megatron_ngrpo.conversion.hf_io import HFCheckpoint
     from megatron_ngrpo.conversion.mapping import export_hf_tensors, load_hf_tensors
@@ -54,10 +55,13 @@ def _syncs_match(trainer_tp: int, vllm_tp: int) -> list[dict]:
             with torch.no_grad():  # the same change on every rank (replicated tensors stay equal)
                 for p in chunks[0].parameters():
                     p.mul_(1.0 + 0.01 * step).add_(0.001 * step)
+            if step == 3 and engine.tp_shards:
+                engine.llm.collective_rpc("nbr_load_tp_shards", args=(False,))
+                engine.tp_shards = False
             engine.sync_weights(chunks)
             want = dict(export_hf_tensors(chunks, spec))
             assert_equal_to_hf(vllm_weights(engine.llm, group), want, where=f"sync {step}: ")
-            syncs.append({k: engine.last_sync[k] for k in ("num_params", "buckets")})
+            syncs.append({k: engine.last_sync[k] for k in ("num_params", "buckets", "tp_shards")})
         return syncs
     finally:
         engine.close()
