@@ -255,11 +255,10 @@ class NeighborMixRunner:
         ids = torch.tensor([e[0] for e in entries], dtype=self.input_ids.gpu.dtype, device=device)
         weights = torch.tensor([e[1] for e in entries], dtype=torch.float32, device=device)
         if inputs_embeds is None:  # token-id path: embed the scheduled ids here, with the candidates
+            # (eager, as VLLMConfig requires: no CUDA graph reads the static inputs_embeds buffer)
             n = num_input_tokens
             emb = self.model.embed_input_ids(torch.cat([self.input_ids.gpu[:n], ids.flatten()]))
-            inputs_embeds = self.inputs_embeds.gpu[:n]
-            inputs_embeds.copy_(emb[:n])
-            cand, input_ids = emb[n:], None
+            inputs_embeds, cand, input_ids = emb[:n], emb[n:], None
         else:
             cand = self.model.embed_input_ids(ids.flatten())
         cand = cand.view(*ids.shape, -1)  # [M, k, h]
