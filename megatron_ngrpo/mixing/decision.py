@@ -148,11 +148,11 @@ def _global_argmax(z: torch.Tensor, vocab_start: int, group) -> torch.Tensor:
 def _gather_global_columns(z: torch.Tensor, ids: torch.Tensor, vocab_start: int, group) -> torch.Tensor:
     """z[b, ids[b, j]] for global ids [B, k], across vocab partitions (one SUM all-reduce)."""
     v_local = z.shape[1]
-    local = ids - vocab_start
-    inside = (local >= 0) & (local < v_local)
+    local = ids - vocab_start if vocab_start else ids
     vals = torch.gather(z, 1, local.clamp(0, v_local - 1))
     if not _tp_active(group):
         return vals
+    inside = (local >= 0) & (local < v_local)
     # -inf (excluded ids) cannot be summed; carry them as a flag.
     finite = torch.where(inside & torch.isfinite(vals), vals, torch.zeros_like(vals))
     neg_inf = (inside & torch.isneginf(vals)).to(z.dtype)

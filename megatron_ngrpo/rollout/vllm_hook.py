@@ -57,6 +57,7 @@ GPU notes (untested here):
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 import torch
@@ -71,6 +72,7 @@ KEY_STRIDE = 1000003
 _GREEDY_EPS = 1e-5  # vLLM's threshold below which a temperature means greedy
 # MixingConfig fields the per-step decision reads (sent with every request).
 _DECISION_FIELDS = ("strategy", "k", "temperature", "gumbel_temperature")
+_NEVER = 1 << 62  # a position no request reaches
 
 
 def response_key(prompt_key: int, child: int) -> int:
@@ -94,18 +96,22 @@ def request_options(call: str, index: int, prompt_key: int, n: int, seed: int, m
 class _Request:
     """Mixing state of one opted-in request."""
 
+    req_id: str
     call: str
     index: int
     child: int
     key: int
     prompt_len: int
     seed: int
-    gated: set[int]  # response positions t whose gate fires (drawn once, at registration)
+    gated: list[int]  # sorted response positions t whose gate fires (drawn once, at registration)
     emit_anchor: bool
     stop_ids: tuple[int, ...]
     decision: MixingConfig
-    last_pos: int = -1  # highest absolute position decided so far
-    stopped: bool = False
+    group: tuple  # the settings under which gated rows share one batched decision
+    # Absolute position of the next gated position not decided yet (_NEVER: none left, or the
+    # thinking-only gate closed): one comparison per row and step, a gate lookup only when due.
+    next_gate: int = _NEVER
+    last_pos: int = -1  # highest absolute position watched (requests with stop_ids only)
     tail: list[int] = field(default_factory=list)  # last len(stop_ids) emitted tokens
     # absolute position → (ids, weights: k-lists, noise: [h] tensor or None), until it finishes
     pending: dict = field(default_factory=dict)
@@ -115,9 +121,15 @@ class _Request:
         """Track the thinking-only gate; True when ``token`` completes ``stop_ids``."""
         self.tail.append(token)
         del self.tail[: -len(self.stop_ids)]
-        if tuple(self.tail) == self.stop_ids:
-            self.stopped = True
-        return self.stopped
+        return tuple(self.tail) == self.stop_ids
+
+    def gate_fires(self, pos: int) -> bool:
+        """Whether the gate of absolute position ``pos`` (>= ``next_gate``) fires; moves
+        ``next_gate`` past ``pos``, so no position is decided twice."""
+        t = pos - self.prompt_len
+        j = bisect.bisect_right(self.gated, t)
+        self.next_gate = self.prompt_len + self.gated[j] if j < len(self.gated) else _NEVER
+        return j > 0 and self.gated[j - 1] == t
 
 
 class _MixState:
@@ -129,10 +141,20 @@ class _MixState:
         self.table: torch.Tensor | None = None
         self.noise: NoiseSpec | None = None
         self.requests: dict[str, _Request] = {}
-        self.num_pending = 0
+        # req_id → (abs_pos, entry): each request's newest mix, overlaid at its next decode step
+        self.due: dict = {}
+        # req_id → newest pending position, for preempted requests until their re-prefill passed it
+        self.refill: dict = {}
         # resumed: opted-in requests resumed after preemption; reapplied: mixes overlaid in a
-        # multi-token (re-)prefill range; applied: all overlaid mixes.
+        # re-prefill; applied: all overlaid mixes.
         self.stats = {"resumed": 0, "reapplied": 0, "applied": 0}
+
+    def resume(self, req_id: str) -> None:
+        """A preempted request is re-prefilled from scratch: its mixes are overlaid again."""
+        r = self.requests[req_id]
+        self.stats["resumed"] += 1
+        if r.pending:
+            self.refill[req_id] = max(r.pending)
 
     def register(self, new_reqs, max_model_len: int) -> None:
         """Track the opted-in requests among ``new_reqs`` (vLLM ``NewRequestData``) and draw
@@ -145,11 +167,14 @@ class _MixState:
                 continue
             child = int(new.req_id.split("_", 1)[0]) if opts["n"] > 1 else 0
             prompt_len = len(new.prompt_token_ids or ())
+            decision_cfg = MixingConfig(**opts["decision"])
+            emit_anchor = opts["emit"] == "anchor"
             r = _Request(
-                call=opts["call"], index=opts["index"], child=child,
+                req_id=new.req_id, call=opts["call"], index=opts["index"], child=child,
                 key=response_key(opts["key"], child), prompt_len=prompt_len, seed=opts["seed"],
-                gated=set(), emit_anchor=opts["emit"] == "anchor",
-                stop_ids=tuple(opts["stop_ids"]), decision=MixingConfig(**opts["decision"]))
+                gated=[], emit_anchor=emit_anchor, stop_ids=tuple(opts["stop_ids"]),
+                decision=decision_cfg,
+                group=(opts["seed"], emit_anchor, *(getattr(decision_cfg, f) for f in _DECISION_FIELDS)))
             self.requests[new.req_id] = r
             length = min(new.sampling_params.max_tokens or max_model_len, max_model_len - prompt_len)
             fresh.append((r, opts["rate"], max(length, 0)))
@@ -162,13 +187,16 @@ class _MixState:
             rates = torch.tensor([rate for _, rate, _ in items], dtype=torch.float64).unsqueeze(1)
             fires = decision.gate_uniform(seed, keys, steps) < rates  # [R, T]
             for (r, _, length), row in zip(items, fires):
-                r.gated = set(torch.nonzero(row[:length]).flatten().tolist())
+                r.gated = torch.nonzero(row[:length]).flatten().tolist()
+                if r.gated:
+                    r.next_gate = r.prompt_len + r.gated[0]
 
     def finish(self, req_id: str) -> None:
         r = self.requests.get(req_id)
         if r is not None:
-            self.num_pending -= len(r.pending)
             r.pending.clear()
+            self.due.pop(req_id, None)
+            self.refill.pop(req_id, None)
 
     def pop(self, call: str) -> dict:
         out = {}
@@ -188,12 +216,12 @@ class _MixState:
 class _Group:
     """One step's decisions for gated rows of equal settings: ``members`` [(row, request,
     absolute position)], ``rows`` [M] row indices, ``dec`` the MixDecision; for forced anchors,
-    the anchor's rank [M] in the vocabulary (vLLM's ``Logprob.rank``)."""
+    the anchor's rank in the vocabulary (vLLM's ``Logprob.rank``): [M] or 1 for all."""
 
     members: list
     rows: torch.Tensor
     dec: decision.MixDecision
-    rank: torch.Tensor | None = None
+    rank: torch.Tensor | int | None = None
 
 
 class NeighborMixRunner:
@@ -209,27 +237,31 @@ class NeighborMixRunner:
             state.finish(req_id)
         if scheduler_output.scheduled_new_reqs:
             state.register(scheduler_output.scheduled_new_reqs, self.max_model_len)
-        resumed = scheduler_output.scheduled_cached_reqs.resumed_req_ids
-        state.stats["resumed"] += sum(1 for r in resumed if r in state.requests)
+        for req_id in scheduler_output.scheduled_cached_reqs.resumed_req_ids:
+            if req_id in state.requests:
+                state.resume(req_id)
         return result
 
     # ---- inputs: overlay pending mixtures ---------------------------------------------------
     def _preprocess(self, scheduler_output, num_input_tokens, intermediate_tensors=None):
         out = super()._preprocess(scheduler_output, num_input_tokens, intermediate_tensors)
-        if not self._nm.num_pending:
+        if not (self._nm.due or self._nm.refill):
             return out
         rows, entries = self._nm_scheduled_mixes(scheduler_output)
         if not rows:
             return out
         input_ids, inputs_embeds, *rest = out
-        if inputs_embeds is None:  # token-id path: embed the scheduled ids here
-            inputs_embeds = self.inputs_embeds.gpu[:num_input_tokens]
-            inputs_embeds.copy_(self.model.embed_input_ids(self.input_ids.gpu[:num_input_tokens]))
-            input_ids = None
-        device = inputs_embeds.device
-        ids = torch.tensor([e[0] for e in entries], dtype=torch.long, device=device)
+        device = self.inputs_embeds.gpu.device
+        ids = torch.tensor([e[0] for e in entries], dtype=self.input_ids.gpu.dtype, device=device)
         weights = torch.tensor([e[1] for e in entries], dtype=torch.float32, device=device)
-        cand = self.model.embed_input_ids(ids.flatten()).view(*ids.shape, -1)  # [M, k, h]
+        if inputs_embeds is None:  # token-id path: embed the scheduled ids here, with the candidates
+            # (eager, as VLLMConfig requires: no CUDA graph reads the static inputs_embeds buffer)
+            n = num_input_tokens
+            emb = self.model.embed_input_ids(torch.cat([self.input_ids.gpu[:n], ids.flatten()]))
+            inputs_embeds, cand, input_ids = emb[:n], emb[n:], None
+        else:
+            cand = self.model.embed_input_ids(ids.flatten())
+        cand = cand.view(*ids.shape, -1)  # [M, k, h]
         # Same arithmetic as the trainer's MixingVocabParallelEmbedding: Σ w·E in E's dtype, + noise.
         mix = (weights.to(cand.dtype).unsqueeze(-1) * cand).sum(1)
         noisy = [j for j, e in enumerate(entries) if e[2] is not None]  # STHT
@@ -240,28 +272,35 @@ class NeighborMixRunner:
         return (input_ids, inputs_embeds, *rest)
 
     def _nm_scheduled_mixes(self, scheduler_output):
-        """Flat token rows of this step that carry a pending mix, and those mixes."""
+        """Flat token rows of this step that carry a pending mix, and those mixes: every pending
+        mix inside a re-prefilled request's scheduled range ``[num_computed, +n)``, and each
+        other request's newest mix at its next decode step."""
         state = self._nm
         batch = self.input_batch
-        num_reqs = batch.num_reqs
-        computed = batch.num_computed_tokens_cpu[:num_reqs].tolist()
-        starts = self.query_start_loc.np[:num_reqs].tolist()
+        index, computed = batch.req_id_to_index, batch.num_computed_tokens_cpu
+        starts = self.query_start_loc.np
         scheduled = scheduler_output.num_scheduled_tokens
         rows, entries = [], []
-        for i, req_id in enumerate(batch.req_ids[:num_reqs]):
-            r = state.requests.get(req_id)
-            if r is None or not r.pending:
+        for req_id, newest in list(state.refill.items()):
+            n = scheduled.get(req_id)
+            if n is None:
                 continue
-            lo, n = computed[i], scheduled[req_id]
-            if n == 1:
-                if lo in r.pending:
-                    rows.append(starts[i])
-                    entries.append(r.pending[lo])
-                continue
+            r, i = state.requests[req_id], index[req_id]
+            lo = int(computed[i])
             hits = [p for p in r.pending if lo <= p < lo + n]
             state.stats["reapplied"] += len(hits)
-            rows += [starts[i] + p - lo for p in hits]
+            rows += [int(starts[i]) + p - lo for p in hits]
             entries += [r.pending[p] for p in hits]
+            if lo + n > newest:  # re-prefilled past the newest mix (the due one included)
+                del state.refill[req_id]
+                state.due.pop(req_id, None)
+        for req_id, (p, entry) in list(state.due.items()):
+            if scheduled.get(req_id) == 1 and req_id not in state.refill:
+                i = index[req_id]
+                if computed[i] == p:
+                    rows.append(int(starts[i]))
+                    entries.append(entry)
+                    del state.due[req_id]
         state.stats["applied"] += len(rows)
         return rows, entries
 
@@ -296,30 +335,34 @@ class NeighborMixRunner:
         return torch.where(t < _GREEDY_EPS, torch.ones_like(t), t)
 
     def _nm_plan(self, logits: torch.Tensor, temp: torch.Tensor):
-        """Rows to watch this step, ``(row, request, absolute position)``, and the decisions of
-        the gated ones (taken on the raw logits), batched per group of equal settings."""
+        """This step's opted-in rows to watch for stop ids, ``[(row, request, absolute
+        position)]``, and the decisions of the gated rows (taken on the raw logits), batched per
+        group of equal settings. Rows in a partial prefill (``discard_request_mask``) are
+        skipped. Plain Python per row: after the model's forward each numpy/torch call costs
+        tens of µs (cold caches), more than this loop."""
         state = self._nm
         num_reqs = logits.shape[0]
-        discard = self.discard_request_mask.np[:num_reqs].tolist()
         positions = self.optimistic_seq_lens_cpu[:num_reqs].tolist()
-        watch = []
+        discard = self.discard_request_mask.np
+        stop_rows, gated = [], []
         for i, req_id in enumerate(self.input_batch.req_ids[:num_reqs]):
             r = state.requests.get(req_id)
-            if r is None or r.stopped or discard[i] or positions[i] <= r.last_pos:
+            if r is None:
                 continue
-            watch.append((i, r, positions[i]))
-        if not watch:
+            p = positions[i]
+            if r.stop_ids and p > r.last_pos and not discard[i]:
+                stop_rows.append((i, r, p))
+            if p >= r.next_gate and not discard[i] and r.gate_fires(p):
+                gated.append((i, r, p))
+        if not (stop_rows or gated):
             return None
-        gated = [w for w in watch if w[2] - w[1].prompt_len in w[1].gated]
-        temps = temp.tolist() if gated else []
         groups: dict = {}
-        for w in gated:
-            r = w[1]
-            d = r.decision
-            groups.setdefault((temps[w[0]], r.seed, r.emit_anchor, d.strategy, d.k, d.temperature,
-                               d.gumbel_temperature), []).append(w)
-        return watch, [self._nm_decide(logits, members, temps[members[0][0]])
-                       for members in groups.values()]
+        if gated:
+            temps = temp.tolist()
+            for w in gated:
+                groups.setdefault((temps[w[0]], w[1].group), []).append(w)
+        return stop_rows, [self._nm_decide(logits, members, temperature)
+                           for (temperature, _), members in groups.items()]
 
     def _nm_decide(self, logits: torch.Tensor, members, temperature: float) -> _Group:
         """Decisions of gated rows sharing temperature, seed, emission and strategy settings."""
@@ -327,14 +370,16 @@ class NeighborMixRunner:
         r0 = members[0][1]
         rows = torch.tensor([m[0] for m in members], device=logits.device)
         z = logits.index_select(0, rows)
-        keys = torch.tensor([m[1].key for m in members])
-        steps = torch.tensor([m[2] - m[1].prompt_len for m in members])
+        # keys and positions as lists: only the strategies with draws make tensors of them
         dec = decide_for_strategy(
             r0.decision, z, torch.ones(len(members), dtype=torch.bool, device=z.device),
             temperature=temperature, num_real_tokens=state.num_real_tokens, table=state.table,
-            noise=state.noise, seed=r0.seed, key=keys, position=steps)
+            noise=state.noise, seed=r0.seed, key=[m[1].key for m in members],
+            position=[m[2] - m[1].prompt_len for m in members])
         group = _Group(members, rows, dec)
-        if r0.emit_anchor:
+        if r0.emit_anchor and r0.decision.strategy == "neighbor":
+            group.rank = 1  # the argmax of z (unused rows are -inf): nothing ranks above it
+        elif r0.emit_anchor:
             anchor_logit = z.gather(1, dec.anchor.unsqueeze(1))
             group.rank = (z > anchor_logit).sum(-1) + 1
         return group
@@ -342,23 +387,26 @@ class NeighborMixRunner:
     def _nm_commit(self, plan, out) -> None:
         """Force anchors, apply the thinking-only gate, store pending mixes and records."""
         state = self._nm
-        watch, groups = plan
+        stop_rows, groups = plan
         sampled = out.sampled_token_ids
         lp = out.logprobs_tensors
         for g in groups:
             if g.rank is None:
                 continue
-            sampled[g.rows, 0] = g.dec.anchor.to(sampled.dtype)
+            anchor = g.dec.anchor.to(sampled.dtype)
+            sampled[g.rows, 0] = anchor
             if lp is not None:  # its log-prob is gathered in _sample
-                lp.logprob_token_ids[g.rows, 0] = g.dec.anchor.to(lp.logprob_token_ids.dtype)
-                lp.selected_token_ranks[g.rows] = g.rank.to(lp.selected_token_ranks.dtype)
+                lp.logprob_token_ids[g.rows, 0] = anchor.to(lp.logprob_token_ids.dtype)
+                ranks = lp.selected_token_ranks
+                ranks[g.rows] = g.rank if isinstance(g.rank, int) else g.rank.to(ranks.dtype)
         completed = set()
-        stop_rows = [(i, r) for i, r, _ in watch if r.stop_ids]
         if stop_rows:
             tokens = sampled[:, 0].tolist()
-            completed = {i for i, r in stop_rows if r.emitted(tokens[i])}
-        for _, r, p in watch:
-            r.last_pos = p
+            for i, r, p in stop_rows:
+                r.last_pos = p
+                if r.emitted(tokens[i]):
+                    completed.add(i)
+                    r.last_pos = r.next_gate = _NEVER  # never watched nor mixed again
         for g in groups:
             # host lists: one copy per group, exact for float32 weights
             ids, weights, noise = g.dec.ids.tolist(), g.dec.weights.tolist(), g.dec.noise
@@ -368,7 +416,7 @@ class NeighborMixRunner:
                 entry = (ids[j], weights[j], None if noise is None else noise[j])
                 r.pending[p] = entry
                 r.records.append((p, *entry))
-                state.num_pending += 1
+                state.due[r.req_id] = (p, entry)
 
 
 class NeighborMixExtension:
