@@ -286,11 +286,9 @@ class _Keys:
         """For query rows q32 [c, d]: the right-hand side of the score matmul qt [d, c] in the
         screen dtype (None for l1), the per-query shift [c] (float64, score ≈ screen score +
         shift) and the error bound tol [c] (float64) of one screen score (before its rounding
-        to the screen dtype: see `upper`). ``own`` [c]: the queries are these local key rows,
-        scored as the very vectors the keys are (the symmetric path reads each product from
-        both sides; cosine, dot)."""
-        q64 = q32.double()
-        shift = torch.zeros(q32.shape[0], dtype=torch.float64, device=q32.device)
+        to the screen dtype: see :func:`_upper`). ``own`` [c]: the queries are these local key
+        rows, scored as the very vectors the keys are (the symmetric path reads each product
+        from both sides; cosine, dot)."""
         if self.screen != torch.float32:
             return self._bound_bf16(q32, own)
         return self._bound_fp32(q32, own)
