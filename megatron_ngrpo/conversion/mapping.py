@@ -431,10 +431,10 @@ def export_hf_tensors(chunks: list, spec: ArchSpec, num_vocab: int | None = None
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    if tp_shards and (why := "rank0_only gathers" if rank0_only else check_tp_shards(spec, tp, pp)):
+        raise ValueError(f"export_hf_tensors(tp_shards=True): {why}")
     if rank0_only and ps.get_data_parallel_rank() != 0:
         return  # other data-parallel replicas hold the same weights
-    if tp_shards and (why := check_tp_shards(spec, tp, pp)):
-        raise ValueError(f"export_hf_tensors(tp_shards=True): {why}")
     for item in plan:
         kind = rule(spec, item.global_name).kind
         owner = item.vstage % pp
