@@ -150,9 +150,10 @@ def test_screen_score_bounds_contain_float64_scores(metric, own, screen):
         assert float(width.max()) < (8 * 2.0 ** -8 if screen == torch.bfloat16 else 1e-3)
 
 
-def test_bf16_screen_rescores_only_near_ties(monkeypatch, screen):
+def test_bf16_screen_rescores_only_near_ties(monkeypatch):
     """The bf16 screen's wider margin keeps the near-tie fallback rare on random rows (general
     and symmetric paths), and the table exact."""
+    monkeypatch.setattr(N, "screen_dtype", lambda device, metric: torch.bfloat16)
     retried = []
     rescore = N._rescore_above
     monkeypatch.setattr(N, "_rescore_above", lambda keys, q32, *a: retried.append(len(q32)) or rescore(keys, q32, *a))
