@@ -436,27 +436,25 @@ def export_hf_tensors(chunks: list, spec: ArchSpec, num_vocab: int | None = None
     if rank0_only and ps.get_data_parallel_rank() != 0:
         return  # other data-parallel replicas hold the same weights
     for item in plan:
-        kind = rule(spec, item.global_name).kind
-        owner = item.vstage % pp
+        r = rule(spec, item.global_name)
+        kind, owner = r.kind, item.vstage % pp
         shard = local.get(item.global_name)
-        names = rule(spec, item.global_name).hf_names
         if tp_shards and kind in _TP_SPLIT and tp > 1:
-            for name, t in zip(names, unfuse(spec, kind, shard.detach(), num_vocab, tp)):
-                yield name, (t if dtype is None else t.to(dtype))
-            continue
-        if rank0_only:
+            tensors = unfuse(spec, kind, shard.detach(), num_vocab, tp)
+        elif rank0_only:
             full = _gather_to_rank0(item, shard, kind, owner, tp, tp_rank, pp_rank, tp_group, pp_group,
                                     device)
             if full is None:
                 continue
+            tensors = unfuse(spec, kind, full, num_vocab)
         else:
             if pp > 1:
                 if shard is None:
                     shard = torch.empty(item.shape, dtype=item.dtype, device=device)
                 shard = shard.detach().contiguous()
                 dist.broadcast(shard, dist.get_global_rank(pp_group, owner), group=pp_group)
-            full = _tp_gather(shard, kind, tp, tp_group, all_ranks=True)
-        for name, t in zip(names, unfuse(spec, kind, full, num_vocab)):
+            tensors = unfuse(spec, kind, _tp_gather(shard, kind, tp, tp_group, all_ranks=True), num_vocab)
+        for name, t in zip(r.hf_names, tensors):
             yield name, (t if dtype is None else t.to(dtype))
 
 

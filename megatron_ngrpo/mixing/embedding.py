@@ -77,7 +77,8 @@ class MixingVocabParallelEmbedding(VocabParallelEmbedding):
         rows = None if mix is None else torch.nonzero(mix.mask.reshape(-1)).squeeze(1)
         if rows is None or not rows.numel():
             return super().forward(input_)
-        output_parallel = self._mixed_local_rows(input_, mix, rows)
+        with bypass():  # none of its ~40 small torch calls needs the CPU shim's redirects
+            output_parallel = self._mixed_local_rows(input_, mix, rows)
         if self.reduce_scatter_embeddings:
             output_parallel = output_parallel.transpose(0, 1).contiguous()
             return reduce_scatter_to_sequence_parallel_region(output_parallel, group=self.tp_group)
@@ -101,10 +102,6 @@ class MixingVocabParallelEmbedding(VocabParallelEmbedding):
     def _mixed_local_rows(self, input_: torch.Tensor, mix: MixBatch, rows: torch.Tensor) -> torch.Tensor:
         """This rank's share [B, S, h] of E[input_] with flat positions ``rows`` replaced by
         Σ w·E[ids] (+ noise on TP rank 0)."""
-        with bypass():  # none of these calls needs the CPU shim's redirects
-            return self._mixed_local_rows_unshimmed(input_, mix, rows)
-
-    def _mixed_local_rows_unshimmed(self, input_: torch.Tensor, mix: MixBatch, rows: torch.Tensor) -> torch.Tensor:
         b, s = input_.shape
         ids, outside = self._localise(input_.reshape(-1))
         cand_ids, cand_outside = self._localise(mix.ids.reshape(b * s, -1).index_select(0, rows))
@@ -162,25 +159,21 @@ class _MixedLookup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         with bypass():
-            return _MixedLookup._backward(ctx, grad)
-
-    @staticmethod
-    def _backward(ctx, grad):
-        ids, outside, rows, cand_ids, cand_w = ctx.saved_tensors
-        sink = ctx.num_rows
-        acc = torch.promote_types(grad.dtype, torch.float32)
-        grad = grad.contiguous().to(acc)
-        grad_weight = grad.new_zeros(sink + 1, grad.shape[1])
-        dest = ids.index_fill(0, rows, sink)
-        if outside is not None:
-            dest.masked_fill_(outside, sink)
-        grad_weight.index_add_(0, dest, grad)
-        if ctx.cand_grad:
-            # weight-0 entries (padding, rows of other partitions) go to the sink: 0·inf is nan.
-            cand_dest = cand_ids.masked_fill(cand_w == 0, sink).reshape(-1)
-            scaled = grad.index_select(0, rows).unsqueeze(1) * cand_w.to(acc).unsqueeze(2)
-            grad_weight.index_add_(0, cand_dest, scaled.reshape(-1, grad.shape[1]))
-        return grad_weight[:sink].to(ctx.weight_dtype), None, None, None, None, None, None, None
+            ids, outside, rows, cand_ids, cand_w = ctx.saved_tensors
+            sink = ctx.num_rows
+            acc = torch.promote_types(grad.dtype, torch.float32)
+            grad = grad.contiguous().to(acc)
+            grad_weight = grad.new_zeros(sink + 1, grad.shape[1])
+            dest = ids.index_fill(0, rows, sink)
+            if outside is not None:
+                dest.masked_fill_(outside, sink)
+            grad_weight.index_add_(0, dest, grad)
+            if ctx.cand_grad:
+                # weight-0 entries (padding, rows of other partitions) go to the sink: 0·inf is nan.
+                cand_dest = cand_ids.masked_fill(cand_w == 0, sink).reshape(-1)
+                scaled = grad.index_select(0, rows).unsqueeze(1) * cand_w.to(acc).unsqueeze(2)
+                grad_weight.index_add_(0, cand_dest, scaled.reshape(-1, grad.shape[1]))
+            return grad_weight[:sink].to(ctx.weight_dtype), None, None, None, None, None, None, None
 
 
 def _bag_lookup(weight, ids, outside, rows, cand_ids, cand_w) -> torch.Tensor:
