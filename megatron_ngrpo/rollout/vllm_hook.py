@@ -65,6 +65,7 @@ import torch
 from megatron_ngrpo.mixing import decision
 from megatron_ngrpo.mixing.config import MixingConfig
 from megatron_ngrpo.mixing.perturbations import NoiseSpec, decide_for_strategy
+from megatron_ngrpo.mixing.records import MixRecord
 
 OPTION_KEY = "nbr_mix"
 # Response key of child j of a prompt with key p (shared with the Megatron engine).
@@ -90,6 +91,44 @@ def request_options(call: str, index: int, prompt_key: int, n: int, seed: int, m
                              seed=int(seed), rate=float(mixing.rate), emit=mixing.emit,
                              stop_ids=[int(i) for i in stop_ids],
                              decision={f: getattr(mixing, f) for f in _DECISION_FIELDS})}
+
+
+def sampling_options(params, max_tokens: int, extra: dict | None) -> dict:
+    """vLLM ``SamplingParams`` fields of one prompt's request for a
+    :class:`~megatron_ngrpo.rollout.types.SamplingParams` (the in-process engine builds
+    ``vllm.SamplingParams`` of them, the rollout client sends them as JSON): ``logprobs=0`` returns
+    the hook's log-prob of each sampled token, ``extra`` is :func:`request_options` or None."""
+    return dict(n=params.n, temperature=params.temperature, top_p=params.top_p,
+                top_k=params.top_k if params.top_k > 0 else 0, max_tokens=int(max_tokens),
+                stop=list(params.stop) or None, stop_token_ids=list(params.stop_token_ids) or None,
+                logprobs=0, extra_args=extra)
+
+
+def hook_mix_record(records: dict, n: int, lengths: list[int], k: int) -> MixRecord:
+    """One MixRecord of ``n`` responses per prompt with response lengths ``lengths`` from
+    :meth:`NeighborMixExtension.nbr_mix_pop`'s ``{req_id: {"index", "child", "mix"}}`` (weights
+    kept exactly as the engine used them). Mixes past a response's end are dropped: with a
+    separate engine-core process a step can run before the front end's stop-string abort arrives."""
+    num_seqs = len(lengths)
+    seq, pos, ids, weights, noise = [], [], [], [], []
+    for rec in records.values():
+        s = rec["index"] * n + rec["child"]
+        for t, i, w, z in rec["mix"]:
+            if t >= lengths[s]:
+                continue
+            seq.append(s)
+            pos.append(t)
+            ids.append(i)
+            weights.append(w)
+            noise.append(z)
+    if not seq:
+        return MixRecord.empty(num_seqs, k)
+    return MixRecord(
+        seq=torch.tensor(seq, dtype=torch.long), pos=torch.tensor(pos, dtype=torch.long),
+        ids=torch.tensor(ids, dtype=torch.long), weights=torch.tensor(weights, dtype=torch.float32),
+        num_seqs=num_seqs,
+        noise=None if noise[0] is None else torch.tensor(noise, dtype=torch.float32),
+    ).sorted()
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """What travels between the trainer's rollout client (rollout/remote_engine.py) and the rollout
-servers (rollout/server.py): JSON for requests and :class:`RolloutBatch` answers, safetensors
-bytes for tensors (weight buckets, the neighbour table).
+servers' worker extension (rollout/server_worker.py) besides vLLM's own payloads: safetensors
+bytes for tensors (weight buckets, the neighbour table; base64 inside JSON, as vLLM's
+``/collective_rpc`` route takes strings), SHA-256 digests, the protocol version.
 
 JSON keeps every value exact: token ids are ints, log-probs and mix weights are float32 values,
 which a Python float (float64) holds exactly and ``json`` writes with a round-tripping repr.
@@ -14,33 +15,9 @@ import struct
 
 import torch
 
-from megatron_ngrpo.mixing.records import MixRecord
-from megatron_ngrpo.rollout.types import RolloutBatch
-
-# Bumped whenever a route or payload changes: a server and a client of different protocols refuse
-# each other at start-up.
-PROTOCOL = 1
-SERVER_NAME = "megatron_ngrpo.rollout.server"
-
-
-def batch_to_json(batch: RolloutBatch) -> dict:
-    return {"prompt_ids": batch.prompt_ids, "response_ids": batch.response_ids,
-            "logprobs": batch.logprobs, "finish_reasons": batch.finish_reasons,
-            "prompt_index": batch.prompt_index, "texts": batch.texts, "mixes": batch.mixes.to_json(),
-            "k": batch.mixes.k}
-
-
-def batch_from_json(d: dict) -> RolloutBatch:
-    m, k = d["mixes"], d["k"]
-    noise = m.get("noise")
-    mixes = MixRecord(
-        seq=torch.tensor(m["seq"], dtype=torch.long), pos=torch.tensor(m["pos"], dtype=torch.long),
-        ids=torch.tensor(m["ids"], dtype=torch.long).reshape(-1, k),
-        weights=torch.tensor(m["weights"], dtype=torch.float32).reshape(-1, k), num_seqs=m["num_seqs"],
-        noise=None if noise is None else torch.tensor(noise, dtype=torch.float32))
-    return RolloutBatch(prompt_ids=d["prompt_ids"], response_ids=d["response_ids"], logprobs=d["logprobs"],
-                        finish_reasons=d["finish_reasons"], mixes=mixes, prompt_index=d["prompt_index"],
-                        texts=d["texts"])
+# Bumped whenever a payload or a worker-extension method changes: a server and a client of
+# different protocols refuse each other at start-up.
+PROTOCOL = 2
 
 
 def digest(t: torch.Tensor) -> str:
