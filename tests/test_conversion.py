@@ -23,7 +23,7 @@ WORKER = REPO / "tests" / "dist" / "conversion_worker.py"
 TOOLS = REPO / "tools"
 MODELS = {  # name -> (arch, kwargs); worker's MODELS
     "qwen2": ("qwen2", dict(vocab_size=500, seed=1)),
-    "llama": ("llama", dict(vocab_size=512, seed=2)),
+    "llama": ("llama", dict(vocab_size=512, num_kv_heads=4, seed=2)),  # KV heads split over TP4
     "qwen3": ("qwen3", dict(vocab_size=300, seed=3)),
     "qwen2_tied": ("qwen2", dict(vocab_size=500, tied=True, seed=4)),
     "llama_tied": ("llama", dict(vocab_size=500, tied=True, seed=5)),

@@ -1,6 +1,7 @@
 """Every shipped GPU recipe validates at its real world size (no GPUs, no process groups): the
 recipe's config file plus the launcher's overrides, an HF config.json of the recipe's shape, and
-WORLD_SIZE set as torchrun would set it on the recipe's nodes."""
+WORLD_SIZE set as torchrun would set it on the recipe's nodes; where vLLM runs TP > 1 its weight
+syncs are shard-to-shard."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_ngrpo.architecture import ArchSpec
+from megatron_ngrpo.conversion.mapping import check_tp_shards
 from megatron_ngrpo.launch.recipes import RECIPES
 from megatron_ngrpo.training.job_config import load_config
 
@@ -29,6 +32,12 @@ def test_recipe_config_validates_at_world_size(name, tmp_path, monkeypatch):
                           [*recipe.model_overrides(str(hf)), *recipe.rollout_overrides()])
         assert cfg.rollout.engine == "vllm"
         assert recipe.world_size(nodes) % cfg.rollout.vllm.tensor_parallel == 0
+    # Weight syncs are shard-to-shard wherever vLLM runs TP > 1 (7B: trainer TP 4 → vLLM TP 2;
+    # 14B: 8 → 4): no rank gathers a whole linear-layer tensor.
+    vllm_tp = cfg.rollout.vllm.tensor_parallel
+    if vllm_tp > 1:
+        spec = ArchSpec.from_hf(hf)
+        assert check_tp_shards(spec, cfg.model.tensor_parallel, cfg.model.pipeline_parallel, vllm_tp) is None
 
 
 def test_vllm_layout_errors_are_one_line(tmp_path, monkeypatch):

@@ -342,22 +342,24 @@ def test_weight_transfer_config_errors(fields, match):
         VLLMConfig(**fields).validate()
 
 
-@pytest.mark.parametrize("layout", ["vllm_tp2_under_trainer_tp2", "vllm_tp1_replicas_under_trainer_dp2"])
-def test_colocated_weights_equal_the_trainers_after_every_sync(layout):
-    """2 ranks, colocated vLLM on the gloo weight-transfer route: after each of three syncs,
-    vLLM's parameters (reassembled from both workers' shards at vLLM TP 2) equal the trainer's
-    exactly; at trainer TP 2 = vLLM TP 2 the first two syncs go shard-to-shard (each rank loads
-    ~half the layers' parameters), the third gathered (tests/dist/vllm_sync_worker.py; one launch
-    per layout: a process builds one colocated engine)."""
+@pytest.mark.parametrize("layout,nproc", [("vllm_tp2_under_trainer_tp2", 2), ("vllm_tp2_under_trainer_tp4", 4),
+                                          ("vllm_tp1_replicas_under_trainer_dp2", 2)])
+def test_colocated_weights_equal_the_trainers_after_every_sync(layout, nproc):
+    """Colocated vLLM on the gloo weight-transfer route: after each of three syncs, vLLM's
+    parameters (reassembled from the workers' shards of a vLLM TP 2 group) equal the trainer's
+    exactly; where vLLM's TP 2 divides the trainer's (2, or 4 with slices merged from two ranks)
+    the first two syncs go shard-to-shard (each rank loads ~half the layers' parameters), the
+    third gathered (tests/dist/vllm_sync_worker.py; one launch per layout: a process builds one
+    colocated engine)."""
     from pathlib import Path
 
     from megatron_ngrpo.testing.multiproc import check, launch
 
-    results = launch(Path(__file__).parent / "dist" / "vllm_sync_worker.py", nproc=2, timeout=600,
+    results = launch(Path(__file__).parent / "dist" / "vllm_sync_worker.py", nproc=nproc, timeout=900,
                      env={"NGRPO_TEST_PG_TIMEOUT": "120"}, only=[layout])
     syncs = check(results, layout)
     assert len(syncs) == 3 and all(s["num_params"] > 0 and s["buckets"] > 10 for s in syncs), syncs
-    sharded = layout == "vllm_tp2_under_trainer_tp2"
+    sharded = layout.startswith("vllm_tp2")
     assert [s["tp_shards"] for s in syncs] == [sharded, sharded, False], syncs
     if sharded:  # the layers' parameters halve; the gathered vocabulary matrices do not
         assert syncs[2]["num_params"] / 2 < syncs[0]["num_params"] < syncs[2]["num_params"], syncs

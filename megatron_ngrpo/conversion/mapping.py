@@ -7,8 +7,9 @@ GPTModel parameters, used by checkpoint conversion and by live weight sync into 
 * :func:`export_hf_tensors` — model chunks → ``(hf_name, full tensor)`` one tensor at a time,
   gathered over TP and PP on every rank (or on global rank 0 only).
 * :func:`export_hf_tensors` with ``tp_shards`` — the same without gathering the column- and
-  row-split layers: each TP rank yields its slice of every q/k/v, gate/up, o/down tensor, which is
-  vLLM's TP shard of it at the same TP size (shard-to-shard weight sync).
+  row-split layers: each rank yields one slice of every q/k/v, gate/up, o/down tensor, vLLM's TP
+  shard of it at a TP size that divides megatron's (shard-to-shard weight sync: at equal TP a
+  rank's own slice, else the merge of a few ranks' slices, exchanged all-to-all).
 
 Megatron layouts (h hidden, d head_dim, nq query heads, ng query groups = KV heads, f ffn):
 ``linear_qkv`` [ng·(nq/ng + 2)·d, h] interleaved per query group ``[q_g0 (nq/ng·d), k_g0 (d),
@@ -379,15 +380,22 @@ def _export_plan(chunks: list, spec: ArchSpec) -> tuple[list[_Item], dict[str, t
 _TP_SPLIT = (Kind.QKV, Kind.GATE_UP, Kind.ROW)
 
 
-def export_hf_layout(chunks: list, spec: ArchSpec, tp_shards: bool = False
+@dataclass(frozen=True)
+class TPShard:
+    """The slice of every TP-split HF tensor a rank takes: slice ``rank`` of ``count`` equal
+    contiguous slices (rows; columns of o_proj / down_proj), vLLM's layout at TP ``count``."""
+
+    count: int
+    rank: int
+
+
+def export_hf_layout(chunks: list, spec: ArchSpec, tp_shards: TPShard | None = None
                      ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """What :func:`export_hf_tensors` yields, in its order, without gathering: ``(hf_name, HF
     shape, dtype)`` (a collective of the PP group when PP > 1)."""
-    from megatron.core import parallel_state as ps
-
     plan, _ = _export_plan(chunks, spec)
     shapes = hf_layout(spec)
-    tp = ps.get_tensor_model_parallel_world_size() if tp_shards else 1
+    tp = tp_shards.count if tp_shards is not None else 1
     out = []
     for item in plan:
         r = rule(spec, item.global_name)
@@ -399,10 +407,14 @@ def export_hf_layout(chunks: list, spec: ArchSpec, tp_shards: bool = False
     return out
 
 
-def check_tp_shards(spec: ArchSpec, tp: int, pp: int) -> str | None:
-    """Why :func:`export_hf_tensors` cannot yield TP shards for this layout, or None."""
+def check_tp_shards(spec: ArchSpec, tp: int, pp: int, count: int | None = None) -> str | None:
+    """Why :func:`export_hf_tensors` cannot yield ``count``-way TP shards (default ``tp``) for
+    this layout, or None."""
+    count = count or tp
     if pp != 1:
         return f"pipeline parallel size {pp} (a rank holds only its stage's layers)"
+    if tp % count:
+        return f"{count} shards do not merge whole slices of TP {tp}"
     if spec.num_kv_heads % tp:
         return f"{spec.num_kv_heads} KV heads do not split over TP {tp}"
     return None
@@ -411,7 +423,7 @@ def check_tp_shards(spec: ArchSpec, tp: int, pp: int) -> str | None:
 @torch.no_grad()
 def export_hf_tensors(chunks: list, spec: ArchSpec, num_vocab: int | None = None,
                       rank0_only: bool = False, dtype: torch.dtype | None = None,
-                      tp_shards: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+                      tp_shards: TPShard | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream the model as HF tensors ``(hf_name, full tensor)`` in model order, one Megatron
     parameter at a time: the owning PP stage's shard is broadcast over the PP group and
     all-gathered over TP (``rank0_only``: gathered to TP rank 0 of the owning stage and sent to
@@ -419,10 +431,13 @@ def export_hf_tensors(chunks: list, spec: ArchSpec, num_vocab: int | None = None
     the iterator to the end. Vocab rows are cut to ``num_vocab`` (default: HF ``vocab_size``).
     Tensors are in the parameters' dtype unless ``dtype`` is given.
 
-    ``tp_shards`` (PP = 1, KV heads divisible by TP: :func:`check_tp_shards`): the column- and
-    row-split kinds are not gathered; each rank yields its contiguous slice of each HF tensor
-    (rows of q/k/v, gate/up; columns of o_proj/down_proj), the layout vLLM's linear layers hold
-    at the same TP size. Vocab tensors are still gathered (the padded partitions differ)."""
+    ``tp_shards`` (PP = 1, ``count`` divides TP, KV heads divisible by TP:
+    :func:`check_tp_shards`): the column- and row-split kinds are not gathered; each rank yields
+    slice ``rank`` of ``count`` of each HF tensor (rows of q/k/v, gate/up; columns of
+    o_proj/down_proj), the layout vLLM's linear layers hold at TP ``count``: the merge of megatron
+    slices ``[rank·m, (rank+1)·m)``, m = TP / count, sent by their ranks (all-to-all over the TP
+    group; nothing moves when every rank's slice is its own). Vocab tensors are still gathered
+    (the padded partitions differ)."""
     from megatron.core import parallel_state as ps
 
     num_vocab = num_vocab or spec.vocab_size
@@ -431,16 +446,22 @@ def export_hf_tensors(chunks: list, spec: ArchSpec, num_vocab: int | None = None
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
-    if tp_shards and (why := "rank0_only gathers" if rank0_only else check_tp_shards(spec, tp, pp)):
-        raise ValueError(f"export_hf_tensors(tp_shards=True): {why}")
+    if tp_shards is not None and (why := "rank0_only gathers" if rank0_only else
+                                  check_tp_shards(spec, tp, pp, tp_shards.count)):
+        raise ValueError(f"export_hf_tensors(tp_shards={tp_shards}): {why}")
     if rank0_only and ps.get_data_parallel_rank() != 0:
         return  # other data-parallel replicas hold the same weights
+    wants = None  # the slice each rank of the TP group takes
+    if tp_shards is not None and tp_shards.count > 1:
+        wants = [None] * tp
+        dist.all_gather_object(wants, tp_shards.rank, group=tp_group)
     for item in plan:
         r = rule(spec, item.global_name)
         kind, owner = r.kind, item.vstage % pp
         shard = local.get(item.global_name)
-        if tp_shards and kind in _TP_SPLIT and tp > 1:
-            tensors = unfuse(spec, kind, shard.detach(), num_vocab, tp)
+        if wants is not None and kind in _TP_SPLIT:
+            tensors = _merged_slices(unfuse(spec, kind, shard.detach(), num_vocab, tp), kind,
+                                     tp_shards.count, wants, tp_rank, tp_group)
         elif rank0_only:
             full = _gather_to_rank0(item, shard, kind, owner, tp, tp_rank, pp_rank, tp_group, pp_group,
                                     device)
@@ -456,6 +477,30 @@ def export_hf_tensors(chunks: list, spec: ArchSpec, num_vocab: int | None = None
             tensors = unfuse(spec, kind, _tp_gather(shard, kind, tp, tp_group, all_ranks=True), num_vocab)
         for name, t in zip(r.hf_names, tensors):
             yield name, (t if dtype is None else t.to(dtype))
+
+
+def _merged_slices(pieces: list[torch.Tensor], kind: Kind, count: int, wants: list[int], tp_rank: int,
+                   group) -> list[torch.Tensor]:
+    """Slice ``wants[tp_rank]`` of ``count`` of each HF tensor of which ``pieces`` are this
+    rank's megatron slices (:func:`unfuse` of its shard): each rank's slice goes to the ranks
+    that want the merged slice containing it, in one all-to-all per piece (``all_to_all_single``
+    with split sizes: gloo's list form needs equal sizes)."""
+    tp = len(wants)
+    m, j = tp // count, wants[tp_rank]
+    if m == 1 and wants == list(range(tp)):
+        return pieces  # every rank's own slice is the one it takes
+    dim = 1 if kind is Kind.ROW else 0
+    receivers = [r for r in range(tp) if wants[r] == tp_rank // m]
+    out = []
+    for piece in pieces:
+        piece = piece.contiguous()
+        n = piece.numel()
+        send = piece.reshape(-1).repeat(len(receivers))
+        recv = piece.new_empty(m * n)  # from ranks j·m .. j·m+m-1, in rank order
+        dist.all_to_all_single(recv, send, [n if s // m == j else 0 for s in range(tp)],
+                               [n if r in receivers else 0 for r in range(tp)], group=group)
+        out.append(torch.cat(list(recv.view(m, *piece.shape)), dim=dim))
+    return out
 
 
 def _tp_gather(shard: torch.Tensor, kind: Kind, tp: int, group, all_ranks: bool) -> torch.Tensor | None:

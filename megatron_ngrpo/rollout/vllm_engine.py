@@ -181,29 +181,30 @@ class VLLMEngine(RolloutEngine):
         llm.collective_rpc("nbr_mix_install", args=(self.num_real_tokens,))
         return llm
 
-    def _tp_shard_sync(self) -> bool:
-        """Whether weight syncs hand each vLLM worker its own rank's TP shards, gathering only
-        the vocabulary matrices (shard-to-shard): colocated, vLLM's TP groups are the trainer's
-        (same size > 1, same ranks), PP = 1, KV heads divisible by TP
-        (``conversion.mapping.check_tp_shards``); the workers' linear loaders are switched to
-        take shards. Otherwise every rank loads full tensors gathered over TP."""
+    def _tp_shard_sync(self):
+        """The :class:`~megatron_ngrpo.conversion.mapping.TPShard` weight syncs hand this rank's
+        vLLM worker where the layouts allow it (shard-to-shard): colocated, a vLLM TP > 1 that
+        divides the trainer's, PP = 1, KV heads divisible by the trainer's TP
+        (``conversion.mapping.check_tp_shards``). Each worker then gets its TP rank's slice of
+        every linear layer (at equal TP over the same ranks, the rank's own slices; else merged
+        from the ranks that hold them) and only the vocabulary matrices are gathered; the
+        workers' linear loaders are switched to take shards. None: every rank loads full
+        tensors gathered over TP."""
         if not self.colocated or self.cfg.tensor_parallel == 1:
-            return False
+            return None
         from megatron.core import parallel_state as ps
         from vllm.distributed.parallel_state import get_tp_group
 
-        from megatron_ngrpo.conversion.mapping import check_tp_shards
+        from megatron_ngrpo.conversion.mapping import TPShard, check_tp_shards
 
-        if not ps.model_parallel_is_initialized():
-            return False
-        group = ps.get_tensor_model_parallel_group()
-        if dist.get_process_group_ranks(group) != list(get_tp_group().ranks) or check_tp_shards(
-                self.spec, dist.get_world_size(group), ps.get_pipeline_model_parallel_world_size()):
-            return False
+        if not ps.model_parallel_is_initialized() or check_tp_shards(
+                self.spec, ps.get_tensor_model_parallel_world_size(),
+                ps.get_pipeline_model_parallel_world_size(), self.cfg.tensor_parallel):
+            return None
         self.llm.collective_rpc("nbr_load_tp_shards", args=(True,))
-        logger.info("vLLM weight sync: shard-to-shard over TP %d (vocabulary matrices gathered)",
-                    self.cfg.tensor_parallel)
-        return True
+        logger.info("vLLM weight sync: shard-to-shard, vLLM TP %d from trainer TP %d (vocabulary "
+                    "matrices gathered)", self.cfg.tensor_parallel, ps.get_tensor_model_parallel_world_size())
+        return TPShard(self.cfg.tensor_parallel, get_tp_group().rank_in_group)
 
     def close(self) -> None:
         """Shut the engine down (frees its worker processes / KV cache); never raises, so a
@@ -264,8 +265,8 @@ class VLLMEngine(RolloutEngine):
         ``model_chunks``: this rank's Megatron chunks, any TP/PP layout. Colocated in a multi-rank
         job this is a collective of all ranks: each rank streams the full HF tensors (gathered
         over TP/PP one parameter at a time) into its vLLM worker, whose weight loaders keep the
-        worker's TP shard, or, where the layouts coincide (:attr:`tp_shards`), its own shards of
-        the linear layers as they are; by ``cfg.weight_transfer`` (vLLM's weight-transfer API in
+        worker's TP shard, or, where the layouts allow it (:attr:`tp_shards`), the worker's
+        shards of the linear layers, which the loaders take as they are; by ``cfg.weight_transfer`` (vLLM's weight-transfer API in
         buckets of ``sync_bucket_mb``, :mod:`~megatron_ngrpo.rollout.weight_transfer`, or
         ``reload``). ``last_sync["num_params"]`` counts what this rank loaded.
         """
@@ -277,7 +278,7 @@ class VLLMEngine(RolloutEngine):
 
             self.push_weights(MegatronSource(model_chunks, self.spec, tp_shards=self.tp_shards))
         self.last_sync["seconds"] = time.perf_counter() - t0
-        self.last_sync["tp_shards"] = self.tp_shards
+        self.last_sync["tp_shards"] = self.tp_shards is not None
         logger.info("vLLM weight sync: %.3g M params, %.3f s", self.last_sync["num_params"] / 1e6,
                     self.last_sync["seconds"])
 
@@ -457,7 +458,7 @@ class _Keep:
             yield name, t
 
 
-def _export(model_chunks, spec, tp_shards: bool):
+def _export(model_chunks, spec, tp_shards):
     from megatron_ngrpo.conversion.mapping import export_hf_tensors
 
     return export_hf_tensors(model_chunks, spec, tp_shards=tp_shards)

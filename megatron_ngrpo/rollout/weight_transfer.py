@@ -22,10 +22,11 @@ Memory: the source gathers one Megatron parameter at a time over TP (and broadca
 and the sender holds at most one bucket (a tensor larger than the bucket travels alone; the
 ``gloo`` sender keeps that buffer between syncs), so the peak extra memory is one bucket plus
 one full tensor, never the model. Every rank is the sender of its own colocated vLLM engine;
-the gather is a collective of the model-parallel group. With ``MegatronSource(tp_shards=True)``
-(colocated, vLLM's TP groups = the trainer's) the linear layers are not gathered: each rank
-sends its own shards as HF slices and the worker's loaders take them as they are
-(``VLLMEngine.tp_shards``); only the vocabulary matrices are gathered.
+the gather is a collective of the model-parallel group. With ``MegatronSource(tp_shards=...)``
+(colocated, vLLM's TP size divides the trainer's) the linear layers are not gathered: each rank
+sends its vLLM worker's shards as HF slices (its own, or merged from a few ranks' slices) and the
+worker's loaders take them as they are (``VLLMEngine.tp_shards``); only the vocabulary matrices
+are gathered.
 """
 
 from __future__ import annotations
@@ -56,10 +57,11 @@ class WeightSyncError(RuntimeError):
 class MegatronSource(base.WeightSource):
     """This rank's Megatron chunks as a vLLM ``WeightSource``: ``(HF name, full tensor)`` in
     model order (:func:`~megatron_ngrpo.conversion.mapping.export_hf_tensors`; iterating is a
-    collective of the model-parallel group; ``tp_shards``: the linear layers' TP shards as they
-    are). ``metadata()`` is the HF layout in export order."""
+    collective of the model-parallel group; ``tp_shards``: the linear layers' slices of a
+    :class:`~megatron_ngrpo.conversion.mapping.TPShard`). ``metadata()`` is the HF layout in
+    export order."""
 
-    def __init__(self, chunks, spec, tp_shards: bool = False):
+    def __init__(self, chunks, spec, tp_shards=None):
         self.chunks, self.spec, self.tp_shards = chunks, spec, tp_shards
 
     def metadata(self) -> list:

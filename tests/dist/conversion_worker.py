@@ -133,33 +133,37 @@ def check_export(chunks, name: str, rank0_only: bool) -> int:
 
 
 def check_tp_shard_export(chunks, name: str) -> int:
-    """export_hf_tensors(tp_shards=True): every TP-split tensor is this rank's contiguous slice
-    of the HF tensor (rows, or columns for o_proj / down_proj), the others the full tensor;
-    refused in one line where the layout cannot be cut (PP > 1, KV heads not divisible)."""
+    """export_hf_tensors(tp_shards=TPShard(count, j)): every TP-split tensor is slice j of count
+    of the HF tensor (rows, or columns for o_proj / down_proj), the others the full tensor, for
+    count = TP and TP/2 and two assignments of slices to ranks each (a rank's own slice, and
+    slices that must be sent or merged from other ranks); refused in one line where the layout
+    cannot be cut (PP > 1, KV heads not divisible by TP)."""
     from megatron.core import parallel_state as ps
 
     from megatron_ngrpo.architecture import ArchSpec
     from megatron_ngrpo.conversion.hf_io import HFCheckpoint
-    from megatron_ngrpo.conversion.mapping import check_tp_shards, export_hf_tensors
+    from megatron_ngrpo.conversion.mapping import TPShard, check_tp_shards, export_hf_tensors
 
     spec = ArchSpec.from_hf(hf_dir(name))
     tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     why = check_tp_shards(spec, tp, ps.get_pipeline_model_parallel_world_size())
     if why:
         try:
-            list(export_hf_tensors(chunks, spec, tp_shards=True))
+            list(export_hf_tensors(chunks, spec, tp_shards=TPShard(tp, rank)))
         except ValueError as e:
             assert why in str(e), e
             return 0
         raise AssertionError(f"tp_shards export at an unsplittable layout ({why}) did not raise")
     ref, cut = HFCheckpoint(hf_dir(name)), 0
-    for hf_name, t in export_hf_tensors(chunks, spec, tp_shards=True):
-        full = ref[hf_name]
-        if t.shape != full.shape:
-            dim = next(d for d in range(t.dim()) if t.shape[d] != full.shape[d])
-            full = full.chunk(tp, dim=dim)[rank]
-            cut += 1
-        assert torch.equal(t, full), f"{name} {hf_name}: not rank {rank}'s slice"
+    for count in sorted({c for c in (tp, tp // 2) if c > 1}):
+        for j in (rank % count, (rank + 1) % count):
+            for hf_name, t in export_hf_tensors(chunks, spec, tp_shards=TPShard(count, j)):
+                full = ref[hf_name]
+                if t.shape != full.shape:
+                    dim = next(d for d in range(t.dim()) if t.shape[d] != full.shape[d])
+                    full = full.chunk(count, dim=dim)[j]
+                    cut += 1
+                assert torch.equal(t, full), f"{name} {hf_name}: not slice {j} of {count}"
     assert (cut > 0) == (tp > 1), cut
     return cut
 

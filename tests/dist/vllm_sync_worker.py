@@ -1,8 +1,8 @@
-"""Colocated vLLM weight sync at 2 ranks (tests/test_vllm_engine.py), one in-process vLLM worker
-per rank (``external_launcher``), weights pushed through vLLM's weight-transfer API (the gloo
-engine, small buckets, SHA-256 per tensor): trainer TP=2 with vLLM TP=2 (two syncs
-shard-to-shard, the third with gathered tensors again), then trainer DP=2 with one vLLM TP=1
-replica per rank. After every one of three syncs of changed weights, every vLLM parameter, read
+"""Colocated vLLM weight sync (tests/test_vllm_engine.py), one in-process vLLM worker per rank
+(``external_launcher``), weights pushed through vLLM's weight-transfer API (the gloo engine,
+small buckets, SHA-256 per tensor): trainer TP=2 with vLLM TP=2 and, at 4 ranks, trainer TP=4
+with two vLLM TP=2 replicas (two syncs shard-to-shard, the third with gathered tensors again),
+then trainer DP=2 with one vLLM TP=1 replica per rank. After every one of three syncs of changed weights, every vLLM parameter, read
 back (and reassembled from its TP shards), equals the trainer's tensors exactly (fp32). One case per launch (``--only``): vLLM cannot build a second colocated engine in a
 process whose first one has shut down.
 """
@@ -20,7 +20,7 @@ from megatron_ngrpo.testing.multiproc import case, run_cases
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
-def _syncs_match(trainer_tp: int, vllm_tp: int) -> list[dict]:
+def _syncs_match(trainer_tp: int, vllm_tp: int, kv_heads: int = 2) -> list[dict]:
     """Three syncs of changed weights from a trainer of TP ``trainer_tp`` (DP the rest) into one
     colocated vLLM worker per rank (vLLM TP ``vllm_tp``); after each, vLLM's parameters,
     reassembled over its TP group, equal the trainer's exactly. Where the engine syncs
@@ -39,8 +39,8 @@ def _syncs_match(trainer_tp: int, vllm_tp: int) -> list[dict]:
     initialize_model_parallel(trainer_tp, 1)
     box = [tempfile.mkdtemp(prefix="vllm_sync_") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    if dist.get_rank() == 0:  # head_dim 32 (vLLM's CPU attention takes no smaller heads), 2 KV heads
-        write_tiny_hf(box[0], vocab_size=512, hidden_size=128, num_heads=4, num_kv_heads=2, seed=5)
+    if dist.get_rank() == 0:  # head_dim 32 (vLLM's CPU attention takes no smaller heads)
+        write_tiny_hf(box[0], vocab_size=512, hidden_size=128, num_heads=4, num_kv_heads=kv_heads, seed=5)
     dist.barrier()
     spec = ArchSpec.from_hf(box[0])
     chunks = build_model(ModelConfig(hf_path=box[0], tensor_parallel=trainer_tp))
@@ -48,7 +48,9 @@ def _syncs_match(trainer_tp: int, vllm_tp: int) -> list[dict]:
     cfg = VLLMConfig(max_model_len=64, kv_cache_memory_bytes=2_000_000, tensor_parallel=vllm_tp,
                      weight_transfer="gloo", sync_bucket_mb=0.05, verify_weights=True)
     engine = VLLMEngine(box[0], cfg)
-    group = dist.group.WORLD if vllm_tp == dist.get_world_size() else None  # else one worker per rank
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group().cpu_group if vllm_tp > 1 else None  # the ranks of this worker's vLLM TP group
     try:
         syncs = []
         for step in range(1, 4):
@@ -57,7 +59,7 @@ def _syncs_match(trainer_tp: int, vllm_tp: int) -> list[dict]:
                     p.mul_(1.0 + 0.01 * step).add_(0.001 * step)
             if step == 3 and engine.tp_shards:
                 engine.llm.collective_rpc("nbr_load_tp_shards", args=(False,))
-                engine.tp_shards = False
+                engine.tp_shards = None
             engine.sync_weights(chunks)
             want = dict(export_hf_tensors(chunks, spec))
             assert_equal_to_hf(vllm_weights(engine.llm, group), want, where=f"sync {step}: ")
@@ -70,6 +72,12 @@ def _syncs_match(trainer_tp: int, vllm_tp: int) -> list[dict]:
 @case
 def vllm_tp2_under_trainer_tp2():
     return _syncs_match(trainer_tp=2, vllm_tp=2)
+
+
+@case
+def vllm_tp2_under_trainer_tp4():
+    """4 ranks: two vLLM TP 2 replicas; each worker's slices are merged from two trainer ranks'."""
+    return _syncs_match(trainer_tp=4, vllm_tp=2, kv_heads=4)
 
 
 @case
