@@ -124,8 +124,10 @@ class _MixedLookup(torch.autograd.Function):
     (weight 1, or 0 outside this TP partition) or its k candidates, so plain and mixed rows are
     gathered in a single pass, straight into the output (no [M, h] mixture to copy into place,
     no wasted lookup of the replaced token). Backward: one [V+1, h] buffer, one ``index_add_``
-    of the output gradient (replaced and masked rows go to a sink row) and one ``index_add_`` of
-    the mixed rows' gradient times each candidate weight ([M·k, h]). Written by hand because
+    of the output gradient (replaced and masked rows go to a sink row), then per candidate column
+    one ``index_add_`` of the mixed rows' gradient times that column's weights, formed in one
+    reused [M, h] buffer (a [M, k, h] product measured ~0.5% slower per step: more memory
+    traffic, one more large allocation). Written by hand because
     the autograd composition clones the [N, h] output gradient and runs two dense [V, h]
     embedding backwards; torch's ``embedding_bag`` backward sorts the index list (slower here).
     The cost over megatron's lookup is a fixed amount per mixed position: k - 1 extra row
@@ -170,9 +172,12 @@ class _MixedLookup(torch.autograd.Function):
             grad_weight.index_add_(0, dest, grad)
             if ctx.cand_grad:
                 # weight-0 entries (padding, rows of other partitions) go to the sink: 0·inf is nan.
-                cand_dest = cand_ids.masked_fill(cand_w == 0, sink).reshape(-1)
-                scaled = grad.index_select(0, rows).unsqueeze(1) * cand_w.to(acc).unsqueeze(2)
-                grad_weight.index_add_(0, cand_dest, scaled.reshape(-1, grad.shape[1]))
+                cand_dest = cand_ids.masked_fill(cand_w == 0, sink).t()
+                cand_w = cand_w.to(acc).t().unsqueeze(2)  # [k, M, 1]
+                rows_grad = grad.index_select(0, rows)
+                scaled = torch.empty_like(rows_grad)
+                for j in range(cand_dest.shape[0]):
+                    grad_weight.index_add_(0, cand_dest[j], torch.mul(rows_grad, cand_w[j], out=scaled))
             return grad_weight[:sink].to(ctx.weight_dtype), None, None, None, None, None, None, None
 
 
