@@ -11,9 +11,9 @@ repeated until ±1.5%). Each TP rank times its own steps; rank 0's interval is p
 Qwen2.5-1.5B's micro-batch (4×2048 tokens) with a narrow hidden size so that it runs on a
 laptop-class CPU; at V=152k that is the vocabulary-to-token ratio of the real model.
 
-One process's interval does not see the spread between fresh processes (measured here: 0.996
-to 1.10 for the same code at V=32k, from the allocator's page faults and cache placement, larger
-under load): ``--processes P`` repeats each TP=1 measurement in P fresh processes and adds the
+One process's interval does not see the spread between fresh processes (measured here for the
+same code at V=32k: 1.04 to 1.16 on the idle machine, 0.996 to 1.10 under load; the allocator's
+page faults and cache placement differ per process): ``--processes P`` repeats each TP=1 measurement in P fresh processes and adds the
 median of their ratios with a bootstrap 95% interval over processes.
 """
 

@@ -46,6 +46,7 @@ for: the server's facts, the mix records, the neighbour table, HTTP weight pushe
 from __future__ import annotations
 
 import base64
+import contextlib
 import logging
 import socket
 import time
@@ -348,26 +349,25 @@ class RemoteEngine(RolloutEngine):
         try:
             with ThreadPoolExecutor(min(len(prompts), _MAX_REQUESTS)) as pool:
                 answers = list(pool.map(one, range(len(prompts))))
-        finally:  # the hook forgets this call's requests even when a request failed
-            records = self._pop(url, call) if mixing is not None else {}
+        except _Failed:
+            if mixing is not None:  # the hook forgets this call's requests (best effort: the
+                with contextlib.suppress(_Failed):  # server may be gone); the slice is retried
+                    self._rpc(url, "nbr_mix_pop", call)
+            raise
+        # Records lost here would be replayed as plain tokens: a failed pop fails the slice.
+        records = self._rpc(url, "nbr_mix_pop", call) if mixing is not None else {}
         return self._batch(prompts, params.n, answers, records, mixing.k if mixing is not None else 1)
 
-    def _pop(self, url: str, call: str) -> dict:
-        try:
-            return self._rpc(url, "nbr_mix_pop", call)
-        except _Failed:
-            return {}  # a dead server's records are lost with it; the slice is retried elsewhere
-
     def _batch(self, prompts, n: int, answers: list[dict], records: dict, k: int) -> RolloutBatch:
-        """The batch of one server's answers; :class:`_Failed` (retried) when a token was
-        sampled from another weight version than the trainer's current one."""
+        """The batch of one server's answers; :class:`_Failed` (retried) when a response did not
+        finish normally or a token was sampled from another weight version than the trainer's
+        current one."""
         want = "default" if self.version < 0 else str(self.version)
         prompt_ids, response_ids, logprobs, finish = [], [], [], []
         for i, answer in enumerate(answers):
             for c in sorted(answer["choices"], key=lambda c: c["index"]):
                 if c["finish_reason"] not in ("stop", "length"):
-                    raise RolloutServerError(f"prompt {i}, sample {c['index']}: vLLM finished with "
-                                             f"{c['finish_reason']!r}")
+                    raise _Failed(f"prompt {i}, sample {c['index']}: vLLM finished with {c['finish_reason']!r}")
                 stale = {span["version"] for span in c.get("weight_versions") or []} - {want}
                 if stale:
                     raise _Failed(f"sampled with weight version {sorted(stale)}, the trainer's is {want}")
