@@ -86,7 +86,7 @@ def measure(args, vocab: int, tp: int) -> dict:
                 ratio=r.cpu.value)
 
 
-def in_fresh_processes(args, count: int) -> list[dict]:
+def in_fresh_processes(count: int) -> list[dict]:
     """The TP=1 rows of ``count`` child processes (one after the other), each with the
     ``ratio`` of every vocabulary size; the returned rows carry ``across``, the median over the
     processes with its bootstrap interval."""
@@ -98,9 +98,8 @@ def in_fresh_processes(args, count: int) -> list[dict]:
     runs = []
     for i in range(count):
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            argv = [sys.executable, __file__, "--tp", "1", "--vocab", *map(str, args.vocab), "--hidden",
-                    str(args.hidden), "--batch", str(args.batch), "--seq", str(args.seq), "--rate", str(args.rate),
-                    "--k", str(args.k), "--max-seconds", str(args.max_seconds), "--json-out", out.name]
+            # this command's own arguments, the later flags overriding
+            argv = [sys.executable, __file__, *sys.argv[1:], "--tp", "1", "--processes", "1", "--json-out", out.name]
             done = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             if done.returncode:
                 raise SystemExit(f"process {i + 1} failed:\n{done.stderr[-3000:]}")
@@ -137,7 +136,7 @@ def main() -> None:
     rows = []
     for tp in args.tp:
         if tp == 1 and args.processes > 1:
-            got = in_fresh_processes(args, args.processes)
+            got = in_fresh_processes(args.processes)
         elif tp == 1:
             init_distributed()
             got = [measure(args, v, 1) for v in args.vocab]

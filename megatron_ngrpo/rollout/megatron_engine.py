@@ -191,11 +191,11 @@ class MegatronEngine(RolloutEngine):
 
     # ---- validation (no collectives) --------------------------------------------------------
     def _validate(self, prompts, params: SamplingParams, mixing, keys) -> None:
-        validate_request(prompts, params, keys, self.max_seq_len, self.num_real_tokens, "the model's max length")
+        validate_request(prompts, params, keys, self.max_seq_len, self.num_real_tokens, "the model's max length",
+                         mixing)
         if (params.stop or (mixing is not None and mixing.stop_after)) and self.decode is None:
             raise ValueError("generate: stop strings / mixing.stop_after need the engine's decode callable")
         if mixing is not None:
-            mixing.validate()
             if mixing.k > self.num_real_tokens:
                 raise ValueError(f"mixing.k = {mixing.k}: more than the {self.num_real_tokens} real tokens")
             table = self._fixed_table

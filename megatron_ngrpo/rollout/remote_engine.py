@@ -274,11 +274,9 @@ class RemoteEngine(RolloutEngine):
         """As :meth:`RolloutEngine.generate`; a collective of all ranks in a multi-rank job."""
         mixing = mixing if mixing is not None and mixing.enabled else None
         validate_request(prompts, params, keys, self.max_model_len, self.num_real_tokens,
-                         "the servers' max_model_len")
-        if mixing is not None:
-            mixing.validate()
-            if mixing.stop_after and self.tokenizer is None:
-                raise ValueError("generate: mixing.stop_after needs the trainer's tokenizer (none was given)")
+                         "the servers' max_model_len", mixing)
+        if mixing is not None and mixing.stop_after and self.tokenizer is None:
+            raise ValueError("generate: mixing.stop_after needs the trainer's tokenizer (none was given)")
         keys = list(range(len(prompts))) if keys is None else [int(k) for k in keys]
         by_key = gather_requests(prompts, keys, self.group) if self.group is not None else dict(zip(keys, prompts))
         result = None

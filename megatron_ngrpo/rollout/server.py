@@ -81,7 +81,7 @@ def vllm_arguments(args, extra: list[str]) -> tuple[list[str], int]:
 
     from megatron_ngrpo.architecture import ArchSpec
     from megatron_ngrpo.models.config import real_token_count
-    from megatron_ngrpo.rollout.vllm_engine import _load_tokenizer, check_vllm_version
+    from megatron_ngrpo.rollout.vllm_engine import check_vllm_version, load_tokenizer
 
     check_vllm_version()
     gpu, tp = torch.cuda.is_available(), args.tensor_parallel_size
@@ -93,7 +93,7 @@ def vllm_arguments(args, extra: list[str]) -> tuple[list[str], int]:
     if backend == "gloo" and tp > 1:
         raise RuntimeError(f"--weight-transfer gloo sends to one worker: --tensor-parallel-size {tp} "
                            f"needs nccl")
-    tokenizer = _load_tokenizer(args.tokenizer, args.model)
+    tokenizer = load_tokenizer(args.tokenizer, args.model)
     num_real = real_token_count(args.num_real_tokens, ArchSpec.from_hf(args.model).vocab_size, tokenizer)
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if gpu else "float32")
     out = ["--model", args.model, "--host", args.host, "--port", str(args.port), "--seed", str(args.seed),

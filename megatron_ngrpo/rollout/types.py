@@ -148,10 +148,12 @@ class RolloutBatch:
 
 
 def validate_request(prompts: list[list[int]], params: SamplingParams, keys, max_len: int,
-                     num_real_tokens: int, limit_name: str) -> None:
-    """The checks both engines make before generating (no collectives): one ValueError naming
-    the request index."""
+                     num_real_tokens: int, limit_name: str, mixing=None) -> None:
+    """The checks every engine makes before generating (no collectives): one ValueError naming
+    the request index or the mixing field (``mixing``: the enabled MixingConfig, or None)."""
     params.validate()
+    if mixing is not None:
+        mixing.validate()
     if keys is not None and len(keys) != len(prompts):
         raise ValueError(f"generate: {len(keys)} keys for {len(prompts)} prompts")
     for i, p in enumerate(prompts):

@@ -105,7 +105,7 @@ class VLLMEngine(RolloutEngine):
         self.cfg.validate()
         self.hf_path = str(hf_path)
         self.spec = ArchSpec.from_hf(self.hf_path)
-        self.tokenizer = _load_tokenizer(tokenizer, self.hf_path)
+        self.tokenizer = load_tokenizer(tokenizer, self.hf_path)
         self.num_real_tokens = real_token_count(num_real_tokens, self.spec.vocab_size, self.tokenizer)
         self.special_ids = special_token_ids(self.tokenizer)
         self.max_model_len = self.cfg.max_model_len
@@ -266,9 +266,10 @@ class VLLMEngine(RolloutEngine):
         job this is a collective of all ranks: each rank streams the full HF tensors (gathered
         over TP/PP one parameter at a time) into its vLLM worker, whose weight loaders keep the
         worker's TP shard, or, where the layouts allow it (:attr:`tp_shards`), the worker's
-        shards of the linear layers, which the loaders take as they are; by ``cfg.weight_transfer`` (vLLM's weight-transfer API in
-        buckets of ``sync_bucket_mb``, :mod:`~megatron_ngrpo.rollout.weight_transfer`, or
-        ``reload``). ``last_sync["num_params"]`` counts what this rank loaded.
+        shards of the linear layers, which the loaders take as they are; by
+        ``cfg.weight_transfer`` (vLLM's weight-transfer API in buckets of ``sync_bucket_mb``,
+        :mod:`~megatron_ngrpo.rollout.weight_transfer`, or ``reload``).
+        ``last_sync["num_params"]`` counts what this rank loaded.
         """
         t0 = time.perf_counter()
         if self.cfg.weight_transfer == "reload":
@@ -414,11 +415,9 @@ class VLLMEngine(RolloutEngine):
 
     # ---- validation and results -------------------------------------------------------------
     def _validate(self, prompts, params: SamplingParams, mixing, keys) -> None:
-        validate_request(prompts, params, keys, self.max_model_len, self.num_real_tokens, "max_model_len")
+        validate_request(prompts, params, keys, self.max_model_len, self.num_real_tokens, "max_model_len", mixing)
         if self.tokenizer is None and (params.stop or (mixing is not None and mixing.stop_after)):
             raise ValueError("generate: stop strings / mixing.stop_after need a tokenizer (none was found)")
-        if mixing is not None:
-            mixing.validate()
 
     def _batch(self, prompts, n: int, outputs, records: dict, k: int) -> RolloutBatch:
         prompt_ids, response_ids, logprobs, finish, texts = [], [], [], [], []
@@ -562,7 +561,9 @@ def _keep_trainer_process_groups() -> None:
     core.cleanup_dist_env_and_memory = lambda shutdown_ray=False: gc.collect()
 
 
-def _load_tokenizer(tokenizer, hf_path: str):
+def load_tokenizer(tokenizer, hf_path: str):
+    """The HF tokenizer of directory ``tokenizer``, else of ``hf_path`` when it has tokenizer
+    files, else None (the engine and the rollout server's launcher resolve it alike)."""
     path = Path(tokenizer) if tokenizer is not None else Path(hf_path)
     files = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
     if tokenizer is None and not any((path / f).is_file() for f in files):
