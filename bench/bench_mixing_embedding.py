@@ -1,7 +1,7 @@
 """Mixing embedding forward+backward vs megatron's plain VocabParallelEmbedding (goal ≤ 1.05×).
 
     OMP_NUM_THREADS=1 python bench/bench_mixing_embedding.py [--vocab 32768 151936 --tp 1 2 4 --hidden 256]
-        [--processes P]
+        [--processes P] [--ddp]
 
 For every vocabulary size and TP degree: TP=1 runs in this process, TP>1 under torchrun (that many
 gloo processes). Both embeddings share one weight; plain and mixing steps are timed in interleaved
@@ -15,6 +15,10 @@ One process's interval does not see the spread between fresh processes (measured
 same code at V=32k: 1.04 to 1.16 on the idle machine, 0.996 to 1.10 under load; the allocator's
 page faults and cache placement differ per process): ``--processes P`` repeats each TP=1 measurement in P fresh processes and adds the
 median of their ratios with a bootstrap 95% interval over processes.
+
+``--ddp`` wraps both in megatron's DDP as every training path does: megatron's embedding then forms
+a dense [V, h] gradient that the DDP hook adds into ``main_grad``, the mixing embedding adds its
+rows into ``main_grad`` itself. Without it, the bare ops (each returns ``weight.grad``).
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ def _args(argv=None):
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--max-seconds", type=float, default=120.0)
     p.add_argument("--processes", type=int, default=1, help="fresh processes per TP=1 measurement")
+    p.add_argument("--ddp", action="store_true",
+                   help="both embeddings in megatron DDP, as the trainer runs them (gradients into main_grad)")
     p.add_argument("--json-out", help=argparse.SUPPRESS)  # a child of --processes writes its rows here
     return p.parse_args(argv)
 
@@ -64,7 +70,11 @@ def measure(args, vocab: int, tp: int) -> dict:
     plain = VocabParallelEmbedding(vocab, args.hidden, init_method=torch.nn.init.normal_, config=cfg)
     mixing = VocabParallelEmbedding(vocab, args.hidden, init_method=torch.nn.init.normal_, config=cfg)
     mixing.__class__ = MixingVocabParallelEmbedding
-    mixing.weight = plain.weight
+    if args.ddp:  # each its own DDP buffer: equal weights, not one Parameter
+        mixing.weight.data.copy_(plain.weight.data)
+        plain, mixing = _in_ddp(plain, tp), _in_ddp(mixing, tp)
+    else:
+        mixing.weight = plain.weight
 
     g = torch.Generator().manual_seed(0)
     b, s, k = args.batch, args.seq, args.k
@@ -74,16 +84,31 @@ def measure(args, vocab: int, tp: int) -> dict:
     mix = MixBatch(ids, weights / weights.sum(-1, keepdim=True), torch.rand(b, s, generator=g) < args.rate)
     grad = torch.randn(b, s, args.hidden, generator=g)
 
-    def step(fn):
+    def step(module, fn):
         def run():
-            plain.weight.grad = None
+            module.zero_grad(set_to_none=True)  # without DDP; under it the hook leaves no grad
             fn().backward(grad)
         return run
 
-    r = compare(step(lambda: mixing(tokens, mix)), step(lambda: plain(tokens)), label=f"V={vocab} TP={tp}",
+    label = f"V={vocab} TP={tp}" + (" DDP" if args.ddp else "")
+    r = compare(step(mixing, lambda: mixing(tokens, mix)), step(plain, lambda: plain(tokens)), label=label,
                 max_seconds=args.max_seconds, group=ps.get_tensor_model_parallel_group() if tp > 1 else None)
     return dict(vocab=vocab, tp=tp, plain_ms=1e3 * r.b_cpu, mixing_ms=1e3 * r.a_cpu, text=str(r), row=r.row(),
                 ratio=r.cpu.value)
+
+
+def _in_ddp(module, tp: int):
+    """``module`` in megatron's DDP as the trainer wraps it (fp32 ``main_grad``, no overlap)."""
+    import warnings
+
+    # megatron's notices on import (no TE/apex on CPU; a config default), not this benchmark's
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed|full scope is deprecated")
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer import TransformerConfig
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=module.embedding_dim, num_attention_heads=tp,
+                            tensor_model_parallel_size=tp, use_cpu_initialization=True)
+    return DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module)
 
 
 def in_fresh_processes(count: int) -> list[dict]:

@@ -38,6 +38,12 @@ def test_mixing_embedding_equals_reference(results):
     assert max(check(results, "embedding_matches_reference").values()) <= 1e-6
 
 
+def test_mixing_embedding_main_grad_under_ddp(results):
+    """Under megatron DDP the backward adds into main_grad: micro-batches with and without mixes
+    accumulate the float64 gradient sum; a tied consumer's gradient is added once."""
+    assert max(check(results, "embedding_main_grad_under_ddp").values()) <= 1e-6
+
+
 @pytest.mark.parametrize("name", MODEL_LAYOUTS)
 def test_model_with_mixes_equals_float64_tp1(results, name):
     """Tiny Qwen2-like GPTModel through megatron's schedule with mixes: logits (forward-only and

@@ -14,6 +14,10 @@ GPTModel builds its ``VocabParallelEmbedding`` internally (no spec hook), so
 Parameter stays (tied output layer, DDP buckets and checkpoint keys are unaffected).
 Mixes reach it with :func:`mixing_inputs` around the model call, so ``GPTModel.forward`` and
 megatron's pipeline schedules are used unchanged; only the first pipeline stage has an embedding.
+
+Under megatron's DDP (the trainer) the backward adds its rows straight into ``weight.main_grad``
+(fp32), megatron's own gradient-accumulation-fusion protocol: no dense [V, h] gradient is
+allocated, zeroed, and added into ``main_grad`` by the DDP hook (see :class:`_MixedLookup`).
 """
 
 from __future__ import annotations
@@ -66,7 +70,8 @@ class MixingVocabParallelEmbedding(VocabParallelEmbedding):
 
     Input ``input_`` [B, S] token ids; output [B, S, h] (or [S/TP, B, h] scattered under
     sequence parallelism), exactly megatron's layout. Without mixed rows it is megatron's
-    forward unchanged.
+    forward unchanged (under DDP the same values through :class:`_MixedLookup`, whose backward
+    writes ``main_grad``).
     """
 
     embedding_grad: bool = True
@@ -75,10 +80,11 @@ class MixingVocabParallelEmbedding(VocabParallelEmbedding):
     def forward(self, input_: torch.Tensor, mix: MixBatch | None = None) -> torch.Tensor:
         mix = mix if mix is not None else self._pending
         rows = None if mix is None else torch.nonzero(mix.mask.reshape(-1)).squeeze(1)
-        if rows is None or not rows.numel():
+        grad_param = self._main_grad_param()
+        if (rows is None or not rows.numel()) and grad_param is None:
             return super().forward(input_)
         with bypass():  # none of its ~40 small torch calls needs the CPU shim's redirects
-            output_parallel = self._mixed_local_rows(input_, mix, rows)
+            output_parallel = self._mixed_local_rows(input_, mix, rows, grad_param)
         if self.reduce_scatter_embeddings:
             output_parallel = output_parallel.transpose(0, 1).contiguous()
             return reduce_scatter_to_sequence_parallel_region(output_parallel, group=self.tp_group)
@@ -99,20 +105,34 @@ class MixingVocabParallelEmbedding(VocabParallelEmbedding):
         outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
         return (ids - self.vocab_start_index).masked_fill(outside, 0), outside
 
-    def _mixed_local_rows(self, input_: torch.Tensor, mix: MixBatch, rows: torch.Tensor) -> torch.Tensor:
-        """This rank's share [B, S, h] of E[input_] with flat positions ``rows`` replaced by
-        Σ w·E[ids] (+ noise on TP rank 0)."""
+    def _main_grad_param(self) -> torch.nn.Parameter | None:
+        """The weight when this forward's backward adds straight into megatron DDP's
+        ``main_grad``: with grad enabled and an fp32-or-wider ``main_grad`` (a 16-bit one would
+        round every row addition; the dense path rounds once)."""
+        w = self.weight
+        if not (torch.is_grad_enabled() and w.requires_grad and hasattr(w, "grad_added_to_main_grad")):
+            return None
+        return w if w.main_grad.dtype in (torch.float32, torch.float64) else None
+
+    def _mixed_local_rows(self, input_: torch.Tensor, mix: MixBatch | None, rows: torch.Tensor | None,
+                          grad_param: torch.nn.Parameter | None) -> torch.Tensor:
+        """This rank's share [B, S, h] of E[input_] with flat positions ``rows`` [M] (M may be 0)
+        replaced by Σ w·E[ids] (+ noise on TP rank 0)."""
         b, s = input_.shape
         ids, outside = self._localise(input_.reshape(-1))
-        cand_ids, cand_outside = self._localise(mix.ids.reshape(b * s, -1).index_select(0, rows))
-        cand_w = mix.weights.reshape(b * s, -1).index_select(0, rows).float()
+        if rows is None or not rows.numel():
+            rows = ids.new_empty(0)
+            cand_ids, cand_outside, cand_w = ids.new_empty(0, 1), None, ids.new_empty(0, 1, dtype=torch.float32)
+        else:
+            cand_ids, cand_outside = self._localise(mix.ids.reshape(b * s, -1).index_select(0, rows))
+            cand_w = mix.weights.reshape(b * s, -1).index_select(0, rows).float()
         if cand_outside is not None:
             cand_w = cand_w.masked_fill(cand_outside, 0.0)
         noise = None
-        if mix.noise is not None and self.tp_group.rank() == 0:
+        if mix is not None and mix.noise is not None and self.tp_group.rank() == 0:
             noise = mix.noise.reshape(b * s, -1).index_select(0, rows)
         out = _MixedLookup.apply(self.weight, ids, outside, rows, cand_ids, cand_w, noise,
-                                 self.embedding_grad)
+                                 self.embedding_grad, grad_param)
         return out.view(b, s, -1)
 
 
@@ -123,25 +143,36 @@ class _MixedLookup(torch.autograd.Function):
     Forward (fp32/fp64 weights): one ``embedding_bag`` whose bag per position is its token
     (weight 1, or 0 outside this TP partition) or its k candidates, so plain and mixed rows are
     gathered in a single pass, straight into the output (no [M, h] mixture to copy into place,
-    no wasted lookup of the replaced token). Backward: one [V+1, h] buffer, one ``index_add_``
-    of the output gradient (replaced and masked rows go to a sink row), then per candidate column
-    one ``index_add_`` of the mixed rows' gradient times that column's weights, formed in one
-    reused [M, h] buffer (a [M, k, h] product measured ~0.5% slower per step: more memory
-    traffic, one more large allocation). Written by hand because
-    the autograd composition clones the [N, h] output gradient and runs two dense [V, h]
-    embedding backwards; torch's ``embedding_bag`` backward sorts the index list (slower here).
-    The cost over megatron's lookup is a fixed amount per mixed position: k - 1 extra row
-    reads forward, k row updates backward.
+    no wasted lookup of the replaced token). Backward: one ``index_add_`` of the output gradient
+    (replaced and masked rows excluded), then per candidate column one ``index_add_`` of the
+    mixed rows' gradient times that column's weights, formed in one reused [M, h] buffer (a
+    [M, k, h] product measured ~0.5% slower per step: more memory traffic, one more large
+    allocation). Written by hand because the autograd composition clones the [N, h] output
+    gradient and runs two dense [V, h] embedding backwards; torch's ``embedding_bag`` backward
+    sorts the index list (slower here). The cost over megatron's lookup is a fixed amount per
+    mixed position: k - 1 extra row reads forward, k row updates backward.
+
+    Where the rows go: without DDP, a fresh [V+1, h] buffer whose last row is a sink for the
+    excluded positions, returned as the weight's gradient. Under megatron DDP (``grad_param``,
+    the weight Parameter), straight into ``weight.main_grad`` as megatron's fused linear
+    layers do (``grad_added_to_main_grad`` set; the returned gradient is a dummy, zeros when
+    the weight is tied to another consumer on this stage, ``zero_out_wgrad``, so that the DDP
+    hook adds only that consumer's gradient). That skips the dense gradient megatron's embedding
+    allocates and zeroes each micro-batch (a [V, h] temporary: 2.2 GB in fp32 at a 7B model's
+    V=152k, h=3584) and the hook's add of it. Every micro-batch of the weight must then take
+    this path (it does: the forward routes here under DDP even without mixes), or the hook
+    would skip a dense gradient once the flag is set.
 
     Precision: the mixture and the gradient are accumulated in fp32 for 16-bit weights (the
     k rows are upcast before the weighted sum; the gradient buffer is fp32 and rounded once to
-    the weight dtype at the end), as megatron's own embedding backward accumulates on GPU.
+    the weight dtype at the end, ``main_grad`` fp32 and never rounded), as megatron's own
+    embedding backward accumulates on GPU.
     Shapes: weight [V, h], ids/outside [N], rows [M], cand_ids/cand_w [M, k] (cand_w fp32),
     noise [M, h] or None → [N, h].
     """
 
     @staticmethod
-    def forward(ctx, weight, ids, outside, rows, cand_ids, cand_w, noise, cand_grad):
+    def forward(ctx, weight, ids, outside, rows, cand_ids, cand_w, noise, cand_grad, grad_param):
         if weight.dtype in (torch.float32, torch.float64):
             out = _bag_lookup(weight, ids, outside, rows, cand_ids, cand_w)
             if noise is not None:
@@ -156,29 +187,70 @@ class _MixedLookup(torch.autograd.Function):
             out.index_copy_(0, rows, mixed.to(out.dtype))
         ctx.save_for_backward(ids, outside, rows, cand_ids, cand_w)
         ctx.num_rows, ctx.cand_grad, ctx.weight_dtype = weight.shape[0], cand_grad, weight.dtype
+        ctx.grad_param = grad_param
         return out
 
     @staticmethod
     def backward(ctx, grad):
         with bypass():
             ids, outside, rows, cand_ids, cand_w = ctx.saved_tensors
-            sink = ctx.num_rows
-            acc = torch.promote_types(grad.dtype, torch.float32)
-            grad = grad.contiguous().to(acc)
-            grad_weight = grad.new_zeros(sink + 1, grad.shape[1])
+            sink, param, saved = ctx.num_rows, ctx.grad_param, None
+            if param is None:  # the extra last row takes the excluded positions
+                target = grad.new_zeros(sink + 1, grad.shape[1], dtype=torch.promote_types(grad.dtype, torch.float32))
+            else:
+                target = param.main_grad
+                free = _unused_row(target, ids, cand_ids)
+                if free is not None:
+                    sink, saved = free, target[free].clone()
+            grad = grad.contiguous().to(target.dtype)
             dest = ids.index_fill(0, rows, sink)
             if outside is not None:
                 dest.masked_fill_(outside, sink)
-            grad_weight.index_add_(0, dest, grad)
-            if ctx.cand_grad:
+            _add_rows(target, dest, grad, sink)
+            if ctx.cand_grad and rows.numel():
                 # weight-0 entries (padding, rows of other partitions) go to the sink: 0·inf is nan.
                 cand_dest = cand_ids.masked_fill(cand_w == 0, sink).t()
-                cand_w = cand_w.to(acc).t().unsqueeze(2)  # [k, M, 1]
+                cand_w = cand_w.to(target.dtype).t().unsqueeze(2)  # [k, M, 1]
                 rows_grad = grad.index_select(0, rows)
                 scaled = torch.empty_like(rows_grad)
                 for j in range(cand_dest.shape[0]):
-                    grad_weight.index_add_(0, cand_dest[j], torch.mul(rows_grad, cand_w[j], out=scaled))
-            return grad_weight[:sink].to(ctx.weight_dtype), None, None, None, None, None, None, None
+                    _add_rows(target, cand_dest[j], torch.mul(rows_grad, cand_w[j], out=scaled), sink)
+            if param is None:
+                grad_weight = target[:sink].to(ctx.weight_dtype)
+            else:
+                if saved is not None:
+                    target[sink] = saved
+                param.grad_added_to_main_grad = True
+                # zeros where autograd adds it to a gradient: a tied consumer's, or a
+                # ``param.grad`` that a step left aliasing ``main_grad``
+                zero = getattr(param, "zero_out_wgrad", False) or param.grad is not None
+                make = torch.zeros if zero else torch.empty
+                grad_weight = make(param.shape, dtype=param.dtype, device=param.device)
+            return grad_weight, None, None, None, None, None, None, None, None
+
+
+def _unused_row(target: torch.Tensor, *used: torch.Tensor) -> int | None:
+    """A row of ``target`` [V, h] that no id in ``used`` names: it takes the excluded positions
+    of the scatter into ``main_grad``, its value saved and restored around it (exact), instead of
+    copying the kept rows of the gradient out (N·h, the costlier part on CPU). None on GPU, where
+    that copy is cheap and finding the row would wait for the device, and when every row is named."""
+    if target.device.type != "cpu":
+        return None
+    free = torch.ones(target.shape[0], dtype=torch.uint8)
+    for ids in used:
+        free.index_fill_(0, ids.reshape(-1), 0)
+    row = int(free.argmax())
+    return row if free[row] else None
+
+
+def _add_rows(target: torch.Tensor, dest: torch.Tensor, src: torch.Tensor, sink: int) -> None:
+    """target[dest[i]] += src[i], skipping ``dest == sink`` when ``sink`` is no row of
+    ``target`` (``main_grad`` without an unused row). dest [n], src [n, h]."""
+    if target.shape[0] > sink:
+        target.index_add_(0, dest, src)
+        return
+    keep = torch.nonzero(dest != sink).squeeze(1)
+    target.index_add_(0, dest.index_select(0, keep), src.index_select(0, keep))
 
 
 def _bag_lookup(weight, ids, outside, rows, cand_ids, cand_w) -> torch.Tensor:

@@ -91,16 +91,17 @@ def neighbor_table_matches_bruteforce():
 
 
 # ---- mixing embedding alone -----------------------------------------------------------------
-def _mix_batch(vocab: int, num_real: int, hidden: int, seed: int, rate: float = 0.4, noise: bool = False):
+def _mix_batch(vocab: int, num_real: int, hidden: int, seed: int, rate: float = 0.4, noise: bool = False,
+               b: int = B, s: int = S):
     from megatron_ngrpo.mixing.embedding import MixBatch
 
     g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, num_real, (B, S), generator=g)
-    ids = torch.randint(0, num_real, (B, S, K), generator=g)
-    w = torch.rand(B, S, K, generator=g)
-    mask = torch.rand(B, S, generator=g) < rate
+    tokens = torch.randint(0, num_real, (b, s), generator=g)
+    ids = torch.randint(0, num_real, (b, s, K), generator=g)
+    w = torch.rand(b, s, K, generator=g)
+    mask = torch.rand(b, s, generator=g) < rate
     mask[0, 1] = True  # at least one mix
-    nz = 0.1 * torch.randn(B, S, hidden, generator=g) if noise else None
+    nz = 0.1 * torch.randn(b, s, hidden, generator=g) if noise else None
     return tokens, MixBatch(ids, w / w.sum(-1, keepdim=True), mask, nz)
 
 
@@ -158,6 +159,66 @@ def embedding_matches_reference():
             ref.backward(grad.double())
             errs[f"tp{tp}_grad{with_grad}_fwd"] = _close(out, ref, f"tp={tp} forward")
             errs[f"tp{tp}_grad{with_grad}_bwd"] = _close(mixing.weight.grad, w64.grad[lo:hi], f"tp={tp} weight grad")
+    return errs
+
+
+def _under_ddp(module, tp: int):
+    """``module`` in megatron's DDP as the trainer wraps it (fp32 ``main_grad``)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer import TransformerConfig
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=4, tensor_model_parallel_size=tp,
+                            use_cpu_initialization=True)
+    return DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module)
+
+
+@case
+def embedding_main_grad_under_ddp():
+    """TP=1,2,4 under megatron DDP, where the backward adds into ``main_grad`` itself: four
+    micro-batches (mixed with noise, none mixed, mixed, mixed with every row of the vocabulary
+    named: no unused row to take the excluded positions) accumulate the float64 sum of their
+    gradients, with and without the mixture's gradient; tied to a second consumer
+    (``zero_out_wgrad``, as megatron marks a shared embedding/output weight at PP=1) the
+    consumer's gradient is added exactly once; the hook leaves no ``param.grad``."""
+    from megatron_ngrpo.parallel import initialize_model_parallel
+    from megatron_ngrpo.testing.reference import mixed_embedding64
+
+    v, h = 64, 16
+    weight = torch.randn(v, h, generator=torch.Generator().manual_seed(3))
+    errs = {}
+    for tp in (1, 2, 4):
+        initialize_model_parallel(tp=tp)
+        batches = [_mix_batch(v, v, h, seed=10 * tp + i, noise=i == 0) for i in range(3)]
+        batches[1] = (batches[1][0], batches[1][1]._replace(mask=torch.zeros(B, S, dtype=torch.bool)))
+        every_row = _mix_batch(v, v, h, seed=10 * tp + 3, b=4, s=v // 4)[1]
+        batches.append((torch.randperm(v, generator=torch.Generator().manual_seed(4)).view(4, -1), every_row))
+        grads = [torch.randn(*t.shape, h, generator=torch.Generator().manual_seed(20 + i))
+                 for i, (t, _) in enumerate(batches)]
+        probe = torch.randn(5, h, generator=torch.Generator().manual_seed(30))  # the tied consumer's input
+        for with_grad, tied in ((True, False), (False, False), (True, True)):
+            _, mixing = _standalone_embedding(tp, weight, embedding_grad=with_grad)
+            lo, hi = mixing.vocab_start_index, mixing.vocab_end_index
+            ddp = _under_ddp(mixing, tp)
+            if tied:
+                mixing.weight.zero_out_wgrad = True
+            ddp.zero_grad_buffer()
+            w64 = weight.double().requires_grad_()
+            for (tokens, mix), grad in zip(batches, grads):
+                out = ddp(tokens, mix)
+                loss = (out * grad).sum()
+                ref = mixed_embedding64(w64 if with_grad else w64.detach(), tokens, mix.ids, mix.weights,
+                                        mix.mask, mix.noise)
+                if not with_grad:  # mixed rows: the detached mixture
+                    ref = ref * mix.mask.unsqueeze(-1) + w64[tokens] * (~mix.mask).unsqueeze(-1)
+                ref_loss = (ref * grad.double()).sum()
+                if tied:
+                    loss = loss + (probe @ mixing.weight.t()).sum()
+                    ref_loss = ref_loss + (probe.double() @ w64[lo:hi].t()).sum()
+                loss.backward()
+                ref_loss.backward()
+                assert mixing.weight.grad is None and mixing.weight.grad_added_to_main_grad
+            key = f"tp{tp}_grad{with_grad}_tied{tied}"
+            errs[key] = _close(mixing.weight.main_grad, w64.grad[lo:hi], f"{key}: main_grad")
     return errs
 
 
