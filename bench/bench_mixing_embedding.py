@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _timing import compare  # noqa: E402
 
 from megatron_ngrpo.testing.multiproc import case, launch, run_cases  # noqa: E402
+from megatron_ngrpo.testing.tiny import in_megatron_ddp  # noqa: E402
 
 
 def _args(argv=None):
@@ -72,7 +73,7 @@ def measure(args, vocab: int, tp: int) -> dict:
     mixing.__class__ = MixingVocabParallelEmbedding
     if args.ddp:  # each its own DDP buffer: equal weights, not one Parameter
         mixing.weight.data.copy_(plain.weight.data)
-        plain, mixing = _in_ddp(plain, tp), _in_ddp(mixing, tp)
+        plain, mixing = in_megatron_ddp(plain, tp), in_megatron_ddp(mixing, tp)
     else:
         mixing.weight = plain.weight
 
@@ -95,20 +96,6 @@ def measure(args, vocab: int, tp: int) -> dict:
                 max_seconds=args.max_seconds, group=ps.get_tensor_model_parallel_group() if tp > 1 else None)
     return dict(vocab=vocab, tp=tp, plain_ms=1e3 * r.b_cpu, mixing_ms=1e3 * r.a_cpu, text=str(r), row=r.row(),
                 ratio=r.cpu.value)
-
-
-def _in_ddp(module, tp: int):
-    """``module`` in megatron's DDP as the trainer wraps it (fp32 ``main_grad``, no overlap)."""
-    import warnings
-
-    # megatron's notices on import (no TE/apex on CPU; a config default), not this benchmark's
-    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed|full scope is deprecated")
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.transformer import TransformerConfig
-
-    cfg = TransformerConfig(num_layers=1, hidden_size=module.embedding_dim, num_attention_heads=tp,
-                            tensor_model_parallel_size=tp, use_cpu_initialization=True)
-    return DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module)
 
 
 def in_fresh_processes(count: int) -> list[dict]:

@@ -1,4 +1,5 @@
-"""Tiny Hugging Face models created locally (no model hub here): configs and random weights.
+"""Tiny Hugging Face models created locally (no model hub here): configs and random weights;
+standalone megatron modules in DDP as the trainer wraps models.
 
 Shapes keep vLLM's CPU attention happy (head_dim 32) and TP up to 4 / PP up to 2 possible.
 """
@@ -67,3 +68,15 @@ def write_tiny_hf(path: str | Path, arch: str = "qwen2", weights: bool = True, s
     model = AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=torch.float32)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def in_megatron_ddp(module, tp: int):
+    """A standalone megatron module (e.g. one embedding) in megatron's DDP as the trainer wraps
+    its models: fp32 ``main_grad`` buffers, no overlapped reduction. Its hidden size is
+    ``module.embedding_dim``; the config's other fields only have to be valid at ``tp``."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer import TransformerConfig
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=module.embedding_dim, num_attention_heads=tp,
+                            tensor_model_parallel_size=tp, use_cpu_initialization=True)
+    return DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module)

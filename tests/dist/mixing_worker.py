@@ -162,16 +162,6 @@ def embedding_matches_reference():
     return errs
 
 
-def _under_ddp(module, tp: int):
-    """``module`` in megatron's DDP as the trainer wraps it (fp32 ``main_grad``)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.transformer import TransformerConfig
-
-    cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=4, tensor_model_parallel_size=tp,
-                            use_cpu_initialization=True)
-    return DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module)
-
-
 @case
 def embedding_main_grad_under_ddp():
     """TP=1,2,4 under megatron DDP, where the backward adds into ``main_grad`` itself: four
@@ -182,6 +172,7 @@ def embedding_main_grad_under_ddp():
     consumer's gradient is added exactly once; the hook leaves no ``param.grad``."""
     from megatron_ngrpo.parallel import initialize_model_parallel
     from megatron_ngrpo.testing.reference import mixed_embedding64
+    from megatron_ngrpo.testing.tiny import in_megatron_ddp
 
     v, h = 64, 16
     weight = torch.randn(v, h, generator=torch.Generator().manual_seed(3))
@@ -198,7 +189,7 @@ def embedding_main_grad_under_ddp():
         for with_grad, tied in ((True, False), (False, False), (True, True)):
             _, mixing = _standalone_embedding(tp, weight, embedding_grad=with_grad)
             lo, hi = mixing.vocab_start_index, mixing.vocab_end_index
-            ddp = _under_ddp(mixing, tp)
+            ddp = in_megatron_ddp(mixing, tp)
             if tied:
                 mixing.weight.zero_out_wgrad = True
             ddp.zero_grad_buffer()
