@@ -169,7 +169,8 @@ def embedding_main_grad_under_ddp():
     named: no unused row to take the excluded positions) accumulate the float64 sum of their
     gradients, with and without the mixture's gradient; tied to a second consumer
     (``zero_out_wgrad``, as megatron marks a shared embedding/output weight at PP=1) the
-    consumer's gradient is added exactly once; the hook leaves no ``param.grad``."""
+    consumer's gradient is added exactly once; bf16 weights accumulate into the fp32 ``main_grad``
+    unrounded; the hook leaves no ``param.grad``."""
     from megatron_ngrpo.parallel import initialize_model_parallel
     from megatron_ngrpo.testing.reference import mixed_embedding64
     from megatron_ngrpo.testing.tiny import in_megatron_ddp
@@ -186,16 +187,18 @@ def embedding_main_grad_under_ddp():
         grads = [torch.randn(*t.shape, h, generator=torch.Generator().manual_seed(20 + i))
                  for i, (t, _) in enumerate(batches)]
         probe = torch.randn(5, h, generator=torch.Generator().manual_seed(30))  # the tied consumer's input
-        for with_grad, tied in ((True, False), (False, False), (True, True)):
+        for with_grad, tied, dtype in ((True, False, torch.float32), (False, False, torch.float32),
+                                       (True, True, torch.float32), (True, False, torch.bfloat16)):
             _, mixing = _standalone_embedding(tp, weight, embedding_grad=with_grad)
             lo, hi = mixing.vocab_start_index, mixing.vocab_end_index
-            ddp = in_megatron_ddp(mixing, tp)
+            ddp = in_megatron_ddp(mixing.to(dtype), tp)
             if tied:
                 mixing.weight.zero_out_wgrad = True
             ddp.zero_grad_buffer()
             w64 = weight.double().requires_grad_()
             for (tokens, mix), grad in zip(batches, grads):
                 out = ddp(tokens, mix)
+                grad = grad.to(dtype)  # the gradient reaching a bf16 output is bf16
                 loss = (out * grad).sum()
                 ref = mixed_embedding64(w64 if with_grad else w64.detach(), tokens, mix.ids, mix.weights,
                                         mix.mask, mix.noise)
@@ -208,7 +211,7 @@ def embedding_main_grad_under_ddp():
                 loss.backward()
                 ref_loss.backward()
                 assert mixing.weight.grad is None and mixing.weight.grad_added_to_main_grad
-            key = f"tp{tp}_grad{with_grad}_tied{tied}"
+            key = f"tp{tp}_grad{with_grad}_tied{tied}_{dtype}"
             errs[key] = _close(mixing.weight.main_grad, w64.grad[lo:hi], f"{key}: main_grad")
     return errs
 
