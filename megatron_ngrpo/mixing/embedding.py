@@ -158,10 +158,10 @@ class _MixedLookup(torch.autograd.Function):
     layers do (``grad_added_to_main_grad`` set; the returned gradient is a dummy, zeros when
     the weight is tied to another consumer on this stage, ``zero_out_wgrad``, so that the DDP
     hook adds only that consumer's gradient). That skips the dense gradient megatron's embedding
-    allocates and zeroes each micro-batch (a [V, h] temporary: 2.2 GB in fp32 at a 7B model's
-    V=152k, h=3584) and the hook's add of it. Every micro-batch of the weight must then take
-    this path (it does: the forward routes here under DDP even without mixes), or the hook
-    would skip a dense gradient once the flag is set.
+    allocates and zeroes each micro-batch (a [V/TP, h] temporary: at a 7B model's V=152k,
+    h=3584, 1.1 GB in bf16 over TP, 2.2 GB in the fp32 of the path above) and the hook's add.
+    Every micro-batch of the weight must then take this path (it does: the forward routes here
+    under DDP even without mixes), or the hook would skip a dense gradient once the flag is set.
 
     Precision: the mixture and the gradient are accumulated in fp32 for 16-bit weights (the
     k rows are upcast before the weighted sum; the gradient buffer is fp32 and rounded once to
