@@ -196,7 +196,8 @@ class _MixedLookup(torch.autograd.Function):
             ids, outside, rows, cand_ids, cand_w = ctx.saved_tensors
             sink, param, saved = ctx.num_rows, ctx.grad_param, None
             if param is None:  # the extra last row takes the excluded positions
-                target = grad.new_zeros(sink + 1, grad.shape[1], dtype=torch.promote_types(grad.dtype, torch.float32))
+                acc = torch.promote_types(grad.dtype, torch.float32)
+                target = grad.new_zeros(sink + 1, grad.shape[1], dtype=acc)
             else:
                 target = param.main_grad
                 free = _unused_row(target, ids, cand_ids)
