@@ -34,14 +34,16 @@ def neighbor_table64(weight: torch.Tensor, k: int, metric: str = "cosine",
                      exclude: torch.Tensor | None = None, rows=None) -> torch.Tensor:
     """[V, k] table (or the rows ``rows``): row v = v then the k-1 most similar allowed rows ≠ v,
     ordered by (-score, id)."""
-    rows = list(range(weight.shape[0]) if rows is None else rows)
-    s = similarity_matrix64(weight, metric, rows)
+    rows = torch.tensor(list(range(weight.shape[0]) if rows is None else rows), dtype=torch.long)
+    s = similarity_matrix64(weight, metric, rows.tolist())
     banned = torch.zeros(weight.shape[0], dtype=torch.bool) if exclude is None else exclude.cpu().bool()
-    out = []
-    for a, row in zip(rows, s.tolist()):
-        cand = sorted((-x, j) for j, x in enumerate(row) if j != a and not banned[j])
-        out.append([a] + [j for _, j in cand[:k - 1]])
-    return torch.tensor(out, dtype=torch.long)
+    # A stable descending sort keeps equal scores in id order: the (-score, id) order over the
+    # whole row (a Python sort of V tuples per row cost ~20 s at V = 3000).
+    order = torch.sort(s, dim=1, descending=True, stable=True).indices
+    allowed = ~banned[order] & (order != rows.unsqueeze(1))
+    first = allowed & (allowed.cumsum(1) <= k - 1)
+    assert bool((first.sum(1) == k - 1).all()), "fewer than k-1 allowed rows"
+    return torch.cat([rows.unsqueeze(1), order[first].view(len(rows), k - 1)], 1)
 
 
 def mixed_embedding64(weight: torch.Tensor, tokens: torch.Tensor, ids: torch.Tensor | None = None,
