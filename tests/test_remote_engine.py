@@ -122,6 +122,22 @@ def _one_line_error(match: str, fn, *args, **kwargs):
     return str(e.value)
 
 
+def test_digests_name_the_first_tensor_changed_on_the_wire():
+    """The servers' check of pushed tensors (``verify_weights``): a changed value is named in one
+    line; names without a digest are not checked."""
+    import re
+
+    from megatron_ngrpo.rollout import wire
+
+    named = [("a", torch.arange(6.0).view(2, 3)), ("b", torch.ones(4, dtype=torch.bfloat16))]
+    tensors, expected = wire.unpack_tensors(wire.pack_tensors(named, with_digests=True))
+    assert set(expected) == {"a", "b"} and wire.first_mismatch(tensors.items(), expected) is None
+    tensors["b"][1] += 1
+    line = wire.first_mismatch(tensors.items(), expected)
+    assert re.fullmatch(r"weight sync: b \[4\] arrived with SHA-256 \w{16}…, the trainer sent \w{16}…", line), line
+    assert wire.first_mismatch(tensors.items(), {"a": expected["a"]}) is None
+
+
 # ---- training through the servers --------------------------------------------------------------
 
 @pytest.mark.parametrize("staleness,transfer", [(0, "http"), (1, "http"), (0, "gloo")],

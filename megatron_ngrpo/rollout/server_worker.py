@@ -81,10 +81,10 @@ class RolloutServerExtension(NeighborMixExtension):
         tensors, expected = wire.unpack_tensors(base64.b64decode(data))
         if index == "0" or not hasattr(self, "_nbr_bucket"):
             self._nbr_bucket, self._nbr_verified = [], 0
-        bad = [n for n, t in tensors.items() if n in expected and wire.digest(t) != expected[n]]
+        bad = wire.first_mismatch(tensors.items(), expected)
         if bad:
             self._nbr_bucket, self._nbr_verified = [], 0
-            raise WeightSyncError(f"weight sync: {len(bad)} tensors differ from the trainer's (first {bad[0]})")
+            raise WeightSyncError(bad)
         self._nbr_bucket += tensors.items()
         self._nbr_verified += len(expected)
         if last != "1":

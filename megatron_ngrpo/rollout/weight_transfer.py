@@ -42,7 +42,7 @@ import torch
 from vllm.distributed.weight_transfer import base
 from vllm.distributed.weight_transfer import factory as _factory
 
-from megatron_ngrpo.rollout.wire import digest
+from megatron_ngrpo.rollout.wire import digest, first_mismatch
 
 _ALIGN = 16  # byte alignment of each tensor in a packed bucket (any dtype view is legal)
 
@@ -210,10 +210,9 @@ class GlooWeightTransferEngine(base.WeightTransferEngine[GlooInitInfo, GlooUpdat
         self.group.recv([buf], 0, 0).wait()
         tensors = self._unpack(buf, dtypes, update_info.shapes, offsets)
         if update_info.digests is not None:
-            for name, t, want in zip(update_info.names, tensors, update_info.digests):
-                if digest(t) != want:
-                    raise WeightSyncError(f"weight sync: {name} {list(t.shape)} arrived with SHA-256 "
-                                          f"{digest(t)[:16]}…, the trainer sent {want[:16]}…")
+            bad = first_mismatch(zip(update_info.names, tensors), dict(zip(update_info.names, update_info.digests)))
+            if bad:
+                raise WeightSyncError(bad)
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
         with disable_mtp_completeness_check():

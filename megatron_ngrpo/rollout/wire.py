@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -23,6 +24,16 @@ PROTOCOL = 2
 def digest(t: torch.Tensor) -> str:
     """SHA-256 of a tensor's bytes (weight verification after a sync)."""
     return hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def first_mismatch(named: Iterable[tuple[str, torch.Tensor]], expected: Mapping[str, str]) -> str | None:
+    """One line naming the first tensor of ``named`` whose SHA-256 differs from ``expected``
+    (names it lacks are not checked), or None when all match."""
+    for name, t in named:
+        if name in expected and (got := digest(t)) != expected[name]:
+            return (f"weight sync: {name} {list(t.shape)} arrived with SHA-256 {got[:16]}…, "
+                    f"the trainer sent {expected[name][:16]}…")
+    return None
 
 
 def pack_tensors(named: list[tuple[str, torch.Tensor]], with_digests: bool = False) -> bytes:
