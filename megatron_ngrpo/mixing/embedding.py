@@ -80,8 +80,9 @@ class MixingVocabParallelEmbedding(VocabParallelEmbedding):
     def forward(self, input_: torch.Tensor, mix: MixBatch | None = None) -> torch.Tensor:
         mix = mix if mix is not None else self._pending
         rows = None if mix is None else torch.nonzero(mix.mask.reshape(-1)).squeeze(1)
+        rows = rows if rows is not None and rows.numel() else None  # None: nothing mixed
         grad_param = self._main_grad_param()
-        if (rows is None or not rows.numel()) and grad_param is None:
+        if rows is None and grad_param is None:
             return super().forward(input_)
         with bypass():  # none of its ~40 small torch calls needs the CPU shim's redirects
             output_parallel = self._mixed_local_rows(input_, mix, rows, grad_param)
@@ -116,11 +117,11 @@ class MixingVocabParallelEmbedding(VocabParallelEmbedding):
 
     def _mixed_local_rows(self, input_: torch.Tensor, mix: MixBatch | None, rows: torch.Tensor | None,
                           grad_param: torch.nn.Parameter | None) -> torch.Tensor:
-        """This rank's share [B, S, h] of E[input_] with flat positions ``rows`` [M] (M may be 0)
-        replaced by Σ w·E[ids] (+ noise on TP rank 0)."""
+        """This rank's share [B, S, h] of E[input_] with flat positions ``rows`` [M] (None: no
+        position) replaced by Σ w·E[ids] (+ noise on TP rank 0)."""
         b, s = input_.shape
         ids, outside = self._localise(input_.reshape(-1))
-        if rows is None or not rows.numel():
+        if rows is None:
             rows = ids.new_empty(0)
             cand_ids, cand_outside, cand_w = ids.new_empty(0, 1), None, ids.new_empty(0, 1, dtype=torch.float32)
         else:
