@@ -159,6 +159,29 @@ def test_baseline_strategies_replay(engine, hf_model, strategy):
     assert d < TOL, d
 
 
+def test_requests_of_different_k_share_a_step(engine, hf_model):
+    """Requests of two calls with k = 2 and k = 4 decoded in the same steps (as on a rollout
+    server with two clients): each call's records replay exactly."""
+    from vllm import SamplingParams as VSamplingParams
+
+    from megatron_ngrpo.rollout.vllm_hook import request_options, sampling_options
+
+    params = SamplingParams(n=1, temperature=1.0, max_new_tokens=16, seed=7)
+    ks = [2, 4] * 4
+    requests = [VSamplingParams(**sampling_options(params, 16, request_options(
+        f"k{k}", i // 2, KEYS[i], 1, params.seed, MixingConfig(strategy="soft_thinking", rate=0.5, k=k), [])))
+        for i, k in enumerate(ks)]
+    outputs = engine.llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:8]], requests, use_tqdm=False)
+    for k in (2, 4):
+        records = engine.llm.collective_rpc("nbr_mix_pop", args=(f"k{k}",))[0]
+        mine = [i for i, kk in enumerate(ks) if kk == k]
+        batch = engine._batch([PROMPTS[i] for i in mine], 1, [outputs[i] for i in mine], records, k)
+        batch.validate(VOCAB)
+        assert batch.mixes.k == k and len(batch.mixes) > 10
+        d = max_delta(batch, hf_replay(hf_model, batch, 1.0))
+        assert d < TOL, (k, d)
+
+
 def test_stop_after_gate(engine):
     """Mixing stops at the first emitted "wA wB" (given by a first run); that position is not mixed."""
     mixing = MixingConfig(rate=1.0, k=2)

@@ -291,8 +291,12 @@ class NeighborMixRunner:
             return out
         input_ids, inputs_embeds, *rest = out
         device = self.inputs_embeds.gpu.device
-        ids = torch.tensor([e[0] for e in entries], dtype=self.input_ids.gpu.dtype, device=device)
-        weights = torch.tensor([e[1] for e in entries], dtype=torch.float32, device=device)
+        # Requests of different k can share a step (two clients of one server): narrower mixes
+        # get weight-0 copies of their first candidate, which add an exact 0.
+        k = max(len(e[0]) for e in entries)
+        ids = torch.tensor([e[0] + e[0][:1] * (k - len(e[0])) for e in entries], dtype=self.input_ids.gpu.dtype,
+                           device=device)
+        weights = torch.tensor([e[1] + [0.0] * (k - len(e[1])) for e in entries], dtype=torch.float32, device=device)
         if inputs_embeds is None:  # token-id path: embed the scheduled ids here, with the candidates
             # (eager, as VLLMConfig requires: no CUDA graph reads the static inputs_embeds buffer)
             n = num_input_tokens
