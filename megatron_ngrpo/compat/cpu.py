@@ -10,7 +10,8 @@ CI, the tiny default job) we redirect those calls here instead of forking megatr
 * one ``TorchFunctionMode`` rewrites ``device="cuda"`` in factory calls, makes ``Tensor.cuda()`` the
   identity, keeps ``.to("cuda")`` on CPU, drops ``pin_memory`` and makes ``Tensor.type()`` report
   ``torch.cuda.*Tensor`` (megatron asserts that in ``clip_grads.py`` and the optimizers);
-* a CPU RNG tracker replaces ``CudaRNGStatesTracker`` (which reads the CUDA RNG state).
+* a CPU RNG tracker replaces ``CudaRNGStatesTracker`` (which reads the CUDA RNG state);
+* megatron's advice to set ``CUDA_DEVICE_MAX_CONNECTIONS`` (a CUDA queue setting) is not printed.
 
 ``torch.cuda.is_available()`` stays False so code that branches on it still sees the truth.
 Call :func:`install` once per process, before building models; it is a no-op when CUDA exists.
@@ -231,8 +232,17 @@ def install() -> bool:
     _MODE = _CudaToCpuMode()
     _MODE.__enter__()
     _install_rng_tracker()
+    _quiet_cuda_queue_advice()
     _INSTALLED = True
     return True
+
+
+def _quiet_cuda_queue_advice() -> None:
+    """Megatron's TP linear layers advise, once per process, ``CUDA_DEVICE_MAX_CONNECTIONS=1``
+    (the order of CUDA's hardware queues): nothing to set on CPU, so the advice is marked given."""
+    from megatron.core.tensor_parallel import layers
+
+    layers.linear_with_grad_accumulation_and_async_allreduce.warned = True
 
 
 @contextlib.contextmanager
