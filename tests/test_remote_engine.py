@@ -277,17 +277,22 @@ def test_killed_servers_retry_then_one_line_error(task, servers):
     for p in procs:
         port = p.args[p.args.index("--port") + 1]
         by_url[next(u for u in urls if u.endswith(f":{port}"))] = p
-    engine = _engine(task, urls=urls, request_timeout_s=60)
-    vocab = engine.spec.vocab_size
-    engine.set_neighbor_table(torch.randint(3, vocab, (vocab, 3)))
-    prompts = [[5, 6, 7, 8][: 1 + i % 4] for i in range(8)]
-
-    # The STHT baseline: each server computes σ from its own (vocab-parallel) input embedding.
     from megatron_ngrpo.mixing.config import MixingConfig
     from megatron_ngrpo.rollout.types import SamplingParams
 
-    stht = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=8, seed=5),
-                           mixing=MixingConfig(strategy="stht", rate=0.5))
+    engine = _engine(task, urls=urls, request_timeout_s=60)
+    vocab = engine.spec.vocab_size
+    prompts = [[5, 6, 7, 8][: 1 + i % 4] for i in range(8)]
+    params = SamplingParams(n=2, max_new_tokens=8, seed=5)
+    # Refused before any request: the servers mix with the table they were sent, of its width.
+    with pytest.raises(ValueError, match=r"needs the trainer's neighbour table: call set_neighbor_table first$"):
+        engine.generate(prompts, params, mixing=MixingConfig(rate=0.5, k=3))
+    engine.set_neighbor_table(torch.randint(3, vocab, (vocab, 3)))
+    with pytest.raises(ValueError, match=r"^mixing.k = 4 but the neighbour table has 3 columns$"):
+        engine.generate(prompts, params, mixing=MixingConfig(rate=0.5, k=4))
+
+    # The STHT baseline: each server computes σ from its own (vocab-parallel) input embedding.
+    stht = engine.generate(prompts, params, mixing=MixingConfig(strategy="stht", rate=0.5))
     assert len(stht.mixes) > 0 and stht.mixes.noise is not None and stht.mixes.noise.abs().max() > 0
     assert stht.mixes.noise.shape == (len(stht.mixes), engine.spec.hidden_size)
 

@@ -237,6 +237,12 @@ def test_bad_requests(engine):
         engine.generate([[5]], SamplingParams(n=0))
     with pytest.raises(ValueError, match="2 keys for 1 prompts"):
         engine.generate([[5]], params, keys=[1, 2])
+    engine.set_neighbor_table(torch.zeros(512, 2, dtype=torch.long))  # the trainer's, of another k
+    try:
+        with pytest.raises(ValueError, match=r"^mixing.k = 3 but the neighbour table has 2 columns$"):
+            engine.generate([[5]], params, MixingConfig(rate=0.5, k=3))
+    finally:
+        engine.set_neighbor_table(None)
     # Still alive; a prompt that leaves 3 free positions ends by length there.
     batch = engine.generate([[5, 6], [7] * 253], SamplingParams(max_new_tokens=8, temperature=0.0))
     assert batch.response_lengths[1] == 3 and batch.finish_reasons[1] == "length"

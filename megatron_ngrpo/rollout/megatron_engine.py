@@ -191,17 +191,14 @@ class MegatronEngine(RolloutEngine):
 
     # ---- validation (no collectives) --------------------------------------------------------
     def _validate(self, prompts, params: SamplingParams, mixing, keys) -> None:
+        table = self._fixed_table
         validate_request(prompts, params, keys, self.max_seq_len, self.num_real_tokens, "the model's max length",
-                         mixing)
+                         mixing, None if table is None else table.shape[1])
         if (params.stop or (mixing is not None and mixing.stop_after)) and self.decode is None:
             raise ValueError("generate: stop strings / mixing.stop_after need the engine's decode callable")
         if mixing is not None:
             if mixing.k > self.num_real_tokens:
                 raise ValueError(f"mixing.k = {mixing.k}: more than the {self.num_real_tokens} real tokens")
-            table = self._fixed_table
-            if mixing.strategy == "neighbor" and table is not None and table.shape[1] != mixing.k:
-                raise ValueError(f"mixing.k = {mixing.k} but the neighbour table has "
-                                 f"{table.shape[1]} columns")
 
     # ---- weights and neighbour table --------------------------------------------------------
     def _copy_weights(self, model_chunks) -> None:

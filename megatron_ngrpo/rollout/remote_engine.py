@@ -102,6 +102,7 @@ class RemoteEngine(RolloutEngine):
         self._senders: dict = {}  # url → WeightSender (weight_transfer gloo / nccl)
         self._workers: dict[str, int] = {}  # url → the server's vLLM TP (workers of one transfer)
         self._noise: dict[str, tuple] = {}  # url → (weight version, STHT noise scale) it holds
+        self._table_width: int | None = None  # k of the neighbour table the servers were sent
         multi = dist.is_initialized() and dist.get_world_size() > 1
         self.group = dist.new_group(backend="gloo") if multi else None
         error, start = None, None
@@ -274,7 +275,11 @@ class RemoteEngine(RolloutEngine):
         """As :meth:`RolloutEngine.generate`; a collective of all ranks in a multi-rank job."""
         mixing = mixing if mixing is not None and mixing.enabled else None
         validate_request(prompts, params, keys, self.max_model_len, self.num_real_tokens,
-                         "the servers' max_model_len", mixing)
+                         "the servers' max_model_len", mixing, self._table_width)
+        if mixing is not None and mixing.strategy == "neighbor" and self._table_width is None:
+            # the servers mix with the table they were sent (a server without one would fail in its model runner)
+            raise ValueError("generate: strategy 'neighbor' on rollout servers needs the trainer's neighbour "
+                             "table: call set_neighbor_table first")
         if mixing is not None and mixing.stop_after and self.tokenizer is None:
             raise ValueError("generate: mixing.stop_after needs the trainer's tokenizer (none was given)")
         keys = list(range(len(prompts))) if keys is None else [int(k) for k in keys]
@@ -476,6 +481,7 @@ class RemoteEngine(RolloutEngine):
         error = broadcast_from_rank0(error, self.group)
         if error:
             raise RolloutServerError(error)
+        self._table_width = int(table.shape[1])
 
     def close(self) -> None:
         for sender in self._senders.values():

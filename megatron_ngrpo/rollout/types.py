@@ -148,12 +148,16 @@ class RolloutBatch:
 
 
 def validate_request(prompts: list[list[int]], params: SamplingParams, keys, max_len: int,
-                     num_real_tokens: int, limit_name: str, mixing=None) -> None:
+                     num_real_tokens: int, limit_name: str, mixing=None, table_width: int | None = None) -> None:
     """The checks every engine makes before generating (no collectives): one ValueError naming
-    the request index or the mixing field (``mixing``: the enabled MixingConfig, or None)."""
+    the request index or the mixing field (``mixing``: the enabled MixingConfig, or None;
+    ``table_width``: columns of the given neighbour table the engine mixes with, None when it
+    builds its own for ``mixing``)."""
     params.validate()
     if mixing is not None:
         mixing.validate()
+        if mixing.strategy == "neighbor" and table_width not in (None, mixing.k):
+            raise ValueError(f"mixing.k = {mixing.k} but the neighbour table has {table_width} columns")
     if keys is not None and len(keys) != len(prompts):
         raise ValueError(f"generate: {len(keys)} keys for {len(prompts)} prompts")
     for i, p in enumerate(prompts):
@@ -193,7 +197,7 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def set_neighbor_table(self, table) -> None:
         """Use the trainer's neighbour table ([V, k] ids) of the current weight version: the one
-        table every engine mixes with."""
+        table every engine mixes with (a generate whose ``mixing.k`` is not its width is refused)."""
 
     def sleep(self) -> None:
         """Release device memory between rollouts (engines that hold their own copy)."""

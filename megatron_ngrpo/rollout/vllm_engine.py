@@ -283,9 +283,9 @@ class VLLMEngine(RolloutEngine):
         logger.info("vLLM weight sync: %.3g M params, %.3f s", self.last_sync["num_params"] / 1e6,
                     self.last_sync["seconds"])
 
-    def set_neighbor_table(self, table: torch.Tensor) -> None:
+    def set_neighbor_table(self, table: torch.Tensor | None) -> None:
         """Use the trainer's neighbour table ([V, k] int ids, one per weight version) instead of
-        building one from the synced weights."""
+        building one from the synced weights (None: build it again)."""
         self._trainer_table = table
         self._table_key = None
 
@@ -415,7 +415,9 @@ class VLLMEngine(RolloutEngine):
 
     # ---- validation and results -------------------------------------------------------------
     def _validate(self, prompts, params: SamplingParams, mixing, keys) -> None:
-        validate_request(prompts, params, keys, self.max_model_len, self.num_real_tokens, "max_model_len", mixing)
+        table = self._trainer_table
+        validate_request(prompts, params, keys, self.max_model_len, self.num_real_tokens, "max_model_len", mixing,
+                         None if table is None else table.shape[1])
         if self.tokenizer is None and (params.stop or (mixing is not None and mixing.stop_after)):
             raise ValueError("generate: stop strings / mixing.stop_after need a tokenizer (none was found)")
 
