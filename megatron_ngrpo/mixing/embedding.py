@@ -145,11 +145,12 @@ class _MixedLookup(torch.autograd.Function):
     (weight 1, or 0 outside this TP partition) or its k candidates, so plain and mixed rows are
     gathered in a single pass, straight into the output (no [M, h] mixture to copy into place,
     no wasted lookup of the replaced token). Backward: one ``index_add_`` of the output gradient
-    (replaced and masked rows excluded), then one of the M·k candidate rows w·grad[position],
-    gathered and scaled in one weighted ``embedding_bag`` pass. Written by hand because the
-    autograd composition clones the [N, h] output gradient and runs two dense [V, h] embedding
-    backwards; torch's ``embedding_bag`` backward sorts the index list (slower here). The cost over megatron's lookup is a fixed amount per
-    mixed position: k - 1 extra row reads forward, k row updates backward.
+    (replaced and masked rows excluded), then one ``index_add_`` of the M·k candidate rows
+    w·grad[position], gathered and scaled in one weighted ``embedding_bag`` pass. Written by hand
+    because the autograd composition clones the [N, h] output gradient and runs two dense [V, h]
+    embedding backwards; torch's ``embedding_bag`` backward sorts the index list (slower here).
+    The cost over megatron's lookup is a fixed amount per mixed position: k - 1 extra row reads
+    forward, k row updates backward.
 
     Where the rows go: without DDP, a fresh [V+1, h] buffer whose last row is a sink for the
     excluded positions, returned as the weight's gradient. Under megatron DDP (``grad_param``,
