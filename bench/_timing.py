@@ -40,6 +40,12 @@ from typing import Callable
 
 import numpy as np
 
+from megatron_ngrpo.compat.notices import quiet_cpu_notices
+
+# Every CPU benchmark imports this module before megatron: its output is the figures, not the
+# libraries' CPU-only notices.
+quiet_cpu_notices()
+
 _BOOTSTRAP = 2000
 
 

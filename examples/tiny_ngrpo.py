@@ -29,12 +29,10 @@ from pathlib import Path
 
 import yaml
 
+from megatron_ngrpo.compat.notices import quiet_cpu_notices
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples" / "arithmetic"))
-# Known CPU-only notices of the libraries (no Transformer Engine / apex on CPU, megatron's and
-# torch's deprecations inside dist-checkpointing), kept out of the terminal of every child process.
-QUIET = ",".join(["ignore:Transformer Engine and Apex:UserWarning", "ignore:Apex is not installed:UserWarning",
-                  "ignore:full scope is deprecated:UserWarning", "ignore::FutureWarning"])
 
 
 def run(cmd: list[str]) -> None:
@@ -82,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="GRPO steps (default: the config's)")
     ap.add_argument("overrides", nargs="*", help="extra config overrides a.b=c")
     args = ap.parse_args(argv)
-    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), QUIET]))
+    quiet_cpu_notices()
 
     from task import write_task
 
