@@ -4,9 +4,9 @@ Megatron-core warns on import that Transformer Engine and apex are missing (alwa
 machine, and its local fallbacks are what the CPU path runs), and megatron's and torch's
 dist-checkpointing code raise deprecation notices about their own internals: none says anything
 about this project's run. The CPU entry points (the demo, the benchmarks) call
-:func:`quiet_cpu_notices` first; the test suite has the same filters in ``pytest.ini``. GPU runs
-keep them: a missing Transformer Engine there is worth seeing. No megatron import here: the
-filters must be in place before megatron's modules warn.
+:func:`quiet_cpu_notices` first; the test suite keeps its own filters in ``pytest.ini``. The
+training and launch entry points do not: on a GPU machine a missing Transformer Engine is worth
+seeing. No megatron import here: the filters must be in place before megatron's modules warn.
 """
 
 from __future__ import annotations
