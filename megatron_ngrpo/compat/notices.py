@@ -15,7 +15,9 @@ import os
 import re
 import warnings
 
-# (message prefix, category); an empty prefix takes every warning of that category.
+# (message prefix, category); an empty prefix takes every warning of that category: every
+# FutureWarning, since those on the CPU path are the libraries' own (megatron's, torch's and
+# vLLM's deprecations of their internals; pytest.ini lists the same sources).
 CPU_NOTICES = (("Transformer Engine and Apex", UserWarning), ("Apex is not installed", UserWarning),
                ("full scope is deprecated", UserWarning), ("", FutureWarning))
 
