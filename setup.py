@@ -37,7 +37,7 @@ setup(
         # leptonai 0.47 breaks `import nemo_run`.
         "launch": ["nemo-run==0.11.1", "leptonai<0.47"],
         "te": ["transformer-engine[pytorch]"],
-        "dev": ["pytest", "pytest-timeout", "faiss-cpu"],
+        "dev": ["pytest", "pytest-timeout", "faiss-cpu", "scipy>=1.11"],
     },
     entry_points={
         "console_scripts": [

@@ -69,7 +69,7 @@ def main() -> None:
         return run
 
     result = compare(block("async"), block("sync"), kind="rate", label="steps/s, one-step-off / synchronous",
-                     max_seconds=args.max_seconds, min_pairs=6, group=dist.group.WORLD)
+                     max_seconds=args.max_seconds, group=dist.group.WORLD)
     if dist.get_rank() == 0:
         print(f"{cfg.rollout.n} x {cfg.train.prompts_per_step} responses per step, {args.max_new_tokens} new "
               f"tokens max, blocks of {args.block} steps")

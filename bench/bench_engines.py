@@ -3,7 +3,7 @@
 One process, TP=1, fp32, a tiny random Qwen2 with HF weights (loaded into Megatron through the
 conversion mapping, into vLLM from the files); plain sampling and N-GRPO mixing at ρ=0.1 for each
 engine; vLLM vs built-in timed in interleaved pairs by ``bench/_timing.py`` (tokens per second of
-process CPU time, the machine is shared; paired median with a bootstrap 95% interval). Also the
+process CPU time, the machine is shared; median over A B / B A blocks with its 95% interval). Also the
 vLLM weight-sync seconds (Megatron → vLLM) per million parameters.
 
     OMP_NUM_THREADS=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_OMP_THREADS_BIND=nobind \\

@@ -6,8 +6,8 @@
 For every vocabulary size and TP degree: TP=1 runs in this process, TP>1 under torchrun (that many
 gloo processes). Both embeddings share one weight (under ``--ddp`` equal copies: each DDP owns its
 buffer); plain and mixing steps are timed in interleaved
-pairs by ``bench/_timing.py`` (process CPU time, paired-median ratio, bootstrap 95% interval,
-repeated until ±1.5%). Each TP rank times its own steps; rank 0's interval is printed. Mixes:
+pairs by ``bench/_timing.py`` (process CPU time, median ratio over A B / B A blocks with its 95%
+interval, repeated until ±1.5%). Each TP rank times its own steps; rank 0's interval is printed. Mixes:
 ρ = 0.1 of positions, k = 3 candidates, random weights. The default token count keeps
 Qwen2.5-1.5B's micro-batch (4×2048 tokens) with a narrow hidden size so that it runs on a
 laptop-class CPU; at V=152k that is the vocabulary-to-token ratio of the real model.

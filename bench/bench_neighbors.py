@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 python bench/bench_neighbors.py [--vocab 16384 --slice-vocab 32768 --dim 512]
 
 Both run single-threaded on the same random fp32 matrix, timed in interleaved pairs by
-``bench/_timing.py`` (process CPU time, paired-median ratio with a bootstrap 95% interval,
+``bench/_timing.py`` (process CPU time, median ratio over A B / B A blocks with its 95% interval,
 repeated until ±1.5%). The ratio printed is throughput ours / faiss (a "rate" ratio; goal
 ≥ 1.0). Ours includes the certification that makes the table exact (its scoring screen is bf16
 on CPUs with bf16 dot-product instructions, fp32 otherwise; faiss scores in fp32); the result

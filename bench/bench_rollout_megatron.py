@@ -2,8 +2,8 @@
 
 One process (TP=1), a tiny random Qwen2, the same prompts and sampling settings for both modes,
 timed in interleaved pairs by ``bench/_timing.py``: the ratio of tokens per second of process
-CPU time (one thread; on a shared machine wall-clock rates swing with other load), paired median
-with a bootstrap 95% interval, repeated until ±1.5% or ``--max-seconds``. Goal: mixed (ρ=0.1)
+CPU time (one thread; on a shared machine wall-clock rates swing with other load), median over
+A B / B A blocks with its 95% interval, repeated until ±1.5% or ``--max-seconds``. Goal: mixed (ρ=0.1)
 ≥ 0.97 × plain, lower confidence bound ≥ 0.95.
 
     OMP_NUM_THREADS=1 python bench/bench_rollout_megatron.py [--prompts 32 --new-tokens 64 ...]

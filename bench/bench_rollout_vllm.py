@@ -6,7 +6,7 @@ run on one machine. Goal: mixed (ρ=0.1) ≥ 0.97 × plain tokens/s on the *same
 installed, no request opted in). A second, unhooked ``vllm.LLM`` (vLLM's own ``raw_logprobs``)
 gives the cost of the hook itself. Each ratio is timed in interleaved pairs by
 ``bench/_timing.py``: tokens per second of process CPU time (one OMP thread, in-process engine),
-paired median with a bootstrap 95% interval, repeated until ±1.5% or ``--max-seconds``.
+median over A B / B A blocks with its 95% interval, repeated until ±1.5% or ``--max-seconds``.
 
 Weight sync: Megatron chunks (TP=1) of two model sizes → ``VLLMEngine.sync_weights`` (export with
 HF names + in-process ``reload_weights`` + neighbour-table rebuild), seconds per million

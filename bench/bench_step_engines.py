@@ -16,7 +16,7 @@ Weight sync alone (also with ``--sync-only``): the vLLM engine's ``gloo`` weight
 (rollout/weight_transfer.py, buckets of ``rollout.vllm.sync_bucket_mb``) against the ``reload``
 route (per-tensor ``reload_weights``), interleaved pairs of whole syncs of the trainer's weights
 (TP gather included, neighbour table excluded): process CPU seconds per M parameters of each
-(median, with the bootstrap 95% interval of the median) and their ratio. Results →
+(median, with the 95% interval of the median) and their ratio. Results →
 bench/results/engines.md.
 """
 
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from _timing import compare, paired_median_ratio  # noqa: E402
+from _timing import compare, median_interval  # noqa: E402
 
 
 def main() -> None:
@@ -83,7 +83,7 @@ def main() -> None:
         return run
 
     result = compare(step("vllm"), step("megatron"), label="train step, vLLM / Megatron engine",
-                     max_seconds=args.max_seconds, min_pairs=8, group=dist.group.WORLD)
+                     max_seconds=args.max_seconds, group=dist.group.WORLD)
     trainer.table = None  # force a rebuild: its time, separately from the weight sync
     t0 = time.perf_counter()
     trainer._refresh_table()
@@ -111,7 +111,6 @@ def weight_sync_comparison(engine, chunks, max_seconds: float) -> str:
     """gloo weight-transfer route vs reload route on one colocated engine, whole syncs in
     interleaved pairs (a collective of all ranks), shard-to-shard where the engine syncs so
     (``engine.tp_shards``); CPU seconds per M parameters of the model."""
-    import numpy as np
     import torch.distributed as dist
 
     from megatron_ngrpo.conversion.mapping import export_hf_tensors
@@ -131,12 +130,10 @@ def weight_sync_comparison(engine, chunks, max_seconds: float) -> str:
         return num_params / 1e6
 
     r = compare(gloo, reload, label="weight sync, gloo / reload route", max_seconds=max_seconds / 2,
-                min_pairs=10, group=dist.group.WORLD)
+                group=dist.group.WORLD)
     lines = [str(r)]
     for name, key in (("gloo", "a"), ("reload", "b")):
-        cpu = np.array(r.samples[key][0])
-        wall = np.array(r.samples[key][1])
-        c, w = paired_median_ratio(cpu, np.ones_like(cpu)), paired_median_ratio(wall, np.ones_like(wall))
+        c, w = (median_interval(r.samples[key][clock]) for clock in (0, 1))
         lines.append(f"{name} route: {c} CPU s per M params, wall {w} s per M params "
                      f"({num_params / 1e6:.2f} M params, median [95% CI], {r.pairs} syncs, bucket "
                      f"{engine.cfg.sync_bucket_mb:g} MiB, shard-to-shard: {'yes' if shards else 'no'})")

@@ -8,7 +8,7 @@ backward of the clipped GRPO loss with KL, global aggregation) and through the f
 ``grpo.logprobs.batch_logprobs`` (old / reference log-probs), once with its mixing records
 (ρ = 0.1 of response positions, k = 3) and once without, timed in interleaved pairs by
 ``bench/_timing.py`` (process CPU time; on a shared machine wall time mostly measures waiting for
-a core): paired-median ratio with a bootstrap 95% interval, repeated until ±1.5% or
+a core): median ratio over A B / B A blocks with its 95% interval, repeated until ±1.5% or
 ``--max-seconds``. Results → bench/results/train.md.
 """
 
