@@ -170,6 +170,17 @@ def test_bf16_screen_rescores_only_near_ties(monkeypatch):
     assert sum(retried) < 0.03 * 4500, retried
 
 
+def test_screen_choice_times_both_gemms_without_touching_the_global_rng():
+    """The screen dtype is decided by timing bf16 against fp32 once per process; a table build
+    after ``torch.manual_seed`` must leave the run's random stream where it was."""
+    N._cpu_bf16_matmul_is_faster.cache_clear()
+    state = torch.get_rng_state()
+    choice = N.screen_dtype(torch.device("cpu"), "cosine")
+    assert torch.equal(torch.get_rng_state(), state)
+    assert choice in (torch.float32, torch.bfloat16)
+    assert N.screen_dtype(torch.device("cpu"), "l2") == torch.float32  # not a bare product
+
+
 def test_exclusion_mask_from_config():
     cfg = MixingConfig(exclude_ids=[5])
     m = exclusion_mask(16, cfg, 12, special_ids=[0, 1])

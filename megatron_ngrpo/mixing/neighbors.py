@@ -10,8 +10,8 @@ Algorithm (never materialises V×V):
    the chunks are shared out among the DP ranks). Each chunk's embedding rows are assembled on
    every TP rank from the partitions that own them (one all-reduce of [chunk, d]).
 2. Each TP rank scores the chunk against its local rows with a *screen* matmul over blocks of
-   key rows (fp32; bf16 with fp32 accumulation for cosine/dot on CPUs with bf16 dot-product
-   instructions, 2.2× the FLOP rate, see `screen_dtype`; ``cdist`` for L1), masks excluded
+   key rows (fp32; bf16 with fp32 accumulation for cosine/dot on CPUs where that GEMM measures
+   faster than fp32's, see `screen_dtype`; ``cdist`` for L1), masks excluded
    rows and the anchor itself, and takes a local top-(k-1+margin) in two stages (maxima of
    32-row blocks, then the best blocks' rows).
 3. A rigorous error bound ``tol`` of one screen score certifies the result (`_upper`,
@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 
 import numpy as np
 import torch
@@ -624,24 +625,34 @@ def _lower(v: torch.Tensor, tol: torch.Tensor) -> torch.Tensor:
 
 
 def screen_dtype(device: torch.device, metric: str) -> torch.dtype:
-    """dtype of the scoring matmul: bf16 on CPUs with bf16 dot-product instructions (AVX512-BF16,
-    AMX), where oneDNN's bf16 GEMM with fp32 accumulation runs 2.2× the fp32 sgemm's FLOP rate
-    (measured on the AMD EPYC machines here), for the matmul metrics whose score is the bare
-    product (cosine, dot); fp32 otherwise. Exactness does not depend on it: the certificate's
-    bound follows the dtype. GPUs keep fp32 (TF32 per torch's setting, `_input_roundoff`)."""
-    if device.type != "cpu" or metric not in _SYMMETRIC or not _cpu_has_bf16_dot():
+    """dtype of the scoring matmul: bf16 (with fp32 accumulation) on CPUs where that GEMM runs
+    faster than the fp32 one, for the matmul metrics whose score is the bare product (cosine,
+    dot); fp32 otherwise. Exactness does not depend on it: the certificate's bound follows the
+    dtype. GPUs keep fp32 (TF32 per torch's setting, `_input_roundoff`)."""
+    if device.type != "cpu" or metric not in _SYMMETRIC or not _cpu_bf16_matmul_is_faster():
         return torch.float32
     return torch.bfloat16
 
 
 @functools.cache
-def _cpu_has_bf16_dot() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+def _cpu_bf16_matmul_is_faster() -> bool:
+    """Whether the bf16 screen's GEMM (torch, oneDNN) beats the fp32 one (`_mm_into`: numpy's
+    BLAS) on this CPU, timed once per process (~50 ms). The instruction flags do not decide it:
+    with AVX512-BF16, bf16 ran 2.2× fp32's FLOP rate on the AMD EPYC machines here and 0.55-0.63×
+    on an Intel Xeon VM (no AMX), where the bf16 screen made the full table 0.73× faiss's
+    throughput. Without bf16 instructions torch emulates bf16 and the timing says so too. Its own
+    generator: the global RNG stream stays as it was."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(256, 512, generator=g), torch.randn(512, 2048, generator=g)
+    best = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float32, torch.bfloat16):
+        x, y, out = a.to(dtype), b.to(dtype), torch.empty(256, 2048, dtype=dtype)
+        _mm_into(x, y, out)  # warm-up
+        for _ in range(2):
+            t0 = time.perf_counter()
+            _mm_into(x, y, out)
+            best[dtype] = min(best.get(dtype, math.inf), time.perf_counter() - t0)
+    return best[torch.bfloat16] < best[torch.float32]
 
 
 def _input_roundoff(device: torch.device) -> float:
