@@ -6,9 +6,8 @@ Both run single-threaded on the same random fp32 matrix, timed in interleaved pa
 ``bench/_timing.py`` (process CPU time, median ratio over A B / B A blocks with its 95% interval,
 repeated until ±1.5%). The ratio printed is throughput ours / faiss (a "rate" ratio; goal
 ≥ 1.0). Ours includes the certification that makes the table exact (its scoring screen is bf16
-on CPUs where torch's bf16 GEMM times faster than its fp32 one, fp32 otherwise; faiss scores in
-fp32); the result
-is checked equal to faiss's ids.
+where this CPU's bf16 GEMM times faster than its fp32 one, fp32 otherwise; faiss scores in
+fp32); the result is checked equal to faiss's ids.
 
 1. The full table (every row a query, V = --vocab): the single-rank path, which scores each pair
    once (the cosine matrix is symmetric), against faiss's search of all rows.
