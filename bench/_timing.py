@@ -114,15 +114,15 @@ def median_interval(x: np.ndarray, level: float = 0.95) -> Ratio:
     if x.size == 0:
         return Ratio(math.nan, -math.inf, math.inf)
     value = float(np.median(x))
-    ci = quantile_test(x, q=value, p=0.5).confidence_interval(level) if x.size > 1 else None
-    if ci is None or not (math.isfinite(ci.low) and math.isfinite(ci.high)):
+    ci = quantile_test(x, q=value, p=0.5).confidence_interval(level)  # nan bounds when too few
+    if not (math.isfinite(ci.low) and math.isfinite(ci.high)):
         return Ratio(value, -math.inf, math.inf)
     return Ratio(value, float(ci.low), float(ci.high))
 
 
 def paired_median_ratio(a: np.ndarray, b: np.ndarray, seed: int = 0) -> Ratio:
     """Median of a[i]/b[i] with a percentile-bootstrap 95% interval (pairs resampled): the
-    summary across a few processes or steps, too few for :func:`median_interval`'s bounds."""
+    summary across a few processes, too few for :func:`median_interval`'s bounds."""
     r = np.asarray(a, dtype=np.float64) / np.asarray(b, dtype=np.float64)
     value = float(np.median(r))
     if r.size < 2:
@@ -177,13 +177,14 @@ def compare(
         stop = n >= max_pairs or elapsed >= max_seconds
         if (n >= look and n % 2 == 0) or stop:
             look = max(n + 2, math.ceil(1.2 * n))
-            done = n >= min_pairs and _ratio(per, 0, kind, STOP_LEVEL).half_width() <= precision
+            stop_ratio = _ratio(per, 0, kind, STOP_LEVEL)
+            done = n >= min_pairs and stop_ratio.half_width() <= precision
             stop = stop or done
         if _joint_continue(not stop, group) is False:
-            break
+            break  # only after a look of this rank's: stop_ratio is of the final n
     return Comparison(label=label, kind=kind, cpu=_ratio(per, 0, kind), wall=_ratio(per, 1, kind), pairs=n,
                       converged=done, precision=precision,
-                      stop_half_width=_ratio(per, 0, kind, STOP_LEVEL).half_width(), seconds=elapsed,
+                      stop_half_width=stop_ratio.half_width(), seconds=elapsed,
                       a_cpu=float(np.median(per["a"][0])), b_cpu=float(np.median(per["b"][0])),
                       samples={k: (list(c), list(w)) for k, (c, w) in per.items()})
 
