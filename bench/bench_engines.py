@@ -43,7 +43,7 @@ def main() -> None:
     from megatron_ngrpo.rollout.config import VLLMConfig
     from megatron_ngrpo.rollout.megatron_engine import MegatronEngine
     from megatron_ngrpo.rollout.types import SamplingParams
-    from megatron_ngrpo.rollout.vllm_engine import VLLMEngine
+    from megatron_ngrpo.rollout.vllm.engine import VLLMEngine
     from megatron_ngrpo.testing.tiny import write_tiny_hf
 
     tmp = tempfile.TemporaryDirectory()

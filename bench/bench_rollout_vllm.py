@@ -54,7 +54,7 @@ def throughput(args) -> None:
     from megatron_ngrpo.mixing.config import MixingConfig
     from megatron_ngrpo.rollout.config import VLLMConfig
     from megatron_ngrpo.rollout.types import SamplingParams
-    from megatron_ngrpo.rollout.vllm_engine import VLLMEngine
+    from megatron_ngrpo.rollout.vllm.engine import VLLMEngine
 
     path = model_dir(args.vocab, args.hidden, args.layers)
     cfg = VLLMConfig(max_model_len=512, kv_cache_memory_bytes=512 * 2**20, max_num_seqs=64)
@@ -109,7 +109,7 @@ def weight_sync(args) -> None:
     from megatron_ngrpo.parallel import init_distributed, initialize_model_parallel
     from megatron_ngrpo.rollout.config import VLLMConfig
     from megatron_ngrpo.rollout.types import SamplingParams
-    from megatron_ngrpo.rollout.vllm_engine import VLLMEngine
+    from megatron_ngrpo.rollout.vllm.engine import VLLMEngine
 
     for vocab, hidden, layers in ((args.vocab, args.hidden, args.layers), (8192, 512, 8)):
         path = model_dir(vocab, hidden, layers)

@@ -13,7 +13,7 @@ weights drift. Also printed: the weight-sync seconds per M parameters (excluding
 table, which the trainer builds) and the table build.
 
 Weight sync alone (also with ``--sync-only``): the vLLM engine's ``gloo`` weight-transfer route
-(rollout/weight_transfer.py, buckets of ``rollout.vllm.sync_bucket_mb``) against the ``reload``
+(rollout/vllm/weight_transfer.py, buckets of ``rollout.vllm.sync_bucket_mb``) against the ``reload``
 route (per-tensor ``reload_weights``), interleaved pairs of whole syncs of the trainer's weights
 (TP gather included, neighbour table excluded): process CPU seconds per M parameters of each
 (median, with the 95% interval of the median) and their ratio. Results →
@@ -114,7 +114,7 @@ def weight_sync_comparison(engine, chunks, max_seconds: float) -> str:
     import torch.distributed as dist
 
     from megatron_ngrpo.conversion.mapping import export_hf_tensors
-    from megatron_ngrpo.rollout.weight_transfer import MegatronSource
+    from megatron_ngrpo.rollout.vllm.weight_transfer import MegatronSource
 
     engine.sync_weights(chunks)  # builds the sender (the rendezvous is not a sync)
     num_params = model_params(engine, chunks)

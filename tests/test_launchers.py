@@ -171,7 +171,7 @@ def test_torchrun_gets_one_rank_per_gpu():
     assert "--nproc-per-node 8" in text
     het = (GOLDEN / "r1-14b.sbatch").read_text()
     assert "--nnodes 4 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $het_group_host_1:" in het
-    assert "#SBATCH hetjob" in het and "python -m megatron_ngrpo.rollout.server" in het
+    assert "#SBATCH hetjob" in het and "python -m megatron_ngrpo.rollout.remote.server" in het
     assert "rollout.engine=remote rollout.remote.url_dir=<NEMORUN_HOME>/experiments/" in het
 
 

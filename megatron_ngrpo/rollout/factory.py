@@ -41,11 +41,11 @@ def build_engine(cfg, model_chunks, tokenizer=None, seed: int = 0) -> RolloutEng
 
         return MegatronEngine.from_config(cfg.rollout, model_chunks, model_cfg, **kwargs)
     if cfg.rollout.engine == "remote":
-        from megatron_ngrpo.rollout.remote_engine import RemoteEngine
+        from megatron_ngrpo.rollout.remote.client import RemoteEngine
 
         engine = RemoteEngine.from_config(cfg.rollout, model_cfg, tokenizer)
     else:
-        from megatron_ngrpo.rollout.vllm_engine import VLLMEngine
+        from megatron_ngrpo.rollout.vllm.engine import VLLMEngine
 
         # Colocated in a multi-rank job every rank builds its engine here, at the same point
         # (vLLM creates its groups collectively over the trainer's world group).

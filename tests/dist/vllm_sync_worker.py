@@ -32,7 +32,7 @@ def _syncs_match(trainer_tp: int, vllm_tp: int, kv_heads: int = 2) -> list[dict]
     from megatron_ngrpo.models.provider import build_model
     from megatron_ngrpo.parallel import initialize_model_parallel
     from megatron_ngrpo.rollout.config import VLLMConfig
-    from megatron_ngrpo.rollout.vllm_engine import VLLMEngine
+    from megatron_ngrpo.rollout.vllm.engine import VLLMEngine
     from megatron_ngrpo.testing.tiny import write_tiny_hf
     from megatron_ngrpo.testing.vllm_weights import assert_equal_to_hf, vllm_weights
 

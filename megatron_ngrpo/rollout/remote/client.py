@@ -2,7 +2,7 @@
 
 :class:`RemoteEngine` implements :class:`~megatron_ngrpo.rollout.types.RolloutEngine` against
 rollout servers: vLLM's OpenAI server (``vllm serve``) with the mixing hook's worker extension,
-as :mod:`megatron_ngrpo.rollout.server` starts it (``rollout.remote``: their URLs, or the
+as :mod:`megatron_ngrpo.rollout.remote.server` starts it (``rollout.remote``: their URLs, or the
 directory a hetjob's servers register in). Global rank 0 is the only rank that talks to them;
 every method is a collective of all ranks, and an error on rank 0 is raised on every rank (no
 rank is left waiting in a collective). Those collectives run on a gloo group of the engine's own
@@ -11,7 +11,7 @@ rank is left waiting in a collective). Those collectives run on a gloo group of 
 
 The routes are vLLM's: ``/health``, ``/version``, ``/weight_info``, ``/inference/v1/generate``
 (token ids in, token ids and log-probs out), the weight-transfer routes, and ``/collective_rpc``
-calling the worker extension's methods (rollout/server_worker.py) for what vLLM has no route
+calling the worker extension's methods (rollout/remote/server_worker.py) for what vLLM has no route
 for: the server's facts, the mix records, the neighbour table, HTTP weight pushes.
 
 * Start-up (the constructor), one-line errors before training starts: a server that does not
@@ -34,7 +34,7 @@ for: the server's facts, the mix records, the neighbour table, HTTP weight pushe
   safetensors bytes through ``/collective_rpc``, the last bucket loads them (``reload_weights``),
   then ``/update_weight_version``. ``gloo`` / ``nccl``: vLLM's weight-transfer API, the same
   trainer engine as the colocated route
-  (:class:`~megatron_ngrpo.rollout.weight_transfer.WeightSender`, one per server, whose client is
+  (:class:`~megatron_ngrpo.rollout.vllm.weight_transfer.WeightSender`, one per server, whose client is
   vLLM's ``HTTPVLLMWeightSyncClient``); the tensors travel over the backend from rank 0 to the
   server's worker (``transfer_host``: where the servers reach rank 0). With ``verify_weights``
   each server checks a SHA-256 per tensor (http, gloo).
@@ -59,16 +59,16 @@ import torch.distributed as dist
 
 from megatron_ngrpo.mixing.records import MixRecord
 from megatron_ngrpo.parallel import broadcast_from_rank0, is_rank0
-from megatron_ngrpo.rollout import wire
+from megatron_ngrpo.rollout.vllm import wire
 from megatron_ngrpo.rollout.config import RemoteConfig
-from megatron_ngrpo.rollout.replicas import gather_requests
+from megatron_ngrpo.rollout.vllm.replicas import gather_requests
 from megatron_ngrpo.rollout.types import RolloutBatch, RolloutEngine, SamplingParams, validate_request
-from megatron_ngrpo.rollout.vllm_hook import hook_mix_record, request_options, sampling_options
+from megatron_ngrpo.rollout.vllm.hook import hook_mix_record, request_options, sampling_options
 
 logger = logging.getLogger(__name__)
 
 
-# The worker extension's method answering the server's facts (rollout/server_worker.py).
+# The worker extension's method answering the server's facts (rollout/remote/server_worker.py).
 INFO_METHOD = "nbr_server_info"
 
 
@@ -165,13 +165,13 @@ class RemoteEngine(RolloutEngine):
             found = _json(r).get("version") if r.status_code == 200 else None
             if not isinstance(found, str):
                 raise RolloutServerError(f"rollout server {url}: not a vLLM server (GET /version: HTTP "
-                                         f"{r.status_code}); start `python -m megatron_ngrpo.rollout.server`")
+                                         f"{r.status_code}); start `python -m megatron_ngrpo.rollout.remote.server`")
             try:
                 info = self._rpc(url, INFO_METHOD)
             except _Failed as e:
                 raise RolloutServerError(
                     f"rollout server {url}: vLLM {found} without the rollout worker extension, so no "
-                    f"mixing hook (POST /collective_rpc: {e}); start `python -m megatron_ngrpo.rollout.server`"
+                    f"mixing hook (POST /collective_rpc: {e}); start `python -m megatron_ngrpo.rollout.remote.server`"
                 ) from None
             if info.get("hook") is None and time.monotonic() < deadline:
                 time.sleep(0.5)  # the launcher installs the hook once vLLM answers
@@ -185,7 +185,7 @@ class RemoteEngine(RolloutEngine):
     def check(self, url: str, info: dict) -> None:
         """One-line :class:`RolloutServerError` unless the server with facts ``info``
         (:meth:`_info`) can serve this trainer."""
-        from megatron_ngrpo.rollout.vllm_engine import SUPPORTED_VLLM
+        from megatron_ngrpo.rollout.vllm.engine import SUPPORTED_VLLM
 
         if not str(info.get("vllm", "")).startswith(SUPPORTED_VLLM + "."):
             raise RolloutServerError(f"rollout server {url}: vLLM {info.get('vllm')}, but the mixing hook "
@@ -438,7 +438,7 @@ class RemoteEngine(RolloutEngine):
         live server in turn (every rank drives each export; after a failure rank 0 drains it,
         then every rank raises the same one-line error)."""
         from megatron_ngrpo.conversion.mapping import export_hf_tensors
-        from megatron_ngrpo.rollout.weight_transfer import MegatronSource, WeightSender
+        from megatron_ngrpo.rollout.vllm.weight_transfer import MegatronSource, WeightSender
 
         t0 = time.perf_counter()
         layout = MegatronSource(model_chunks, self.spec).metadata()  # vLLM's engines read it

@@ -1,7 +1,7 @@
 """Rollout engine on vLLM 0.32 (V1 model runner) with semantic-neighbour mixing.
 
 :class:`VLLMEngine` implements :class:`~megatron_ngrpo.rollout.types.RolloutEngine` on one
-``vllm.LLM`` that carries the mixing hook of :mod:`megatron_ngrpo.rollout.vllm_hook`:
+``vllm.LLM`` that carries the mixing hook of :mod:`megatron_ngrpo.rollout.vllm.hook`:
 
 * ``generate`` sends one request per prompt (``n`` children each) opted in with
   ``SamplingParams(extra_args={"nbr_mix": ...})``, ``logprobs=0`` and the hook's log-prob
@@ -18,7 +18,7 @@
   (``conversion.mapping.export_hf_tensors``, one parameter at a time) and loads them into the
   live engine by ``cfg.weight_transfer``: ``gloo`` / ``ipc`` / ``nccl`` through vLLM's
   weight-transfer API in buckets of ``sync_bucket_mb``
-  (:mod:`~megatron_ngrpo.rollout.weight_transfer`; ``verify_weights``: SHA-256 per tensor on the
+  (:mod:`~megatron_ngrpo.rollout.vllm.weight_transfer`; ``verify_weights``: SHA-256 per tensor on the
   gloo route); ``reload`` (the fallback): when the worker lives in this process (``in_process``
   and TP = 1, or colocated), ``collective_rpc("reload_weights", weights_iterator=...)`` (tensors
   passed by reference); with worker processes, a safetensors directory (``weights_path``; RPC
@@ -64,18 +64,18 @@ from megatron_ngrpo.data.tokenizer import special_token_ids
 from megatron_ngrpo.mixing.config import MixingConfig
 from megatron_ngrpo.models.config import real_token_count
 from megatron_ngrpo.rollout.config import VLLMConfig
-from megatron_ngrpo.rollout.replicas import generate_on_replicas
+from megatron_ngrpo.rollout.vllm.replicas import generate_on_replicas
 from megatron_ngrpo.rollout.types import (
     RolloutBatch,
     RolloutEngine,
     SamplingParams,
     validate_request,
 )
-from megatron_ngrpo.rollout.vllm_hook import hook_mix_record, request_options, sampling_options
+from megatron_ngrpo.rollout.vllm.hook import hook_mix_record, request_options, sampling_options
 
 logger = logging.getLogger(__name__)
 
-HOOK = "megatron_ngrpo.rollout.vllm_hook.NeighborMixExtension"
+HOOK = "megatron_ngrpo.rollout.vllm.hook.NeighborMixExtension"
 EMBED_NAME = "model.embed_tokens.weight"
 OUTPUT_NAME = "lm_head.weight"
 # MixingConfig fields the table / noise spec depend on.
@@ -173,7 +173,7 @@ class VLLMEngine(RolloutEngine):
         if gpu and self.cfg.sleep_level:
             kwargs["enable_sleep_mode"] = True  # CPU vLLM refuses sleep mode: sleep()/wake_up() are no-ops there
         if self.cfg.weight_transfer != "reload":
-            from megatron_ngrpo.rollout.weight_transfer import register
+            from megatron_ngrpo.rollout.vllm.weight_transfer import register
 
             register()
             kwargs["weight_transfer_config"] = {"backend": self.cfg.weight_transfer}
@@ -226,7 +226,7 @@ class VLLMEngine(RolloutEngine):
     def generate(self, prompts: list[list[int]], params: SamplingParams, mixing: MixingConfig | None = None,
                  keys: list[int] | None = None) -> RolloutBatch:
         """As :meth:`RolloutEngine.generate`; colocated in a multi-rank job it is a collective of
-        all ranks (:func:`~megatron_ngrpo.rollout.replicas.generate_on_replicas`)."""
+        all ranks (:func:`~megatron_ngrpo.rollout.vllm.replicas.generate_on_replicas`)."""
         mixing = mixing if mixing is not None and mixing.enabled else None
         self._validate(prompts, params, mixing, keys)
         keys = list(range(len(prompts))) if keys is None else [int(k) for k in keys]
@@ -268,14 +268,14 @@ class VLLMEngine(RolloutEngine):
         worker's TP shard, or, where the layouts allow it (:attr:`tp_shards`), the worker's
         shards of the linear layers, which the loaders take as they are; by
         ``cfg.weight_transfer`` (vLLM's weight-transfer API in buckets of ``sync_bucket_mb``,
-        :mod:`~megatron_ngrpo.rollout.weight_transfer`, or ``reload``).
+        :mod:`~megatron_ngrpo.rollout.vllm.weight_transfer`, or ``reload``).
         ``last_sync["num_params"]`` counts what this rank loaded.
         """
         t0 = time.perf_counter()
         if self.cfg.weight_transfer == "reload":
             self.load_weights(_export(model_chunks, self.spec, self.tp_shards))
         else:
-            from megatron_ngrpo.rollout.weight_transfer import MegatronSource
+            from megatron_ngrpo.rollout.vllm.weight_transfer import MegatronSource
 
             self.push_weights(MegatronSource(model_chunks, self.spec, tp_shards=self.tp_shards))
         self.last_sync["seconds"] = time.perf_counter() - t0
@@ -331,7 +331,7 @@ class VLLMEngine(RolloutEngine):
     def push_weights(self, source) -> None:
         """Send a vLLM ``WeightSource`` (HF names, the full set) through the weight-transfer
         engine ``cfg.weight_transfer`` and rebuild the table as :meth:`load_weights` does."""
-        from megatron_ngrpo.rollout.weight_transfer import WeightSender
+        from megatron_ngrpo.rollout.vllm.weight_transfer import WeightSender
 
         if self._sender is None:
             self._sender = WeightSender(self.llm, self.cfg.weight_transfer,

