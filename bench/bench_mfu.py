@@ -59,7 +59,7 @@ def main(argv=None) -> dict:
 
     from megatron_ngrpo.architecture import unwrap
     from megatron_ngrpo.grpo.config import GRPOConfig
-    from megatron_ngrpo.grpo.logprobs import TokenBatch
+    from megatron_ngrpo.grpo.batches import TokenBatch
     from megatron_ngrpo.grpo.update import (
         UpdateSettings,
         loss_and_grads,

@@ -63,7 +63,7 @@ def batch(args):
     """A replay batch with mixes, and the same batch without them."""
     from dataclasses import replace
 
-    from megatron_ngrpo.grpo.logprobs import TokenBatch
+    from megatron_ngrpo.grpo.batches import TokenBatch
     from megatron_ngrpo.mixing.records import MixRecord
     from megatron_ngrpo.rollout.types import RolloutBatch
 

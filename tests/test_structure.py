@@ -1,4 +1,5 @@
-"""Import structure: no cycle between packages of megatron_ngrpo, none between two files of one package.
+"""Import structure: every import between packages of megatron_ngrpo goes down the layer order that
+docs/ARCHITECTURE.md declares; no cycle between two files of one package.
 
 Imports are read from the source (AST), those inside functions included: a deferred import still ties
 the two modules together, it only hides the cycle from the interpreter.
@@ -11,6 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "megatron_ngrpo"
 TOP = "megatron_ngrpo"
+ARCHITECTURE = ROOT.parent / "docs" / "ARCHITECTURE.md"
 
 
 def _modules() -> dict[str, Path]:
@@ -54,6 +56,25 @@ def _graph() -> dict[str, set[str]]:
 def _package(module: str) -> str:
     """The first-level package (``megatron_ngrpo.grpo``), or the top-level module itself."""
     return ".".join(module.split(".")[:2])
+
+
+def _layers(text: str) -> list[str]:
+    """The declared order, lowest first: the first word of each unindented line of the first
+    fenced block of docs/ARCHITECTURE.md (indented lines continue a description)."""
+    block = text.split("```", 2)[1]
+    return [line.split()[0] for line in block.splitlines() if line[:1].strip()]
+
+
+def _upward(graph: dict[str, set[str]], layers: list[str]) -> list[str]:
+    """Imports from a package to one at or after its own place in ``layers`` (other than itself)."""
+    rank = {f"{TOP}.{name}": i for i, name in enumerate(layers)}
+    bad = []
+    for src, dsts in graph.items():
+        for dst in dsts:
+            a, b = _package(src), _package(dst)
+            if a != b and b != TOP and rank[b] > rank[a]:
+                bad.append(f"{src} -> {dst} ({b} is declared above {a})")
+    return sorted(bad)
 
 
 def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -102,15 +123,25 @@ def test_the_walker_sees_deferred_and_relative_imports(tmp_path):
     assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
 
 
-def test_no_cycle_between_packages():
-    graph = _graph()
-    edges: dict[str, set[str]] = {}
-    for src, dsts in graph.items():
-        for dst in dsts:
-            if _package(src) != _package(dst) and dst != TOP:
-                edges.setdefault(_package(src), set()).add(_package(dst))
-    cycles = _cycles(edges)
-    assert not cycles, [_witness(edges, c) for c in cycles]
+def test_the_layer_check_sees_an_upward_arrow():
+    layers = ["low", "high"]
+    assert _upward({f"{TOP}.high.x": {f"{TOP}.low.y"}}, layers) == []
+    assert _upward({f"{TOP}.low.y": {f"{TOP}.high.x"}}, layers) == [
+        f"{TOP}.low.y -> {TOP}.high.x ({TOP}.high is declared above {TOP}.low)"]
+    assert _layers("text\n```\nlow   one\n      more\nhigh  two\n```\n") == layers
+
+
+def test_every_package_is_declared_once():
+    layers = _layers(ARCHITECTURE.read_text())
+    assert len(layers) == len(set(layers)), layers
+    actual = {_package(m).removeprefix(f"{TOP}.") for m in _modules() if m != TOP}
+    assert actual == set(layers), (f"missing from docs/ARCHITECTURE.md: {sorted(actual - set(layers))}; "
+                                   f"declared but absent: {sorted(set(layers) - actual)}")
+
+
+def test_imports_follow_the_declared_layer_order():
+    bad = _upward(_graph(), _layers(ARCHITECTURE.read_text()))
+    assert not bad, "imports against docs/ARCHITECTURE.md's order:\n" + "\n".join(bad)
 
 
 def test_no_cycle_between_files_of_one_package():

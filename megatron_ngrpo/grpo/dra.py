@@ -112,7 +112,7 @@ class ResponseHiddenMeans:
 
     def __init__(self, model_chunks: list, batch, micro_batch_size: int, max_tokens: int = 0):
         from megatron_ngrpo.architecture import unwrap
-        from megatron_ngrpo.grpo.logprobs import MicroBatchPlan
+        from megatron_ngrpo.grpo.batches import MicroBatchPlan
 
         config = unwrap(model_chunks[0]).config
         if config.context_parallel_size > 1:

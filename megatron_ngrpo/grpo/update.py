@@ -1,7 +1,7 @@
 """One policy-gradient pass over a mini-batch: globally normalised loss, gradients through
 megatron's schedule (micro-batches, PP), DP reduction by megatron DDP.
 
-The batch is a :class:`~megatron_ngrpo.grpo.logprobs.TokenBatch` of this DP rank's responses with
+The batch is a :class:`~megatron_ngrpo.grpo.batches.TokenBatch` of this DP rank's responses with
 extras ``old_logprobs`` [B, L], ``advantages`` [B], ``active`` [B] bool (False: filtered group)
 and optionally ``ref_logprobs`` [B, L], ``tis_weight`` [B, L]. The aggregation weights are fixed
 for the whole mini-batch before the first micro-batch runs, so micro-batch losses add up to the
@@ -17,13 +17,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_ngrpo.grpo.batches import MicroBatchPlan, TokenBatch
 from megatron_ngrpo.grpo.config import GRPOConfig
-from megatron_ngrpo.grpo.logprobs import (
-    MicroBatchPlan,
-    TokenBatch,
-    run_schedule,
-    token_logprobs,
-)
+from megatron_ngrpo.grpo.logprobs import run_schedule, token_logprobs
 from megatron_ngrpo.grpo.loss import STAT_KEYS, aggregation_weights, micro_batch_loss
 
 

@@ -12,16 +12,12 @@ from pathlib import Path
 
 from megatron_ngrpo.config_loader import ConfigError, fail, launch_world_size, load
 from megatron_ngrpo.data.config import DataConfig
-from megatron_ngrpo.grpo.config import (
-    GRPOConfig,
-    OptimConfig,
-    TrainConfig,
-    ValidationConfig,
-)
+from megatron_ngrpo.grpo.config import GRPOConfig
 from megatron_ngrpo.mixing.config import MixingConfig
 from megatron_ngrpo.models.config import ModelConfig
 from megatron_ngrpo.rewards.config import RewardConfig
 from megatron_ngrpo.rollout.config import RolloutConfig, check_vllm_layout
+from megatron_ngrpo.training.config import OptimConfig, TrainConfig, ValidationConfig
 
 
 @dataclass

@@ -36,7 +36,8 @@ from megatron_ngrpo.grpo.advantages import (
     group_ids,
     zero_variance_groups,
 )
-from megatron_ngrpo.grpo.logprobs import TokenBatch, batch_logprobs
+from megatron_ngrpo.grpo.batches import TokenBatch
+from megatron_ngrpo.grpo.logprobs import batch_logprobs
 from megatron_ngrpo.grpo.metrics import MetricsWriter, PhaseTimer, dp_max, dp_sums
 from megatron_ngrpo.grpo.update import UpdateSettings, loss_and_grads, wrap_for_training
 from megatron_ngrpo.rollout.types import SamplingParams
@@ -48,42 +49,12 @@ from megatron_ngrpo.training.checkpoint import (
     save_training_checkpoint,
 )
 from megatron_ngrpo.training.job_config import NGRPOConfig
+from megatron_ngrpo.training.reference import ReferencePolicy
 from megatron_ngrpo.training.snapshot import WeightSnapshot
 
 logger = logging.getLogger(__name__)
 BEST_FILE = "best"
 WARMSTART_DIR = "warmstart"
-
-
-class ReferencePolicy:
-    """The frozen initial weights: a CPU copy swapped into the policy's parameters for the
-    reference pass (``swap``, no extra device memory), or a second model (``copy``)."""
-
-    def __init__(self, chunks: list, mode: str, model_cfg):
-        from megatron_ngrpo.architecture import unwrap
-        from megatron_ngrpo.models.provider import build_model
-
-        self.mode = mode
-        if mode == "swap":
-            self.saved = WeightSnapshot(chunks)
-            self.model = None
-        else:
-            self.model = build_model(model_cfg)
-            with torch.no_grad():
-                for own, src in zip(self.model, chunks, strict=True):
-                    for p, q in zip(unwrap(own).parameters(), unwrap(src).parameters(), strict=True):
-                        p.copy_(q)
-            for c in self.model:
-                c.requires_grad_(False)
-
-    @contextlib.contextmanager
-    def active(self, chunks: list):
-        """Yield model chunks computing the reference policy (restores the policy on exit)."""
-        if self.model is not None:
-            yield self.model
-            return
-        with self.saved.active(chunks):
-            yield chunks
 
 
 class Trainer:

@@ -15,12 +15,13 @@ from pathlib import Path
 
 import torch
 
-from megatron_ngrpo.grpo.config import WarmstartConfig
-from megatron_ngrpo.grpo.logprobs import TokenBatch, token_logprobs
+from megatron_ngrpo.grpo.batches import TokenBatch
+from megatron_ngrpo.grpo.logprobs import token_logprobs
 from megatron_ngrpo.grpo.loss import aggregation_weights
 from megatron_ngrpo.grpo.update import update_step
 from megatron_ngrpo.mixing.records import MixRecord
 from megatron_ngrpo.rollout.types import RolloutBatch
+from megatron_ngrpo.training.config import WarmstartConfig
 
 
 def load_pairs(path: str | Path, render_prompt, tokenizer) -> list[tuple[list[int], list[int]]]:

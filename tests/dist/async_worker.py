@@ -55,7 +55,7 @@ def build_trainer_side(root: str):
 
 
 def token_batch(rollout, **extras):
-    from megatron_ngrpo.grpo.logprobs import TokenBatch
+    from megatron_ngrpo.grpo.batches import TokenBatch
 
     tb = TokenBatch.from_rollout(rollout)
     return tb.with_extras(**extras) if extras else tb

@@ -89,7 +89,8 @@ def setup_reference():
 def run_layout(tp, pp, sp=False, replay=True):
     from megatron_ngrpo.conversion.checkpoint import load_megatron_checkpoint
     from megatron_ngrpo.grpo.dra import ResponseHiddenMeans
-    from megatron_ngrpo.grpo.logprobs import TokenBatch, batch_logprobs
+    from megatron_ngrpo.grpo.batches import TokenBatch
+    from megatron_ngrpo.grpo.logprobs import batch_logprobs
     from megatron_ngrpo.models.provider import build_model
     from megatron_ngrpo.parallel import initialize_model_parallel
 

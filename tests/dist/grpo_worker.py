@@ -288,7 +288,8 @@ def run_layout(tp, pp, vpp=None, max_tokens=0, sp=False, recompute=False):
         group_ids,
         zero_variance_groups,
     )
-    from megatron_ngrpo.grpo.logprobs import TokenBatch, sequence_logprobs
+    from megatron_ngrpo.grpo.batches import TokenBatch
+    from megatron_ngrpo.grpo.logprobs import sequence_logprobs
     from megatron_ngrpo.grpo.update import (
         UpdateSettings,
         loss_and_grads,

@@ -48,7 +48,7 @@ def measure(layers, hidden, ffn, heads, kv_heads, vocab, rows, seq_len) -> dict:
 
     from megatron_ngrpo.architecture import unwrap
     from megatron_ngrpo.grpo.config import GRPOConfig
-    from megatron_ngrpo.grpo.logprobs import TokenBatch
+    from megatron_ngrpo.grpo.batches import TokenBatch
     from megatron_ngrpo.grpo.update import UpdateSettings, loss_and_grads, wrap_for_training
     from megatron_ngrpo.models.config import ModelConfig
     from megatron_ngrpo.models.provider import build_model
