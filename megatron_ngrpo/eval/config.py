@@ -11,17 +11,16 @@ from megatron_ngrpo.mixing.config import MixingConfig
 from megatron_ngrpo.models.config import ModelConfig
 from megatron_ngrpo.rewards.config import RewardConfig
 from megatron_ngrpo.rollout.config import RolloutConfig, check_vllm_layout
-from megatron_ngrpo.rollout.types import SamplingParams
+from megatron_ngrpo.rollout.types import SamplingFields, SamplingParams
 
 
 @dataclass
-class EvalSamplingConfig:
+class EvalSamplingConfig(SamplingFields):
     """Paper defaults (N-GRPO §4.1, App. B.3): n = 32, T = 0.6, top-p 0.95, 8192 new tokens."""
 
     n: int = 32
     temperature: float = 0.6
     top_p: float = 0.95
-    top_k: int = -1
     max_new_tokens: int = 8192
     seed: int = 0
 

@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from megatron_ngrpo.config_loader import fail
 from megatron_ngrpo.rollout.types import SamplingParams
+
+
+class EngineName(StrEnum):
+    """The rollout engines (``rollout.engine``; rollout/factory.py builds each)."""
+
+    megatron = "megatron"  # built-in, default, runs anywhere
+    vllm = "vllm"  # colocated: one in-process vLLM worker per rank
+    remote = "remote"  # rollout servers on other nodes (rollout.remote)
 
 
 @dataclass
@@ -108,9 +117,7 @@ class RemoteConfig:
 
 @dataclass
 class RolloutConfig:
-    # "megatron" (built-in, default, runs anywhere), "vllm" (colocated) or "remote" (rollout
-    # servers on other nodes: rollout.remote).
-    engine: str = "megatron"
+    engine: EngineName = EngineName.megatron
     n: int = 4  # G, responses per prompt
     temperature: float = 1.0
     top_p: float = 1.0
@@ -125,12 +132,13 @@ class RolloutConfig:
     remote: RemoteConfig = field(default_factory=RemoteConfig)
 
     def validate(self) -> None:
-        if self.engine not in ("megatron", "vllm", "remote"):
-            fail("engine", self.engine, "expected 'megatron', 'vllm' or 'remote'")
+        if self.engine not in EngineName.__members__:
+            fail("engine", self.engine, f"expected one of {', '.join(EngineName)}")
+        self.engine = EngineName(self.engine)
         if self.temperature <= 0:
             fail("temperature", self.temperature, "must be > 0 for RL rollouts")
         SamplingParams.from_config(self).validate(fail)
-        if self.engine == "remote" and bool(self.remote.urls) == bool(self.remote.url_dir):
+        if self.engine == EngineName.remote and bool(self.remote.urls) == bool(self.remote.url_dir):
             fail("remote.urls", self.remote.urls, "rollout.engine=remote needs either rollout.remote.urls "
                  "or rollout.remote.url_dir")
 
@@ -139,7 +147,7 @@ def check_vllm_layout(rollout: RolloutConfig, world_size: int) -> None:
     """The one rule for vLLM layouts (training and evaluation configs): colocated under torchrun,
     each of the ``world_size`` ranks runs one in-process vLLM worker and vLLM's TP groups are
     consecutive blocks of ``rollout.vllm.tensor_parallel`` ranks."""
-    if rollout.engine != "vllm":
+    if rollout.engine != EngineName.vllm:
         return
     tp = rollout.vllm.tensor_parallel
     if world_size > 1 and world_size % tp:

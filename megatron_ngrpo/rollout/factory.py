@@ -7,6 +7,9 @@ from dataclasses import replace
 from megatron_ngrpo.architecture import ArchSpec
 from megatron_ngrpo.data.tokenizer import special_token_ids
 from megatron_ngrpo.models.config import real_token_count
+from megatron_ngrpo.parallel import duplicate_model_parallel_groups
+from megatron_ngrpo.rollout.config import EngineName
+from megatron_ngrpo.rollout.megatron_engine import MegatronEngine
 from megatron_ngrpo.rollout.types import RolloutEngine
 
 
@@ -23,11 +26,15 @@ def tokenizer_kwargs(tokenizer) -> dict:
     }
 
 
-def build_engine(cfg, model_chunks, tokenizer=None, seed: int = 0) -> RolloutEngine:
+def build_engine(cfg, model_chunks, tokenizer=None, seed: int = 0,
+                 beside_trainer: bool = False) -> RolloutEngine:
     """The engine of ``cfg.rollout`` (any config with ``rollout`` and ``model`` sections: the
     trainer's or the evaluation's) for the policy ``model_chunks``.
 
-    "megatron" generates with ``model_chunks`` themselves; "vllm" starts a vLLM engine on
+    "megatron" generates with ``model_chunks`` themselves, or, ``beside_trainer`` (one-step-off
+    rollouts on a second thread, training/async_rollout.py), with a separate copy of their
+    weights whose layers and collectives use duplicates of megatron's model-parallel groups
+    (a collective); "vllm" starts a vLLM engine on
     ``cfg.model.hf_path`` (one per rank, colocated, in a multi-rank job: a collective); "remote"
     connects to the rollout servers of ``cfg.rollout.remote`` (a collective; one-line errors for
     unusable servers). Both load ``model_chunks``' weights into vLLM (so a randomly initialised
@@ -36,11 +43,17 @@ def build_engine(cfg, model_chunks, tokenizer=None, seed: int = 0) -> RolloutEng
     # Every engine samples the ids the trainer's tokenizer knows (model.num_real_tokens resolved).
     model_cfg = replace(cfg.model, num_real_tokens=real_token_count(
         cfg.model.num_real_tokens, ArchSpec.from_hf(cfg.model.hf_path).vocab_size, tokenizer))
-    if cfg.rollout.engine == "megatron":
-        from megatron_ngrpo.rollout.megatron_engine import MegatronEngine
-
+    if beside_trainer and cfg.rollout.engine == EngineName.vllm:
+        raise ValueError("colocated vLLM adopts the trainer's devices and process groups: it cannot "
+                         "generate beside the trainer (rollout.engine = megatron or remote)")
+    if cfg.rollout.engine == EngineName.megatron:
+        if beside_trainer:
+            return MegatronEngine.from_config(replace(cfg.rollout, separate_copy=True), model_chunks, model_cfg,
+                                              groups=duplicate_model_parallel_groups(), **kwargs)
         return MegatronEngine.from_config(cfg.rollout, model_chunks, model_cfg, **kwargs)
-    if cfg.rollout.engine == "remote":
+    if cfg.rollout.engine == EngineName.remote:
+        # Beside the trainer as it is: the servers hold their own weights, the client's
+        # collectives have a group of their own.
         from megatron_ngrpo.rollout.remote.client import RemoteEngine
 
         engine = RemoteEngine.from_config(cfg.rollout, model_cfg, tokenizer)

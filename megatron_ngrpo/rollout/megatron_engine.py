@@ -20,7 +20,7 @@ Per decode step, on one rank (last pipeline stage, TP rank 0), from the gathered
   response position) and independent of batching; padded vocab rows (>= ``num_real_tokens``)
   have probability 0;
 * the mixing decision (N-GRPO, docs/ALGORITHM.md §1): gate ``decision.gate(rate, seed, key, t)``
-  with ``key = prompt_key * 1000003 + child`` (the vLLM engine's convention), anchor, candidates
+  with ``key = rollout.types.response_key(prompt_key, child)`` (every engine's), anchor, candidates
   and weights from :func:`~megatron_ngrpo.mixing.perturbations.decide_for_strategy` (neighbour
   table for N-GRPO; Soft Thinking, STHT and Gumbel baselines); the emitted token is the anchor
   (``emit="anchor"``) or the sample; the next step's input embedding is the mixture (plus the
@@ -57,20 +57,15 @@ from megatron_ngrpo.rollout.types import (
     RolloutBatch,
     RolloutEngine,
     SamplingParams,
+    active_mixing,
+    sequence_keys,
     validate_request,
 )
 
-# Sequence key of child j of prompt key p (shared with the vLLM engine).
-KEY_STRIDE = 1000003
 # Separates the sampling draws from the mixing gate's draws of the same (seed, key, position).
 _SAMPLE_SALT = 0x5D588B656C078965
 _STOP_WINDOW_EXTRA = 4  # tokens decoded beyond the longest stop text (tokens may decode to < 1 char)
 _RUNNING, _STOP, _LENGTH = 0, 1, 2
-
-
-def sequence_keys(keys: Sequence[int], n: int) -> list[int]:
-    """Gate/sampling key of every response, prompt-major: ``keys[i] * 1000003 + j``."""
-    return [int(k) * KEY_STRIDE + j for k in keys for j in range(n)]
 
 
 class MegatronEngine(RolloutEngine):
@@ -163,7 +158,7 @@ class MegatronEngine(RolloutEngine):
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, mixing=None,
                  keys: list[int] | None = None) -> RolloutBatch:
-        mixing = mixing if mixing is not None and mixing.enabled else None
+        mixing = active_mixing(mixing)
         self._validate(prompts, params, mixing, keys)
         keys = list(range(len(prompts))) if keys is None else [int(k) for k in keys]
         row_prompts = [list(prompts[i]) for i in range(len(prompts)) for _ in range(params.n)]

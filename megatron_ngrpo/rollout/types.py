@@ -9,22 +9,50 @@ index). The trainer replays any engine's batch and must get the engine's log-pro
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
 from megatron_ngrpo.mixing.records import MixRecord
 
+# Sequence key of child j of a prompt with key p: p * KEY_STRIDE + j (every engine: the mixing
+# gate and the sampling draws are functions of (seed, sequence key, position)).
+KEY_STRIDE = 1000003
+
+
+def response_key(prompt_key: int, child: int) -> int:
+    """Gate/sampling key of sample ``child`` of the prompt with key ``prompt_key``."""
+    return int(prompt_key) * KEY_STRIDE + int(child)
+
+
+def sequence_keys(keys, n: int) -> list[int]:
+    """Keys of every response, prompt-major: ``response_key(keys[i], j)`` for j < ``n``."""
+    return [response_key(k, j) for k in keys for j in range(n)]
+
+
+def active_mixing(mixing):
+    """The mixing config a generate call mixes with: ``mixing`` when given and enabled, else
+    None (plain generation)."""
+    return mixing if mixing is not None and mixing.enabled else None
+
 
 @dataclass
-class SamplingParams:
-    """Per-call generation settings (the config's defaults live in rollout/config.py)."""
+class SamplingFields:
+    """The sampling settings a config section names like a generate call (the evaluation's
+    ``sampling`` section derives from it with its own defaults; the training job's ``rollout``
+    section has the same names)."""
 
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
     max_new_tokens: int = 256
+
+
+@dataclass
+class SamplingParams(SamplingFields):
+    """Per-call generation settings (the config's defaults live in rollout/config.py)."""
+
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int = 0
@@ -32,11 +60,11 @@ class SamplingParams:
     @classmethod
     def from_config(cls, section, eos_token_id: int | None = None, seed: int | None = None) -> SamplingParams:
         """The one builder from a config section (the training job's ``rollout``, the evaluation
-        CLI's and in-training validation's ``sampling``): its ``n``, ``temperature``, ``top_p``,
-        ``top_k``, ``max_new_tokens``, and ``stop`` / ``seed`` where it has them; ``seed``
-        overrides the section's. Responses also stop at ``eos_token_id`` (the tokenizer's EOS)."""
-        return cls(n=section.n, temperature=section.temperature, top_p=section.top_p, top_k=section.top_k,
-                   max_new_tokens=section.max_new_tokens, stop=list(getattr(section, "stop", [])),
+        CLI's and in-training validation's ``sampling``): its :class:`SamplingFields`, and
+        ``stop`` / ``seed`` where it has them; ``seed`` overrides the section's. Responses also
+        stop at ``eos_token_id`` (the tokenizer's EOS)."""
+        return cls(**{f.name: getattr(section, f.name) for f in fields(SamplingFields)},
+                   stop=list(getattr(section, "stop", [])),
                    stop_token_ids=[eos_token_id] if eos_token_id is not None else [],
                    seed=seed if seed is not None else getattr(section, "seed", 0))
 

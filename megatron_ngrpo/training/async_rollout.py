@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_ngrpo.mixing.records import MixRecord
+from megatron_ngrpo.rollout.factory import build_engine
 from megatron_ngrpo.rollout.types import RolloutBatch, RolloutEngine
 from megatron_ngrpo.training.snapshot import WeightSnapshot
 
@@ -225,21 +226,10 @@ def build_rollouts(cfg, chunks: list, tokenizer, seed: int) -> tuple[RolloutEngi
     it: a built-in engine on a separate weight copy with duplicated model-parallel groups, or
     the client of the rollout servers (collective). Synchronous training gets
     ``rollout.factory.build_engine``'s engine."""
-    from megatron_ngrpo.rollout.factory import build_engine, tokenizer_kwargs
-
     a = cfg.train.async_
+    engine = build_engine(cfg, chunks, tokenizer=tokenizer, seed=seed, beside_trainer=bool(a.max_staleness))
     if not a.max_staleness:
-        return build_engine(cfg, chunks, tokenizer=tokenizer, seed=seed), None
-    if cfg.rollout.engine == "remote":
-        # The servers hold their own weights, and the client's collectives have their own group.
-        engine = build_engine(cfg, chunks, tokenizer=tokenizer, seed=seed)
-    else:
-        from megatron_ngrpo.parallel import duplicate_model_parallel_groups
-        from megatron_ngrpo.rollout.megatron_engine import MegatronEngine
-
-        rollout_cfg = dataclasses.replace(cfg.rollout, separate_copy=True)
-        engine = MegatronEngine.from_config(rollout_cfg, chunks, cfg.model, groups=duplicate_model_parallel_groups(),
-                                            **tokenizer_kwargs(tokenizer))
+        return engine, None
     producer = RolloutProducer(engine, a.max_staleness, a.on_stale,
                                keep_weights=cfg.grpo.old_logprobs == "recompute")
     return engine, producer

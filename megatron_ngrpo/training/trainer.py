@@ -40,7 +40,7 @@ from megatron_ngrpo.grpo.batches import TokenBatch
 from megatron_ngrpo.grpo.logprobs import batch_logprobs
 from megatron_ngrpo.grpo.metrics import MetricsWriter, PhaseTimer, dp_max, dp_sums
 from megatron_ngrpo.grpo.update import UpdateSettings, loss_and_grads, wrap_for_training
-from megatron_ngrpo.rollout.types import SamplingParams
+from megatron_ngrpo.rollout.types import SamplingParams, active_mixing
 from megatron_ngrpo.training.checkpoint import (
     checkpoint_meta,
     iter_dir,
@@ -370,7 +370,7 @@ class Trainer:
                                           seed=(self.cfg.train.seed * 1_000_003 + step) % 2**31)
 
     def _mixing(self):
-        return self.cfg.mixing if self.cfg.mixing.enabled else None
+        return active_mixing(self.cfg.mixing)
 
     def _pad_id(self) -> int:
         pad = self.tokenizer.pad_token_id

@@ -294,7 +294,7 @@ def determinism_gates_anchor():
     (max_batch_size) does not change the result; the engine's own table (mixing.neighbors)
     equals the brute-force one."""
     from megatron_ngrpo.mixing.decision import gate
-    from megatron_ngrpo.rollout.megatron_engine import sequence_keys
+    from megatron_ngrpo.rollout.types import sequence_keys
     from megatron_ngrpo.rollout.types import SamplingParams
 
     chunks = layout(2, 1)
@@ -327,7 +327,7 @@ def stop_after_thinking_gate():
     """No mix at the position whose token completes ``stop_after``, nor after it; before it the
     mixed positions are the gate's."""
     from megatron_ngrpo.mixing.decision import gate
-    from megatron_ngrpo.rollout.megatron_engine import sequence_keys
+    from megatron_ngrpo.rollout.types import sequence_keys
     from megatron_ngrpo.rollout.types import SamplingParams
 
     chunks = layout(1, 2)

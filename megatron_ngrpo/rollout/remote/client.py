@@ -62,8 +62,20 @@ from megatron_ngrpo.parallel import broadcast_from_rank0, is_rank0
 from megatron_ngrpo.rollout.vllm import wire
 from megatron_ngrpo.rollout.config import RemoteConfig
 from megatron_ngrpo.rollout.vllm.replicas import gather_requests
-from megatron_ngrpo.rollout.types import RolloutBatch, RolloutEngine, SamplingParams, validate_request
-from megatron_ngrpo.rollout.vllm.hook import hook_mix_record, request_options, sampling_options
+from megatron_ngrpo.rollout.types import (
+    RolloutBatch,
+    RolloutEngine,
+    SamplingParams,
+    active_mixing,
+    validate_request,
+)
+from megatron_ngrpo.rollout.vllm.hook import (
+    SUPPORTED_VLLM,
+    hook_mix_record,
+    request_options,
+    sampling_options,
+    supports_vllm,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -185,9 +197,7 @@ class RemoteEngine(RolloutEngine):
     def check(self, url: str, info: dict) -> None:
         """One-line :class:`RolloutServerError` unless the server with facts ``info``
         (:meth:`_info`) can serve this trainer."""
-        from megatron_ngrpo.rollout.vllm.engine import SUPPORTED_VLLM
-
-        if not str(info.get("vllm", "")).startswith(SUPPORTED_VLLM + "."):
+        if not supports_vllm(info.get("vllm")):
             raise RolloutServerError(f"rollout server {url}: vLLM {info.get('vllm')}, but the mixing hook "
                                      f"is written for vLLM {SUPPORTED_VLLM}.x")
         if not str(info.get("hook", "")).startswith("NeighborMix"):
@@ -273,7 +283,7 @@ class RemoteEngine(RolloutEngine):
     def generate(self, prompts: list[list[int]], params: SamplingParams, mixing=None,
                  keys: list[int] | None = None) -> RolloutBatch:
         """As :meth:`RolloutEngine.generate`; a collective of all ranks in a multi-rank job."""
-        mixing = mixing if mixing is not None and mixing.enabled else None
+        mixing = active_mixing(mixing)
         validate_request(prompts, params, keys, self.max_model_len, self.num_real_tokens,
                          "the servers' max_model_len", mixing, self._table_width)
         if mixing is not None and mixing.strategy == "neighbor" and self._table_width is None:

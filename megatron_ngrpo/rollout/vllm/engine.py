@@ -9,7 +9,7 @@
   distribution, T = 1 for greedy; see the hook's docstring), then pops the hook's records by RPC
   and returns one :class:`~megatron_ngrpo.mixing.records.MixRecord` for the batch (sequence index
   = response index, prompt-major; children by ``CompletionOutput.index``; positions relative to
-  the response). Gate keys: ``prompt_key * 1000003 + child``, as in the Megatron engine.
+  the response). Gate keys: ``rollout.types.response_key``, as in the Megatron engine.
 * The neighbour table (``mixing.neighbors.build_neighbor_table``) is computed here, on the full
   HF matrix (input embedding or output layer per ``neighbor_source``, padded rows
   ``>= num_real_tokens`` and special ids excluded), from the checkpoint at start-up and from the
@@ -69,9 +69,16 @@ from megatron_ngrpo.rollout.types import (
     RolloutBatch,
     RolloutEngine,
     SamplingParams,
+    active_mixing,
     validate_request,
 )
-from megatron_ngrpo.rollout.vllm.hook import hook_mix_record, request_options, sampling_options
+from megatron_ngrpo.rollout.vllm.hook import (
+    SUPPORTED_VLLM,
+    hook_mix_record,
+    request_options,
+    sampling_options,
+    supports_vllm,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -227,7 +234,7 @@ class VLLMEngine(RolloutEngine):
                  keys: list[int] | None = None) -> RolloutBatch:
         """As :meth:`RolloutEngine.generate`; colocated in a multi-rank job it is a collective of
         all ranks (:func:`~megatron_ngrpo.rollout.vllm.replicas.generate_on_replicas`)."""
-        mixing = mixing if mixing is not None and mixing.enabled else None
+        mixing = active_mixing(mixing)
         self._validate(prompts, params, mixing, keys)
         keys = list(range(len(prompts))) if keys is None else [int(k) for k in keys]
         if mixing is not None:
@@ -465,10 +472,6 @@ def _export(model_chunks, spec, tp_shards):
     return export_hf_tensors(model_chunks, spec, tp_shards=tp_shards)
 
 
-# The vLLM minor version whose private V1 runner internals the mixing hook patches.
-SUPPORTED_VLLM = "0.32"
-
-
 def check_vllm_version() -> None:
     """One-line error when the installed vLLM is not the minor version the hook was written for."""
     from importlib.metadata import PackageNotFoundError, version
@@ -478,7 +481,7 @@ def check_vllm_version() -> None:
             found = version(dist_name)
         except PackageNotFoundError:
             continue
-        if not found.startswith(SUPPORTED_VLLM + "."):
+        if not supports_vllm(found):
             raise RuntimeError(f"vLLM {found} is installed; the mixing hook patches vLLM "
                                f"{SUPPORTED_VLLM}.x runner internals (install vllm=={SUPPORTED_VLLM}.*)")
         return

@@ -8,7 +8,7 @@ embeddings together, so the hook lives there:
   ``worker.model_runner.__class__`` for a subclass with :class:`NeighborMixRunner` in front.
 * ``_update_states``: registers opted-in requests (``SamplingParams(extra_args={"nbr_mix": ...})``,
   see :func:`request_options`), drawing their gates ``gate_uniform(seed, key, t) < rate`` for
-  every response position t at once (``key = prompt_key * 1000003 + child``), and drops the
+  every response position t at once (``key = rollout.types.response_key(prompt_key, child)``), and drops the
   pending mixes of finished ones (records stay until popped).
 * ``_sample``: for each opted-in row that is not a partial prefill (``discard_request_mask``),
   whose position is undecided and whose gate fires, takes the anchor, neighbours and weights
@@ -66,18 +66,20 @@ from megatron_ngrpo.mixing import decision
 from megatron_ngrpo.mixing.config import MixingConfig
 from megatron_ngrpo.mixing.perturbations import NoiseSpec, decide_for_strategy
 from megatron_ngrpo.mixing.records import MixRecord
+from megatron_ngrpo.rollout.types import response_key
 
 OPTION_KEY = "nbr_mix"
-# Response key of child j of a prompt with key p (shared with the Megatron engine).
-KEY_STRIDE = 1000003
+# The vLLM minor version whose private V1 runner internals this hook patches.
+SUPPORTED_VLLM = "0.32"
 _GREEDY_EPS = 1e-5  # vLLM's threshold below which a temperature means greedy
 # MixingConfig fields the per-step decision reads (sent with every request).
 _DECISION_FIELDS = ("strategy", "k", "temperature", "gumbel_temperature")
 _NEVER = 1 << 62  # a position no request reaches
 
 
-def response_key(prompt_key: int, child: int) -> int:
-    return int(prompt_key) * KEY_STRIDE + int(child)
+def supports_vllm(version: str | None) -> bool:
+    """Whether vLLM ``version`` (an installed or a server's version string) runs this hook."""
+    return str(version or "").startswith(SUPPORTED_VLLM + ".")
 
 
 def request_options(call: str, index: int, prompt_key: int, n: int, seed: int, mixing: MixingConfig,
