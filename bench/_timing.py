@@ -2,7 +2,7 @@
 ratio of their costs with a 95% confidence interval, repeated until the interval is narrow
 enough.
 
-    from _timing import compare
+    from bench._timing import compare
     r = compare(mixed, plain, label="mixing / plain")   # each call returns its work units or None
     print(r)   # mixing / plain: cpu ratio 1.012 [0.998, 1.027] ...
 

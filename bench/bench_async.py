@@ -1,6 +1,6 @@
 """Steps per hour of the tiny TP=2 N-GRPO job, synchronous vs one-step-off rollouts, same job.
 
-    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 bench/bench_async.py [--max-seconds 240]
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m bench.bench_async [--max-seconds 240]
 
 Two gloo ranks, trainer TP=2, the arithmetic task of ``examples/arithmetic`` (configs/tiny_test.yaml:
 mixing ρ = 0.3, k = 3), ``train.async.max_staleness: 1``. One ``Trainer`` is set up; blocks of
@@ -25,11 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from _timing import compare  # noqa: E402
+from bench._timing import compare
 
 
 def main() -> None:
@@ -43,7 +40,7 @@ def main() -> None:
 
     from megatron_ngrpo.training.job_config import load_config
     from megatron_ngrpo.training.trainer import Trainer
-    from slurm_harness import write_arithmetic_task
+    from tests.slurm_harness import write_arithmetic_task
 
     repo = Path(__file__).resolve().parents[1]
     root = Path(tempfile.mkdtemp(prefix="bench_async_"))

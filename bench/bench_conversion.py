@@ -11,7 +11,7 @@ On a small shared machine, run slices of ``--layers`` (default 2 and 6) and extr
 linearly (time = fixed + per-layer × layers) to 28 layers; ``--layers 28`` measures the full model.
 GB/s = HF checkpoint bytes (at the chosen dtype) / seconds.
 
-    OMP_NUM_THREADS=1 python bench/bench_conversion.py [--layers 2 6] [--dtype bfloat16]
+    OMP_NUM_THREADS=1 python -m bench.bench_conversion [--layers 2 6] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def run_slice(layers: int, dtype: str, keep: Path | None) -> dict:
         nbytes = write_synthetic_hf(work / "hf", layers, dtype)
         out = {"layers": layers, "bytes": nbytes, "write_synthetic_s": time.perf_counter() - t0}
         for ph in ("hf2m", "m2hf", "export"):
-            cmd = [sys.executable, __file__, "--phase", ph, "--work", str(work), "--dtype", dtype,
+            cmd = [sys.executable, "-m", "bench.bench_conversion", "--phase", ph, "--work", str(work), "--dtype", dtype,
                    "--nbytes", str(nbytes)]
             r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
             lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]

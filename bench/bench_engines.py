@@ -7,7 +7,7 @@ process CPU time, the machine is shared; median over A B / B A blocks with its 9
 vLLM weight-sync seconds (Megatron → vLLM) per million parameters.
 
     OMP_NUM_THREADS=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_OMP_THREADS_BIND=nobind \\
-        python bench/bench_engines.py [--max-seconds 300]
+        python -m bench.bench_engines [--max-seconds 300]
 """
 
 from __future__ import annotations
@@ -20,10 +20,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout, not the installed one
 
-from _timing import compare  # noqa: E402
+from bench._timing import compare
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Training throughput and MFU of the 1.5B shape (DeepSeek-R1-Distill-Qwen-1.5B) on one GPU.
 
-    python bench/bench_mfu.py [--seq 4096 --micro-batch 1 --micro-batches 4 --steps 5 --peak-tflops 989.4]
+    python -m bench.bench_mfu [--seq 4096 --micro-batch 1 --micro-batches 4 --steps 5 --peak-tflops 989.4]
 
 GPU only (written for one H100 SXM: bf16 dense peak 989.4 TFLOP/s; pass --peak-tflops for other
 parts). Builds the 1.5B architecture (28 layers, hidden 1536, FFN 8960, 12 heads, 2 KV heads,
@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SHAPE = dict(num_layers=28, hidden_size=1536, intermediate_size=8960, num_heads=12, num_kv_heads=2,
              vocab_size=151936, tied=True)

@@ -1,6 +1,6 @@
 """Mixing embedding forward+backward vs megatron's plain VocabParallelEmbedding (goal ≤ 1.05×).
 
-    OMP_NUM_THREADS=1 python bench/bench_mixing_embedding.py [--vocab 32768 151936 --tp 1 2 4 --hidden 256]
+    OMP_NUM_THREADS=1 python -m bench.bench_mixing_embedding [--vocab 32768 151936 --tp 1 2 4 --hidden 256]
         [--processes P] [--ddp]
 
 For every vocabulary size and TP degree: TP=1 runs in this process, TP>1 under torchrun (that many
@@ -32,13 +32,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _timing import compare  # noqa: E402
+from bench._timing import compare
 
-from megatron_ngrpo.testing.multiproc import case, launch, run_cases  # noqa: E402
-from megatron_ngrpo.testing.tiny import in_megatron_ddp  # noqa: E402
+from megatron_ngrpo.testing.multiproc import case, launch, run_cases
+from megatron_ngrpo.testing.tiny import in_megatron_ddp
 
 
 def _args(argv=None):
@@ -106,13 +104,13 @@ def in_fresh_processes(count: int) -> list[dict]:
     import subprocess
     import tempfile
 
-    from _timing import paired_median_ratio
+    from bench._timing import paired_median_ratio
 
     runs = []
     for i in range(count):
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
             # this command's own arguments, the later flags overriding
-            argv = [sys.executable, __file__, *sys.argv[1:], "--tp", "1", "--processes", "1", "--json-out", out.name]
+            argv = [sys.executable, "-m", "bench.bench_mixing_embedding", *sys.argv[1:], "--tp", "1", "--processes", "1", "--json-out", out.name]
             done = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             if done.returncode:
                 raise SystemExit(f"process {i + 1} failed:\n{done.stderr[-3000:]}")

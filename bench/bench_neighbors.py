@@ -1,6 +1,6 @@
 """Neighbour-table build vs faiss-cpu exact search (IndexFlatIP on normalised rows = cosine).
 
-    OMP_NUM_THREADS=1 python bench/bench_neighbors.py [--vocab 16384 --slice-vocab 32768 --dim 512]
+    OMP_NUM_THREADS=1 python -m bench.bench_neighbors [--vocab 16384 --slice-vocab 32768 --dim 512]
 
 Both run single-threaded on the same random fp32 matrix, timed in interleaved pairs by
 ``bench/_timing.py`` (process CPU time, median ratio over A B / B A blocks with its 95% interval,
@@ -30,12 +30,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _timing import compare  # noqa: E402
+from bench._timing import compare
 
-from megatron_ngrpo.mixing.neighbors import screen_dtype, build_neighbor_table  # noqa: E402
+from megatron_ngrpo.mixing.neighbors import screen_dtype, build_neighbor_table
 
 
 def rss_mb() -> float:

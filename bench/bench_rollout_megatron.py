@@ -6,7 +6,7 @@ CPU time (one thread; on a shared machine wall-clock rates swing with other load
 A B / B A blocks with its 95% interval, repeated until ±1.5% or ``--max-seconds``. Goal: mixed (ρ=0.1)
 ≥ 0.97 × plain, lower confidence bound ≥ 0.95.
 
-    OMP_NUM_THREADS=1 python bench/bench_rollout_megatron.py [--prompts 32 --new-tokens 64 ...]
+    OMP_NUM_THREADS=1 python -m bench.bench_rollout_megatron [--prompts 32 --new-tokens 64 ...]
 """
 
 from __future__ import annotations
@@ -18,10 +18,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout, not the installed one
 
-from _timing import compare  # noqa: E402
+from bench._timing import compare
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ HF names + in-process ``reload_weights`` + neighbour-table rebuild), seconds per
 parameters.
 
     OMP_NUM_THREADS=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_OMP_THREADS_BIND=nobind \\
-        python bench/bench_rollout_vllm.py [--prompts 32 --n 2 --new-tokens 64 ...]
+        python -m bench.bench_rollout_vllm [--prompts 32 --n 2 --new-tokens 64 ...]
 """
 
 from __future__ import annotations
@@ -29,10 +29,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout, not the installed one
 
-from _timing import compare  # noqa: E402
+from bench._timing import compare
 
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 

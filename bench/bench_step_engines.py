@@ -1,7 +1,7 @@
 """N-GRPO train step with colocated vLLM rollouts vs the built-in Megatron engine, same job.
 
-    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 bench/bench_step_engines.py [--max-seconds 240]
-    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 bench/bench_step_engines.py --sync-only --hidden 512 --layers 4
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m bench.bench_step_engines [--max-seconds 240]
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m bench.bench_step_engines --sync-only --hidden 512 --layers 4
 
 Two gloo ranks, trainer TP=2, vLLM TP=2 (one in-process worker per rank), the arithmetic task of
 ``examples/arithmetic`` (head_dim 32 for vLLM's CPU attention), mixing on (ρ = 0.3, k = 3). One
@@ -29,11 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from _timing import compare, median_interval  # noqa: E402
+from bench._timing import compare, median_interval
 
 
 def main() -> None:
@@ -50,7 +47,7 @@ def main() -> None:
     from megatron_ngrpo.rollout.factory import build_engine
     from megatron_ngrpo.training.job_config import load_config
     from megatron_ngrpo.training.trainer import Trainer
-    from slurm_harness import write_arithmetic_task
+    from tests.slurm_harness import write_arithmetic_task
 
     repo = Path(__file__).resolve().parents[1]
     root = Path(tempfile.mkdtemp(prefix="bench_step_engines_"))

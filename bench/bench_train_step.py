@@ -1,6 +1,6 @@
 """GRPO train step with mixing records vs without, on the same batch (goal ≤ 1.01×).
 
-    OMP_NUM_THREADS=1 python bench/bench_train_step.py [--hidden 256 --layers 4 --vocab 32768 --batch 8 --prompt 64 --response 192]
+    OMP_NUM_THREADS=1 python -m bench.bench_train_step [--hidden 256 --layers 4 --vocab 32768 --batch 8 --prompt 64 --response 192]
 
 One process, TP=1, megatron GPTModel (local spec, fp32) wrapped in DDP as the trainer wraps it.
 The same right-padded replay batch is run through ``grpo.update.loss_and_grads`` (forward +
@@ -22,10 +22,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _timing import compare  # noqa: E402
+from bench._timing import compare
 
 
 def _args(argv=None):

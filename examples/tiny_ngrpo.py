@@ -14,7 +14,7 @@
 4. Plots reward and accuracy per step (``metrics.png``) and prints the mean reward of the first
    and last 10 steps and the held-out validation scores.
 
-    python examples/tiny_ngrpo.py [--out runs/demo] [--steps 40] [extra a.b=c overrides]
+    python -m examples.tiny_ngrpo [--out runs/demo] [--steps 40] [extra a.b=c overrides]
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from pathlib import Path
 
 import yaml
 
+from examples.arithmetic.task import write_task
 from megatron_ngrpo.compat.notices import quiet_cpu_notices
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "examples" / "arithmetic"))
 
 
 def run(cmd: list[str]) -> None:
@@ -81,8 +81,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="extra config overrides a.b=c")
     args = ap.parse_args(argv)
     quiet_cpu_notices()
-
-    from task import write_task
 
     out = args.out.resolve()
     task_dir, run_dir = out / "task", out / "train"

@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export OMP_NUM_THREADS=1
-exec python3 examples/tiny_ngrpo.py "$@"
+exec python3 -m examples.tiny_ngrpo "$@"

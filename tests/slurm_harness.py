@@ -12,6 +12,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from examples.arithmetic.task import write_task
+
 REPO = Path(__file__).resolve().parents[1]
 SLURM_SCRIPTS = REPO / "scripts" / "slurm"
 # The launcher tests' workload (tests/smoke_workload.py), importable in jobs through smoke_env().
@@ -77,11 +79,6 @@ def write_arithmetic_task(directory: Path, **task_kwargs) -> Path:
     """examples/arithmetic's task (tokenizer, tiny Qwen2 config, problems; ``task_kwargs`` go to
     its ``write_task``) and a YAML overlay that points configs/tiny_test.yaml at it; returns the
     overlay."""
-    sys.path.insert(0, str(REPO / "examples" / "arithmetic"))
-    try:
-        from task import write_task
-    finally:
-        sys.path.pop(0)
     write_task(directory, **task_kwargs)
     overlay = directory / "paths.yaml"
     overlay.write_text(

@@ -13,14 +13,11 @@ show no bias).
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-
-from _timing import compare, median_interval, paired_median_ratio  # noqa: E402
+from bench._timing import compare, median_interval, paired_median_ratio
 
 
 def _kernel(n: int = 10_000) -> int:

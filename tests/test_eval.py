@@ -23,7 +23,7 @@ from megatron_ngrpo.eval.runner import call_plan, prompt_message
 from megatron_ngrpo.mixing.records import MixRecord
 from megatron_ngrpo.rewards import ChoiceGrader, MathGrader
 from megatron_ngrpo.rollout.types import RolloutBatch, RolloutEngine, SamplingParams
-from megatron_ngrpo.testing.scripted import ScriptedEngine
+from tests.support.scripted import ScriptedEngine
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _run_demo(out: Path, steps: int, tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "examples/tiny_ngrpo.py", "--out", str(out), "--steps", str(steps),
+    cmd = [sys.executable, "-m", "examples.tiny_ngrpo", "--out", str(out), "--steps", str(steps),
            "train.warmstart.steps=4", "train.save_every=1", "train.prompts_per_step=8",
            "train.mini_batch_prompts=8", *(overrides or ["validation.every=0"])]
     env = {"NEMORUN_HOME": str(tmp_path / "nemorun"), "OMP_NUM_THREADS": "1", "PATH": __import__("os").environ["PATH"],

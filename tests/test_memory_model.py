@@ -7,7 +7,6 @@ Within 20 % at every shape, each dominated by a different term."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,10 +15,9 @@ from megatron_ngrpo.architecture import ArchSpec
 from megatron_ngrpo.launch import memory
 from megatron_ngrpo.testing.multiproc import check, launch
 from megatron_ngrpo.testing.tiny import tiny_hf_config
+from tests.dist.memory_worker import SHAPES
 
 WORKER = Path(__file__).parent / "dist" / "memory_worker.py"
-sys.path.insert(0, str(WORKER.parent))
-from memory_worker import SHAPES  # noqa: E402
 
 # glibc: mmap every allocation >= 64 KiB and give freed memory back at once (see the worker).
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}

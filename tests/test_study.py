@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from examples.study import run_study
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "examples" / "study"))
-import run_study  # noqa: E402
 
 
 def test_study_runs_arms_and_seeds_and_writes_table_and_plot(tmp_path):
     out = tmp_path / "study"
-    cmd = [sys.executable, "examples/study/run_study.py", "--out", str(out), "--arms", "grpo,ngrpo",
+    cmd = [sys.executable, "-m", "examples.study.run_study", "--out", str(out), "--arms", "grpo,ngrpo",
            "--seeds", "2", "--steps", "2", "train.warmstart.steps=4", "validation.every=1",
            "validation.limit=8", "train.prompts_per_step=8", "train.mini_batch_prompts=8", "train.save_every=0"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)

@@ -320,7 +320,7 @@ def test_weight_sync_from_megatron(engine, model_dir, hf_model):
 
 def assert_vllm_weights_equal(engine, hf: dict[str, torch.Tensor]) -> None:
     """Every vLLM parameter equals the HF tensors it is made of, exactly (fp32, TP 1)."""
-    from megatron_ngrpo.testing.vllm_weights import assert_equal_to_hf, vllm_weights
+    from tests.support.vllm_weights import assert_equal_to_hf, vllm_weights
 
     assert_equal_to_hf(vllm_weights(engine.llm), hf)
 

@@ -14,7 +14,7 @@ generations:
 - ``heldout.png``: held-out mean@n per step per arm, mean over seeds with a ±1 std band;
 - ``results.json`` and ``table.md`` (the table that ``RESULTS.md`` quotes).
 
-    python examples/study/run_study.py --out runs/study --seeds 5 --steps 60
+    python -m examples.study.run_study --out runs/study --seeds 5 --steps 60
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ from pathlib import Path
 
 import yaml
 
+from examples.arithmetic.task import write_task
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "examples" / "arithmetic"))
 
 # Arm → config overrides. ρ and k are the paper's; STHT perturbs the same fraction of steps.
 ARMS = {
@@ -183,8 +184,6 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
         ap.error(f"--arms: unknown {unknown}; expected some of {list(ARMS)}")
-
-    from task import write_task
 
     out = args.out.resolve()
     task_dir = out / "task"

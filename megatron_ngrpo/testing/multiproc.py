@@ -77,7 +77,7 @@ def launch(script: str | Path, nproc: int, timeout: int = 900, env: dict | None 
         ]
         if only:
             cmd += ["--only", ",".join(only)]
-        full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": worker_pythonpath(), **(env or {})}
         proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
         if not out.exists():
             raise RuntimeError(
@@ -85,6 +85,13 @@ def launch(script: str | Path, nproc: int, timeout: int = 900, env: dict | None 
                 f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
             )
         return json.loads(out.read_text())
+
+
+def worker_pythonpath() -> str:
+    """This process's import path as PYTHONPATH, so a worker script (whose own folder heads its
+    path) imports what its launcher imports: this checkout, ``tests.*`` and ``bench.*`` when
+    the launcher runs from the repository root (pytest's ``pythonpath``, ``python -m bench.x``)."""
+    return os.pathsep.join(os.path.abspath(p) if p else os.getcwd() for p in sys.path)
 
 
 def check(results: dict[str, dict], name: str):

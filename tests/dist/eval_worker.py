@@ -107,7 +107,7 @@ def validation_dp2_generates_like_dp1():
 @case
 def validation_dp2_metrics_like_dp1():
     from megatron_ngrpo.rewards import MathGrader
-    from megatron_ngrpo.testing.scripted import ScriptedEngine
+    from tests.support.scripted import ScriptedEngine
 
     tokenizer, benchmarks = _setup()
     answers = {0: ["\\boxed{204}", "\\boxed{3}"], 1: ["\\boxed{25}", "\\boxed{25}"], 2: ["no", "no"],

@@ -34,7 +34,7 @@ def _syncs_match(trainer_tp: int, vllm_tp: int, kv_heads: int = 2) -> list[dict]
     from megatron_ngrpo.rollout.config import VLLMConfig
     from megatron_ngrpo.rollout.vllm.engine import VLLMEngine
     from megatron_ngrpo.testing.tiny import write_tiny_hf
-    from megatron_ngrpo.testing.vllm_weights import assert_equal_to_hf, vllm_weights
+    from tests.support.vllm_weights import assert_equal_to_hf, vllm_weights
 
     initialize_model_parallel(trainer_tp, 1)
     box = [tempfile.mkdtemp(prefix="vllm_sync_") if dist.get_rank() == 0 else None]
