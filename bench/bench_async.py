@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
-
 
 from bench._timing import compare
 

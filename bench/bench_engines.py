@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
-from pathlib import Path
 
 import torch
-
 
 from bench._timing import compare
 

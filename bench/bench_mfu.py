@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 
-
 SHAPE = dict(num_layers=28, hidden_size=1536, intermediate_size=8960, num_heads=12, num_kv_heads=2,
              vocab_size=151936, tied=True)
 
@@ -57,8 +56,8 @@ def main(argv=None) -> dict:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from megatron_ngrpo.architecture import unwrap
-    from megatron_ngrpo.grpo.config import GRPOConfig
     from megatron_ngrpo.grpo.batches import TokenBatch
+    from megatron_ngrpo.grpo.config import GRPOConfig
     from megatron_ngrpo.grpo.update import (
         UpdateSettings,
         loss_and_grads,

@@ -32,9 +32,7 @@ from pathlib import Path
 
 import torch
 
-
 from bench._timing import compare
-
 from megatron_ngrpo.testing.multiproc import case, launch, run_cases
 from megatron_ngrpo.testing.tiny import in_megatron_ddp
 

@@ -30,10 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-
 from bench._timing import compare
-
-from megatron_ngrpo.mixing.neighbors import screen_dtype, build_neighbor_table
+from megatron_ngrpo.mixing.neighbors import build_neighbor_table, screen_dtype
 
 
 def rss_mb() -> float:

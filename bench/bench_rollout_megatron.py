@@ -12,12 +12,9 @@ A B / B A blocks with its 95% interval, repeated until ±1.5% or ``--max-seconds
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
-from pathlib import Path
 
 import torch
-
 
 from bench._timing import compare
 

@@ -23,12 +23,9 @@ import atexit
 import os
 import shutil
 import statistics
-import sys
 import tempfile
-from pathlib import Path
 
 import torch
-
 
 from bench._timing import compare
 

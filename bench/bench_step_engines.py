@@ -24,11 +24,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 import tempfile
 import time
 from pathlib import Path
-
 
 from bench._timing import compare, median_interval
 

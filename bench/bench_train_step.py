@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
-
 
 from bench._timing import compare
 

@@ -13,8 +13,6 @@ show no bias).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 
 from bench._timing import compare, median_interval, paired_median_ratio

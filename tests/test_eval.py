@@ -16,8 +16,17 @@ import numpy as np
 import pytest
 
 from megatron_ngrpo.data import MCQ_INSTRUCTION, SourceConfig, TemplateConfig, load_tokenizer
-from megatron_ngrpo.data.templates import encode_prompt
-from megatron_ngrpo.eval import Benchmark, benchmark_metrics, default_ks, evaluate, load_benchmarks, pass_at_k, regrade
+from megatron_ngrpo.data.datasets import Problem
+from megatron_ngrpo.data.templates import EVAL_INSTRUCTION, encode_prompt
+from megatron_ngrpo.eval import (
+    Benchmark,
+    benchmark_metrics,
+    default_ks,
+    evaluate,
+    load_benchmarks,
+    pass_at_k,
+    regrade,
+)
 from megatron_ngrpo.eval.__main__ import main as eval_main
 from megatron_ngrpo.eval.runner import call_plan, prompt_message
 from megatron_ngrpo.mixing.records import MixRecord
@@ -183,6 +192,14 @@ def test_multiple_choice_benchmark(r1, grader, tmp_path):
                       ChoiceGrader("paper")}, progress=False)
     assert [r["score"] for r in result.generations[bench.name]] == [1.0, 0.0, 1.0, 0.0]
     assert result.metrics[bench.name] == pytest.approx({"problems": 2, "mean@2": 0.5, "pass@1": 0.5, "pass@2": 1.0})
+
+
+def test_instruction_none_is_the_default_and_empty_is_none_for_every_kind():
+    math, mcq = Problem("m", 0, "1+1?", ("2",)), Problem("c", 0, "Which?", ("A",), kind="mcq")
+    assert prompt_message(math, TemplateConfig()) == f"1+1? {EVAL_INSTRUCTION}"
+    assert prompt_message(mcq, TemplateConfig()) == f"Which?\n\n{MCQ_INSTRUCTION}"
+    empty = TemplateConfig(instruction="")
+    assert prompt_message(math, empty) == "1+1?" and prompt_message(mcq, empty) == "Which?"
 
 
 def test_cli_config_error_is_one_line():

@@ -319,7 +319,7 @@ def load_train_set(cfg: DataConfig, tokenizer) -> list[PromptExample]:
             problems, dropped = dedup(problems, exclude=held_out)
         logger.info("train data: %d problems after dropping %d duplicates/benchmark overlaps",
                     len(problems), dropped)
-    instruction = cfg.template.instruction if cfg.template.instruction is not None else TRAIN_INSTRUCTION
+    instruction = cfg.template.instruction_or(TRAIN_INSTRUCTION)
     examples, too_long = build_prompts(problems, tokenizer, cfg.template, instruction, cfg.max_prompt_tokens)
     logger.info("train data: %d prompts, %d dropped as longer than %d tokens",
                 len(examples), too_long, cfg.max_prompt_tokens)

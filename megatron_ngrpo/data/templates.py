@@ -34,8 +34,13 @@ class TemplateConfig:
     kind: str = "r1"
     # r1 only: "force" (prompt ends in <think>\n, default, see module doc) or "original".
     think: str = "force"
-    # None = the default for the use: TRAIN_INSTRUCTION in training, EVAL_INSTRUCTION in eval.
+    # None = the default for the use: TRAIN_INSTRUCTION in training, EVAL_INSTRUCTION in eval
+    # (MCQ_INSTRUCTION for multiple choice); "" = no instruction.
     instruction: str | None = None
+
+    def instruction_or(self, default: str) -> str:
+        """The instruction to append: the configured one ("" = none), else ``default``."""
+        return self.instruction if self.instruction is not None else default
 
     def validate(self) -> None:
         if self.kind not in KINDS:
@@ -53,7 +58,7 @@ def mcq_message(question: str, choices: list[str] | None = None, instruction: st
     instruction."""
     if choices:
         question = question + "\n" + "\n".join(f"{chr(65 + i)}) {c}" for i, c in enumerate(choices))
-    return f"{question}\n\n{instruction}"
+    return f"{question}\n\n{instruction}" if instruction else question
 
 
 def render(message: str, tokenizer, cfg: TemplateConfig) -> str:

@@ -72,9 +72,8 @@ def load_benchmarks(names: Sequence[str | SourceConfig], limit: int = 0, cache_d
 
 def prompt_message(problem: Problem, template: TemplateConfig) -> str:
     if problem.kind == "mcq":
-        return mcq_message(problem.problem, instruction=template.instruction or MCQ_INSTRUCTION)
-    instruction = template.instruction if template.instruction is not None else EVAL_INSTRUCTION
-    return math_message(problem.problem, instruction)
+        return mcq_message(problem.problem, instruction=template.instruction_or(MCQ_INSTRUCTION))
+    return math_message(problem.problem, template.instruction_or(EVAL_INSTRUCTION))
 
 
 def _grader_for(grader, kind: str):

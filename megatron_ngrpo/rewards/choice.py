@@ -11,12 +11,14 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from megatron_ngrpo.rewards.closing import Closing
+
 MODES = ("paper", "reference")
 # Only the tail is searched: the answer line comes last, and it bounds the regex work.
 TAIL_CHARS = 4000
 
 
-class ChoiceGrader:
+class ChoiceGrader(Closing):
     """Scores ``(response_text, gold_letter)`` pairs 1.0/0.0; ``letters`` are the valid choices."""
 
     def __init__(self, mode: str = "paper", letters: str = "ABCD"):
@@ -53,8 +55,3 @@ class ChoiceGrader:
     def close(self) -> None:
         pass
 
-    def __enter__(self) -> ChoiceGrader:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

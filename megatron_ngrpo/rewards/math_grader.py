@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from megatron_ngrpo.rewards.closing import Closing
 from megatron_ngrpo.rewards.equivalence import grade_response, warm_up
 from megatron_ngrpo.rewards.extract import BOX_RULES
 from megatron_ngrpo.rewards.pool import GuardedPool
@@ -11,7 +12,7 @@ from megatron_ngrpo.rewards.pool import GuardedPool
 Gold = str | Sequence[str]
 
 
-class MathGrader:
+class MathGrader(Closing):
     """Scores ``(response_text, gold)`` pairs 1.0/0.0 in worker processes.
 
     ``gold`` is an answer string or a sequence of acceptable alternatives (Minerva). Every answer
@@ -58,8 +59,3 @@ class MathGrader:
     def close(self) -> None:
         self._pool.close()
 
-    def __enter__(self) -> MathGrader:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

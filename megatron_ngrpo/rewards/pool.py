@@ -26,6 +26,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait
 
+from megatron_ngrpo.rewards.closing import Closing
+
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 120.0
@@ -94,7 +96,7 @@ class _Worker:
         self.conn.close()
 
 
-class GuardedPool:
+class GuardedPool(Closing):
     """``map(fn, args_list, default)`` over worker processes; each call of ``fn`` gets
     ``timeout_s`` seconds (from when its worker receives it) and the worker ``memory_mb`` MiB of
     address space (``RLIMIT_AS``). A call that times out, raises (``MemoryError`` included) or
@@ -204,8 +206,3 @@ class GuardedPool:
                 worker.kill()
             self._workers = []
 
-    def __enter__(self) -> GuardedPool:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

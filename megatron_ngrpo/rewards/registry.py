@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from megatron_ngrpo.rewards.closing import Closing
 from megatron_ngrpo.rewards.config import RewardConfig
 from megatron_ngrpo.rewards.graders import build_grader
 from megatron_ngrpo.rewards.shaping import format_reward, soft_overlong_penalty
@@ -20,7 +21,7 @@ class Rewards:
     terms: dict[str, list[float]] = field(default_factory=dict)
 
 
-class RewardFunction:
+class RewardFunction(Closing):
     """Correctness from the configured grader plus the configured shaping terms.
 
     ``__call__(texts, golds, lengths, finish_reasons)``: ``lengths`` are response token counts
@@ -62,11 +63,6 @@ class RewardFunction:
     def close(self) -> None:
         self.grader.close()
 
-    def __enter__(self) -> RewardFunction:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def build_reward(cfg: RewardConfig, max_response_tokens: int | None = None) -> RewardFunction:

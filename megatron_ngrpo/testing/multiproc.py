@@ -22,6 +22,10 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+import torch.distributed as dist
+
+from megatron_ngrpo.parallel import broadcast_from_rank0, free_port, init_distributed
+
 _CASES: list[tuple[str, Callable[[], object]]] = []
 
 
@@ -33,10 +37,6 @@ def case(fn: Callable[[], object]) -> Callable[[], object]:
 
 def run_cases() -> None:
     """Entry point of a worker script: run the registered cases (optionally ``--only a,b``)."""
-    import torch.distributed as dist
-
-    from megatron_ngrpo.parallel import init_distributed
-
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--only", default="")
@@ -63,11 +63,14 @@ def run_cases() -> None:
     dist.destroy_process_group()
 
 
+def shared_tmpdir(prefix: str) -> str:
+    """A temporary directory made by global rank 0; its path on every rank (collective)."""
+    return broadcast_from_rank0(tempfile.mkdtemp(prefix=prefix) if dist.get_rank() == 0 else None)
+
+
 def launch(script: str | Path, nproc: int, timeout: int = 900, env: dict | None = None,
            only: list[str] | None = None) -> dict[str, dict]:
     """Run ``script`` under torchrun with ``nproc`` processes and return its per-case results."""
-    from megatron_ngrpo.parallel import free_port
-
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "results.json"
         cmd = [

@@ -153,7 +153,7 @@ class Trainer:
 
         cfg, w = self.cfg, self.cfg.train.warmstart
         template = cfg.data.template
-        instruction = template.instruction if template.instruction is not None else TRAIN_INSTRUCTION
+        instruction = template.instruction_or(TRAIN_INSTRUCTION)
         pairs = load_pairs(w.path, lambda problem: encode_prompt(math_message(problem, instruction),
                                                                  self.tokenizer, template), self.tokenizer)
         losses = warmstart(self.chunks, self.optimizer, pairs, w, cfg.train.micro_batch_size, self._pad_id(),

@@ -25,10 +25,9 @@ from grpo_worker import (
     reference_advantages,
     reference_logprobs,
     reference_objective,
-    shared_dir,
 )
 
-from megatron_ngrpo.testing.multiproc import case, run_cases
+from megatron_ngrpo.testing.multiproc import case, run_cases, shared_tmpdir
 
 VARIANT = dict(mixes=True, loss_mode="token", agg="seq-mean-token-mean", adv="grpo", kl="k3", tis_cap=1.5)
 
@@ -137,7 +136,7 @@ def stale_batch_tp2():
     from megatron_ngrpo.testing.tiny import write_tiny_hf
 
     start = time.time()
-    root = shared_dir()
+    root = shared_tmpdir("async_worker_")
     if dist.get_rank() == 0:
         write_tiny_hf(f"{root}/hf", weights=False, vocab_size=VOCAB, num_layers=4)
     dist.barrier()

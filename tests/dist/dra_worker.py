@@ -7,12 +7,12 @@ Run by tests/test_dra.py under torchrun with 2 processes.
 
 from __future__ import annotations
 
-import tempfile
 
 import torch
 import torch.distributed as dist
 
-from megatron_ngrpo.testing.multiproc import case, run_cases
+from megatron_ngrpo.parallel import broadcast_from_rank0
+from megatron_ngrpo.testing.multiproc import case, run_cases, shared_tmpdir
 
 VOCAB, HIDDEN = 300, 128
 STATE: dict = {}
@@ -51,9 +51,7 @@ def setup_reference():
 
     if STATE:
         return
-    box = [tempfile.mkdtemp(prefix="dra_worker_") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    root = box[0]
+    root = shared_tmpdir("dra_worker_")
     STATE["hf"] = f"{root}/hf"
     if dist.get_rank() == 0:
         write_tiny_hf(STATE["hf"], weights=False, vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=2)
@@ -81,9 +79,7 @@ def setup_reference():
                 refs.append(seen.pop()[len(prompt):, 0].mean(0))  # [s, 1, h] → response columns
         handle.remove()
         refs = torch.stack(refs)
-    box = [refs]
-    dist.broadcast_object_list(box, src=0)
-    STATE["refs"], STATE["batch"] = box[0], batch
+    STATE["refs"], STATE["batch"] = broadcast_from_rank0(refs), batch
 
 
 def run_layout(tp, pp, sp=False, replay=True):

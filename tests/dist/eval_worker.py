@@ -13,12 +13,15 @@
 from __future__ import annotations
 
 import os
-import tempfile
 
 import torch
 import torch.distributed as dist
 
-from megatron_ngrpo.testing.multiproc import case, run_cases
+from megatron_ngrpo.models.config import ModelConfig
+from megatron_ngrpo.models.provider import build_model
+from megatron_ngrpo.parallel import model_parallel_seed
+from megatron_ngrpo.testing.multiproc import case, run_cases, shared_tmpdir
+from megatron_ngrpo.testing.tiny import write_tiny_hf
 
 N, MAX_NEW = 2, 6
 
@@ -66,27 +69,28 @@ def _evaluate(engine, tokenizer, benchmarks, grader, dp_group):
                     dp_group=dp_group, progress=False)
 
 
-@case
-def validation_dp2_generates_like_dp1():
-    from megatron_ngrpo.models.config import ModelConfig
-    from megatron_ngrpo.models.provider import build_model
-    from megatron_ngrpo.parallel import model_parallel_seed
-    from megatron_ngrpo.rewards import MathGrader
-    from megatron_ngrpo.rollout.megatron_engine import MegatronEngine
-    from megatron_ngrpo.testing.tiny import write_tiny_hf
-
-    tokenizer, benchmarks = _setup()
-    hf = [tempfile.mkdtemp(prefix="eval_worker_") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(hf)
+def _tiny_policy(vocab_size: int, num_real_tokens: int | None = None) -> list:
+    """A tiny random Qwen2 (2 layers, h 64), the same weights on every rank (rank 0's)."""
+    hf = os.path.join(shared_tmpdir("eval_worker_"), "m")
     if dist.get_rank() == 0:
-        write_tiny_hf(os.path.join(hf[0], "m"), weights=False, vocab_size=151936, hidden_size=64, num_heads=2,
-                      num_kv_heads=1, intermediate_size=128, num_layers=2)
+        write_tiny_hf(hf, weights=False, vocab_size=vocab_size, hidden_size=64, num_heads=2, num_kv_heads=1,
+                      intermediate_size=128, num_layers=2)
     dist.barrier()
     model_parallel_seed(0)
-    chunks = build_model(ModelConfig(hf_path=os.path.join(hf[0], "m")))
-    with torch.no_grad():  # one policy on both ranks
+    chunks = build_model(ModelConfig(hf_path=hf, num_real_tokens=num_real_tokens))
+    with torch.no_grad():
         for p in chunks[0].parameters():
             dist.broadcast(p, src=0)
+    return chunks
+
+
+@case
+def validation_dp2_generates_like_dp1():
+    from megatron_ngrpo.rewards import MathGrader
+    from megatron_ngrpo.rollout.megatron_engine import MegatronEngine
+
+    tokenizer, benchmarks = _setup()
+    chunks = _tiny_policy(vocab_size=151936)
     engine = MegatronEngine(chunks, 151936, eos_token_ids=[tokenizer.eos_token_id],
                             decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
     calls = _spy(engine)
@@ -145,27 +149,14 @@ def mixing_at_eval():
     from megatron_ngrpo.data.templates import TemplateConfig
     from megatron_ngrpo.eval.runner import Benchmark, eval_mixing, evaluate
     from megatron_ngrpo.mixing.config import MixingConfig
-    from megatron_ngrpo.models.config import ModelConfig
-    from megatron_ngrpo.models.provider import build_model
-    from megatron_ngrpo.parallel import initialize_model_parallel, model_parallel_seed
+    from megatron_ngrpo.parallel import initialize_model_parallel
     from megatron_ngrpo.rewards import MathGrader
     from megatron_ngrpo.rollout.megatron_engine import MegatronEngine
     from megatron_ngrpo.rollout.types import SamplingParams
-    from megatron_ngrpo.testing.tiny import write_tiny_hf
 
     initialize_model_parallel(1, 1)  # DP = 2
     tok, real = _ByteTokenizer(), 259
-    hf = [tempfile.mkdtemp(prefix="eval_worker_") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(hf)
-    if dist.get_rank() == 0:
-        write_tiny_hf(os.path.join(hf[0], "m"), weights=False, vocab_size=512, hidden_size=64, num_heads=2,
-                      num_kv_heads=1, intermediate_size=128, num_layers=2)
-    dist.barrier()
-    model_parallel_seed(0)
-    chunks = build_model(ModelConfig(hf_path=os.path.join(hf[0], "m"), num_real_tokens=real))
-    with torch.no_grad():
-        for p in chunks[0].parameters():
-            dist.broadcast(p, src=0)
+    chunks = _tiny_policy(vocab_size=512, num_real_tokens=real)
     engine = MegatronEngine(chunks, real, eos_token_ids=[tok.eos_token_id], decode=tok.decode)
     benchmarks = [Benchmark("toy", [Problem("toy", i, f"What is {i} + {i}?", (str(2 * i),)) for i in range(3)])]
     params = SamplingParams(n=N, temperature=1.0, max_new_tokens=MAX_NEW, seed=3, stop_token_ids=[tok.eos_token_id])

@@ -8,13 +8,13 @@ Run by tests/test_grpo.py under torchrun with 4 processes, and the DP×TP×PP = 
 from __future__ import annotations
 
 import math
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 
-from megatron_ngrpo.testing.multiproc import case, run_cases
+from megatron_ngrpo.parallel import broadcast_from_rank0
+from megatron_ngrpo.testing.multiproc import case, run_cases, shared_tmpdir
 
 VOCAB, N_PROMPTS, G, TEMP = 300, 4, 4, 0.8
 K = 3
@@ -29,12 +29,6 @@ def model_cfg(tp=1, pp=1, vpp=None, sp=False, recompute=False):
     return ModelConfig(hf_path=STATE["hf"], tensor_parallel=tp, pipeline_parallel=pp,
                        virtual_pipeline=vpp, make_vocab_size_divisible_by=64, sequence_parallel=sp,
                        recompute=recompute)
-
-
-def shared_dir() -> str:
-    path = [tempfile.mkdtemp(prefix="grpo_worker_") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(path, src=0)
-    return path[0]
 
 
 def make_rollout(seed: int):
@@ -177,7 +171,7 @@ def setup_reference():
     if STATE:
         return
     start = time.time()
-    root = shared_dir()
+    root = shared_tmpdir("grpo_worker_")
     STATE["root"] = root
     STATE["hf"] = f"{root}/hf"
     if dist.get_rank() == 0:
@@ -220,9 +214,7 @@ def setup_reference():
                      for n, p in model64.named_parameters()}
             refs[name] = dict(loss=float(obj), grads=grads, old=old, ref=ref, rollout=rollout,
                               lps=[x.detach() for x in lps], rewards=r)
-    box = [refs]
-    dist.broadcast_object_list(box, src=0)
-    STATE["refs"], STATE["batch"], STATE["rewards"] = box[0], batch, rewards
+    STATE["refs"], STATE["batch"], STATE["rewards"] = broadcast_from_rank0(refs), batch, rewards
     STATE["setup_seconds"] = time.time() - start
 
 

@@ -12,12 +12,11 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
-import tempfile
 
 import torch
 import torch.distributed as dist
 
-from megatron_ngrpo.testing.multiproc import case, run_cases
+from megatron_ngrpo.testing.multiproc import case, run_cases, shared_tmpdir
 
 VOCAB, NUM_REAL, K = 500, 480, 3
 LAYOUTS = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)]
@@ -48,15 +47,14 @@ def _checkpoint() -> str:
     from megatron_ngrpo.parallel import initialize_model_parallel
     from megatron_ngrpo.testing.tiny import write_tiny_hf
 
-    root = [tempfile.mkdtemp(prefix="megatron_engine_") if dist.get_rank() == 0 else None]
+    root = shared_tmpdir("megatron_engine_")
     if dist.get_rank() == 0:
-        atexit.register(shutil.rmtree, root[0], ignore_errors=True)
-    dist.broadcast_object_list(root)
-    _STATE["hf"] = str(write_tiny_hf(os.path.join(root[0], "hf"), weights=False, vocab_size=VOCAB,
+        atexit.register(shutil.rmtree, root, ignore_errors=True)
+    _STATE["hf"] = str(write_tiny_hf(os.path.join(root, "hf"), weights=False, vocab_size=VOCAB,
                                      num_heads=8, num_kv_heads=4, initializer_range=0.05))
     initialize_model_parallel(1, 1, seed=1234)
     chunks = build_model(_model_cfg(1, 1))
-    ckpt = os.path.join(root[0], "ckpt")
+    ckpt = os.path.join(root, "ckpt")
     if dist.get_rank() == 0:
         os.makedirs(ckpt)
     dist.barrier()

@@ -10,12 +10,11 @@ process whose first one has shut down.
 from __future__ import annotations
 
 import os
-import tempfile
 
 import torch
 import torch.distributed as dist
 
-from megatron_ngrpo.testing.multiproc import case, run_cases
+from megatron_ngrpo.testing.multiproc import case, run_cases, shared_tmpdir
 
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
@@ -37,17 +36,16 @@ def _syncs_match(trainer_tp: int, vllm_tp: int, kv_heads: int = 2) -> list[dict]
     from tests.support.vllm_weights import assert_equal_to_hf, vllm_weights
 
     initialize_model_parallel(trainer_tp, 1)
-    box = [tempfile.mkdtemp(prefix="vllm_sync_") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+    hf = shared_tmpdir("vllm_sync_")
     if dist.get_rank() == 0:  # head_dim 32 (vLLM's CPU attention takes no smaller heads)
-        write_tiny_hf(box[0], vocab_size=512, hidden_size=128, num_heads=4, num_kv_heads=kv_heads, seed=5)
+        write_tiny_hf(hf, vocab_size=512, hidden_size=128, num_heads=4, num_kv_heads=kv_heads, seed=5)
     dist.barrier()
-    spec = ArchSpec.from_hf(box[0])
-    chunks = build_model(ModelConfig(hf_path=box[0], tensor_parallel=trainer_tp))
-    load_hf_tensors(chunks, spec, HFCheckpoint(box[0]))
+    spec = ArchSpec.from_hf(hf)
+    chunks = build_model(ModelConfig(hf_path=hf, tensor_parallel=trainer_tp))
+    load_hf_tensors(chunks, spec, HFCheckpoint(hf))
     cfg = VLLMConfig(max_model_len=64, kv_cache_memory_bytes=2_000_000, tensor_parallel=vllm_tp,
                      weight_transfer="gloo", sync_bucket_mb=0.05, verify_weights=True)
-    engine = VLLMEngine(box[0], cfg)
+    engine = VLLMEngine(hf, cfg)
     from vllm.distributed.parallel_state import get_tp_group
 
     group = get_tp_group().cpu_group if vllm_tp > 1 else None  # the ranks of this worker's vLLM TP group
