@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,7 @@ def init_distributed(timeout_s: int = DEFAULT_TIMEOUT_S) -> None:
     global _timeout_s
     # megatron is imported here, not at module level: processes that only need the rank helpers
     # below (CLIs failing on a config error, report writers) stay free of it.
+    # lazy: keeps parallel free of megatron-core at import (start-up)
     from megatron_ngrpo.compat import cpu as cpu_compat
 
     on_gpu = torch.cuda.is_available()
@@ -52,6 +54,7 @@ def initialize_model_parallel(
     """(Re-)initialise megatron-core's parallel state with TP×PP (DP is what remains) and seed the
     model-parallel RNG streams; its groups time out like the default group. Safe to call
     repeatedly in one process to switch layouts."""
+    # lazy: keeps parallel free of megatron-core at import (start-up)
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
@@ -85,6 +88,7 @@ def duplicate_model_parallel_groups():
     calls it at the same point). Collectives on them never pair up with ones on megatron's
     groups, so a model built on them can run on a second thread while the first trains
     (training/async_rollout.py); the other groups are megatron's own."""
+    # lazy: keeps parallel free of megatron-core at import (start-up)
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     names = ("tp", "pp", "mp", "cp", "tp_cp", "embd", "pos_embd")
@@ -108,11 +112,13 @@ def _members(group) -> list[int] | None:
 
 def model_parallel_seed(seed: int) -> None:
     """megatron's ``model_parallel_cuda_manual_seed`` on GPU, its CPU twin otherwise."""
+    # lazy: keeps parallel free of megatron-core at import (start-up)
     from megatron_ngrpo.compat import cpu as cpu_compat
 
     if cpu_compat.is_active():
         cpu_compat.cpu_model_parallel_seed(seed)
     else:
+        # lazy: keeps parallel free of megatron-core at import (start-up)
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         model_parallel_cuda_manual_seed(seed)
@@ -143,7 +149,6 @@ def barrier() -> None:
 def free_port() -> int:
     """A free TCP port on the loopback interface (torchrun ports are random: fixed ones hit
     EADDRINUSE after a killed run)."""
-    import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -20,6 +20,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="YAML file (repeatable; later files override earlier ones)")
     parser.add_argument("overrides", nargs="*", metavar="a.b=c", help="dotted config overrides")
     args = parser.parse_args(argv)
+    # lazy: keeps train free of torch at import (start-up)
     from megatron_ngrpo.training.job_config import load_config
 
     try:
@@ -28,11 +29,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # lazy: keeps train free of megatron-core, torch at import (start-up)
     from megatron_ngrpo.training.trainer import Trainer
 
     trainer = Trainer(cfg)
     trainer.setup()
     trainer.run()
+    # lazy: keeps train free of torch at import (start-up)
     import torch.distributed as dist
 
     if dist.is_initialized():

@@ -8,6 +8,7 @@ the two modules together, it only hides the cycle from the interpreter.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "megatron_ngrpo"
@@ -77,6 +78,28 @@ def _upward(graph: dict[str, set[str]], layers: list[str]) -> list[str]:
     return sorted(bad)
 
 
+def _unexplained_lazy_imports(path: Path) -> list[int]:
+    """Lines of imports inside functions that carry no ``# lazy: why`` comment: on their first
+    line, on the line above, or on the import statement they directly follow (one comment covers
+    a block)."""
+    source = path.read_text()
+    lines = source.splitlines()
+    tree = ast.parse(source, str(path))
+    lazy = []
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            lazy += [n for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    explained_ends, bad = set(), []
+    for node in sorted(set(lazy), key=lambda n: n.lineno):
+        above = lines[node.lineno - 2].strip() if node.lineno > 1 else ""
+        if ("# lazy:" in lines[node.lineno - 1] or above.startswith("# lazy:")
+                or node.lineno - 1 in explained_ends):
+            explained_ends.add(node.end_lineno)
+        else:
+            bad.append(node.lineno)
+    return bad
+
+
 def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components with more than one node (Tarjan)."""
     index, low, stack, on_stack, out = {}, {}, [], set(), []
@@ -142,6 +165,28 @@ def test_every_package_is_declared_once():
 def test_imports_follow_the_declared_layer_order():
     bad = _upward(_graph(), _layers(ARCHITECTURE.read_text()))
     assert not bad, "imports against docs/ARCHITECTURE.md's order:\n" + "\n".join(bad)
+
+
+def test_the_lazy_import_check_wants_a_reason(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("import os\n\ndef f():\n    import json\n\ndef g():\n    # lazy: heavy\n    import json\n"
+                    "    import sys\n\n    import re\n    import csv  # lazy: heavy\n")
+    assert _unexplained_lazy_imports(path) == [4, 11]
+
+
+def test_imports_inside_functions_say_why():
+    bad = {str(p.relative_to(ROOT.parent)): lines for p in sorted(ROOT.rglob("*.py"))
+           if (lines := _unexplained_lazy_imports(p))}
+    assert not bad, f"imports inside functions without a '# lazy: why' comment: {bad}"
+
+
+def test_no_sys_path_edits():
+    """tests, bench and examples import each other as packages from the repository root."""
+    pattern = re.compile(r"sys\.path\.(insert|append|extend)|sys\.path\s*[+]?=")
+    found = [f"{p.relative_to(ROOT.parent)}:{i}" for folder in ("megatron_ngrpo", "tests", "bench", "examples", "tools")
+             for p in sorted((ROOT.parent / folder).rglob("*.py")) if p.resolve() != Path(__file__).resolve()
+             for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not found, found
 
 
 def test_no_cycle_between_files_of_one_package():

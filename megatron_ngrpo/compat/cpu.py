@@ -23,6 +23,9 @@ import contextlib
 import threading
 
 import torch
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel import layers
+from megatron.core.tensor_parallel import random as mrandom
 from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
 from torch.overrides import TorchFunctionMode
 
@@ -185,8 +188,6 @@ class CpuRNGStatesTracker(CudaRNGStatesTracker):
 
 
 def _install_rng_tracker() -> None:
-    from megatron.core.tensor_parallel import random as mrandom
-
     tracker = CpuRNGStatesTracker()
     mrandom._CUDA_RNG_STATE_TRACKER = tracker
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
@@ -208,8 +209,6 @@ def _install_rng_tracker() -> None:
 def cpu_model_parallel_seed(seed: int, *args, **kwargs) -> None:
     """Same stream layout as megatron's ``model_parallel_cuda_manual_seed`` (data-parallel seed,
     ``seed + 2718 + tp_rank`` for TP regions, an expert stream), on CPU generators."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import random as mrandom
 
     tp_rank = ps.get_tensor_model_parallel_rank()
     ep_rank = ps.get_expert_model_parallel_rank() if ps.model_parallel_is_initialized() else 0
@@ -240,7 +239,6 @@ def install() -> bool:
 def _quiet_cuda_queue_advice() -> None:
     """Megatron's TP linear layers advise, once per process, ``CUDA_DEVICE_MAX_CONNECTIONS=1``
     (the order of CUDA's hardware queues): nothing to set on CPU, so the advice is marked given."""
-    from megatron.core.tensor_parallel import layers
 
     layers.linear_with_grad_accumulation_and_async_allreduce.warned = True
 

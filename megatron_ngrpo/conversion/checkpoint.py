@@ -24,6 +24,7 @@ from megatron_ngrpo.architecture import padded_vocab_size, unwrap
 from megatron_ngrpo.atomic import atomic_directory, atomic_write
 from megatron_ngrpo.conversion.mapping import ConversionError, Kind, raise_if, tp_shard
 from megatron_ngrpo.models.config import ModelConfig
+from megatron_ngrpo.models.provider import params_dtype
 from megatron_ngrpo.parallel import is_rank0
 
 META_FILE = "megatron_ngrpo.json"
@@ -37,7 +38,6 @@ _VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
 def checkpoint_meta(cfg: ModelConfig, **extra) -> dict:
     """Metadata of a checkpoint of a model built from ``cfg`` by this process group (``extra``:
     e.g. ``step=10``)."""
-    from megatron_ngrpo.models.provider import params_dtype
 
     hf_config = json.loads((Path(cfg.hf_path) / "config.json").read_text())
     tp = cfg.tensor_parallel
@@ -104,8 +104,10 @@ def save_megatron_checkpoint(model_chunks: list, directory: str | Path, meta: di
     """Write a checkpoint of ``model_chunks`` (+ ``extra`` sharded entries) atomically. Every rank
     calls it. ``meta`` from :func:`checkpoint_meta`; tokenizer / generation files are copied from
     ``aux_from`` (default ``meta["hf_path"]``) when present."""
+    # lazy: keeps conversion.checkpoint free of megatron-core at import (start-up)
     from megatron.core import dist_checkpointing
 
+    # lazy: keeps conversion.checkpoint free of safetensors at import (start-up)
     from megatron_ngrpo.conversion.hf_io import copy_aux_files
 
     if "hf_config" not in meta:
@@ -125,6 +127,7 @@ def save_megatron_checkpoint(model_chunks: list, directory: str | Path, meta: di
 
 def _flat_sharded_tensors(state: dict) -> list:
     """(parent dict, key, ShardedTensor) for every ShardedTensor, factories expanded."""
+    # lazy: keeps conversion.checkpoint free of megatron-core at import (start-up)
     from megatron.core.dist_checkpointing.mapping import (
         ShardedTensor,
         ShardedTensorFactory,
@@ -148,6 +151,7 @@ def _flat_sharded_tensors(state: dict) -> list:
 def _check_against(stored: dict, state: dict, source: str) -> list:
     """One error (on every rank of the model-parallel group) listing missing / wrongly shaped
     tensors; returns the vocab tensors whose only difference is the padded row count."""
+    # lazy: keeps conversion.checkpoint free of megatron-core at import (start-up)
     from megatron.core import parallel_state as ps
 
     missing, wrong, repad = [], [], []
@@ -177,6 +181,7 @@ def load_megatron_checkpoint(model_chunks: list, directory: str | Path, extra: d
     layout. ``extra``: further sharded entries to load (returned loaded). Returns ``(meta, loaded
     extra)``. Missing / wrongly shaped tensors raise one :class:`ConversionError` listing them
     before anything is loaded."""
+    # lazy: keeps conversion.checkpoint free of megatron-core at import (start-up)
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedTensor

@@ -9,13 +9,16 @@ import os
 import subprocess
 import sys
 
+from megatron_ngrpo.config_loader import ConfigError
+
 
 def run(script: str, argv: list[str], nproc: int, fn, **kwargs) -> int:
     """Run ``fn(**kwargs)`` in a process group of ``nproc`` ranks: as is under torchrun (or for
     one rank), else by relaunching ``script`` under torchrun. Bad input → one line on stderr, exit 2."""
+    # lazy: keeps conversion.cli free of torch at import (start-up)
     import torch.distributed as dist
 
-    from megatron_ngrpo.config_loader import ConfigError
+    # lazy: keeps conversion.cli free of torch at import (start-up)
     from megatron_ngrpo.conversion.mapping import ConversionError
     from megatron_ngrpo.parallel import free_port, is_rank0
 
@@ -55,7 +58,7 @@ def parser(doc: str, input_help: str, output_help: str, dtype_help: str) -> argp
 def main(script: str, argv: list[str] | None, p: argparse.ArgumentParser, fn, extra) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``) with ``p``, check the arguments (one line,
     exit 2), then :func:`run` ``fn`` with the common options plus ``extra(args)``."""
-    from megatron_ngrpo.config_loader import ConfigError
+    # lazy: keeps conversion.cli free of torch at import (start-up)
     from megatron_ngrpo.conversion.convert import check_args
 
     argv = sys.argv[1:] if argv is None else argv

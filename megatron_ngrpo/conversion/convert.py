@@ -25,7 +25,8 @@ from megatron_ngrpo.conversion.checkpoint import (
     save_megatron_checkpoint,
 )
 from megatron_ngrpo.models.config import ModelConfig
-from megatron_ngrpo.parallel import is_rank0
+from megatron_ngrpo.models.provider import build_model
+from megatron_ngrpo.parallel import init_distributed, initialize_model_parallel, is_rank0
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -56,6 +57,7 @@ def check_args(src: str | Path, out: str | Path, tp: int, pp: int, vpp: int | No
 
 def current_layout() -> tuple[int, int, int | None] | None:
     """(tp, pp, vpp) of megatron's parallel state, None when not initialised."""
+    # lazy: keeps conversion.convert free of megatron-core at import (start-up)
     from megatron.core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
@@ -65,9 +67,6 @@ def current_layout() -> tuple[int, int, int | None] | None:
 
 
 def _build(cfg: ModelConfig) -> list:
-    from megatron_ngrpo.models.provider import build_model
-    from megatron_ngrpo.parallel import init_distributed, initialize_model_parallel
-
     cfg.validate()
     init_distributed()
     layout = (cfg.tensor_parallel, cfg.pipeline_parallel, cfg.virtual_pipeline)
@@ -101,6 +100,7 @@ def convert_hf_to_megatron(src: str | Path, out: str | Path, tp: int = 1, pp: in
     if from_megatron:
         load_megatron_checkpoint(chunks, src)
     else:
+        # lazy: keeps conversion.convert free of safetensors at import (start-up)
         from megatron_ngrpo.conversion.hf_io import load_hf_into_megatron
 
         load_hf_into_megatron(chunks, src, progress=progress and is_rank0())
@@ -122,6 +122,7 @@ def convert_megatron_to_hf(src: str | Path, out: str | Path, dtype: str | None =
         raise ConfigError(f"input {str(src)!r}: not a Megatron checkpoint (no {META_FILE} or {LATEST_FILE})")
     if hf_source is not None and not Path(hf_source).is_dir():
         raise ConfigError(f"hf_source {str(hf_source)!r}: not a directory")
+    # lazy: keeps conversion.convert free of safetensors at import (start-up)
     from megatron_ngrpo.conversion.hf_io import save_hf_checkpoint
 
     ckpt = resolve_checkpoint(src)

@@ -14,11 +14,20 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
+from tqdm import tqdm
 
+from megatron_ngrpo.architecture import ArchSpec
 from megatron_ngrpo.atomic import atomic_directory
-from megatron_ngrpo.conversion.mapping import ConversionError
+from megatron_ngrpo.conversion.mapping import (
+    ConversionError,
+    check_hf_names,
+    export_hf_tensors,
+    hf_layout,
+    load_hf_tensors,
+)
 from megatron_ngrpo.parallel import is_rank0
 
 INDEX = "model.safetensors.index.json"
@@ -121,8 +130,6 @@ def copy_aux_files(src: str | Path, dst: str | Path) -> list[str]:
 def load_hf_into_megatron(model_chunks: list, hf_dir: str | Path, progress: bool = False) -> int:
     """Load the HF checkpoint ``hf_dir`` into this rank's ``model_chunks`` (any TP/PP/VPP layout
     built for the same config). Every rank reads only its tensors. Returns parameters set."""
-    from megatron_ngrpo.architecture import ArchSpec
-    from megatron_ngrpo.conversion.mapping import load_hf_tensors
 
     return load_hf_tensors(model_chunks, ArchSpec.from_hf(hf_dir), HFCheckpoint(hf_dir),
                            source=str(hf_dir), progress=progress)
@@ -140,15 +147,7 @@ def save_hf_checkpoint(model_chunks: list, out_dir: str | Path, hf_config: dict,
     tokenizer / generation files from ``aux_from``), atomically. Every rank calls it; tensors are
     gathered to global rank 0 one at a time, which writes; names and shapes are verified against
     the config before the directory appears."""
-    import torch.distributed as dist
-    from tqdm import tqdm
 
-    from megatron_ngrpo.architecture import ArchSpec
-    from megatron_ngrpo.conversion.mapping import (
-        check_hf_names,
-        export_hf_tensors,
-        hf_layout,
-    )
 
     spec = ArchSpec.from_dict(hf_config)
     rank0 = is_rank0()

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import torch
 
+from megatron_ngrpo.conversion.checkpoint import load_megatron_checkpoint
 from megatron_ngrpo.models.config import ModelConfig
+from megatron_ngrpo.models.provider import build_model
+from megatron_ngrpo.parallel import init_distributed, initialize_model_parallel
 
 
 def load_weights(chunks: list, model_cfg: ModelConfig, checkpoint: str = "") -> None:
     """``checkpoint``: "random" keeps the seeded initialisation (tests, tiny demos); a Megatron
     checkpoint or run directory (resharded to this layout); "" loads ``model_cfg.hf_path``'s HF
     safetensors."""
-    from megatron_ngrpo.conversion.checkpoint import load_megatron_checkpoint
+    # lazy: keeps conversion.loading free of safetensors at import (start-up)
     from megatron_ngrpo.conversion.hf_io import load_hf_into_megatron
 
     if checkpoint == "random":
@@ -26,8 +29,6 @@ def load_weights(chunks: list, model_cfg: ModelConfig, checkpoint: str = "") -> 
 
 def build_policy(model_cfg: ModelConfig, checkpoint: str = "", seed: int = 1234) -> list:
     """Process groups for ``model_cfg``'s layout, this rank's model chunks, and their weights."""
-    from megatron_ngrpo.models.provider import build_model
-    from megatron_ngrpo.parallel import init_distributed, initialize_model_parallel
 
     init_distributed()
     initialize_model_parallel(model_cfg.tensor_parallel, model_cfg.pipeline_parallel,

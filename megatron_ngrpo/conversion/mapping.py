@@ -46,8 +46,9 @@ from enum import Enum
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
-from megatron_ngrpo.architecture import ArchSpec
+from megatron_ngrpo.architecture import ArchSpec, unwrap
 
 
 class ConversionError(ValueError):
@@ -245,7 +246,6 @@ class Entry:
 def global_names(chunk) -> dict[str, str]:
     """Local parameter name → global name (decoder layer index offset by the chunk's PP/VPP
     position, from megatron's 1-based ``layer_number``)."""
-    from megatron_ngrpo.architecture import unwrap
 
     model = unwrap(chunk)
     offset = {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
@@ -259,9 +259,9 @@ def global_names(chunk) -> dict[str, str]:
 def entries(chunks: list, spec: ArchSpec) -> list[Entry]:
     """Every parameter of ``chunks`` with its rule, shapes checked against ``spec`` (one
     :class:`ConversionError` listing every mismatch)."""
+    # lazy: keeps conversion.mapping free of megatron-core at import (start-up)
     from megatron.core import parallel_state as ps
 
-    from megatron_ngrpo.architecture import unwrap
 
     tp = ps.get_tensor_model_parallel_world_size()
     hf = hf_layout(spec)
@@ -318,6 +318,7 @@ def hf_to_megatron(spec: ArchSpec, hf: Mapping[str, torch.Tensor], chunks: list,
     local tensor in the parameter's shape (HF dtype; the caller casts). ``hf`` is a state dict or a
     lazy :class:`HFCheckpoint` (only the tensors this rank needs are read, one at a time). All
     names and shapes are validated first: one :class:`ConversionError` lists every problem."""
+    # lazy: keeps conversion.mapping free of megatron-core at import (start-up)
     from megatron.core import parallel_state as ps
 
     check_hf_names(spec, _hf_shapes(hf), source)
@@ -334,7 +335,6 @@ def load_hf_tensors(chunks: list, spec: ArchSpec, hf: Mapping[str, torch.Tensor]
                     source: str = "HF state dict", progress: bool = False) -> int:
     """Copy ``hf`` into the parameters of ``chunks`` (cast to their dtype); returns the number
     of parameters set. Nothing is copied when validation fails."""
-    from tqdm import tqdm
 
     n = 0
     with tqdm(desc=f"load {source}", unit="param", disable=not progress) as bar:
@@ -359,6 +359,7 @@ class _Item:
 def _export_plan(chunks: list, spec: ArchSpec) -> tuple[list[_Item], dict[str, torch.Tensor]]:
     """The parameters of the whole model (all PP stages) in model order, known on every rank,
     and this rank's tensors by global name. Tied output layers are skipped (== the embedding)."""
+    # lazy: keeps conversion.mapping free of megatron-core at import (start-up)
     from megatron.core import parallel_state as ps
 
     pp, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
@@ -438,6 +439,7 @@ def export_hf_tensors(chunks: list, spec: ArchSpec, num_vocab: int | None = None
     slices ``[rank·m, (rank+1)·m)``, m = TP / count, sent by their ranks (all-to-all over the TP
     group; nothing moves when every rank's slice is its own). Vocab tensors are still gathered
     (the padded partitions differ)."""
+    # lazy: keeps conversion.mapping free of megatron-core at import (start-up)
     from megatron.core import parallel_state as ps
 
     num_vocab = num_vocab or spec.vocab_size

@@ -123,6 +123,7 @@ def _unset(value) -> bool:
 
 
 def _read_rows(source: SourceConfig, cache_dir: str | None) -> list[dict]:
+    # lazy: the datasets library takes seconds to import; only hub sources need it
     import datasets
 
     path = Path(source.path)

@@ -39,7 +39,16 @@ BOS_ID = 151646
 def _byte_level_bpe(folder: Path, added: Sequence[tuple[str, bool]], first_added_id: int):
     """Qwen2's byte-level BPE (NFC, regex split, ByteLevel) from vocab.json + merges.txt, with
     ``added`` (content, special) tokens from ``first_added_id`` on."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    # lazy: only this path needs the tokenizers library
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+    )
 
     model = models.BPE.from_file(str(folder / "vocab.json"), str(folder / "merges.txt"),
                                  unk_token=None, byte_fallback=False)
@@ -63,7 +72,10 @@ def _byte_level_bpe(folder: Path, added: Sequence[tuple[str, bool]], first_added
 def build_r1_distill_tokenizer(folder: str | Path):
     """The DeepSeek-R1-Distill-Qwen tokenizer from ``vocab.json`` + ``merges.txt`` +
     ``tokenizer_config.json`` (chat template) in ``folder``; 151,665 ids, bos prepended."""
+    # lazy: only this path needs the tokenizers library
     from tokenizers import processors
+
+    # lazy: transformers takes seconds to import; only this path needs it
     from transformers import PreTrainedTokenizerFast
 
     folder = Path(folder)
@@ -84,6 +96,7 @@ def load_qwen2_tokenizer(folder: str | Path):
     rather than by ``AutoTokenizer`` (same ids, without the slow vocabulary conversion). The
     shared copy's chat template was altered by its test fixture, so none is set: use the plain
     template with it (templates.py)."""
+    # lazy: transformers takes seconds to import; only this path needs it
     from transformers import PreTrainedTokenizerFast
 
     folder = Path(folder)
@@ -135,6 +148,7 @@ def load_tokenizer(name_or_path: str | Path):
         return build_r1_distill_tokenizer(folder)
     if kind == "qwen2":
         return load_qwen2_tokenizer(folder)
+    # lazy: transformers takes seconds to import; only this path needs it
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(folder))

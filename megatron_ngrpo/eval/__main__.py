@@ -9,18 +9,21 @@ are gathered) and only rank 0 writes the outputs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
 
 from megatron_ngrpo.config_loader import ConfigError, load
+from megatron_ngrpo.eval.config import EvalConfig
+from megatron_ngrpo.eval.report import to_markdown
+from megatron_ngrpo.eval.runner import eval_mixing, evaluate, load_benchmarks, regrade
+from megatron_ngrpo.rewards.graders import build_grader
 
 
 def build_graders(reward_cfg) -> dict:
     """Kind → grader: math benchmarks get the math grader, mcq ones the letter grader."""
-    import dataclasses
 
-    from megatron_ngrpo.rewards.graders import build_grader
 
     return {kind: build_grader(dataclasses.replace(reward_cfg, name=kind)) for kind in ("math", "mcq")}
 
@@ -32,7 +35,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    from megatron_ngrpo.eval.config import EvalConfig
 
     try:
         cfg = load(EvalConfig, args.config, args.overrides)
@@ -40,22 +42,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    from megatron_ngrpo.eval.report import to_markdown
-    from megatron_ngrpo.eval.runner import eval_mixing, evaluate, load_benchmarks, regrade
 
     graders = build_graders(cfg.reward)
     try:
         if cfg.regrade:
             result = regrade(cfg.regrade, graders, ks=cfg.ks or None, out_dir=cfg.output_dir)
         else:
+            # lazy: keeps eval.__main__ free of megatron-core at import (start-up)
             from megatron.core import parallel_state as ps
 
+            # lazy: optional dependency probe
             from megatron_ngrpo.architecture import ArchSpec
             from megatron_ngrpo.conversion.loading import build_policy
             from megatron_ngrpo.data.tokenizer import load_tokenizer, special_token_ids
             from megatron_ngrpo.models.config import real_token_count
             from megatron_ngrpo.parallel import init_distributed
+
+            # lazy: keeps eval.__main__ free of megatron-core at import (start-up)
             from megatron_ngrpo.rollout.factory import build_engine
+
+            # lazy: optional dependency probe
             from megatron_ngrpo.rollout.types import SamplingParams
 
             tokenizer = load_tokenizer(cfg.tokenizer)

@@ -54,9 +54,11 @@ def to_markdown(result: EvalResult) -> str:
 
 
 def plot_passk(result: EvalResult, path: Path) -> None:
+    # lazy: plotting only
     import matplotlib
 
     matplotlib.use("Agg")
+    # lazy: plotting only
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)

@@ -30,8 +30,14 @@ from tqdm import tqdm
 
 from megatron_ngrpo.data.config import SourceConfig
 from megatron_ngrpo.data.datasets import Problem, load_source
-from megatron_ngrpo.data.templates import EVAL_INSTRUCTION, MCQ_INSTRUCTION, TemplateConfig, encode_prompt, \
-    math_message, mcq_message
+from megatron_ngrpo.data.templates import (
+    EVAL_INSTRUCTION,
+    MCQ_INSTRUCTION,
+    TemplateConfig,
+    encode_prompt,
+    math_message,
+    mcq_message,
+)
 from megatron_ngrpo.eval.passk import benchmark_metrics
 from megatron_ngrpo.eval.report import write_report
 from megatron_ngrpo.eval.result import EvalResult, read_generations

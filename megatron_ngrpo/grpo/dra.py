@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron_ngrpo.architecture import unwrap
+
 _WORD = re.compile(r"\w+|[^\w\s]")
 
 
@@ -111,7 +113,7 @@ class ResponseHiddenMeans:
     """
 
     def __init__(self, model_chunks: list, batch, micro_batch_size: int, max_tokens: int = 0):
-        from megatron_ngrpo.architecture import unwrap
+        # lazy: keeps grpo.dra free of megatron-core at import (start-up)
         from megatron_ngrpo.grpo.batches import MicroBatchPlan
 
         config = unwrap(model_chunks[0]).config
@@ -127,9 +129,9 @@ class ResponseHiddenMeans:
         self._handle = None
 
     def __enter__(self) -> ResponseHiddenMeans:
+        # lazy: keeps grpo.dra free of megatron-core at import (start-up)
         from megatron.core import parallel_state as ps
 
-        from megatron_ngrpo.architecture import unwrap
 
         if ps.is_pipeline_last_stage(ignore_virtual=True) and self._calls == 0:
             self._micro_batches = self.plan.micro_batches(self.batch)
@@ -150,6 +152,7 @@ class ResponseHiddenMeans:
             return
         hidden = args[0].detach()
         if self._sequence_parallel:
+            # lazy: keeps grpo.dra free of megatron-core at import (start-up)
             from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
             hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
@@ -162,8 +165,10 @@ class ResponseHiddenMeans:
         self._out[torch.as_tensor(rows, device=self._out.device)] = pooled.to(self._out.device)
 
     def means(self) -> torch.Tensor:
+        # lazy: keeps grpo.dra free of megatron-core at import (start-up)
         from megatron.core import parallel_state as ps
 
+        # lazy: keeps grpo.dra free of megatron-core at import (start-up)
         from megatron_ngrpo.grpo.logprobs import forward_token_values
 
         captured = [self._calls >= len(self.plan.groups)]
@@ -187,6 +192,7 @@ class LocalModelEmbedder:
     on CPU, with ``local_files_only`` (nothing is downloaded)."""
 
     def __init__(self, path: str, max_length: int = 512, batch_size: int = 16):
+        # lazy: transformers takes seconds to import; only this path needs it
         from transformers import AutoModel, AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.utils.tensorboard import SummaryWriter
 
 
 class PhaseTimer:
@@ -40,8 +41,10 @@ def dp_sums(values: dict[str, float], group=None) -> dict[str, float]:
     """Sum each value over the data-parallel group (float64, one all-reduce)."""
     if not values:
         return {}
+    # lazy: keeps grpo.metrics free of megatron-core at import (start-up)
     from megatron.core import parallel_state as ps
 
+    # lazy: keeps grpo.metrics free of megatron-core at import (start-up)
     from megatron_ngrpo.compat.cpu import device
 
     keys = sorted(values)
@@ -53,8 +56,10 @@ def dp_sums(values: dict[str, float], group=None) -> dict[str, float]:
 def dp_max(values: dict[str, float], group=None) -> dict[str, float]:
     if not values:
         return {}
+    # lazy: keeps grpo.metrics free of megatron-core at import (start-up)
     from megatron.core import parallel_state as ps
 
+    # lazy: keeps grpo.metrics free of megatron-core at import (start-up)
     from megatron_ngrpo.compat.cpu import device
 
     keys = sorted(values)
@@ -73,7 +78,6 @@ class MetricsWriter:
         if self.active:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if tensorboard:
-                from torch.utils.tensorboard import SummaryWriter
 
                 self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
 

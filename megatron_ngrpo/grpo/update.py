@@ -16,7 +16,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
 
+from megatron_ngrpo.architecture import unwrap
+from megatron_ngrpo.compat.cpu import device
 from megatron_ngrpo.grpo.batches import MicroBatchPlan, TokenBatch
 from megatron_ngrpo.grpo.config import GRPOConfig
 from megatron_ngrpo.grpo.logprobs import run_schedule, token_logprobs
@@ -38,13 +46,7 @@ def wrap_for_training(chunks: list, ddp_config=None) -> list:
     summed, not averaged (``calculate_per_token_loss``, read by DDP at construction, so it is set
     before wrapping), and gradients are finalised (DP all-reduce, tied/PP embedding sync) after
     the last micro-batch."""
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
 
-    from megatron_ngrpo.architecture import unwrap
 
     for c in chunks:  # each virtual-pipeline chunk has its own config object
         unwrap(c).config.calculate_per_token_loss = True
@@ -91,7 +93,6 @@ def loss_and_grads(model_chunks: list, batch: TokenBatch, cfg: GRPOConfig, setti
     ``kl_loss`` (the aggregated objective), per-token means ``clip_frac``, ``kl``, ``entropy``,
     ``ratio``, max ``ratio_max``, the global ``normaliser`` (0: nothing active, the gradients
     are zero) and ``grad_norm`` (0.0 without a step)."""
-    from megatron.core import parallel_state as ps
 
     dp_group = ps.get_data_parallel_group()
     weights, norm = aggregation_weights(batch.mask, batch.extras["active"], cfg.loss_agg,
@@ -112,9 +113,7 @@ def loss_and_grads(model_chunks: list, batch: TokenBatch, cfg: GRPOConfig, setti
 def _reduce_stats(store: list[dict], norm: float) -> dict[str, float]:
     """Sum the micro-batch statistics (max for ``ratio_max``) of the last pipeline stage, over DP,
     and share them with the whole pipeline."""
-    from megatron.core import parallel_state as ps
 
-    from megatron_ngrpo.compat.cpu import device
 
     sums = torch.zeros(len(STAT_KEYS), dtype=torch.float64, device=device())
     if ps.is_pipeline_last_stage(ignore_virtual=True):

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from megatron_ngrpo.config_loader import ConfigError
-from megatron_ngrpo.launch import recipes
+from megatron_ngrpo.launch import plan, recipes
 from megatron_ngrpo.launch.memory import GIB
 
 REPO = Path(__file__).resolve().parents[1]
@@ -151,8 +151,6 @@ def memory_table(recipe: recipes.Recipe, nodes: int | None = None) -> str:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from megatron_ngrpo.launch import plan
-
     recipe = recipes.get(args.recipe)
     try:
         layout = plan.plan_layout(recipe, args.nodes, tuple(args.overrides), args.config)
@@ -164,6 +162,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def make_plan(args: argparse.Namespace):
+    # lazy: keeps launch.cli free of NeMo-Run at import (start-up)
     from megatron_ngrpo.launch import experiment
     from megatron_ngrpo.launch.executors import Cluster
 
@@ -207,6 +206,7 @@ def make_plan(args: argparse.Namespace):
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    # lazy: keeps launch.cli free of NeMo-Run at import (start-up)
     from megatron_ngrpo.launch import experiment
 
     plan = make_plan(args)
@@ -234,6 +234,7 @@ def _print_status(exp_id: str, status: dict) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    # lazy: keeps launch.cli free of NeMo-Run at import (start-up)
     from megatron_ngrpo.launch import experiment
 
     exp = experiment.load(args.experiment)
@@ -247,6 +248,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
+    # lazy: keeps launch.cli free of NeMo-Run at import (start-up)
     from megatron_ngrpo.launch import experiment
 
     files = experiment.log_files(experiment.load(args.experiment), args.job)
@@ -260,6 +262,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
+    # lazy: keeps launch.cli free of NeMo-Run at import (start-up)
     from megatron_ngrpo.launch import experiment
 
     exp = experiment.load(args.experiment)

@@ -30,8 +30,15 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from megatron_ngrpo.architecture import unwrap
 from megatron_ngrpo.config_loader import ConfigError
 from megatron_ngrpo.launch import memory, recipes
+from megatron_ngrpo.models.provider import build_model
+from megatron_ngrpo.training.job_config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -126,7 +133,6 @@ def recipe_config(recipe: recipes.Recipe, nodes: int, overrides: tuple[str, ...]
     """The recipe's training config (its YAML, the launcher's overrides, ``overrides``) validated
     at the recipe's world size on ``nodes`` nodes, against the recipe's config.json facts. No
     weights exist here: ``train.load=random`` skips the check that model.hf_path holds them."""
-    from megatron_ngrpo.training.job_config import load_config
 
     path = config or recipe.config
     if path is None:
@@ -206,14 +212,11 @@ def _build_shards(model_cfg, world: int, dp: int) -> list[RankShard]:
 
 
 def _build_shards_quietly(model_cfg, world: int, dp: int) -> list[RankShard]:
-    import torch
-    import torch.distributed as dist
+    # lazy: keeps launch.plan free of megatron-core at import (start-up)
     from megatron.core import parallel_state as ps
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from megatron_ngrpo.architecture import unwrap
+    # lazy: keeps launch.plan free of megatron-core at import (start-up)
     from megatron_ngrpo.compat import cpu as cpu_compat
-    from megatron_ngrpo.models.provider import build_model
 
     if not torch.cuda.is_available():
         cpu_compat.install()

@@ -33,6 +33,7 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
 )
 
+from megatron_ngrpo.architecture import unwrap
 from megatron_ngrpo.compat.cpu import bypass
 from megatron_ngrpo.mixing.records import MixRecord
 
@@ -283,7 +284,6 @@ def install_mixing_embedding(model, embedding_grad: bool = True) -> MixingVocabP
 
 def mixing_embedding(model) -> MixingVocabParallelEmbedding | None:
     """The mixing embedding of a (possibly wrapped) model chunk; None off the first stage."""
-    from megatron_ngrpo.architecture import unwrap
 
     inner = unwrap(model)
     emb = getattr(getattr(inner, "embedding", None), "word_embeddings", None)

@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron_ngrpo.architecture import unwrap
 from megatron_ngrpo.mixing.config import METRICS, MixingConfig
 
 # Extra candidates per query beyond k-1, per screen dtype: enough that the certificate almost
@@ -172,9 +173,10 @@ def neighbor_table_for_model(
     owns the matrix; without initialised model parallel state it runs single-process.
     ``model_chunk`` may be a list of (virtual pipeline) chunks.
     """
+    # lazy: keeps mixing.neighbors free of megatron-core at import (start-up)
     from megatron.core import parallel_state as ps
 
-    from megatron_ngrpo.architecture import unwrap
+    # lazy: keeps mixing.neighbors free of megatron-core at import (start-up)
     from megatron_ngrpo.mixing.embedding import mixing_embedding
 
     chunks = list(model_chunk) if isinstance(model_chunk, (list, tuple)) else [model_chunk]
@@ -774,6 +776,7 @@ def _source_weight(chunks, source: str, output_weight, mixing_embedding, unwrap)
                 break
     if output_weight is None:
         return None, 0
+    # lazy: keeps mixing.neighbors free of megatron-core at import (start-up)
     from megatron.core import parallel_state as ps
 
     rank = ps.get_tensor_model_parallel_rank() if ps.model_parallel_is_initialized() else 0

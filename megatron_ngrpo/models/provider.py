@@ -45,6 +45,7 @@ def use_te(cfg: ModelConfig) -> bool:
     if cfg.layer_spec == "local":
         return False
     try:
+        # lazy: optional dependency probe
         import transformer_engine  # noqa: F401
         available = torch.cuda.is_available()
     except Exception:  # TE absent or its empty meta package
@@ -57,6 +58,7 @@ def use_te(cfg: ModelConfig) -> bool:
 def transformer_config(spec: ArchSpec, cfg: ModelConfig, init_weights: bool = True):
     """megatron ``TransformerConfig`` equal to the HF architecture (no dropout, RL fine-tuning).
     ``init_weights=False``: parameters are left uninitialised (they are about to be loaded)."""
+    # lazy: keeps models.provider free of megatron-core at import (start-up)
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = params_dtype(cfg)
@@ -116,6 +118,7 @@ def layer_spec(spec: ArchSpec, cfg: ModelConfig, config, vp_stage: int | None):
     """TE's layer spec on GPU; otherwise megatron's local spec as a block spec for this stage
     (``config``: the ``TransformerConfig``) whose layer norms and final norm are
     :class:`SequenceParallelRMSNorm`."""
+    # lazy: keeps models.provider free of megatron-core at import (start-up)
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.transformer.transformer_block import (
         TransformerBlockSubmodules,
@@ -135,8 +138,10 @@ def build_gpt(spec: ArchSpec, cfg: ModelConfig, pre_process: bool, post_process:
               vp_stage: int | None = None, init_weights: bool = True, pg_collection=None):
     """One GPTModel chunk for the current (TP, PP[, VPP]) rank, with the mixing embedding;
     ``pg_collection``: its process groups (default megatron's)."""
+    # lazy: keeps models.provider free of megatron-core at import (start-up)
     from megatron.core.models.gpt import GPTModel
 
+    # lazy: keeps models.provider free of megatron-core at import (start-up)
     from megatron_ngrpo.mixing.embedding import install_mixing_embedding
 
     config = transformer_config(spec, cfg, init_weights)
@@ -167,6 +172,7 @@ def zero_padded_vocab_rows(model, vocab_size: int) -> None:
     """Zero the embedding / output rows megatron adds beyond the HF vocabulary (its random init
     fills them). They are never sampled nor looked up, so they stay zero in training, and an HF
     export can strip them as padding."""
+    # lazy: keeps models.provider free of megatron-core at import (start-up)
     from megatron.core import parallel_state as ps
 
     weights = []
@@ -187,6 +193,7 @@ def build_model(cfg: ModelConfig, init_weights: bool = True, pg_collection=None)
     for ``cfg``'s layout.
     ``init_weights=False`` skips megatron's random initialisation (weights loaded next);
     ``pg_collection``: the chunks' process groups (default megatron's)."""
+    # lazy: keeps models.provider free of megatron-core at import (start-up)
     from megatron.core import parallel_state as ps
 
     spec = ArchSpec.from_hf(cfg.hf_path)
@@ -204,6 +211,7 @@ def build_model(cfg: ModelConfig, init_weights: bool = True, pg_collection=None)
     if torch.cuda.is_available():
         chunks = [c.cuda() for c in chunks]
     if params_dtype(cfg) != torch.float32:
+        # lazy: keeps models.provider free of megatron-core at import (start-up)
         from megatron.core.transformer.module import Float16Module
 
         chunks = [Float16Module(c.config, c) for c in chunks]

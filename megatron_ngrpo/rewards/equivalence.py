@@ -24,6 +24,7 @@ used for neither side; both are parsed as LaTeX only. Time and memory are bounde
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from fractions import Fraction
 
@@ -78,6 +79,7 @@ def answers_match(pred: str, gold: str, soft_timeout_s: int = 5) -> bool:
 
 
 def _parse_boxed(answer: str, timeout_s: int) -> list:
+    # lazy: heavy import, only in the grader's worker processes
     from math_verify import LatexExtractionConfig, parse
 
     # Wrapped in \boxed{} (as the reference does with the gold), LaTeX extraction only.
@@ -102,6 +104,7 @@ def _parse_gold(gold: str, timeout_s: int) -> list:
 
 
 def _math_verify_match(pred: str, gold: str, timeout_s: int) -> bool:
+    # lazy: heavy import, only in the grader's worker processes
     from math_verify import verify
 
     gold_parsed = _parse_gold(gold, timeout_s)
@@ -126,8 +129,8 @@ def exact_rational(expr) -> Fraction | None:
     """The exact value of a sympy expression built only from integers, rationals, ``+``, ``×``,
     integer powers and factorials (size-bounded: ``MAX_EXACT_BITS``, ``MAX_FACTORIAL``); None for
     anything else (floats, symbols, roots, sets). Walks the tree in Python: no sympy evaluation."""
-    import math
 
+    # lazy: heavy import, only in the grader's worker processes
     import sympy
 
     def value(e) -> Fraction:

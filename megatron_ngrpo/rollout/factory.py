@@ -10,7 +10,9 @@ from megatron_ngrpo.models.config import real_token_count
 from megatron_ngrpo.parallel import duplicate_model_parallel_groups
 from megatron_ngrpo.rollout.config import EngineName
 from megatron_ngrpo.rollout.megatron_engine import MegatronEngine
+from megatron_ngrpo.rollout.remote.client import RemoteEngine
 from megatron_ngrpo.rollout.types import RolloutEngine
+from megatron_ngrpo.rollout.vllm.engine import VLLMEngine
 
 
 def tokenizer_kwargs(tokenizer) -> dict:
@@ -54,11 +56,9 @@ def build_engine(cfg, model_chunks, tokenizer=None, seed: int = 0,
     if cfg.rollout.engine == EngineName.remote:
         # Beside the trainer as it is: the servers hold their own weights, the client's
         # collectives have a group of their own.
-        from megatron_ngrpo.rollout.remote.client import RemoteEngine
 
         engine = RemoteEngine.from_config(cfg.rollout, model_cfg, tokenizer)
     else:
-        from megatron_ngrpo.rollout.vllm.engine import VLLMEngine
 
         # Colocated in a multi-rank job every rank builds its engine here, at the same point
         # (vLLM creates its groups collectively over the trainer's world group).

@@ -43,7 +43,17 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.inference.communication_utils import (
+    recv_from_prev_pipeline_rank_,
+    send_to_next_pipeline_rank,
+)
+from megatron.core.inference.contexts import StaticInferenceContext
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.utils import set_model_to_sequence_parallel
 
+from megatron_ngrpo.architecture import ArchSpec, unwrap
+from megatron_ngrpo.compat.cpu import device
 from megatron_ngrpo.mixing.decision import gate, gate_uniform
 from megatron_ngrpo.mixing.embedding import MixBatch, mixing_embedding, mixing_inputs
 from megatron_ngrpo.mixing.neighbors import neighbor_table_for_model
@@ -53,6 +63,7 @@ from megatron_ngrpo.mixing.perturbations import (
     gaussian_noise,
 )
 from megatron_ngrpo.mixing.records import MixRecord
+from megatron_ngrpo.models.provider import build_model
 from megatron_ngrpo.rollout.types import (
     RolloutBatch,
     RolloutEngine,
@@ -98,10 +109,7 @@ class MegatronEngine(RolloutEngine):
                  neighbor_table: torch.Tensor | None = None, max_batch_size: int = 0,
                  max_seq_len: int | None = None, separate_copy: bool = False, model_cfg=None,
                  groups=None):
-        from megatron.core.process_groups_config import ProcessGroupCollection
 
-        from megatron_ngrpo.architecture import unwrap
-        from megatron_ngrpo.compat.cpu import device
 
         if separate_copy and model_cfg is None:
             raise ValueError("MegatronEngine(separate_copy=True) needs model_cfg to build the copy")
@@ -120,7 +128,6 @@ class MegatronEngine(RolloutEngine):
         self._src: int | None = None
         self.groups = groups or ProcessGroupCollection.use_mpu_process_groups(["tp", "pp", "mp"])
         if separate_copy:
-            from megatron_ngrpo.models.provider import build_model
 
             self.chunks = build_model(model_cfg, pg_collection=groups)
             self._copy_weights(model_chunks)
@@ -134,7 +141,6 @@ class MegatronEngine(RolloutEngine):
     def from_config(cls, rollout_cfg, model_chunks, model_cfg, **kwargs) -> "MegatronEngine":
         """The engine of a ``RolloutConfig`` (``separate_copy``, ``max_batch_size``) for a policy
         built from ``model_cfg``; kwargs as in the constructor (decode, eos_token_ids, ...)."""
-        from megatron_ngrpo.architecture import ArchSpec
 
         num_real = model_cfg.num_real_tokens or ArchSpec.from_hf(model_cfg.hf_path).vocab_size
         return cls(model_chunks, num_real, max_batch_size=rollout_cfg.max_batch_size,
@@ -197,8 +203,6 @@ class MegatronEngine(RolloutEngine):
 
     # ---- weights and neighbour table --------------------------------------------------------
     def _copy_weights(self, model_chunks) -> None:
-        from megatron_ngrpo.architecture import unwrap
-
         with torch.no_grad():
             for own, src in zip(self.chunks, model_chunks, strict=True):
                 for (name, p), (src_name, q) in zip(unwrap(own).state_dict().items(),
@@ -229,7 +233,6 @@ class MegatronEngine(RolloutEngine):
 
     def _noise_spec(self, scale: float) -> NoiseSpec:
         """STHT σ from the first stage's embedding, broadcast over the pipeline group."""
-        from megatron.core import parallel_state as ps
 
         sigma = torch.zeros(1, dtype=torch.float64, device=self._device)
         emb = mixing_embedding(self.chunks[0])
@@ -246,9 +249,7 @@ class MegatronEngine(RolloutEngine):
     @contextlib.contextmanager
     def _generation_mode(self):
         """eval(), no_grad and no sequence parallelism (static inference does not take it)."""
-        from megatron.core.transformer.utils import set_model_to_sequence_parallel
 
-        from megatron_ngrpo.architecture import unwrap
 
         training = [c.training for c in self.chunks]
         sp = bool(self.config.sequence_parallel)
@@ -268,7 +269,6 @@ class MegatronEngine(RolloutEngine):
     def _generate_rows(self, rows, prompts, keys, params: SamplingParams, mixing, aux: dict,
                        out: "_Outputs") -> None:
         """Generate the responses of ``rows`` (indices into ``out``) in one static batch."""
-        from megatron.core.inference.contexts import StaticInferenceContext
 
         b = len(rows)
         plen = torch.tensor([len(p) for p in prompts])
@@ -312,12 +312,7 @@ class MegatronEngine(RolloutEngine):
     def _forward(self, tokens: torch.Tensor, ctx, mix: MixBatch | None) -> torch.Tensor | None:
         """One KV-cached step over all chunks of this rank: tokens [B, s] → last-position logits
         [B, V] (gathered over TP) on the last pipeline stage, None elsewhere."""
-        from megatron.core.inference.communication_utils import (
-            recv_from_prev_pipeline_rank_,
-            send_to_next_pipeline_rank,
-        )
 
-        from megatron_ngrpo.architecture import unwrap
 
         b, s = tokens.shape
         tokens = tokens.to(self._device)
@@ -416,13 +411,11 @@ class MegatronEngine(RolloutEngine):
 def _decider_rank(group) -> int:
     """Global rank that samples and decides for this model-parallel group: last pipeline
     stage, TP rank 0."""
-    from megatron.core import parallel_state as ps
 
     me = dist.get_rank()
     mine = ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
     if dist.get_world_size(group) == 1:
         return me
-    from megatron_ngrpo.compat.cpu import device
 
     flag = torch.tensor([me if mine else -1], dtype=torch.long, device=device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)

@@ -5,6 +5,7 @@ Deliberately brute force: full V×V similarity, dense loops over the definition,
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -97,7 +98,6 @@ def topk_mixture64(logits: torch.Tensor, k: int, temperature: float, num_real_to
 
 def splitmix_uniform64(seed: int, key, position):
     """numpy uint64 splitmix64 specification of the gate's counter-based uniform draw."""
-    import numpy as np
 
     m1, m2, golden = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15)
 
@@ -118,6 +118,7 @@ def full_state(model) -> dict[str, torch.Tensor]:
     """float64 copies of a model's parameters keyed by their checkpoint (global) key, in the
     global shape (layer-stacked where megatron stacks them). ``model`` must hold every shard
     (TP=1, PP=1): the single-process reference. Pair with :func:`local_shards`."""
+    # lazy: keeps testing.reference free of megatron-core at import (start-up)
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
     sd = model.sharded_state_dict()
@@ -135,7 +136,11 @@ def local_shards(model, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     TP/PP layout, keyed like ``model.state_dict()``: megatron's own sharding metadata (incl. the
     SwiGLU split of fc1) maps full tensors to shards, with no checkpoint on disk. Load weights
     with ``model.load_state_dict(local_shards(...), strict=False)``."""
-    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, extract_matching_values
+    # lazy: keeps testing.reference free of megatron-core at import (start-up)
+    from megatron.core.dist_checkpointing.dict_utils import (
+        dict_list_map_inplace,
+        extract_matching_values,
+    )
     from megatron.core.dist_checkpointing.mapping import (
         ShardedTensor,
         ShardedTensorFactory,

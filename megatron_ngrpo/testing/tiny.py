@@ -6,6 +6,7 @@ Shapes keep vLLM's CPU attention happy (head_dim 32) and TP up to 4 / PP up to 2
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 _ARCH = {
@@ -51,7 +52,6 @@ def tiny_hf_config(arch: str = "qwen2", vocab_size: int = 512, hidden_size: int 
 def write_tiny_hf(path: str | Path, arch: str = "qwen2", weights: bool = True, seed: int = 0,
                   **kwargs) -> Path:
     """Write config.json (and random safetensors weights from transformers) to ``path``."""
-    import json
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -59,7 +59,10 @@ def write_tiny_hf(path: str | Path, arch: str = "qwen2", weights: bool = True, s
     if not weights:
         (path / "config.json").write_text(json.dumps(cfg, indent=1))
         return path
+    # lazy: keeps testing.tiny free of torch at import (start-up)
     import torch
+
+    # lazy: transformers takes seconds to import; only this path needs it
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_cfg = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
@@ -74,6 +77,7 @@ def in_megatron_ddp(module, tp: int):
     """A standalone megatron module (e.g. one embedding) in megatron's DDP as the trainer wraps
     its models: fp32 ``main_grad`` buffers, no overlapped reduction. Its hidden size is
     ``module.embedding_dim``; the config's other fields only have to be valid at ``tp``."""
+    # lazy: keeps testing.tiny free of megatron-core at import (start-up)
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer import TransformerConfig
 

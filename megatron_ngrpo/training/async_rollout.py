@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_ngrpo.compat.cpu import background_thread
 from megatron_ngrpo.mixing.records import MixRecord
 from megatron_ngrpo.rollout.factory import build_engine
 from megatron_ngrpo.rollout.types import RolloutBatch, RolloutEngine
@@ -145,8 +146,6 @@ class RolloutProducer:
         job.thread.start()
 
     def _generate(self, job: InFlight, prompts, params, mixing, stream) -> None:
-        from megatron_ngrpo.compat.cpu import background_thread
-
         start = time.perf_counter()
         try:
             with background_thread(), torch.cuda.stream(stream) if stream else contextlib.nullcontext():

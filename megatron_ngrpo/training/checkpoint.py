@@ -37,6 +37,7 @@ import torch.distributed as dist
 from megatron_ngrpo.conversion.checkpoint import (
     LATEST_FILE,
     META_FILE,
+    _sharded_state_dict,
     checkpoint_meta,
     load_megatron_checkpoint,
     read_meta,
@@ -73,9 +74,9 @@ def save_training_checkpoint(run_dir: str | Path, step: int, chunks: list, meta:
     """Write ``run_dir/iter_<step>`` atomically (collective), point ``latest`` at it and delete
     all but the newest ``keep_last`` (0 = keep all; names in ``protect`` are kept).
     ``rank_state``: this rank's own object (None on every rank, or given on every rank)."""
+    # lazy: keeps training.checkpoint free of megatron-core at import (start-up)
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    from megatron_ngrpo.conversion.checkpoint import _sharded_state_dict
 
     final = iter_dir(run_dir, step)
     distopt = _is_distributed(optimizer)
@@ -104,9 +105,9 @@ def load_training_checkpoint(path: str | Path, chunks: list, optimizer) -> dict:
     """Restore model, optimizer and (same world size only) RNG states from ``path`` (collective),
     in the current layout (any TP/PP/DP); returns the ``trainer`` entry, with this rank's
     ``rank_state`` under that key when saved."""
+    # lazy: keeps training.checkpoint free of megatron-core at import (start-up)
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    from megatron_ngrpo.conversion.checkpoint import _sharded_state_dict
 
     meta = read_meta(path)
     distopt = _is_distributed(optimizer)
@@ -147,6 +148,7 @@ def _rank_object(sharded_object, key: str, data):
 
 
 def _is_distributed(optimizer) -> bool:
+    # lazy: keeps training.checkpoint free of megatron-core at import (start-up)
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     return any(isinstance(o, DistributedOptimizer) for o in _inner(optimizer))
@@ -181,6 +183,7 @@ def _load_distopt(optimizer, loaded: dict) -> None:
 
 
 def _rng_state() -> dict:
+    # lazy: keeps training.checkpoint free of megatron-core at import (start-up)
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     state = {"python": random.getstate(), "numpy": np.random.get_state(),
@@ -191,6 +194,7 @@ def _rng_state() -> dict:
 
 
 def _set_rng_state(state: dict) -> None:
+    # lazy: keeps training.checkpoint free of megatron-core at import (start-up)
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     random.setstate(state["python"])

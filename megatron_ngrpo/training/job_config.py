@@ -10,11 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_ngrpo.architecture import ArchSpec
 from megatron_ngrpo.config_loader import ConfigError, fail, launch_world_size, load
 from megatron_ngrpo.data.config import DataConfig
+from megatron_ngrpo.data.datasets import resolve_source
+from megatron_ngrpo.data.paths import shared_data_dir
 from megatron_ngrpo.grpo.config import GRPOConfig
 from megatron_ngrpo.mixing.config import MixingConfig
 from megatron_ngrpo.models.config import ModelConfig
+from megatron_ngrpo.models.provider import check_layout
 from megatron_ngrpo.rewards.config import RewardConfig
 from megatron_ngrpo.rollout.config import RolloutConfig, check_vllm_layout
 from megatron_ngrpo.training.config import OptimConfig, TrainConfig, ValidationConfig
@@ -40,8 +44,6 @@ class NGRPOConfig:
 
     def validate(self) -> None:
         """Cross-section checks (each section validated itself already)."""
-        from megatron_ngrpo.architecture import ArchSpec
-        from megatron_ngrpo.models.provider import check_layout
 
         spec = ArchSpec.from_hf(self.model.hf_path)
         check_layout(spec, self.model)
@@ -94,8 +96,6 @@ def _require_checkpoint(field_name: str, path: str) -> None:
 
 
 def _require_tokenizer(name: str) -> None:
-    from megatron_ngrpo.data.paths import shared_data_dir
-
     if (shared_data_dir() / "tokenizers" / name).is_dir() or Path(name).is_dir():
         return
     raise ConfigError(f"config field 'tokenizer' = {name!r}: neither a shared tokenizer name nor a folder")
@@ -104,7 +104,6 @@ def _require_tokenizer(name: str) -> None:
 def _require_data_files(data: DataConfig) -> None:
     """Local training files (registry entries resolved against the shared data folder) exist;
     hub datasets are checked when they load."""
-    from megatron_ngrpo.data.datasets import resolve_source
 
     for i, source in enumerate(data.train):
         path = Path(resolve_source(source).path)

@@ -8,6 +8,8 @@ import contextlib
 
 import torch
 
+from megatron_ngrpo.architecture import unwrap
+
 
 class WeightSnapshot:
     """The parameters of ``chunks`` (this rank's shards, possibly wrapped) at construction, or
@@ -30,8 +32,6 @@ class WeightSnapshot:
 
 
 def _params(chunks: list) -> list[list[torch.Tensor]]:
-    from megatron_ngrpo.architecture import unwrap
-
     return [list(unwrap(c).parameters()) for c in chunks]
 
 

@@ -29,18 +29,50 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from tqdm import tqdm
 
-from megatron_ngrpo.data.templates import TRAIN_INSTRUCTION
+from megatron_ngrpo.architecture import ArchSpec, unwrap
+from megatron_ngrpo.compat.cpu import device
+from megatron_ngrpo.config_loader import to_yaml
+from megatron_ngrpo.conversion.checkpoint import (
+    META_FILE,
+    load_megatron_checkpoint,
+    save_megatron_checkpoint,
+)
+from megatron_ngrpo.conversion.loading import load_weights
+from megatron_ngrpo.data.batches import PromptBatches
+from megatron_ngrpo.data.datasets import load_train_set
+from megatron_ngrpo.data.templates import TRAIN_INSTRUCTION, encode_prompt, math_message
+from megatron_ngrpo.data.tokenizer import load_tokenizer, special_token_ids
+from megatron_ngrpo.eval.runner import eval_mixing, evaluate, load_benchmarks
 from megatron_ngrpo.grpo.advantages import (
     compute_advantages,
     group_ids,
     zero_variance_groups,
 )
 from megatron_ngrpo.grpo.batches import TokenBatch
+from megatron_ngrpo.grpo.dra import ResponseHiddenMeans, dra_rewards, similarity, text_embedder
 from megatron_ngrpo.grpo.logprobs import batch_logprobs
 from megatron_ngrpo.grpo.metrics import MetricsWriter, PhaseTimer, dp_max, dp_sums
 from megatron_ngrpo.grpo.update import UpdateSettings, loss_and_grads, wrap_for_training
+from megatron_ngrpo.mixing.embedding import mixing_embedding
+from megatron_ngrpo.mixing.neighbors import neighbor_table_for_model
+from megatron_ngrpo.models.config import real_token_count
+from megatron_ngrpo.models.provider import build_model, params_dtype
+from megatron_ngrpo.parallel import (
+    broadcast_from_rank0,
+    init_distributed,
+    initialize_model_parallel,
+    model_parallel_seed,
+)
+from megatron_ngrpo.rewards.graders import build_grader
+from megatron_ngrpo.rewards.registry import build_reward
 from megatron_ngrpo.rollout.types import SamplingParams, active_mixing
+from megatron_ngrpo.training.async_rollout import build_rollouts
 from megatron_ngrpo.training.checkpoint import (
     checkpoint_meta,
     iter_dir,
@@ -51,6 +83,7 @@ from megatron_ngrpo.training.checkpoint import (
 from megatron_ngrpo.training.job_config import NGRPOConfig
 from megatron_ngrpo.training.reference import ReferencePolicy
 from megatron_ngrpo.training.snapshot import WeightSnapshot
+from megatron_ngrpo.training.warmstart import load_pairs, warmstart
 
 logger = logging.getLogger(__name__)
 BEST_FILE = "best"
@@ -74,27 +107,6 @@ class Trainer:
 
     # ---- set-up ----------------------------------------------------------------------------
     def setup(self) -> None:
-        from megatron.core import parallel_state as ps
-
-        from megatron_ngrpo.architecture import ArchSpec
-        from megatron_ngrpo.compat.cpu import device
-        from megatron_ngrpo.conversion.checkpoint import (
-            META_FILE,
-            load_megatron_checkpoint,
-        )
-        from megatron_ngrpo.conversion.loading import load_weights
-        from megatron_ngrpo.data.batches import PromptBatches
-        from megatron_ngrpo.data.datasets import load_train_set
-        from megatron_ngrpo.data.tokenizer import load_tokenizer
-        from megatron_ngrpo.models.config import real_token_count
-        from megatron_ngrpo.models.provider import build_model
-        from megatron_ngrpo.parallel import (
-            init_distributed,
-            initialize_model_parallel,
-            model_parallel_seed,
-        )
-        from megatron_ngrpo.rewards.registry import build_reward
-        from megatron_ngrpo.training.async_rollout import build_rollouts
 
         cfg = self.cfg
         init_distributed(cfg.train.dist_timeout_s)
@@ -106,7 +118,6 @@ class Trainer:
         self.run_dir = Path(cfg.train.run_dir)
         if dist.get_rank() == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            from megatron_ngrpo.config_loader import to_yaml
 
             (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
         self.tokenizer = load_tokenizer(cfg.tokenizer)
@@ -147,9 +158,6 @@ class Trainer:
     def _warmstart(self, warm_dir: Path) -> None:
         """Supervised warm-start (train.warmstart), then a model checkpoint of its result in
         ``run_dir/warmstart`` so a resumed run rebuilds the same reference policy."""
-        from megatron_ngrpo.conversion.checkpoint import save_megatron_checkpoint
-        from megatron_ngrpo.data.templates import encode_prompt, math_message
-        from megatron_ngrpo.training.warmstart import load_pairs, warmstart
 
         cfg, w = self.cfg, self.cfg.train.warmstart
         template = cfg.data.template
@@ -168,26 +176,17 @@ class Trainer:
                                  overwrite=True)
 
     def _set_embedding_grad(self, chunks: list) -> None:
-        from megatron_ngrpo.mixing.embedding import mixing_embedding
-
         for c in chunks:
             emb = mixing_embedding(c)
             if emb is not None:
                 emb.embedding_grad = self.cfg.mixing.embedding_grad
 
     def _ddp_config(self):
-        from megatron.core.distributed import DistributedDataParallelConfig
-
         return DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,
             use_distributed_optimizer=self.cfg.optim.distributed_optimizer)
 
     def _build_optimizer(self):
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-        from megatron_ngrpo.architecture import unwrap
-        from megatron_ngrpo.models.provider import params_dtype
 
         o = self.cfg.optim
         dtype = params_dtype(self.cfg.model)
@@ -235,8 +234,6 @@ class Trainer:
 
     # ---- the loop ----------------------------------------------------------------------------
     def run(self) -> None:
-        from tqdm import tqdm
-
         cfg = self.cfg.train
         bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step",
                    disable=not (cfg.progress and dist.get_rank() == 0))
@@ -338,8 +335,6 @@ class Trainer:
 
     def _refresh_table(self) -> bool:
         """(Re)compute the neighbour table when due; hand it to the engine. True if recomputed."""
-        from megatron_ngrpo.data.tokenizer import special_token_ids
-        from megatron_ngrpo.mixing.neighbors import neighbor_table_for_model
 
         mixing = self.cfg.mixing
         if not (mixing.enabled and mixing.strategy == "neighbor"):
@@ -378,7 +373,6 @@ class Trainer:
 
     def _dra_hidden(self, tb: TokenBatch):
         """The DRA capture of the policy's pooled hidden states (grpo.dra.embedder = policy_hidden)."""
-        from megatron_ngrpo.grpo.dra import ResponseHiddenMeans
 
         d = self.cfg.grpo.dra
         if not (d.enabled and d.embedder == "policy_hidden"):
@@ -387,13 +381,9 @@ class Trainer:
 
     @functools.cached_property
     def _dra_text_embedder(self):
-        from megatron_ngrpo.grpo.dra import text_embedder
-
         return text_embedder(self.cfg.grpo.dra)  # a local model loads once
 
     def _dra(self, scores, groups, texts, hidden) -> torch.Tensor:
-        from megatron_ngrpo.grpo.dra import dra_rewards, similarity
-
         d = self.cfg.grpo.dra
         emb = hidden.means() if hidden is not None else self._dra_text_embedder(texts)
         return dra_rewards(scores, similarity(emb), groups if d.scope == "group" else None).double()
@@ -475,8 +465,6 @@ class Trainer:
         return out
 
     def _dump(self, rollout, texts, rewards, advantages) -> None:
-        from megatron.core import parallel_state as ps
-
         if ps.get_tensor_model_parallel_rank() or not ps.is_pipeline_first_stage(ignore_virtual=True):
             return
         path = self.run_dir / "generations" / f"step{self.step:07d}_dp{self.dp_rank:03d}.jsonl"
@@ -492,11 +480,7 @@ class Trainer:
     def validate(self) -> dict[str, float]:
         """The validation benchmarks split over the data-parallel ranks; every rank returns the
         same metrics."""
-        from megatron.core import parallel_state as ps
 
-        from megatron_ngrpo.data.tokenizer import special_token_ids
-        from megatron_ngrpo.eval.runner import eval_mixing, evaluate, load_benchmarks
-        from megatron_ngrpo.rewards.graders import build_grader
 
         v = self.cfg.validation
         benchmarks = load_benchmarks(v.benchmarks, v.limit)
@@ -539,7 +523,6 @@ def best_decision(metrics: dict, best: dict | None, step: int, checkpoint: str) 
     ``best``, else None: global rank 0's decision on every rank (collective). Ranks deciding from
     their own numbers (different metrics after a partial failure, float noise) would disagree and
     the collective save that follows would hang."""
-    from megatron_ngrpo.parallel import broadcast_from_rank0
 
     key = next((k for k in metrics if k.startswith("val/mean@")), None)
     decision = None

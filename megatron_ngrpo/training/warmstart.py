@@ -14,7 +14,10 @@ import json
 from pathlib import Path
 
 import torch
+from megatron.core import parallel_state as ps
+from tqdm import tqdm
 
+from megatron_ngrpo.compat.cpu import device
 from megatron_ngrpo.grpo.batches import TokenBatch
 from megatron_ngrpo.grpo.logprobs import token_logprobs
 from megatron_ngrpo.grpo.loss import aggregation_weights
@@ -49,10 +52,7 @@ def warmstart(model_chunks: list, optimizer, pairs: list[tuple[list[int], list[i
     ``model_chunks`` must be wrapped for training (``grpo.update.wrap_for_training``) so the
     per-micro-batch losses add up to the batch mean and DP gradients are reduced.
     """
-    from megatron.core import parallel_state as ps
-    from tqdm import tqdm
 
-    from megatron_ngrpo.compat.cpu import device
 
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     gen = torch.Generator().manual_seed(seed)

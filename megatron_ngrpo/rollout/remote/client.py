@@ -57,11 +57,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_ngrpo.architecture import ArchSpec
+from megatron_ngrpo.conversion.mapping import export_hf_tensors
 from megatron_ngrpo.mixing.records import MixRecord
 from megatron_ngrpo.parallel import broadcast_from_rank0, is_rank0
-from megatron_ngrpo.rollout.vllm import wire
 from megatron_ngrpo.rollout.config import RemoteConfig
-from megatron_ngrpo.rollout.vllm.replicas import gather_requests
 from megatron_ngrpo.rollout.types import (
     RolloutBatch,
     RolloutEngine,
@@ -69,6 +69,7 @@ from megatron_ngrpo.rollout.types import (
     active_mixing,
     validate_request,
 )
+from megatron_ngrpo.rollout.vllm import wire
 from megatron_ngrpo.rollout.vllm.hook import (
     SUPPORTED_VLLM,
     hook_mix_record,
@@ -76,6 +77,7 @@ from megatron_ngrpo.rollout.vllm.hook import (
     sampling_options,
     supports_vllm,
 )
+from megatron_ngrpo.rollout.vllm.replicas import gather_requests
 
 logger = logging.getLogger(__name__)
 
@@ -131,8 +133,6 @@ class RemoteEngine(RolloutEngine):
 
     @classmethod
     def from_config(cls, rollout_cfg, model_cfg, tokenizer=None) -> "RemoteEngine":
-        from megatron_ngrpo.architecture import ArchSpec
-
         spec = ArchSpec.from_hf(model_cfg.hf_path)
         return cls(rollout_cfg.remote, spec, model_cfg.num_real_tokens or spec.vocab_size, tokenizer)
 
@@ -224,6 +224,7 @@ class RemoteEngine(RolloutEngine):
         return self.cfg.connect_timeout_s, self.cfg.request_timeout_s
 
     def _session(self, url: str):
+        # lazy: HTTP client of the remote engine only
         import requests
 
         if url not in self._sessions:
@@ -238,6 +239,7 @@ class RemoteEngine(RolloutEngine):
         return self._call("get", url, route)
 
     def _call(self, method: str, url: str, route: str, **kwargs) -> dict:
+        # lazy: HTTP client of the remote engine only
         import requests
 
         try:
@@ -396,7 +398,6 @@ class RemoteEngine(RolloutEngine):
     def sync_weights(self, model_chunks) -> None:
         """Push the trainer's weights to every live server as weight version ``self.version + 1``
         (collective: every rank drives the export; rank 0 sends)."""
-        from megatron_ngrpo.conversion.mapping import export_hf_tensors
 
         self.version += 1
         if self.cfg.weight_transfer != "http":
@@ -447,7 +448,7 @@ class RemoteEngine(RolloutEngine):
         """``sync_weights`` through vLLM's weight-transfer API: rank 0 sends the export to each
         live server in turn (every rank drives each export; after a failure rank 0 drains it,
         then every rank raises the same one-line error)."""
-        from megatron_ngrpo.conversion.mapping import export_hf_tensors
+        # lazy: keeps rollout.remote.client free of vllm at import (start-up)
         from megatron_ngrpo.rollout.vllm.weight_transfer import MegatronSource, WeightSender
 
         t0 = time.perf_counter()
@@ -509,6 +510,7 @@ _MAX_REQUESTS = 64
 def _server_weight_client(engine: RemoteEngine, url: str):
     """vLLM's ``HTTPVLLMWeightSyncClient`` for ``url`` with the rollout client's timeouts, one-line
     errors naming the server, and the trainer's weight version at ``finish``."""
+    # lazy: vLLM is an optional extra (heavy import)
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
     class Client(HTTPVLLMWeightSyncClient):

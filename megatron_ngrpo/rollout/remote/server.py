@@ -36,10 +36,14 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+
+from megatron_ngrpo.architecture import ArchSpec
+from megatron_ngrpo.models.config import real_token_count
 
 EXTENSION = "megatron_ngrpo.rollout.remote.server_worker.RolloutServerExtension"
 
@@ -77,10 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
 def vllm_arguments(args, extra: list[str]) -> tuple[list[str], int]:
     """vLLM's serve arguments for ``args`` (plus ``extra``, passed through) and the resolved
     ``num_real_tokens``, after the start-up checks (RuntimeError / ValueError, one line)."""
+    # lazy: keeps rollout.remote.server free of torch at import (start-up)
     import torch
 
-    from megatron_ngrpo.architecture import ArchSpec
-    from megatron_ngrpo.models.config import real_token_count
+    # lazy: keeps rollout.remote.server free of torch at import (start-up)
     from megatron_ngrpo.rollout.vllm.engine import check_vllm_version, load_tokenizer
 
     check_vllm_version()
@@ -117,6 +121,7 @@ def install_hook(base: str, num_real_tokens: int, deadline: float, stop: threadi
     """Wait for the server at ``base`` to answer, install the hook on every worker, return the
     runner class ("" when ``stop`` was set first; RuntimeError, one line, when it did not
     install)."""
+    # lazy: HTTP client of the remote engine only
     import requests
 
     while True:
@@ -141,6 +146,7 @@ def install_hook(base: str, num_real_tokens: int, deadline: float, stop: threadi
 
 def _start_hook(args, num_real_tokens: int, failed: threading.Event, stop: threading.Event) -> None:
     """Thread body: install the hook, then register the URL; on failure stop the server."""
+    # lazy: keeps rollout.remote.server free of torch at import (start-up)
     from megatron_ngrpo.atomic import atomic_write
 
     host = "127.0.0.1" if args.host in ("0.0.0.0", "", "::") else args.host
@@ -173,7 +179,6 @@ def _one_line(e: BaseException) -> str:
 def run_replicas(args, argv: list[str]) -> int:
     """``--data-parallel-size`` D > 1: D server processes (ports ``port .. port+D-1``, GPUs in
     blocks of TP); ends with the first one that exits, after stopping the others."""
-    import subprocess
 
     tp, dp = args.tensor_parallel_size, args.data_parallel_size
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -211,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.url_dir).mkdir(parents=True, exist_ok=True)
     failed, stop = threading.Event(), threading.Event()
     threading.Thread(target=_start_hook, args=(args, num_real, failed, stop), daemon=True).start()
+    # lazy: vLLM is an optional extra (heavy import)
     from vllm.entrypoints.launchers.api_server.entry import main as serve
 
     sys.argv = ["vllm serve", *vllm_argv]

