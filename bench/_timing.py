@@ -43,8 +43,8 @@ from __future__ import annotations
 import math
 import numbers
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 from scipy.stats import quantile_test

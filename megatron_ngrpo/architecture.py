@@ -39,7 +39,7 @@ class ArchSpec:
     init_std: float
 
     @classmethod
-    def from_hf(cls, path: str | Path) -> "ArchSpec":
+    def from_hf(cls, path: str | Path) -> ArchSpec:
         cfg_path = Path(path) / "config.json"
         try:
             cfg = json.loads(cfg_path.read_text())
@@ -48,7 +48,7 @@ class ArchSpec:
         return cls.from_dict(cfg, source=str(cfg_path))
 
     @classmethod
-    def from_dict(cls, cfg: dict, source: str = "config.json") -> "ArchSpec":
+    def from_dict(cls, cfg: dict, source: str = "config.json") -> ArchSpec:
         arch = cfg.get("model_type")
         if arch not in SUPPORTED:
             raise ConfigError(f"{source}: model_type {arch!r} is not supported (expected one of {SUPPORTED})")

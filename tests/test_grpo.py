@@ -19,10 +19,10 @@ from megatron_ngrpo.grpo.advantages import (
     group_stats,
     zero_variance_groups,
 )
+from megatron_ngrpo.grpo.batches import TokenBatch, split_rows
 from megatron_ngrpo.grpo.config import GRPOConfig
 from megatron_ngrpo.grpo.dra import TfidfEmbedder, dra_rewards, similarity
 from megatron_ngrpo.grpo.kl import kl_estimate
-from megatron_ngrpo.grpo.batches import TokenBatch, split_rows
 from megatron_ngrpo.grpo.loss import aggregation_weights, policy_loss
 from megatron_ngrpo.mixing.records import MixRecord
 from megatron_ngrpo.rollout.types import RolloutBatch

@@ -14,7 +14,14 @@ import re
 from pathlib import Path
 
 import pytest
-from slurm_harness import REPO, SMOKE_MODULE, experiment_id, smoke_env, start_cli, write_smoke_inputs
+from slurm_harness import (
+    REPO,
+    SMOKE_MODULE,
+    experiment_id,
+    smoke_env,
+    start_cli,
+    write_smoke_inputs,
+)
 
 from megatron_ngrpo.launch import cli, memory, recipes
 

@@ -30,7 +30,7 @@ from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
 from torch.overrides import TorchFunctionMode
 
 _INSTALLED = False
-_MODE: "_CudaToCpuMode | None" = None
+_MODE: _CudaToCpuMode | None = None
 _THREAD = threading.local()  # .no_fork: this thread's RNG-tracker forks leave the generator alone
 
 _FACTORIES = {

@@ -43,7 +43,7 @@ class TokenBatch:
 
     @classmethod
     def from_rollout(cls, batch: RolloutBatch, pad_id: int = 0, replay_mixes: bool = True,
-                     device: torch.device | str = "cpu") -> "TokenBatch":
+                     device: torch.device | str = "cpu") -> TokenBatch:
         """The replay batch of ``batch``; its mixes are replayed unless ``replay_mixes`` is False."""
         if any(len(p) == 0 for p in batch.prompt_ids):
             raise ValueError("every response needs a non-empty prompt (the first token is predicted from it)")
@@ -70,7 +70,7 @@ class TokenBatch:
     def position_ids(self) -> torch.Tensor:
         return torch.arange(self.seq_len, device=self.tokens.device).unsqueeze(0).expand_as(self.tokens)
 
-    def with_extras(self, **extras: torch.Tensor) -> "TokenBatch":
+    def with_extras(self, **extras: torch.Tensor) -> TokenBatch:
         return replace(self, extras={**self.extras, **extras})
 
     def response_values(self, values: torch.Tensor) -> list[torch.Tensor]:
@@ -87,7 +87,7 @@ class TokenBatch:
         return out.to(self.tokens.device)
 
     def micro_batch(self, rows: list[int], num_rows: int | None = None,
-                    seq_len: int | None = None) -> "TokenBatch":
+                    seq_len: int | None = None) -> TokenBatch:
         """Rows ``rows``, trimmed to their longest row (or padded to ``seq_len``) and padded with
         fully masked dummy rows up to ``num_rows`` (fixed pipeline shapes)."""
         idx = torch.as_tensor(rows, dtype=torch.long)
@@ -162,7 +162,7 @@ class MicroBatchPlan:
 
     @classmethod
     def make(cls, model_chunks: list, batch: TokenBatch, micro_batch_size: int,
-             max_tokens: int = 0) -> "MicroBatchPlan":
+             max_tokens: int = 0) -> MicroBatchPlan:
         config = unwrap(model_chunks[0]).config
         multiple = (config.tensor_model_parallel_size if config.sequence_parallel else 1) * \
             config.context_parallel_size

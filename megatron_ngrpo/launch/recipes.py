@@ -201,7 +201,7 @@ class Command:
     per_node: bool = False
 
     @classmethod
-    def python(cls, target: str, args: tuple[str, ...], module: bool = True) -> "Command":
+    def python(cls, target: str, args: tuple[str, ...], module: bool = True) -> Command:
         return cls(("python", *(["-m"] if module else []), target, *args))
 
 

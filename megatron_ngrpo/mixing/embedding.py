@@ -49,7 +49,7 @@ class MixBatch(NamedTuple):
 
     @classmethod
     def from_record(cls, record: MixRecord, offsets: torch.Tensor, seq_len: int,
-                    device: torch.device | str = "cpu") -> "MixBatch":
+                    device: torch.device | str = "cpu") -> MixBatch:
         """Dense form of ``record`` for a right-padded batch whose response ``s`` starts at
         column ``offsets[s]``."""
         ids, weights, mask = record.to_dense(offsets, seq_len)
@@ -61,7 +61,7 @@ class MixBatch(NamedTuple):
             noise = noise.to(device)
         return cls(ids.to(device), weights.to(device), mask.to(device), noise)
 
-    def narrow(self, dim: int, start: int, length: int) -> "MixBatch":
+    def narrow(self, dim: int, start: int, length: int) -> MixBatch:
         """Slice along batch (0) or sequence (1), e.g. for micro-batches or one decode step."""
         return MixBatch(*(None if t is None else t.narrow(dim, start, length) for t in self))
 

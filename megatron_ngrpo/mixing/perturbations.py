@@ -51,7 +51,7 @@ class NoiseSpec:
 
     @classmethod
     def from_embedding(cls, weight_local: torch.Tensor, num_real_tokens: int, scale: float,
-                       vocab_start: int = 0, tp_group: dist.ProcessGroup | None = None) -> "NoiseSpec":
+                       vocab_start: int = 0, tp_group: dist.ProcessGroup | None = None) -> NoiseSpec:
         """σ = ``scale`` × RMS of the entries of the real rows (ids < ``num_real_tokens``) of the
         vocab-parallel embedding whose local rows ``weight_local`` [V_local, d] start at
         ``vocab_start``; one all-reduce over ``tp_group``."""

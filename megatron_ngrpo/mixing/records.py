@@ -38,7 +38,7 @@ class MixRecord:
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
-    def empty(cls, num_seqs: int, k: int) -> "MixRecord":
+    def empty(cls, num_seqs: int, k: int) -> MixRecord:
         return cls(
             seq=torch.zeros(0, dtype=torch.long),
             pos=torch.zeros(0, dtype=torch.long),
@@ -48,7 +48,7 @@ class MixRecord:
         )
 
     @classmethod
-    def from_lists(cls, per_seq: list[list[tuple[int, list[int], list[float]]]], k: int) -> "MixRecord":
+    def from_lists(cls, per_seq: list[list[tuple[int, list[int], list[float]]]], k: int) -> MixRecord:
         """Build from ``per_seq[s] = [(pos, ids, weights), ...]``; shorter id lists are padded
         with weight-0 entries, weights are renormalised to sum to 1."""
         seq, pos, ids, wts = [], [], [], []
@@ -72,7 +72,7 @@ class MixRecord:
         ).sorted()
 
     @staticmethod
-    def cat(records: list["MixRecord"]) -> "MixRecord":
+    def cat(records: list[MixRecord]) -> MixRecord:
         """Concatenate batches: sequence indices of later records are offset."""
         if not records:
             raise ValueError("MixRecord.cat needs at least one record")
@@ -102,14 +102,14 @@ class MixRecord:
     def __len__(self) -> int:
         return self.seq.numel()
 
-    def sorted(self) -> "MixRecord":
+    def sorted(self) -> MixRecord:
         """Order by (seq, pos); engines may emit in any order."""
         if len(self) == 0:
             return self
         order = torch.argsort(self.seq * (int(self.pos.max()) + 1) + self.pos, stable=True)
         return self._take(order, self.seq[order], self.num_seqs)
 
-    def select(self, seq_indices: list[int] | torch.Tensor) -> "MixRecord":
+    def select(self, seq_indices: list[int] | torch.Tensor) -> MixRecord:
         """The records of the given sequences, renumbered 0..len(seq_indices)-1 in that order."""
         seq_indices = torch.as_tensor(seq_indices, dtype=torch.long)
         remap = torch.full((self.num_seqs,), -1, dtype=torch.long)
@@ -179,7 +179,7 @@ class MixRecord:
             d["noise"] = self.noise
         return {k: (v.tolist() if torch.is_tensor(v) else v) for k, v in d.items()}
 
-    def _take(self, index: torch.Tensor, new_seq: torch.Tensor, num_seqs: int) -> "MixRecord":
+    def _take(self, index: torch.Tensor, new_seq: torch.Tensor, num_seqs: int) -> MixRecord:
         return MixRecord(
             seq=new_seq, pos=self.pos[index], ids=self.ids[index], weights=self.weights[index],
             num_seqs=num_seqs, noise=None if self.noise is None else self.noise[index],

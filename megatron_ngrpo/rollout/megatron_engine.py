@@ -138,7 +138,7 @@ class MegatronEngine(RolloutEngine):
         self.max_seq_len = int(max_seq_len or inner.max_sequence_length)
 
     @classmethod
-    def from_config(cls, rollout_cfg, model_chunks, model_cfg, **kwargs) -> "MegatronEngine":
+    def from_config(cls, rollout_cfg, model_chunks, model_cfg, **kwargs) -> MegatronEngine:
         """The engine of a ``RolloutConfig`` (``separate_copy``, ``max_batch_size``) for a policy
         built from ``model_cfg``; kwargs as in the constructor (decode, eos_token_ids, ...)."""
 
@@ -267,7 +267,7 @@ class MegatronEngine(RolloutEngine):
                     set_model_to_sequence_parallel(unwrap(c), True)
 
     def _generate_rows(self, rows, prompts, keys, params: SamplingParams, mixing, aux: dict,
-                       out: "_Outputs") -> None:
+                       out: _Outputs) -> None:
         """Generate the responses of ``rows`` (indices into ``out``) in one static batch."""
 
         b = len(rows)
@@ -343,7 +343,7 @@ class MegatronEngine(RolloutEngine):
         dist.broadcast(packed, src=self._src, group=group)
         return packed
 
-    def _decide(self, logits, live, producing, col, state: "_RowState", params: SamplingParams,
+    def _decide(self, logits, live, producing, col, state: _RowState, params: SamplingParams,
                 mixing, aux: dict) -> torch.Tensor:
         """Tokens, log-probs, mixes and finish codes of the rows in ``live`` → packed [B, 4+2k]
         float64: token, log-prob, mixed, finish code, ids (k), weights (k)."""
@@ -383,7 +383,7 @@ class MegatronEngine(RolloutEngine):
         packed[:, 3] = finish.double().to(z.device)
         return packed
 
-    def _finish(self, token, live, producing, t, state: "_RowState", params, mixing):
+    def _finish(self, token, live, producing, t, state: _RowState, params, mixing):
         """Finish codes [B] and the rows whose token completes ``mixing.stop_after`` (they stop
         mixing from this position on)."""
         b = len(live)

@@ -127,7 +127,7 @@ class RolloutBatch:
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
             raise ValueError(f"RolloutBatch.policy_version = {v!r}: expected a step number >= 0 or None")
 
-    def select_prompts(self, indices: list[int]) -> "RolloutBatch":
+    def select_prompts(self, indices: list[int]) -> RolloutBatch:
         """The responses of the prompts at ``indices`` (in that order), renumbered 0..len-1."""
         by_prompt: dict[int, list[int]] = {}
         for r, i in enumerate(self.prompt_index):
@@ -144,7 +144,7 @@ class RolloutBatch:
             policy_version=self.policy_version)
 
     @staticmethod
-    def cat(batches: list["RolloutBatch"]) -> "RolloutBatch":
+    def cat(batches: list[RolloutBatch]) -> RolloutBatch:
         """Concatenate batches of consecutive prompt ranges (prompt indices of later batches are
         offset by the prompts before them)."""
         offset, index = 0, []

@@ -132,7 +132,7 @@ class RemoteEngine(RolloutEngine):
         logger.info("rollout servers: %s", ", ".join(self.servers))
 
     @classmethod
-    def from_config(cls, rollout_cfg, model_cfg, tokenizer=None) -> "RemoteEngine":
+    def from_config(cls, rollout_cfg, model_cfg, tokenizer=None) -> RemoteEngine:
         spec = ArchSpec.from_hf(model_cfg.hf_path)
         return cls(rollout_cfg.remote, spec, model_cfg.num_real_tokens or spec.vocab_size, tokenizer)
 

@@ -135,7 +135,7 @@ class VLLMEngine(RolloutEngine):
         self.tp_shards = self._tp_shard_sync()
 
     @classmethod
-    def from_config(cls, rollout_cfg, model_cfg, **kwargs) -> "VLLMEngine":
+    def from_config(cls, rollout_cfg, model_cfg, **kwargs) -> VLLMEngine:
         """The engine of ``rollout_cfg.vllm`` for the policy of ``model_cfg`` (its HF directory
         and ``num_real_tokens``); kwargs as in the constructor."""
         return cls(model_cfg.hf_path, rollout_cfg.vllm, num_real_tokens=model_cfg.num_real_tokens,
