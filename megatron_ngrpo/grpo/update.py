@@ -3,7 +3,8 @@ megatron's schedule (micro-batches, PP), DP reduction by megatron DDP.
 
 The batch is a :class:`~megatron_ngrpo.grpo.logprobs.TokenBatch` of this DP rank's responses with
 extras ``old_logprobs`` [B, L], ``advantages`` [B], ``active`` [B] bool (False: filtered group)
-and optionally ``ref_logprobs`` [B, L], ``tis_weight`` [B, L]. The aggregation weights are fixed
+and optionally ``ref_logprobs`` [B, L], ``tis_weight`` [B, L] and ``keep`` [B, L] bool (the
+mismatch correction's weight and kept tokens, grpo/mismatch.py). The aggregation weights are fixed
 for the whole mini-batch before the first micro-batch runs, so micro-batch losses add up to the
 mini-batch objective (megatron's ``calculate_per_token_loss`` mode: no division by the number of
 micro-batches or DP ranks; the loss function reports ``num_tokens = 0`` so megatron's per-token
@@ -98,7 +99,9 @@ def loss_and_grads(model_chunks: list, batch: TokenBatch, cfg: GRPOConfig, setti
     from megatron.core import parallel_state as ps
 
     dp_group = ps.get_data_parallel_group()
-    weights, norm = aggregation_weights(batch.mask, batch.extras["active"], cfg.loss_agg,
+    # Tokens a mismatch correction rejected ("keep" False) leave the normaliser too.
+    kept = batch.mask & batch.extras["keep"] if "keep" in batch.extras else batch.mask
+    weights, norm = aggregation_weights(kept, batch.extras["active"], cfg.loss_agg,
                                         settings.max_response_len, dp_group)
     batch = batch.with_extras(token_weight=weights)
 

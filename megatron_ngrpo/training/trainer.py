@@ -38,6 +38,7 @@ from megatron_ngrpo.grpo.advantages import (
 )
 from megatron_ngrpo.grpo.logprobs import TokenBatch, batch_logprobs
 from megatron_ngrpo.grpo.metrics import MetricsWriter, PhaseTimer, dp_max, dp_sums
+from megatron_ngrpo.grpo.mismatch import correction, mismatch_metrics, mismatch_sums
 from megatron_ngrpo.grpo.update import UpdateSettings, loss_and_grads, wrap_for_training
 from megatron_ngrpo.rollout.types import SamplingParams
 from megatron_ngrpo.training.checkpoint import (
@@ -429,22 +430,28 @@ class Trainer:
 
     def _logprob_extras(self, tb: TokenBatch, rollout, timer: PhaseTimer, out: dict, hidden=None,
                         generating: WeightSnapshot | None = None) -> dict:
-        """Old / reference log-probs, TIS weights and the rollout-vs-trainer gap (label-aligned);
+        """Old / reference log-probs, mismatch-correction weights and keep mask (grpo/mismatch.py),
+        the rollout-vs-trainer mismatch metrics (label-aligned);
         ``hidden`` (DRA's ResponseHiddenMeans) captures the policy's hidden states in the replay;
         old log-probs under ``generating`` (a one-step-off batch's weights) when given."""
         g, s = self.cfg.grpo, self.settings
         engine_lp = tb.label_aligned(rollout.logprobs)
         extras = {}
         mask = tb.mask
+        corr = g.correction
         with timer("old_logprobs"):
             if g.old_logprobs == "recompute":
                 weights = generating.active(self.chunks) if generating else contextlib.nullcontext(self.chunks)
                 with hidden or contextlib.nullcontext(), weights as chunks:
                     old = batch_logprobs(chunks, tb, s.temperature, s.micro_batch_size, s.vocab_limit,
                                          s.max_tokens)
+                keep = None
+                if corr.mode != "off":
+                    extras["tis_weight"], keep = correction(old, engine_lp, mask, corr)
+                    extras["keep"] = keep
+                mixed = tb.mix.mask if tb.mix is not None else None
+                out.update(mismatch_metrics(dp_sums(mismatch_sums(old, engine_lp, mask, mixed, keep))))
                 gap = (old - engine_lp).abs() * mask
-                sums = dp_sums({"gap": float(gap.sum()), "n": float(mask.sum())})
-                out["logprob_gap/mean_abs"] = sums["gap"] / max(sums["n"], 1.0)
                 out["logprob_gap/max_abs"] = dp_max({"m": float(gap.max()) if gap.numel() else 0.0})["m"]
             else:
                 old = engine_lp
@@ -453,8 +460,8 @@ class Trainer:
             with timer("ref_logprobs"), self.reference.active(self.chunks) as ref_chunks:
                 extras["ref_logprobs"] = batch_logprobs(ref_chunks, tb, s.temperature, s.micro_batch_size,
                                                         s.vocab_limit, s.max_tokens)
-        if g.tis_cap is not None:
-            extras["tis_weight"] = torch.exp(old - engine_lp).clamp(max=g.tis_cap) * mask
+        if corr.mode != "off" and g.old_logprobs != "recompute":  # tis_cap: weights of 1 here
+            extras["tis_weight"], extras["keep"] = correction(old, engine_lp, mask, corr)
         return extras
 
     # ---- the update --------------------------------------------------------------------------
