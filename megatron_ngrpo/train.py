@@ -2,7 +2,8 @@
 than one process): N-GRPO training.
 
 The configuration is loaded and checked before any process group starts; a bad value exits with
-status 2 and one line naming the field.
+status 2 and one line naming the field; dynamic sampling running out of informative groups
+(``on_exhausted: error``) exits with status 3 and one line.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import logging
 import sys
 
 from megatron_ngrpo.config_loader import ConfigError
+from megatron_ngrpo.grpo.dynamic_sampling import DynamicSamplingExhausted
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +34,11 @@ def main(argv: list[str] | None = None) -> int:
 
     trainer = Trainer(cfg)
     trainer.setup()
-    trainer.run()
+    try:
+        trainer.run()
+    except DynamicSamplingExhausted as e:  # raised on every rank (the count is all-reduced)
+        print(f"error: {e}", file=sys.stderr)
+        return 3
     import torch.distributed as dist
 
     if dist.is_initialized():

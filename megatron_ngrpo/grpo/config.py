@@ -11,6 +11,7 @@ from pathlib import Path
 
 from megatron_ngrpo.config_loader import fail
 from megatron_ngrpo.eval.config import EvalSamplingConfig
+from megatron_ngrpo.grpo.dynamic_sampling import DynamicSamplingConfig
 from megatron_ngrpo.grpo.mismatch import MismatchConfig
 
 ADVANTAGES = ("grpo", "dr_grpo")
@@ -248,6 +249,8 @@ class TrainConfig:
     dist_timeout_s: int = 1800
     # Read and written as ``train.async`` (a Python keyword: config_loader maps ``async_``).
     async_: AsyncConfig = field(default_factory=AsyncConfig)
+    # DAPO dynamic sampling: drop uniform-reward groups and refill the batch (grpo/dynamic_sampling.py).
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
 
     def validate(self) -> None:
         for name in ("prompts_per_step", "mini_batch_prompts", "epochs_per_rollout",

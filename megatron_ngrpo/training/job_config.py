@@ -56,6 +56,9 @@ class NGRPOConfig:
             fail("train.async.max_staleness", self.train.async_.max_staleness,
                  "one-step-off rollouts need an engine beside the trainer's groups: rollout.engine = "
                  "megatron (a separate weight copy) or remote (rollout servers), not colocated vllm")
+        if self.train.dynamic_sampling.enabled and self.train.async_.max_staleness:
+            fail("train.dynamic_sampling.enabled", True, "refills a step by generating more with the "
+                 "current weights: synchronous rollouts only (train.async.max_staleness = 0)")
         t = self.train
         dp = data_parallel_size(self.model)
         for name in ("prompts_per_step", "mini_batch_prompts"):

@@ -36,11 +36,16 @@ from megatron_ngrpo.grpo.advantages import (
     group_ids,
     zero_variance_groups,
 )
+from megatron_ngrpo.grpo.dynamic_sampling import (
+    DynamicSamplingExhausted,
+    choose_groups,
+    exhausted_message,
+)
 from megatron_ngrpo.grpo.logprobs import TokenBatch, batch_logprobs
 from megatron_ngrpo.grpo.metrics import MetricsWriter, PhaseTimer, dp_max, dp_sums
 from megatron_ngrpo.grpo.mismatch import correction, mismatch_metrics, mismatch_sums
 from megatron_ngrpo.grpo.update import UpdateSettings, loss_and_grads, wrap_for_training
-from megatron_ngrpo.rollout.types import SamplingParams
+from megatron_ngrpo.rollout.types import RolloutBatch, SamplingParams
 from megatron_ngrpo.training.checkpoint import (
     checkpoint_meta,
     iter_dir,
@@ -307,11 +312,11 @@ class Trainer:
         else:
             mine, rollout, generating = self._one_step_off(timer, out)
         with timer("reward"):
-            texts = rollout.texts or [self.tokenizer.decode(r, skip_special_tokens=True) for r in rollout.response_ids]
-            rewards = self.reward_fn(texts, [mine[i].problem.answers for i in rollout.prompt_index],
-                                     rollout.response_lengths, rollout.finish_reasons)
-            scores = torch.tensor(rewards.total, dtype=torch.float64)
-            groups = group_ids(rollout.prompt_index)
+            scored = self._score(mine, rollout)
+        if cfg.train.dynamic_sampling.enabled:
+            scored = self._refill(scored, keys, timer, out)
+        mine, rollout, texts, rewards, scores = scored
+        groups = group_ids(rollout.prompt_index)
         tb = TokenBatch.from_rollout(rollout, pad_id=self._pad_id(), device=self.device)
         hidden = self._dra_hidden(tb)
         extras = self._logprob_extras(tb, rollout, timer, out, hidden, generating)
@@ -319,7 +324,8 @@ class Trainer:
             if cfg.grpo.dra.enabled:
                 scores = self._dra(scores, groups, texts, hidden)
             advantages = compute_advantages(scores, groups, cfg.grpo.advantage, cfg.grpo.adv_eps)
-            active = (~zero_variance_groups(scores, groups) if cfg.grpo.filter_zero_variance
+            filtering = cfg.grpo.filter_zero_variance or cfg.train.dynamic_sampling.enabled
+            active = (~zero_variance_groups(scores, groups) if filtering
                       else torch.ones(len(scores), dtype=torch.bool))
         tb = tb.with_extras(advantages=advantages.to(self.device), active=active.to(self.device), **extras)
         if cfg.train.dump_generations:
@@ -366,6 +372,65 @@ class Trainer:
         out.update(self.rollouts.metrics(self.step, rollout.policy_version))
         return mine, rollout, generating
 
+    def _score(self, mine: list, rollout) -> tuple:
+        """(prompts, rollout, texts, rewards, scores [N] float64) of one generated batch."""
+        texts = rollout.texts or [self.tokenizer.decode(r, skip_special_tokens=True) for r in rollout.response_ids]
+        rewards = self.reward_fn(texts, [mine[i].problem.answers for i in rollout.prompt_index],
+                                 rollout.response_lengths, rollout.finish_reasons)
+        return mine, rollout, texts, rewards, torch.tensor(rewards.total, dtype=torch.float64)
+
+    def _refill(self, first: tuple, keys: list[int], timer: PhaseTimer, out: dict) -> tuple:
+        """Dynamic sampling (grpo/dynamic_sampling.py): more rounds of prompts until every DP rank
+        holds its share of groups whose rewards differ, then this rank's share in draw order.
+        Rounds after the first reuse the synced weights and table; their sequence keys are
+        offset by ``round × prompts_per_step`` (distinct gates and sampling streams)."""
+        ds, t = self.cfg.train.dynamic_sampling, self.cfg.train
+        need = t.prompts_per_step // self.dp_size
+        rounds = [first]
+        informative = [self._informative(first)]
+        while True:
+            found = sum(map(sum, informative))
+            fewest = -dp_max({"f": -float(found)})["f"]
+            if fewest >= need or len(rounds) == ds.max_gen_batches:
+                break
+            mine, _ = self._draw_prompts()
+            offset = len(rounds) * t.prompts_per_step
+            with timer("rollout"):
+                rollout = self._generate([ex.prompt_ids for ex in mine], keys=[k + offset for k in keys],
+                                         sync=False)
+            with timer("reward"):
+                rounds.append(self._score(mine, rollout))
+            informative.append(self._informative(rounds[-1]))
+        out["dynamic_sampling/gen_batches"] = float(len(rounds))
+        out["dynamic_sampling/partial"] = float(fewest < need)
+        if fewest < need:
+            if ds.on_exhausted == "error":
+                raise DynamicSamplingExhausted(exhausted_message(int(fewest), need, len(rounds)))
+            logger.warning("step %d: partial batch, %d of %d groups per rank with differing rewards "
+                           "after %d rounds", self.step + 1, int(fewest), need, len(rounds))
+        picks = choose_groups(informative, need)
+        parts = []
+        for (mine, rollout, texts, rewards, scores), chosen in zip(rounds, picks, strict=True):
+            rows = [r for i in chosen for r, p in enumerate(rollout.prompt_index) if p == i]
+            parts.append(([mine[i] for i in chosen], rollout.select_prompts(chosen), [texts[r] for r in rows],
+                          [rewards.total[r] for r in rows], [rewards.correct[r] for r in rows],
+                          {k: [v[r] for r in rows] for k, v in rewards.terms.items()}))
+        terms = {k: [x for p in parts for x in p[5][k]] for k in rounds[0][3].terms}
+        rewards = dataclasses.replace(rounds[0][3], total=[x for p in parts for x in p[3]],
+                                      correct=[x for p in parts for x in p[4]], terms=terms)
+        return ([ex for p in parts for ex in p[0]], RolloutBatch.cat([p[1] for p in parts]),
+                [x for p in parts for x in p[2]], rewards, torch.tensor(rewards.total, dtype=torch.float64))
+
+    @staticmethod
+    def _informative(scored: tuple) -> list[bool]:
+        """Per prompt of a scored round: its group's rewards differ."""
+        mine, rollout, _, _, scores = scored
+        uniform = zero_variance_groups(scores, group_ids(rollout.prompt_index))
+        flags = [True] * len(mine)
+        for r, i in enumerate(rollout.prompt_index):
+            flags[i] = not bool(uniform[r])
+        return flags
+
     def _refresh_table(self) -> bool:
         """(Re)compute the neighbour table when due; hand it to the engine. True if recomputed."""
         from megatron_ngrpo.data.tokenizer import special_token_ids
@@ -382,11 +447,13 @@ class Trainer:
             self.table_updates = self.updates
         return bool(due)
 
-    def _generate(self, prompts: list[list[int]], keys: list[int]):
+    def _generate(self, prompts: list[list[int]], keys: list[int], sync: bool = True):
+        """One rollout with the current weights; ``sync`` False: the engine has them already."""
         self.engine.wake_up()
-        self.engine.sync_weights(self.chunks)
-        if self.table is not None:
-            self.engine.set_neighbor_table(self.table)
+        if sync:
+            self.engine.sync_weights(self.chunks)
+            if self.table is not None:
+                self.engine.set_neighbor_table(self.table)
         rollout = self.engine.generate(prompts, self._sampling(self.step), mixing=self._mixing(), keys=keys)
         self.engine.sleep()
         rollout.policy_version = self.step
