@@ -13,6 +13,7 @@ from megatron_ngrpo.config_loader import fail
 from megatron_ngrpo.eval.config import EvalSamplingConfig
 from megatron_ngrpo.grpo.dynamic_sampling import DynamicSamplingConfig
 from megatron_ngrpo.grpo.mismatch import MismatchConfig
+from megatron_ngrpo.grpo.trackers import TrackersConfig
 
 ADVANTAGES = ("grpo", "dr_grpo")
 LOSS_MODES = ("token", "gspo")
@@ -239,6 +240,8 @@ class TrainConfig:
     resume: bool = True
     log_every: int = 1
     tensorboard: bool = True
+    # Weights & Biases / MLflow beside metrics.jsonl and TensorBoard (grpo/trackers.py).
+    trackers: TrackersConfig = field(default_factory=TrackersConfig)
     progress: bool = True
     # Save generations (text, reward, mixes) of every step as JSONL.
     dump_generations: bool = False

@@ -174,7 +174,8 @@ class Trainer:
             temperature=cfg.rollout.temperature, micro_batch_size=cfg.train.micro_batch_size,
             max_tokens=cfg.train.max_tokens_per_micro_batch, vocab_limit=self.num_real_tokens,
             max_response_len=cfg.rollout.max_new_tokens)
-        self.metrics = MetricsWriter(self.run_dir, cfg.train.tensorboard)
+        self.metrics = MetricsWriter(self.run_dir, cfg.train.tensorboard, cfg.train.trackers,
+                                     dataclasses.asdict(cfg))
         latest = latest_checkpoint(self.run_dir) if cfg.train.resume else None
         if latest is not None:
             self._resume(latest)
