@@ -188,6 +188,8 @@ def _losses(run_dir: Path) -> list[tuple]:
     ("distopt", ("optim.distributed_optimizer=true",)),  # DP 2, gathered into model space
     # TP 2, one-step-off rollouts: the checkpoint holds the in-flight batch and its weights
     ("async", ("train.async.max_staleness=1", "model.tensor_parallel=2")),
+    # DP 2, checkpoints written in the background (megatron's async save, published when done)
+    ("async_save", ("train.async_save=true",)),
 ])
 def test_sigkill_and_resume_is_bit_identical(task, tmp_path, variant, overrides):
     steps = ("train.max_steps=6", "train.save_every=2")
@@ -216,6 +218,8 @@ def test_sigkill_and_resume_is_bit_identical(task, tmp_path, variant, overrides)
     assert any(k.startswith("optimizer.state.exp_avg.") for k in a)  # both optimizers, model space
     assert _losses(straight) == _losses(killed)
     assert len(list(straight.glob("iter_*"))) == 2  # keep_last
+    if variant == "async_save":
+        assert "checkpoint iter_0000006: written in the background" in (tmp_path / "killed.log").read_text()
     if variant == "async":
         for run in (straight, killed):
             rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

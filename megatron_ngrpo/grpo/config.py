@@ -235,6 +235,9 @@ class TrainConfig:
     # (a second model on the device).
     reference: str = "swap"
     save_every: int = 10
+    # Write checkpoints in the background (megatron dist_checkpointing async save: a forked writer
+    # per rank); a checkpoint becomes `latest` once every rank's writer finished.
+    async_save: bool = False
     keep_last: int = 3
     # Resume from run_dir/latest when it exists.
     resume: bool = True

@@ -106,6 +106,7 @@ class Trainer:
         self.table: torch.Tensor | None = None
         self.table_updates = -1  # self.updates when the table was computed
         self.best: dict | None = None
+        self.async_saves = None  # megatron AsyncCallsQueue with train.async_save
 
     # ---- set-up ----------------------------------------------------------------------------
     def setup(self) -> None:
@@ -176,6 +177,10 @@ class Trainer:
             max_response_len=cfg.rollout.max_new_tokens)
         self.metrics = MetricsWriter(self.run_dir, cfg.train.tensorboard, cfg.train.trackers,
                                      dataclasses.asdict(cfg))
+        if cfg.train.async_save:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            self.async_saves = AsyncCallsQueue()
         latest = latest_checkpoint(self.run_dir) if cfg.train.resume else None
         if latest is not None:
             self._resume(latest)
@@ -250,9 +255,15 @@ class Trainer:
     def save(self) -> Path:
         meta = checkpoint_meta(self.cfg.model, config=dataclasses.asdict(self.cfg))
         protect = (self.best["checkpoint"],) if self.best else ()
-        return save_training_checkpoint(self.run_dir, self.step, self.chunks, meta, self.optimizer,
+        if self.async_saves is not None:  # one save in flight at a time: keep_last counts complete ones
+            self.async_saves.maybe_finalize_async_calls(blocking=True)
+        path = save_training_checkpoint(self.run_dir, self.step, self.chunks, meta, self.optimizer,
                                         self._trainer_state(), self.cfg.train.keep_last, protect,
-                                        rank_state=self.rollouts.state_dict() if self.rollouts else None)
+                                        rank_state=self.rollouts.state_dict() if self.rollouts else None,
+                                        async_queue=self.async_saves)
+        if self.async_saves is not None:
+            logger.info("checkpoint %s: written in the background", path.name)
+        return path
 
     def _resume(self, path: Path) -> None:
         state = load_training_checkpoint(path, self.chunks, self.optimizer)
@@ -293,6 +304,11 @@ class Trainer:
                     self.save()
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics.get('kl', 0):.4f}")
                 bar.update()
+                if self.async_saves is not None:  # publish a background save once every writer is done
+                    self.async_saves.maybe_finalize_async_calls(blocking=False)
+            if self.async_saves is not None:
+                self.async_saves.maybe_finalize_async_calls(blocking=True)
+                self.async_saves.close()
         finally:
             bar.close()
             self.metrics.close()
