@@ -22,10 +22,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="YAML file (repeatable; later files override earlier ones)")
     parser.add_argument("overrides", nargs="*", metavar="a.b=c", help="dotted config overrides")
     args = parser.parse_args(argv)
-    from megatron_ngrpo.training.job_config import load_config
+    from megatron_ngrpo.training.job_config import check_device, load_config
 
     try:
         cfg = load_config(args.config, args.overrides)
+        check_device(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -81,12 +81,31 @@ class NGRPOConfig:
 
 
 def data_parallel_size(model: ModelConfig) -> int:
-    mp = model.tensor_parallel * model.pipeline_parallel
+    mp = model.tensor_parallel * model.pipeline_parallel * model.context_parallel
     if launch_world_size() % mp:
         fail("model.tensor_parallel", model.tensor_parallel,
-             f"TP {model.tensor_parallel} × PP {model.pipeline_parallel} does not divide the "
+             f"TP {model.tensor_parallel} × PP {model.pipeline_parallel}"
+             f"{f' × CP {model.context_parallel}' if model.context_parallel > 1 else ''} does not divide the "
              f"world size {launch_world_size()}")
     return launch_world_size() // mp
+
+
+def check_device(cfg: NGRPOConfig, gpu: bool | None = None) -> None:
+    """Start-up refusals of options this machine (``gpu``: default, whether CUDA is available)
+    or this trainer cannot run; called by the training entry point before any process group.
+    Kept out of :meth:`NGRPOConfig.validate` so that ``ngrpo-launch plan`` checks GPU configs on
+    a machine without GPUs."""
+    import torch
+
+    gpu = torch.cuda.is_available() if gpu is None else gpu
+    if cfg.model.context_parallel > 1:
+        fail("model.context_parallel", cfg.model.context_parallel,
+             "not run by this trainer: the replay's sequence split and log-prob gather over CP ranks are "
+             "not written (memory planning only: ngrpo-launch plan)")
+    v = cfg.rollout.vllm
+    if v.quantization and cfg.rollout.engine == "vllm" and not gpu:
+        fail("rollout.vllm.quantization", v.quantization, "FP8 rollouts need a GPU (vLLM's FP8 linear "
+             "kernels are CUDA only; compute capability 8.9+)")
 
 
 def load_config(paths: list[str] | str | None, overrides: list[str] | None = None) -> NGRPOConfig:
