@@ -223,6 +223,8 @@ class TrainConfig:
     epochs_per_rollout: int = 1
     # Responses per micro-batch per DP rank (upper bound with a token budget).
     micro_batch_size: int = 2
+    # Pack each micro-batch's responses into one row without padding (grpo/packing.py; PP 1).
+    pack_sequences: bool = False
     # > 0: token-budget micro-batches (rows × longest row ≤ this), longest sequences first.
     max_tokens_per_micro_batch: int = 0
     # Rollout steps: 0 = one pass over the training prompts (num_epochs of them).

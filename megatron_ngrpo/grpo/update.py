@@ -36,6 +36,8 @@ class UpdateSettings:
     vocab_limit: int | None = None
     # Dr.GRPO normaliser: the longest response the engine may produce.
     max_response_len: int = 1
+    # Sequence packing of the micro-batches (grpo/packing.py): "", "mask" or "thd".
+    packing: str = ""
 
 
 def wrap_for_training(chunks: list, ddp_config=None) -> list:
@@ -64,7 +66,7 @@ def wrap_for_training(chunks: list, ddp_config=None) -> list:
 
 
 def update_step(model_chunks: list, batch: TokenBatch, loss_fn, micro_batch_size: int, max_tokens: int = 0,
-                optimizer=None, scheduler=None, step: bool = True) -> tuple[list[dict], float]:
+                optimizer=None, scheduler=None, step: bool = True, packing: str = "") -> tuple[list[dict], float]:
     """One update of the GRPO loss and of the supervised warm-start: zero the gradient buffers (and
     ``optimizer``'s gradients: after a step megatron's optimizers leave ``param.grad`` aliasing
     ``main_grad``, which the next backward would add in twice), forward + backward ``batch``
@@ -77,7 +79,7 @@ def update_step(model_chunks: list, batch: TokenBatch, loss_fn, micro_batch_size
         c.zero_grad_buffer()
     if optimizer is not None:
         optimizer.zero_grad()
-    plan = MicroBatchPlan.make(model_chunks, batch, micro_batch_size, max_tokens)
+    plan = MicroBatchPlan.make(model_chunks, batch, micro_batch_size, max_tokens, packing)
     store = run_schedule(model_chunks, plan.micro_batches(batch), plan, loss_fn, forward_only=False)
     grad_norm = None
     if step and optimizer is not None:
@@ -112,7 +114,7 @@ def loss_and_grads(model_chunks: list, batch: TokenBatch, cfg: GRPOConfig, setti
         return loss, torch.zeros((), dtype=torch.int, device=loss.device), stats
 
     store, grad_norm = update_step(model_chunks, batch, loss_fn, settings.micro_batch_size, settings.max_tokens,
-                                   optimizer, scheduler, step=step and norm != 0)
+                                   optimizer, scheduler, step=step and norm != 0, packing=settings.packing)
     return {**_reduce_stats(store, norm), "grad_norm": grad_norm}
 
 

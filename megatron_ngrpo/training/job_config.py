@@ -56,6 +56,9 @@ class NGRPOConfig:
             fail("train.async.max_staleness", self.train.async_.max_staleness,
                  "one-step-off rollouts need an engine beside the trainer's groups: rollout.engine = "
                  "megatron (a separate weight copy) or remote (rollout servers), not colocated vllm")
+        if self.train.pack_sequences and self.model.pipeline_parallel > 1:
+            fail("train.pack_sequences", True, "needs model.pipeline_parallel = 1 (stages would exchange "
+                 "packed activations of varying length)")
         if self.train.dynamic_sampling.enabled and self.train.async_.max_staleness:
             fail("train.dynamic_sampling.enabled", True, "refills a step by generating more with the "
                  "current weights: synchronous rollouts only (train.async.max_staleness = 0)")
@@ -102,6 +105,9 @@ def check_device(cfg: NGRPOConfig, gpu: bool | None = None) -> None:
         fail("model.context_parallel", cfg.model.context_parallel,
              "not run by this trainer: the replay's sequence split and log-prob gather over CP ranks are "
              "not written (memory planning only: ngrpo-launch plan)")
+    if cfg.train.pack_sequences and cfg.model.layer_spec == "te" and not gpu:
+        fail("train.pack_sequences", True, "with model.layer_spec = te packs in TE's THD layout, which "
+             "needs a GPU (on CPU use the local spec: block-diagonal attention mask)")
     v = cfg.rollout.vllm
     if v.quantization and cfg.rollout.engine == "vllm" and not gpu:
         fail("rollout.vllm.quantization", v.quantization, "FP8 rollouts need a GPU (vLLM's FP8 linear "

@@ -123,7 +123,7 @@ class Trainer:
         from megatron_ngrpo.data.datasets import load_train_set
         from megatron_ngrpo.data.tokenizer import load_tokenizer
         from megatron_ngrpo.models.config import real_token_count
-        from megatron_ngrpo.models.provider import build_model
+        from megatron_ngrpo.models.provider import build_model, use_te
         from megatron_ngrpo.parallel import (
             init_distributed,
             initialize_model_parallel,
@@ -174,7 +174,8 @@ class Trainer:
         self.settings = UpdateSettings(
             temperature=cfg.rollout.temperature, micro_batch_size=cfg.train.micro_batch_size,
             max_tokens=cfg.train.max_tokens_per_micro_batch, vocab_limit=self.num_real_tokens,
-            max_response_len=cfg.rollout.max_new_tokens)
+            max_response_len=cfg.rollout.max_new_tokens,
+            packing=("thd" if use_te(cfg.model) else "mask") if cfg.train.pack_sequences else "")
         self.metrics = MetricsWriter(self.run_dir, cfg.train.tensorboard, cfg.train.trackers,
                                      dataclasses.asdict(cfg))
         if cfg.train.async_save:
@@ -528,7 +529,7 @@ class Trainer:
                 weights = generating.active(self.chunks) if generating else contextlib.nullcontext(self.chunks)
                 with hidden or contextlib.nullcontext(), weights as chunks:
                     old = batch_logprobs(chunks, tb, s.temperature, s.micro_batch_size, s.vocab_limit,
-                                         s.max_tokens)
+                                         s.max_tokens, packing=s.packing)
                 keep = None
                 if corr.mode != "off":
                     extras["tis_weight"], keep = correction(old, engine_lp, mask, corr)
@@ -543,7 +544,7 @@ class Trainer:
         if self.reference is not None:
             with timer("ref_logprobs"), self.reference.active(self.chunks) as ref_chunks:
                 extras["ref_logprobs"] = batch_logprobs(ref_chunks, tb, s.temperature, s.micro_batch_size,
-                                                        s.vocab_limit, s.max_tokens)
+                                                        s.vocab_limit, s.max_tokens, packing=s.packing)
         if corr.mode != "off" and g.old_logprobs != "recompute":  # tis_cap: weights of 1 here
             extras["tis_weight"], extras["keep"] = correction(old, engine_lp, mask, corr)
         return extras
