@@ -1,7 +1,7 @@
 """Dynamic sampling (DAPO, grpo/dynamic_sampling.py): the choice of groups, and 2-process runs of
 configs/tiny_test.yaml where some groups' rewards are uniform (the soft overlong penalty on a
 random model: a group whose four responses all run to the length limit scores -1 four times),
-refilled to full batches; a reward uniform everywhere exhausts the rounds (one-line error, or a
+refilled to full batches (with a mismatch correction and both trackers on); a reward uniform everywhere exhausts the rounds (one-line error, or a
 logged partial batch)."""
 
 from __future__ import annotations
@@ -28,9 +28,15 @@ def _rows(run_dir):
 def test_refills_batches_with_informative_groups(task, tmp_path):
     run = tmp_path / "ds"
     run.mkdir()
-    _finish(_launch(task, run, *DS, "train.dynamic_sampling.max_gen_batches=8"), run)
+    # Also on: a mismatch correction (its keep mask through real micro-batches) and both trackers.
+    _finish(_launch(task, run, *DS, "train.dynamic_sampling.max_gen_batches=8", "grpo.mismatch.mode=icepop",
+                    "train.trackers.wandb=true", "train.trackers.mlflow=true"), run)
     rows = _rows(run)
     assert len(rows) == 3
+    assert set(json.loads((run / "trackers.json").read_text())) == {"wandb", "mlflow"}
+    for r in rows:  # mixing at rate 0.3: both kinds of positions; the built-in engine = the trainer
+        assert r["mismatch/mixed/logprob_gap"] < 1e-4 and r["mismatch/plain/logprob_gap"] < 1e-4, r
+        assert r["mismatch/all/masked_frac"] == 0 and r["mixing/mixed_token_frac"] > 0, r
     assert all(r["filtered_frac"] == 0 and r["dynamic_sampling/partial"] == 0 for r in rows), rows
     # Some first round had a uniform group, so a second round was generated.
     assert max(r["dynamic_sampling/gen_batches"] for r in rows) > 1, rows
