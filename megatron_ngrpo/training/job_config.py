@@ -59,6 +59,9 @@ class NGRPOConfig:
         if self.train.pack_sequences and self.model.pipeline_parallel > 1:
             fail("train.pack_sequences", True, "needs model.pipeline_parallel = 1 (stages would exchange "
                  "packed activations of varying length)")
+        if self.train.async_save and self.train.async_.max_staleness:
+            fail("train.async_save", True, "forks a writer process per save, which would copy this process "
+                 "while its one-step-off rollout thread runs: with train.async.max_staleness = 0 only")
         if self.train.dynamic_sampling.enabled and self.train.async_.max_staleness:
             fail("train.dynamic_sampling.enabled", True, "refills a step by generating more with the "
                  "current weights: synchronous rollouts only (train.async.max_staleness = 0)")
