@@ -1,16 +1,19 @@
 """Dynamic sampling (DAPO, grpo/dynamic_sampling.py): the choice of groups, and 2-process runs of
 configs/tiny_test.yaml where some groups' rewards are uniform (the soft overlong penalty on a
 random model: a group whose four responses all run to the length limit scores -1 four times),
-refilled to full batches (with a mismatch correction and both trackers on); a reward uniform everywhere exhausts the rounds (one-line error, or a
-logged partial batch)."""
+refilled to full batches (with a mismatch correction and both trackers on); a reward uniform
+everywhere exhausts the rounds (one-line error, or a logged partial batch)."""
 
 from __future__ import annotations
 
 import json
 
-from megatron_ngrpo.grpo.dynamic_sampling import choose_groups
-from test_train import _finish, _launch, task  # noqa: F401  (task: the module fixture)
+import test_train
+from test_train import _finish, _launch
 
+from megatron_ngrpo.grpo.dynamic_sampling import choose_groups
+
+task = test_train.task  # the arithmetic task fixture (module scope)
 DS = ("train.dynamic_sampling.enabled=true", "train.max_steps=3", "train.save_every=0")
 
 

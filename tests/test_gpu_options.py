@@ -6,10 +6,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from test_plan import run_plan
 
 from megatron_ngrpo.config_loader import ConfigError
 from megatron_ngrpo.launch import memory, recipes
-from test_plan import run_plan
 
 
 def test_fp8_rollout_weights_are_one_byte_per_linear_weight():

@@ -93,7 +93,7 @@ def test_loss_of_every_mode_matches_float64_reference(mode, agg):
 
 
 def test_tis_cap_is_token_tis():
-    new, old, rollout, adv, mask = _batch(1)
+    _, old, rollout, _, mask = _batch(1)
     a = correction(old, rollout, mask, GRPOConfig(tis_cap=1.3).correction)
     b = correction(old, rollout, mask, MismatchConfig(mode="token-tis", cap=1.3))
     assert torch.equal(a[0], b[0]) and torch.equal(a[0], torch.exp(old - rollout).clamp(max=1.3) * mask)

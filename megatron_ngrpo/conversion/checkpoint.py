@@ -21,7 +21,12 @@ from pathlib import Path
 import torch
 
 from megatron_ngrpo.architecture import padded_vocab_size, unwrap
-from megatron_ngrpo.atomic import atomic_directory, atomic_write, begin_directory, commit_directory
+from megatron_ngrpo.atomic import (
+    atomic_directory,
+    atomic_write,
+    begin_directory,
+    commit_directory,
+)
 from megatron_ngrpo.conversion.mapping import ConversionError, Kind, raise_if, tp_shard
 from megatron_ngrpo.models.config import ModelConfig
 from megatron_ngrpo.parallel import is_rank0

@@ -112,11 +112,11 @@ def mismatch_sums(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor,
 def mismatch_metrics(sums: dict[str, float]) -> dict[str, float]:
     """``mismatch/{mixed,plain,all}/{logprob_gap,kl,masked_frac}`` from DP-summed
     :func:`mismatch_sums` (0 where a split has no tokens)."""
+    sums = {**sums, **{f"all/{k}": sums[f"mixed/{k}"] + sums[f"plain/{k}"] for k in ("n", "gap", "kl", "masked")}}
     out = {}
     for name in ("mixed", "plain", "all"):
-        get = (lambda k: sums[f"mixed/{k}"] + sums[f"plain/{k}"]) if name == "all" else (lambda k: sums[f"{name}/{k}"])
-        n = max(get("n"), 1.0)
-        out[f"mismatch/{name}/logprob_gap"] = get("gap") / n
-        out[f"mismatch/{name}/kl"] = get("kl") / n
-        out[f"mismatch/{name}/masked_frac"] = get("masked") / n
+        n = max(sums[f"{name}/n"], 1.0)
+        out[f"mismatch/{name}/logprob_gap"] = sums[f"{name}/gap"] / n
+        out[f"mismatch/{name}/kl"] = sums[f"{name}/kl"] / n
+        out[f"mismatch/{name}/masked_frac"] = sums[f"{name}/masked"] / n
     return out

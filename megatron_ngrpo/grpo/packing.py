@@ -55,7 +55,8 @@ def pack(tokens: torch.Tensor, lengths: torch.Tensor, mix: MixBatch | None, mult
                                                                       device=tokens.device).tril()
         kwargs["attention_mask"] = (~allowed).view(1, 1, total, total)
     elif mode == "thd":
-        from megatron.core.packed_seq_params import PackedSeqParams  # megatron-core, GPU path only
+        # Imported here: megatron-core's TE packing parameters, the GPU path only.
+        from megatron.core.packed_seq_params import PackedSeqParams
 
         cu = torch.zeros(len(seg_lengths) + 1, dtype=torch.int32, device=tokens.device)
         cu[1:] = torch.cumsum(torch.tensor(seg_lengths, device=tokens.device), 0)

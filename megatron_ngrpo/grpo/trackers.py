@@ -79,7 +79,8 @@ class Trackers:
             if uri.startswith("file:"):
                 # MLflow 3 keeps the file store but refuses it unless asked (maintenance mode).
                 os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-            from mlflow.tracking import MlflowClient  # optional dependency (the trackers extra)
+            # Optional dependency (the trackers extra).
+            from mlflow.tracking import MlflowClient
 
             self._mlflow = MlflowClient(uri)
             if "mlflow" not in ids:
@@ -95,7 +96,7 @@ class Trackers:
         if self._wandb is not None:
             self._wandb.log({STEP_KEY: step, **metrics})
         if self._mlflow is not None:
-            from mlflow.entities import Metric  # optional dependency (the trackers extra)
+            from mlflow.entities import Metric  # optional (the trackers extra)
 
             now = int(time.time() * 1000)
             self._mlflow.log_batch(self._mlflow_run, metrics=[Metric(mlflow_key(k), float(v), now, step)

@@ -179,7 +179,9 @@ class Trainer:
         self.metrics = MetricsWriter(self.run_dir, cfg.train.tensorboard, cfg.train.trackers,
                                      dataclasses.asdict(cfg))
         if cfg.train.async_save:
-            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+            from megatron.core.dist_checkpointing.strategies.async_utils import (
+                AsyncCallsQueue,
+            )
 
             self.async_saves = AsyncCallsQueue()
         latest = latest_checkpoint(self.run_dir) if cfg.train.resume else None

@@ -82,9 +82,9 @@ def _compare(tp: int, sp: bool) -> dict:
     assert lp_err < 1e-5 and float(plain.abs().sum()) > 0, lp_err
 
     g = torch.Generator().manual_seed(9)
-    extras = dict(old_logprobs=plain + 0.05 * torch.randn(plain.shape, generator=g) * tb.mask,
-                  advantages=torch.randn(tb.num_rows, generator=g), active=torch.ones(tb.num_rows, dtype=torch.bool))
-    tb = tb.with_extras(**extras)
+    tb = tb.with_extras(old_logprobs=plain + 0.05 * torch.randn(plain.shape, generator=g) * tb.mask,
+                        advantages=torch.randn(tb.num_rows, generator=g),
+                        active=torch.ones(tb.num_rows, dtype=torch.bool))
     cfg = GRPOConfig(kl_mode="off")
     grads = []
     for packing in ("", "mask"):
