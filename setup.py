@@ -37,6 +37,9 @@ setup(
         # leptonai 0.47 breaks `import nemo_run`.
         "launch": ["nemo-run==0.11.1", "leptonai<0.47"],
         "te": ["transformer-engine[pytorch]"],
+        # Experiment trackers (train.trackers): W&B, and MLflow (its skinny build has the client
+        # and the local file store, training/trackers.py).
+        "trackers": ["wandb>=0.19", "mlflow-skinny>=2.10"],
         # ruff: .ci/run's lint and format check (ruff.toml); its formatting style changes
         # between minor versions.
         "dev": ["pytest", "pytest-timeout", "faiss-cpu", "scipy>=1.11", "ruff>=0.17,<0.18"],

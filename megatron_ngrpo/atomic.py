@@ -38,17 +38,8 @@ def atomic_directory(final: str | Path, overwrite: bool = False, collective: boo
     without error, remove it otherwise. ``collective``: every rank enters (rank 0 manages the
     directory; barriers around), else only the calling process. Raises FileExistsError when
     ``final`` exists and not ``overwrite``."""
-    final = Path(final)
-    if final.exists() and not overwrite:
-        raise FileExistsError(f"{final}: output exists (pass overwrite to replace it)")
+    tmp = begin_directory(final, overwrite, collective)
     manager = is_rank0() or not collective
-    tmp = final.parent / f".{final.name}.partial"
-    if manager:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    if collective:
-        barrier()
     try:
         yield tmp
         if collective:
@@ -57,7 +48,30 @@ def atomic_directory(final: str | Path, overwrite: bool = False, collective: boo
         if manager:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if manager:
+    commit_directory(tmp, final, collective)
+
+
+def begin_directory(final: str | Path, overwrite: bool = False, collective: bool = True) -> Path:
+    """The first half of :func:`atomic_directory` for writers that finish later (megatron's
+    asynchronous checkpoint save): an empty temporary sibling of ``final``, to be handed to
+    :func:`commit_directory` once it is complete."""
+    final = Path(final)
+    if final.exists() and not overwrite:
+        raise FileExistsError(f"{final}: output exists (pass overwrite to replace it)")
+    tmp = final.parent / f".{final.name}.partial"
+    if is_rank0() or not collective:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    if collective:
+        barrier()
+    return tmp
+
+
+def commit_directory(tmp: Path, final: str | Path, collective: bool = True) -> None:
+    """Rename the complete ``tmp`` (from :func:`begin_directory`) to ``final``, replacing it."""
+    final = Path(final)
+    if is_rank0() or not collective:
         old = final.parent / f".{final.name}.old"
         if final.exists():
             shutil.rmtree(old, ignore_errors=True)

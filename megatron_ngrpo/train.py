@@ -2,7 +2,8 @@
 than one process): N-GRPO training.
 
 The configuration is loaded and checked before any process group starts; a bad value exits with
-status 2 and one line naming the field.
+status 2 and one line naming the field; dynamic sampling running out of informative groups
+(``on_exhausted: error``) exits with status 3 and one line.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import logging
 import sys
 
 from megatron_ngrpo.config_loader import ConfigError
+from megatron_ngrpo.grpo.dynamic_sampling import DynamicSamplingExhausted
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,10 +23,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="a.b=c", help="dotted config overrides")
     args = parser.parse_args(argv)
     # lazy: keeps train free of torch at import (start-up)
-    from megatron_ngrpo.training.job_config import load_config
+    from megatron_ngrpo.training.job_config import check_device, load_config
 
     try:
         cfg = load_config(args.config, args.overrides)
+        check_device(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -34,7 +37,11 @@ def main(argv: list[str] | None = None) -> int:
 
     trainer = Trainer(cfg)
     trainer.setup()
-    trainer.run()
+    try:
+        trainer.run()
+    except DynamicSamplingExhausted as e:  # raised on every rank (the count is all-reduced)
+        print(f"error: {e}", file=sys.stderr)
+        return 3
     # lazy: keeps train free of torch at import (start-up)
     import torch.distributed as dist
 

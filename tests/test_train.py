@@ -53,6 +53,10 @@ ERRORS = [
     (["data.train=[{path: /nonexistent/x.jsonl}]"], 1, "'data.train[0].path' = '/nonexistent/x.jsonl': file not found"),
     (["model.hf_path=/nonexistent"], 1, "'model.hf_path' = '/nonexistent': no config.json"),
     (["grpo.loss_agg=mean"], 1, "'grpo.loss_agg' = 'mean'"),
+    (["train.pack_sequences=true", "model.pipeline_parallel=2"], 2, "'train.pack_sequences' = True: needs model.pipeline_parallel = 1"),
+    (["train.async_save=true", "train.async.max_staleness=1"], 1, "'train.async_save' = True: forks a writer"),
+    (["train.dynamic_sampling.enabled=true", "train.async.max_staleness=1"], 1, "'train.dynamic_sampling.enabled' = True: refills"),
+    (["train.dynamic_sampling.max_gen_batches=0"], 1, "'train.dynamic_sampling.max_gen_batches' = 0"),
     (["grpo.advantage=rloo"], 1, "'grpo.advantage' = 'rloo'"),
     (["grpo.loss_mode=seq"], 1, "'grpo.loss_mode' = 'seq'"),
     (["grpo.kl_estimator=k4"], 1, "'grpo.kl_estimator' = 'k4'"),
@@ -188,6 +192,8 @@ def _losses(run_dir: Path) -> list[tuple]:
     ("distopt", ("optim.distributed_optimizer=true",)),  # DP 2, gathered into model space
     # TP 2, one-step-off rollouts: the checkpoint holds the in-flight batch and its weights
     ("async", ("train.async.max_staleness=1", "model.tensor_parallel=2")),
+    # DP 2, checkpoints written in the background (megatron's async save, published when done)
+    ("async_save", ("train.async_save=true",)),
 ])
 def test_sigkill_and_resume_is_bit_identical(task, tmp_path, variant, overrides):
     steps = ("train.max_steps=6", "train.save_every=2")
@@ -216,6 +222,8 @@ def test_sigkill_and_resume_is_bit_identical(task, tmp_path, variant, overrides)
     assert any(k.startswith("optimizer.state.exp_avg.") for k in a)  # both optimizers, model space
     assert _losses(straight) == _losses(killed)
     assert len(list(straight.glob("iter_*"))) == 2  # keep_last
+    if variant == "async_save":
+        assert "checkpoint iter_0000006: written in the background" in (tmp_path / "killed.log").read_text()
     if variant == "async":
         for run in (straight, killed):
             rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -21,7 +21,12 @@ from pathlib import Path
 import torch
 
 from megatron_ngrpo.architecture import padded_vocab_size, unwrap
-from megatron_ngrpo.atomic import atomic_directory, atomic_write
+from megatron_ngrpo.atomic import (
+    atomic_directory,
+    atomic_write,
+    begin_directory,
+    commit_directory,
+)
 from megatron_ngrpo.conversion.mapping import ConversionError, Kind, raise_if, tp_shard
 from megatron_ngrpo.models.config import ModelConfig
 from megatron_ngrpo.models.provider import params_dtype
@@ -107,22 +112,50 @@ def save_megatron_checkpoint(model_chunks: list, directory: str | Path, meta: di
     # lazy: keeps conversion.checkpoint free of megatron-core at import (start-up)
     from megatron.core import dist_checkpointing
 
+    directory = Path(directory)
+    state = _checkpoint_state(model_chunks, meta, extra)
+    with atomic_directory(directory, overwrite=overwrite) as tmp:
+        dist_checkpointing.save(state, str(tmp))
+        _write_files(tmp, directory, meta, aux_from)
+    return directory
+
+
+def save_megatron_checkpoint_async(model_chunks: list, directory: str | Path, meta: dict,
+                                   extra: dict | None = None, overwrite: bool = False):
+    """:func:`save_megatron_checkpoint` with megatron's asynchronous save: the tensors are copied
+    now (a forked writer process holds its own copy), written in the background, and the
+    directory appears under its final name only when the returned ``AsyncRequest`` is
+    finalized (megatron's ``AsyncCallsQueue``: every rank, after every rank's writer finished).
+    Callers append their own finalize functions (e.g. pointing ``latest`` at it) after ours."""
+    # lazy: keeps conversion.checkpoint free of megatron-core at import (start-up)
+    from megatron.core import dist_checkpointing
+
+    directory = Path(directory)
+    state = _checkpoint_state(model_chunks, meta, extra)
+    tmp = begin_directory(directory, overwrite=overwrite)
+    request = dist_checkpointing.save(state, str(tmp), async_sharded_save=True)
+    _write_files(tmp, directory, meta, None)
+    request.add_finalize_fn(lambda: commit_directory(tmp, directory))
+    return request
+
+
+def _checkpoint_state(model_chunks: list, meta: dict, extra: dict | None) -> dict:
+    if "hf_config" not in meta:
+        raise ConversionError("checkpoint metadata lacks 'hf_config' (build it with checkpoint_meta)")
+    return {**_sharded_state_dict(model_chunks), **(extra or {})}
+
+
+def _write_files(tmp: Path, directory: Path, meta: dict, aux_from: str | Path | None) -> None:
+    """Rank 0: config.json, the tokenizer / generation files and the metadata into ``tmp``."""
     # lazy: keeps conversion.checkpoint free of safetensors at import (start-up)
     from megatron_ngrpo.conversion.hf_io import copy_aux_files
 
-    if "hf_config" not in meta:
-        raise ConversionError("checkpoint metadata lacks 'hf_config' (build it with checkpoint_meta)")
-    directory = Path(directory)
-    state = {**_sharded_state_dict(model_chunks), **(extra or {})}
-    with atomic_directory(directory, overwrite=overwrite) as tmp:
-        dist_checkpointing.save(state, str(tmp))
-        if is_rank0():
-            (tmp / "config.json").write_text(json.dumps(meta["hf_config"], indent=2))
-            aux = aux_from or meta.get("hf_path")
-            if aux and Path(aux).is_dir() and Path(aux).resolve() != directory.resolve():
-                copy_aux_files(aux, tmp)
-            (tmp / META_FILE).write_text(json.dumps(meta, indent=2, default=str))
-    return directory
+    if is_rank0():
+        (tmp / "config.json").write_text(json.dumps(meta["hf_config"], indent=2))
+        aux = aux_from or meta.get("hf_path")
+        if aux and Path(aux).is_dir() and Path(aux).resolve() != directory.resolve():
+            copy_aux_files(aux, tmp)
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2, default=str))
 
 
 def _flat_sharded_tensors(state: dict) -> list:

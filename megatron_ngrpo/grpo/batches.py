@@ -159,10 +159,12 @@ class MicroBatchPlan:
     # scatters the sequence over TP ranks), times the context-parallel size. Padded columns are
     # masked out like right padding.
     seq_multiple: int = 1
+    # Sequence packing (grpo/packing.py): "" off, "mask" (local spec) or "thd" (TE, GPU).
+    packing: str = ""
 
     @classmethod
     def make(cls, model_chunks: list, batch: TokenBatch, micro_batch_size: int,
-             max_tokens: int = 0) -> MicroBatchPlan:
+             max_tokens: int = 0, packing: str = "") -> MicroBatchPlan:
         config = unwrap(model_chunks[0]).config
         multiple = (config.tensor_model_parallel_size if config.sequence_parallel else 1) * \
             config.context_parallel_size
@@ -176,7 +178,9 @@ class MicroBatchPlan:
         fixed = None
         if pp > 1 and not _variable_p2p_shapes():
             fixed = (max(max(len(g) for g in groups), 1), _round_up(int(batch.lengths.max()), multiple))
-        return cls(groups, fixed, multiple)
+        if packing and pp > 1:
+            raise ValueError("sequence packing needs pipeline_parallel = 1")
+        return cls(groups, fixed, multiple, packing)
 
     def micro_batches(self, batch: TokenBatch) -> list[TokenBatch]:
         out = []

@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field
 
 from megatron_ngrpo.config_loader import fail
+from megatron_ngrpo.grpo.mismatch import MismatchConfig
 
 ADVANTAGES = ("grpo", "dr_grpo")
 LOSS_MODES = ("token", "gspo")
@@ -82,8 +83,12 @@ class GRPOConfig:
     # Old log-probs: "recompute" with the trainer before the updates (reference code) or take the
     # engine's "rollout" log-probs.
     old_logprobs: str = "recompute"
-    # Truncated importance sampling: per-token weight min(π_old/π_rollout, tis_cap) (null = off).
+    # Truncated importance sampling: per-token weight min(π_old/π_rollout, tis_cap) (null = off);
+    # short for mismatch.mode = token-tis, mismatch.cap = tis_cap.
     tis_cap: float | None = None
+    # Rollout-trainer mismatch corrections (grpo/mismatch.py); its metrics are logged every step
+    # with grpo.old_logprobs = recompute.
+    mismatch: MismatchConfig = field(default_factory=MismatchConfig)
     dra: DRAConfig = field(default_factory=DRAConfig)
 
     def validate(self) -> None:
@@ -113,6 +118,18 @@ class GRPOConfig:
             fail("old_logprobs", self.old_logprobs, "expected 'recompute' or 'rollout'")
         if self.tis_cap is not None and self.tis_cap <= 0:
             fail("tis_cap", self.tis_cap, "must be > 0 (or null to disable)")
+        if self.tis_cap is not None and self.mismatch.mode != "off":
+            fail("tis_cap", self.tis_cap, f"set either tis_cap or mismatch.mode (= {self.mismatch.mode!r}), not both")
+        if self.mismatch.mode != "off" and self.old_logprobs != "recompute":
+            fail("mismatch.mode", self.mismatch.mode, "corrects π_old (recomputed) against the engine's "
+                 "log-probs: needs grpo.old_logprobs = recompute")
+
+    @property
+    def correction(self) -> MismatchConfig:
+        """The mismatch correction in force (``tis_cap`` read as token-tis)."""
+        if self.tis_cap is not None:
+            return MismatchConfig(mode="token-tis", cap=self.tis_cap)
+        return self.mismatch
 
     @property
     def needs_reference(self) -> bool:

@@ -24,6 +24,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron_ngrpo.architecture import unwrap
 from megatron_ngrpo.compat.cpu import device
 from megatron_ngrpo.grpo.batches import MicroBatchPlan, TokenBatch
+from megatron_ngrpo.grpo.packing import pack, unpack
 from megatron_ngrpo.grpo.token_logprobs import vocab_parallel_logprobs
 from megatron_ngrpo.mixing.embedding import mixing_inputs
 from megatron_ngrpo.rollout.types import RolloutBatch
@@ -61,8 +62,13 @@ def run_schedule(model_chunks: list, micro_batches: list[TokenBatch], plan: Micr
     """
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        with mixing_inputs(model, mb.mix):
-            output = model(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None)
+        if plan.packing:  # PP = 1: the output is the logits
+            kwargs, mix, index = pack(mb.tokens, mb.lengths, mb.mix, plan.seq_multiple, plan.packing)
+            with mixing_inputs(model, mix):
+                output = unpack(model(**kwargs), index, *mb.tokens.shape)
+        else:
+            with mixing_inputs(model, mb.mix):
+                output = model(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None)
         return output, partial(_call_loss, loss_fn, mb)
 
     seq_length, mbs = plan.shape(micro_batches)
@@ -113,10 +119,10 @@ def forward_token_values(model_chunks: list, batch: TokenBatch, plan: MicroBatch
 
 def batch_logprobs(model_chunks: list, batch: TokenBatch, temperature: float,
                    micro_batch_size: int, vocab_limit: int | None = None, max_tokens: int = 0,
-                   with_entropy: bool = False) -> torch.Tensor:
+                   with_entropy: bool = False, packing: str = "") -> torch.Tensor:
     """[B, L] label-aligned log-probs of ``batch`` (and, with ``with_entropy``, [2, B, L] with the
-    entropy as the second plane)."""
-    plan = MicroBatchPlan.make(model_chunks, batch, micro_batch_size, max_tokens)
+    entropy as the second plane); ``packing``: see :class:`MicroBatchPlan`."""
+    plan = MicroBatchPlan.make(model_chunks, batch, micro_batch_size, max_tokens, packing)
 
     def value_fn(mb: TokenBatch, logits: torch.Tensor) -> torch.Tensor:
         lp, ent = token_logprobs(logits, mb.labels, temperature, vocab_limit, with_entropy)

@@ -2,7 +2,7 @@
 
 Per token (label-aligned [b, s] tensors): ratio r = exp(clamp(log π_θ − log π_old, ±20));
 surrogate max(−A·r, −A·clip(r, 1−ε_low, 1+ε_high)), and for A < 0 at most −A·c (dual clip);
-optionally × a truncated importance weight (TIS); plus β·KL(π_θ‖π_ref) (k1/k2/k3).
+optionally × a rollout-correction weight (TIS, ICEPOP, ...: grpo/mismatch.py); plus β·KL(π_θ‖π_ref) (k1/k2/k3).
 GSPO (``loss_mode="gspo"``) uses one ratio per sequence, exp(mean_t log-ratio), in the same
 clipped surrogate, broadcast to the sequence's tokens.
 

@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.tensorboard import SummaryWriter
 
+from megatron_ngrpo.training.trackers import Trackers, TrackersConfig
+
 
 class PhaseTimer:
     """Wall-clock seconds per named phase (``with timer("rollout"): ...``), summed per step."""
@@ -69,17 +71,21 @@ def dp_max(values: dict[str, float], group=None) -> dict[str, float]:
 
 
 class MetricsWriter:
-    """``metrics.jsonl`` (one object per step) and TensorBoard scalars under ``run_dir``."""
+    """``metrics.jsonl`` (one object per step), TensorBoard scalars under ``run_dir`` and the
+    configured experiment trackers (training/trackers.py: W&B, MLflow), the same scalars in each."""
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True):
-        self.active = dist.get_rank() == 0
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, trackers: TrackersConfig | None = None,
+                 config: dict | None = None):
+        self.active = not dist.is_initialized() or dist.get_rank() == 0
         self.path = Path(run_dir) / "metrics.jsonl"
-        self._tb = None
+        self._tb = self._trackers = None
         if self.active:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if tensorboard:
 
                 self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+            if trackers is not None and (trackers.wandb or trackers.mlflow):
+                self._trackers = Trackers(trackers, run_dir, config)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         if not self.active:
@@ -90,6 +96,8 @@ class MetricsWriter:
             for k, v in metrics.items():
                 self._tb.add_scalar(k, v, step)
             self._tb.flush()
+        if self._trackers is not None:
+            self._trackers.log(step, metrics)
 
     def truncate(self, step: int) -> None:
         """Drop lines of steps after ``step`` (a resumed run rewrites them)."""
@@ -107,3 +115,6 @@ class MetricsWriter:
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+        if self._trackers is not None:
+            self._trackers.close()
+            self._trackers = None

@@ -3,7 +3,8 @@ megatron's schedule (micro-batches, PP), DP reduction by megatron DDP.
 
 The batch is a :class:`~megatron_ngrpo.grpo.batches.TokenBatch` of this DP rank's responses with
 extras ``old_logprobs`` [B, L], ``advantages`` [B], ``active`` [B] bool (False: filtered group)
-and optionally ``ref_logprobs`` [B, L], ``tis_weight`` [B, L]. The aggregation weights are fixed
+and optionally ``ref_logprobs`` [B, L], ``tis_weight`` [B, L] and ``keep`` [B, L] bool (the
+mismatch correction's weight and kept tokens, grpo/mismatch.py). The aggregation weights are fixed
 for the whole mini-batch before the first micro-batch runs, so micro-batch losses add up to the
 mini-batch objective (megatron's ``calculate_per_token_loss`` mode: no division by the number of
 micro-batches or DP ranks; the loss function reports ``num_tokens = 0`` so megatron's per-token
@@ -39,6 +40,8 @@ class UpdateSettings:
     vocab_limit: int | None = None
     # Dr.GRPO normaliser: the longest response the engine may produce.
     max_response_len: int = 1
+    # Sequence packing of the micro-batches (grpo/packing.py): "", "mask" or "thd".
+    packing: str = ""
 
 
 def wrap_for_training(chunks: list, ddp_config=None) -> list:
@@ -61,7 +64,7 @@ def wrap_for_training(chunks: list, ddp_config=None) -> list:
 
 
 def update_step(model_chunks: list, batch: TokenBatch, loss_fn, micro_batch_size: int, max_tokens: int = 0,
-                optimizer=None, scheduler=None, step: bool = True) -> tuple[list[dict], float]:
+                optimizer=None, scheduler=None, step: bool = True, packing: str = "") -> tuple[list[dict], float]:
     """One update of the GRPO loss and of the supervised warm-start: zero the gradient buffers (and
     ``optimizer``'s gradients: after a step megatron's optimizers leave ``param.grad`` aliasing
     ``main_grad``, which the next backward would add in twice), forward + backward ``batch``
@@ -74,7 +77,7 @@ def update_step(model_chunks: list, batch: TokenBatch, loss_fn, micro_batch_size
         c.zero_grad_buffer()
     if optimizer is not None:
         optimizer.zero_grad()
-    plan = MicroBatchPlan.make(model_chunks, batch, micro_batch_size, max_tokens)
+    plan = MicroBatchPlan.make(model_chunks, batch, micro_batch_size, max_tokens, packing)
     store = run_schedule(model_chunks, plan.micro_batches(batch), plan, loss_fn, forward_only=False)
     grad_norm = None
     if step and optimizer is not None:
@@ -95,7 +98,9 @@ def loss_and_grads(model_chunks: list, batch: TokenBatch, cfg: GRPOConfig, setti
     are zero) and ``grad_norm`` (0.0 without a step)."""
 
     dp_group = ps.get_data_parallel_group()
-    weights, norm = aggregation_weights(batch.mask, batch.extras["active"], cfg.loss_agg,
+    # Tokens a mismatch correction rejected ("keep" False) leave the normaliser too.
+    kept = batch.mask & batch.extras["keep"] if "keep" in batch.extras else batch.mask
+    weights, norm = aggregation_weights(kept, batch.extras["active"], cfg.loss_agg,
                                         settings.max_response_len, dp_group)
     batch = batch.with_extras(token_weight=weights)
 
@@ -106,7 +111,7 @@ def loss_and_grads(model_chunks: list, batch: TokenBatch, cfg: GRPOConfig, setti
         return loss, torch.zeros((), dtype=torch.int, device=loss.device), stats
 
     store, grad_norm = update_step(model_chunks, batch, loss_fn, settings.micro_batch_size, settings.max_tokens,
-                                   optimizer, scheduler, step=step and norm != 0)
+                                   optimizer, scheduler, step=step and norm != 0, packing=settings.packing)
     return {**_reduce_stats(store, norm), "grad_norm": grad_norm}
 
 

@@ -26,7 +26,10 @@ Training (megatron-core, fp32 main grads, Adam, 1F1B pipeline), on the busiest r
   and, during that layer's backward, their two gradients (:data:`UNFUSED_S2_COPIES` in all);
 * a fixed 3 GiB on GPU for the CUDA context, NCCL buffers and allocator slack.
 
-vLLM (rollout): weights 2 B/param / vLLM TP, KV cache 2·L·g_local·d·2 B per token
+Context parallelism (``cp``) divides every per-token term by cp (each rank holds 1/cp of each
+sequence) and shards the distributed optimizer over DP × CP.
+
+vLLM (rollout): weights 2 B/param / vLLM TP (FP8 rollouts: 1 B per linear-layer weight), KV cache 2·L·g_local·d·2 B per token
 (g_local = max(1, g / TP): KV heads are replicated when TP > g), from the fraction
 ``gpu_memory_utilization`` of the GPU minus weights and a 2 GiB activation/graph reserve.
 """
@@ -46,7 +49,7 @@ H100_USABLE_BYTES = int(0.95 * H100_BYTES)
 OVERHEAD_BYTES = 3 * GIB
 VLLM_RESERVE_BYTES = 2 * GIB
 
-BF16, FP32 = 2, 4
+FP8, BF16, FP32 = 1, 2, 4
 GRAD_BYTES = FP32
 ADAM_BYTES = 2 * FP32  # m, v
 # Extra fp32 logits-sized tensors the log-prob / entropy / KL pass holds at its peak (forward and
@@ -67,6 +70,9 @@ class TrainLayout:
     pp: int
     dp: int
     tokens: int  # tokens per micro-batch (sequences × length)
+    # Context parallelism: each sequence split over cp ranks (activations, logits ÷ cp; the
+    # distributed optimizer shards over DP × CP).
+    cp: int = 1
     sequence_parallel: bool = True
     recompute: bool = True
     make_vocab_size_divisible_by: int = 128
@@ -153,11 +159,16 @@ def _layer_elements(spec: ArchSpec, layout: TrainLayout) -> tuple[float, float, 
     return attention, mlp, scores
 
 
+def _rank_tokens(layout: TrainLayout) -> float:
+    """Tokens of one micro-batch on one rank: each CP rank holds 1/cp of every sequence."""
+    return layout.tokens / layout.cp
+
+
 def layer_activation_bytes(spec: ArchSpec, layout: TrainLayout) -> int:
     """Activations one layer keeps for its backward without recomputation (see the module
     docstring; unfused attention: the softmax input and output), in the activation dtype."""
     attention, mlp, scores = _layer_elements(spec, layout)
-    return int(layout.param_bytes * layout.tokens * (attention + mlp + 2 * scores))
+    return int(layout.param_bytes * _rank_tokens(layout) * (attention + mlp + 2 * scores))
 
 
 def activation_bytes(spec: ArchSpec, layout: TrainLayout, stage: int = 0) -> int:
@@ -167,7 +178,7 @@ def activation_bytes(spec: ArchSpec, layout: TrainLayout, stage: int = 0) -> int
     if not layout.recompute:
         return layers_in_flight * layer_activation_bytes(spec, layout)
     sp = layout.tp if layout.sequence_parallel else 1
-    return layers_in_flight * (layout.param_bytes * layout.tokens * spec.hidden_size // sp)
+    return int(layers_in_flight * (layout.param_bytes * _rank_tokens(layout) * spec.hidden_size // sp))
 
 
 def working_bytes(spec: ArchSpec, layout: TrainLayout) -> int:
@@ -177,7 +188,7 @@ def working_bytes(spec: ArchSpec, layout: TrainLayout) -> int:
     if not layout.recompute:
         return 0
     attention, _, scores = _layer_elements(spec, layout)
-    attention_backward = layout.param_bytes * layout.tokens * (attention + UNFUSED_S2_COPIES * scores)
+    attention_backward = layout.param_bytes * _rank_tokens(layout) * (attention + UNFUSED_S2_COPIES * scores)
     return int(max(layer_activation_bytes(spec, layout), attention_backward))
 
 
@@ -185,13 +196,13 @@ def logits_bytes(spec: ArchSpec, layout: TrainLayout) -> int:
     """The logits of one micro-batch and the log-prob pass's extra fp32 copies (last stage)."""
     vocab = padded_vocab_size(spec.vocab_size, layout.tp, layout.make_vocab_size_divisible_by)
     per_element = layout.param_bytes + LOGITS_EXTRA_FP32 * FP32
-    return int(per_element * layout.tokens * vocab // layout.tp)
+    return int(per_element * _rank_tokens(layout) * vocab // layout.tp)
 
 
 def optimizer_bytes_per_param(layout: TrainLayout) -> float:
-    """Adam's moments plus an fp32 master copy of 16-bit weights, ÷DP when distributed."""
+    """Adam's moments plus an fp32 master copy of 16-bit weights, ÷DP×CP when distributed."""
     master = FP32 if layout.param_bytes < FP32 else 0
-    return (ADAM_BYTES + master) / (layout.dp if layout.distributed_optimizer else 1)
+    return (ADAM_BYTES + master) / (layout.dp * layout.cp if layout.distributed_optimizer else 1)
 
 
 def train_memory(spec: ArchSpec, layout: TrainLayout) -> TrainMemory:
@@ -216,11 +227,18 @@ def train_memory(spec: ArchSpec, layout: TrainLayout) -> TrainMemory:
 
 
 def vllm_memory(spec: ArchSpec, tp: int, gpu_memory_utilization: float,
-                gpu_bytes: int = H100_BYTES) -> VLLMMemory:
-    """Weights and KV-cache capacity of one vLLM engine rank."""
+                gpu_bytes: int = H100_BYTES, quantization: str | None = None) -> VLLMMemory:
+    """Weights and KV-cache capacity of one vLLM engine rank. ``quantization="fp8"``: vLLM's
+    online FP8 stores the transformer layers' linear weights in 1 byte (norms, embedding and
+    output matrix stay bf16); the KV cache stays bf16."""
     kv_heads = max(1, spec.num_kv_heads // tp)
     kv_per_token = 2 * spec.num_layers * kv_heads * spec.head_dim * BF16
     reserved = int(gpu_memory_utilization * gpu_bytes)
     weights = BF16 * model_params(spec) // tp
+    if quantization == "fp8":
+        qkv_out = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
+        linear = spec.num_layers * spec.hidden_size * (qkv_out + spec.num_heads * spec.head_dim
+                                                       + 3 * spec.ffn_hidden_size)
+        weights -= (BF16 - FP8) * linear // tp
     return VLLMMemory(reserved=reserved, weights=weights, kv_bytes_per_token=kv_per_token,
                       kv_cache=reserved - weights - VLLM_RESERVE_BYTES)

@@ -105,7 +105,7 @@ def plan_layout(recipe: recipes.Recipe, nodes: int | None = None, overrides: tup
     world = recipe.world_size(nodes)
     cfg = recipe_config(recipe, nodes, overrides, config)
     m = cfg.model
-    dp = world // (m.tensor_parallel * m.pipeline_parallel)
+    dp = world // (m.tensor_parallel * m.pipeline_parallel * m.context_parallel)
     plan = LayoutPlan(recipe=recipe, nodes=nodes, world_size=world, tp=m.tensor_parallel,
                       pp=m.pipeline_parallel, vpp=m.virtual_pipeline, dp=dp,
                       padded_vocab=memory.padded_vocab_size(recipe.spec.vocab_size, m.tensor_parallel,
@@ -115,7 +115,8 @@ def plan_layout(recipe: recipes.Recipe, nodes: int | None = None, overrides: tup
     plan.train = memory.train_memory(recipe.spec, plan.layout)
     if cfg.rollout.engine == "vllm":
         v = cfg.rollout.vllm
-        plan.vllm = memory.vllm_memory(recipe.spec, v.tensor_parallel, v.gpu_memory_utilization)
+        plan.vllm = memory.vllm_memory(recipe.spec, v.tensor_parallel, v.gpu_memory_utilization,
+                                       quantization=v.quantization)
     if not plan.fits:
         raise PlanError(f"recipe {recipe.name} on {nodes} node(s): TP {plan.tp}, PP {plan.pp}, DP {dp} needs "
                         f"{plan.gpu_total / memory.GIB:.1f} GiB per GPU (training {plan.train.total / memory.GIB:.1f}"
@@ -123,7 +124,8 @@ def plan_layout(recipe: recipes.Recipe, nodes: int | None = None, overrides: tup
                         f"{memory.H100_USABLE_BYTES / memory.GIB:.1f} GiB of an 80 GB H100")
     with tempfile.TemporaryDirectory(prefix="ngrpo-plan-") as hf:
         _write_hf_config(recipe, hf)
-        plan.shards = _build_shards(dataclasses.replace(cfg.model, hf_path=hf), world, dp)
+        # CP ranks hold the same parameters: built as megatron's DP ranks of a CP-less layout.
+        plan.shards = _build_shards(dataclasses.replace(cfg.model, hf_path=hf), world, dp * m.context_parallel)
     _check_counts(plan, cfg)
     return plan
 
@@ -154,7 +156,7 @@ def train_layout(cfg, dp: int) -> memory.TrainLayout:
     longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     tokens = t.max_tokens_per_micro_batch or t.micro_batch_size * longest
     return memory.TrainLayout(
-        tp=m.tensor_parallel, pp=m.pipeline_parallel, dp=dp, tokens=tokens,
+        tp=m.tensor_parallel, pp=m.pipeline_parallel, dp=dp, tokens=tokens, cp=m.context_parallel,
         sequence_parallel=m.sequence_parallel and m.tensor_parallel > 1, recompute=m.recompute,
         make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
         distributed_optimizer=cfg.optim.distributed_optimizer)

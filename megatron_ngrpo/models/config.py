@@ -27,6 +27,10 @@ class ModelConfig:
     # "auto": Transformer-Engine spec when importable on GPU, else megatron's local spec.
     layer_spec: str = "auto"
     sequence_parallel: bool = False
+    # Context parallelism (megatron CP: each sequence split over this many ranks; TE attention,
+    # GPU only). Planned for (launch/memory.py) but refused at start-up: the replay's sequence
+    # split and log-prob gather over CP ranks are not written (README, peer features).
+    context_parallel: int = 1
     recompute: bool = False
     max_seq_len: int | None = None
 
@@ -35,6 +39,8 @@ class ModelConfig:
             fail("hf_path", self.hf_path, "required: a directory with a Hugging Face config.json")
         if not (Path(self.hf_path) / "config.json").is_file():
             fail("hf_path", self.hf_path, "no config.json in this directory")
+        if self.context_parallel < 1:
+            fail("context_parallel", self.context_parallel, "must be >= 1")
         if self.tensor_parallel < 1 or self.pipeline_parallel < 1:
             fail("tensor_parallel", (self.tensor_parallel, self.pipeline_parallel), "must be >= 1")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -45,6 +45,9 @@ class VLLMConfig:
     sync_bucket_mb: float = 512.0
     # gloo route: the worker checks each received tensor's SHA-256 against the trainer's.
     verify_weights: bool = False
+    # Rollout weights quantized by vLLM: null (the trainer's dtype) or "fp8" (vLLM's online
+    # per-tensor FP8 of the linear layers, re-quantized at every weight sync; GPU only, Hopper+).
+    quantization: str | None = None
 
     def validate(self) -> None:
         if self.tensor_parallel < 1:
@@ -66,6 +69,8 @@ class VLLMConfig:
         if self.verify_weights and self.weight_transfer != "gloo":
             fail("verify_weights", self.verify_weights, "checks tensors on the gloo route only "
                  "(rollout.vllm.weight_transfer=gloo)")
+        if self.quantization not in (None, "fp8"):
+            fail("quantization", self.quantization, "expected null or 'fp8'")
         if not self.enforce_eager:
             # CUDA-graph replay would bypass the hook's per-step overwrite of input embeddings.
             fail("enforce_eager", self.enforce_eager, "must be true: CUDA graphs bypass the mixing hook")

@@ -26,6 +26,7 @@ megatron-core 0.16.1 cannot load that format with torch's Adam (no apex / TE her
 
 from __future__ import annotations
 
+import functools
 import random
 import shutil
 from pathlib import Path
@@ -43,6 +44,7 @@ from megatron_ngrpo.conversion.checkpoint import (
     read_meta,
     resolve_checkpoint,
     save_megatron_checkpoint,
+    save_megatron_checkpoint_async,
     write_latest,
 )
 
@@ -70,10 +72,13 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 
 def save_training_checkpoint(run_dir: str | Path, step: int, chunks: list, meta: dict, optimizer,
                              trainer_state: dict, keep_last: int = 0, protect: tuple[str, ...] = (),
-                             rank_state: dict | None = None) -> Path:
+                             rank_state: dict | None = None, async_queue=None) -> Path:
     """Write ``run_dir/iter_<step>`` atomically (collective), point ``latest`` at it and delete
     all but the newest ``keep_last`` (0 = keep all; names in ``protect`` are kept).
-    ``rank_state``: this rank's own object (None on every rank, or given on every rank)."""
+    ``rank_state``: this rank's own object (None on every rank, or given on every rank).
+    ``async_queue``: a megatron ``AsyncCallsQueue``; the save is scheduled on it (written in the
+    background) and the directory, ``latest`` and the pruning happen when the queue finalizes
+    it, so ``latest`` never names an incomplete checkpoint."""
     # lazy: keeps training.checkpoint free of megatron-core at import (start-up)
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
@@ -89,16 +94,27 @@ def save_training_checkpoint(run_dir: str | Path, step: int, chunks: list, meta:
         extra["rank_state"] = _rank_object(ShardedObject, "rank_state", rank_state)
     meta = {**meta, "step": step, "world_size": dist.get_world_size(), "distributed_optimizer": distopt,
             "rank_state": rank_state is not None}
+    publish = functools.partial(_publish, run_dir, final.name, keep_last, protect)
+    if async_queue is not None:
+        request = save_megatron_checkpoint_async(chunks, final, meta, extra=extra, overwrite=True)
+        request.add_finalize_fn(publish)
+        async_queue.schedule_async_request(request)
+        return final
     save_megatron_checkpoint(chunks, final, meta, extra=extra, overwrite=True)
+    publish()
+    return final
+
+
+def _publish(run_dir: str | Path, name: str, keep_last: int, protect: tuple[str, ...]) -> None:
+    """Point ``latest`` at the complete checkpoint ``name``, prune (collective)."""
     if dist.get_rank() == 0:
-        write_latest(run_dir, final.name)
+        write_latest(run_dir, name)
         if keep_last:
             done = sorted(p for p in Path(run_dir).glob("iter_*") if (p / META_FILE).is_file())
             for p in done[:-keep_last]:
                 if p.name not in protect:
                     shutil.rmtree(p, ignore_errors=True)
     dist.barrier()
-    return final
 
 
 def load_training_checkpoint(path: str | Path, chunks: list, optimizer) -> dict:

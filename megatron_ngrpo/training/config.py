@@ -11,6 +11,8 @@ from pathlib import Path
 
 from megatron_ngrpo.config_loader import fail
 from megatron_ngrpo.eval.config import EvalSamplingConfig
+from megatron_ngrpo.grpo.dynamic_sampling import DynamicSamplingConfig
+from megatron_ngrpo.training.trackers import TrackersConfig
 
 
 @dataclass
@@ -96,6 +98,8 @@ class TrainConfig:
     epochs_per_rollout: int = 1
     # Responses per micro-batch per DP rank (upper bound with a token budget).
     micro_batch_size: int = 2
+    # Pack each micro-batch's responses into one row without padding (grpo/packing.py; PP 1).
+    pack_sequences: bool = False
     # > 0: token-budget micro-batches (rows × longest row ≤ this), longest sequences first.
     max_tokens_per_micro_batch: int = 0
     # Rollout steps: 0 = one pass over the training prompts (num_epochs of them).
@@ -108,11 +112,16 @@ class TrainConfig:
     # (a second model on the device).
     reference: str = "swap"
     save_every: int = 10
+    # Write checkpoints in the background (megatron dist_checkpointing async save: a forked writer
+    # per rank); a checkpoint becomes `latest` once every rank's writer finished.
+    async_save: bool = False
     keep_last: int = 3
     # Resume from run_dir/latest when it exists.
     resume: bool = True
     log_every: int = 1
     tensorboard: bool = True
+    # Weights & Biases / MLflow beside metrics.jsonl and TensorBoard (training/trackers.py).
+    trackers: TrackersConfig = field(default_factory=TrackersConfig)
     progress: bool = True
     # Save generations (text, reward, mixes) of every step as JSONL.
     dump_generations: bool = False
@@ -123,6 +132,8 @@ class TrainConfig:
     dist_timeout_s: int = 1800
     # Read and written as ``train.async`` (a Python keyword: config_loader maps ``async_``).
     async_: AsyncConfig = field(default_factory=AsyncConfig)
+    # DAPO dynamic sampling: drop uniform-reward groups and refill the batch (grpo/dynamic_sampling.py).
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
 
     def validate(self) -> None:
         for name in ("prompts_per_step", "mini_batch_prompts", "epochs_per_rollout",

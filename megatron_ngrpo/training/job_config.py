@@ -54,6 +54,15 @@ class NGRPOConfig:
             fail("train.async.max_staleness", self.train.async_.max_staleness,
                  "one-step-off rollouts need an engine beside the trainer's groups: rollout.engine = "
                  "megatron (a separate weight copy) or remote (rollout servers), not colocated vllm")
+        if self.train.pack_sequences and self.model.pipeline_parallel > 1:
+            fail("train.pack_sequences", True, "needs model.pipeline_parallel = 1 (stages would exchange "
+                 "packed activations of varying length)")
+        if self.train.async_save and self.train.async_.max_staleness:
+            fail("train.async_save", True, "forks a writer process per save, which would copy this process "
+                 "while its one-step-off rollout thread runs: with train.async.max_staleness = 0 only")
+        if self.train.dynamic_sampling.enabled and self.train.async_.max_staleness:
+            fail("train.dynamic_sampling.enabled", True, "refills a step by generating more with the "
+                 "current weights: synchronous rollouts only (train.async.max_staleness = 0)")
         t = self.train
         dp = data_parallel_size(self.model)
         for name in ("prompts_per_step", "mini_batch_prompts"):
@@ -76,12 +85,34 @@ class NGRPOConfig:
 
 
 def data_parallel_size(model: ModelConfig) -> int:
-    mp = model.tensor_parallel * model.pipeline_parallel
+    mp = model.tensor_parallel * model.pipeline_parallel * model.context_parallel
     if launch_world_size() % mp:
         fail("model.tensor_parallel", model.tensor_parallel,
-             f"TP {model.tensor_parallel} × PP {model.pipeline_parallel} does not divide the "
+             f"TP {model.tensor_parallel} × PP {model.pipeline_parallel}"
+             f"{f' × CP {model.context_parallel}' if model.context_parallel > 1 else ''} does not divide the "
              f"world size {launch_world_size()}")
     return launch_world_size() // mp
+
+
+def check_device(cfg: NGRPOConfig, gpu: bool | None = None) -> None:
+    """Start-up refusals of options this machine (``gpu``: default, whether CUDA is available)
+    or this trainer cannot run; called by the training entry point before any process group.
+    Kept out of :meth:`NGRPOConfig.validate` so that ``ngrpo-launch plan`` checks GPU configs on
+    a machine without GPUs."""
+    import torch
+
+    gpu = torch.cuda.is_available() if gpu is None else gpu
+    if cfg.model.context_parallel > 1:
+        fail("model.context_parallel", cfg.model.context_parallel,
+             "not run by this trainer: the replay's sequence split and log-prob gather over CP ranks are "
+             "not written (memory planning only: ngrpo-launch plan)")
+    if cfg.train.pack_sequences and cfg.model.layer_spec == "te" and not gpu:
+        fail("train.pack_sequences", True, "with model.layer_spec = te packs in TE's THD layout, which "
+             "needs a GPU (on CPU use the local spec: block-diagonal attention mask)")
+    v = cfg.rollout.vllm
+    if v.quantization and cfg.rollout.engine == "vllm" and not gpu:
+        fail("rollout.vllm.quantization", v.quantization, "FP8 rollouts need a GPU (vLLM's FP8 linear "
+             "kernels are CUDA only; compute capability 8.9+)")
 
 
 def load_config(paths: list[str] | str | None, overrides: list[str] | None = None) -> NGRPOConfig:

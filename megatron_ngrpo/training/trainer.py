@@ -56,13 +56,19 @@ from megatron_ngrpo.grpo.advantages import (
 )
 from megatron_ngrpo.grpo.batches import TokenBatch
 from megatron_ngrpo.grpo.dra import ResponseHiddenMeans, dra_rewards, similarity, text_embedder
+from megatron_ngrpo.grpo.dynamic_sampling import (
+    DynamicSamplingExhausted,
+    choose_groups,
+    exhausted_message,
+)
 from megatron_ngrpo.grpo.logprobs import batch_logprobs
 from megatron_ngrpo.grpo.metrics import MetricsWriter, PhaseTimer, dp_max, dp_sums
+from megatron_ngrpo.grpo.mismatch import correction, mismatch_metrics, mismatch_sums
 from megatron_ngrpo.grpo.update import UpdateSettings, loss_and_grads, wrap_for_training
 from megatron_ngrpo.mixing.embedding import mixing_embedding
 from megatron_ngrpo.mixing.neighbors import neighbor_table_for_model
 from megatron_ngrpo.models.config import real_token_count
-from megatron_ngrpo.models.provider import build_model, params_dtype
+from megatron_ngrpo.models.provider import build_model, params_dtype, use_te
 from megatron_ngrpo.parallel import (
     broadcast_from_rank0,
     init_distributed,
@@ -71,7 +77,7 @@ from megatron_ngrpo.parallel import (
 )
 from megatron_ngrpo.rewards.graders import build_grader
 from megatron_ngrpo.rewards.registry import build_reward
-from megatron_ngrpo.rollout.types import SamplingParams, active_mixing
+from megatron_ngrpo.rollout.types import RolloutBatch, SamplingParams, active_mixing
 from megatron_ngrpo.training.async_rollout import build_rollouts
 from megatron_ngrpo.training.checkpoint import (
     checkpoint_meta,
@@ -104,6 +110,7 @@ class Trainer:
         self.table: torch.Tensor | None = None
         self.table_updates = -1  # self.updates when the table was computed
         self.best: dict | None = None
+        self.async_saves = None  # megatron AsyncCallsQueue with train.async_save
 
     # ---- set-up ----------------------------------------------------------------------------
     def setup(self) -> None:
@@ -149,8 +156,16 @@ class Trainer:
         self.settings = UpdateSettings(
             temperature=cfg.rollout.temperature, micro_batch_size=cfg.train.micro_batch_size,
             max_tokens=cfg.train.max_tokens_per_micro_batch, vocab_limit=self.num_real_tokens,
-            max_response_len=cfg.rollout.max_new_tokens)
-        self.metrics = MetricsWriter(self.run_dir, cfg.train.tensorboard)
+            max_response_len=cfg.rollout.max_new_tokens,
+            packing=("thd" if use_te(cfg.model) else "mask") if cfg.train.pack_sequences else "")
+        self.metrics = MetricsWriter(self.run_dir, cfg.train.tensorboard, cfg.train.trackers,
+                                     dataclasses.asdict(cfg))
+        if cfg.train.async_save:
+            from megatron.core.dist_checkpointing.strategies.async_utils import (
+                AsyncCallsQueue,
+            )
+
+            self.async_saves = AsyncCallsQueue()
         latest = latest_checkpoint(self.run_dir) if cfg.train.resume else None
         if latest is not None:
             self._resume(latest)
@@ -213,9 +228,15 @@ class Trainer:
     def save(self) -> Path:
         meta = checkpoint_meta(self.cfg.model, config=dataclasses.asdict(self.cfg))
         protect = (self.best["checkpoint"],) if self.best else ()
-        return save_training_checkpoint(self.run_dir, self.step, self.chunks, meta, self.optimizer,
+        if self.async_saves is not None:  # one save in flight at a time: keep_last counts complete ones
+            self.async_saves.maybe_finalize_async_calls(blocking=True)
+        path = save_training_checkpoint(self.run_dir, self.step, self.chunks, meta, self.optimizer,
                                         self._trainer_state(), self.cfg.train.keep_last, protect,
-                                        rank_state=self.rollouts.state_dict() if self.rollouts else None)
+                                        rank_state=self.rollouts.state_dict() if self.rollouts else None,
+                                        async_queue=self.async_saves)
+        if self.async_saves is not None:
+            logger.info("checkpoint %s: written in the background", path.name)
+        return path
 
     def _resume(self, path: Path) -> None:
         state = load_training_checkpoint(path, self.chunks, self.optimizer)
@@ -254,6 +275,11 @@ class Trainer:
                     self.save()
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics.get('kl', 0):.4f}")
                 bar.update()
+                if self.async_saves is not None:  # publish a background save once every writer is done
+                    self.async_saves.maybe_finalize_async_calls(blocking=False)
+            if self.async_saves is not None:
+                self.async_saves.maybe_finalize_async_calls(blocking=True)
+                self.async_saves.close()
         finally:
             bar.close()
             self.metrics.close()
@@ -274,11 +300,11 @@ class Trainer:
         else:
             mine, rollout, generating = self._one_step_off(timer, out)
         with timer("reward"):
-            texts = rollout.texts or [self.tokenizer.decode(r, skip_special_tokens=True) for r in rollout.response_ids]
-            rewards = self.reward_fn(texts, [mine[i].problem.answers for i in rollout.prompt_index],
-                                     rollout.response_lengths, rollout.finish_reasons)
-            scores = torch.tensor(rewards.total, dtype=torch.float64)
-            groups = group_ids(rollout.prompt_index)
+            scored = self._score(mine, rollout)
+        if cfg.train.dynamic_sampling.enabled:
+            scored = self._refill(scored, keys, timer, out)
+        mine, rollout, texts, rewards, scores = scored
+        groups = group_ids(rollout.prompt_index)
         tb = TokenBatch.from_rollout(rollout, pad_id=self._pad_id(), device=self.device)
         hidden = self._dra_hidden(tb)
         extras = self._logprob_extras(tb, rollout, timer, out, hidden, generating)
@@ -286,7 +312,8 @@ class Trainer:
             if cfg.grpo.dra.enabled:
                 scores = self._dra(scores, groups, texts, hidden)
             advantages = compute_advantages(scores, groups, cfg.grpo.advantage, cfg.grpo.adv_eps)
-            active = (~zero_variance_groups(scores, groups) if cfg.grpo.filter_zero_variance
+            filtering = cfg.grpo.filter_zero_variance or cfg.train.dynamic_sampling.enabled
+            active = (~zero_variance_groups(scores, groups) if filtering
                       else torch.ones(len(scores), dtype=torch.bool))
         tb = tb.with_extras(advantages=advantages.to(self.device), active=active.to(self.device), **extras)
         if cfg.train.dump_generations:
@@ -333,6 +360,65 @@ class Trainer:
         out.update(self.rollouts.metrics(self.step, rollout.policy_version))
         return mine, rollout, generating
 
+    def _score(self, mine: list, rollout) -> tuple:
+        """(prompts, rollout, texts, rewards, scores [N] float64) of one generated batch."""
+        texts = rollout.texts or [self.tokenizer.decode(r, skip_special_tokens=True) for r in rollout.response_ids]
+        rewards = self.reward_fn(texts, [mine[i].problem.answers for i in rollout.prompt_index],
+                                 rollout.response_lengths, rollout.finish_reasons)
+        return mine, rollout, texts, rewards, torch.tensor(rewards.total, dtype=torch.float64)
+
+    def _refill(self, first: tuple, keys: list[int], timer: PhaseTimer, out: dict) -> tuple:
+        """Dynamic sampling (grpo/dynamic_sampling.py): more rounds of prompts until every DP rank
+        holds its share of groups whose rewards differ, then this rank's share in draw order.
+        Rounds after the first reuse the synced weights and table; their sequence keys are
+        offset by ``round × prompts_per_step`` (distinct gates and sampling streams)."""
+        ds, t = self.cfg.train.dynamic_sampling, self.cfg.train
+        need = t.prompts_per_step // self.dp_size
+        rounds = [first]
+        informative = [self._informative(first)]
+        while True:
+            found = sum(map(sum, informative))
+            fewest = -dp_max({"f": -float(found)})["f"]
+            if fewest >= need or len(rounds) == ds.max_gen_batches:
+                break
+            mine, _ = self._draw_prompts()
+            offset = len(rounds) * t.prompts_per_step
+            with timer("rollout"):
+                rollout = self._generate([ex.prompt_ids for ex in mine], keys=[k + offset for k in keys],
+                                         sync=False)
+            with timer("reward"):
+                rounds.append(self._score(mine, rollout))
+            informative.append(self._informative(rounds[-1]))
+        out["dynamic_sampling/gen_batches"] = float(len(rounds))
+        out["dynamic_sampling/partial"] = float(fewest < need)
+        if fewest < need:
+            if ds.on_exhausted == "error":
+                raise DynamicSamplingExhausted(exhausted_message(int(fewest), need, len(rounds)))
+            logger.warning("step %d: partial batch, %d of %d groups per rank with differing rewards "
+                           "after %d rounds", self.step + 1, int(fewest), need, len(rounds))
+        picks = choose_groups(informative, need)
+        parts = []
+        for (mine, rollout, texts, rewards, scores), chosen in zip(rounds, picks, strict=True):
+            rows = [r for i in chosen for r, p in enumerate(rollout.prompt_index) if p == i]
+            parts.append(([mine[i] for i in chosen], rollout.select_prompts(chosen), [texts[r] for r in rows],
+                          [rewards.total[r] for r in rows], [rewards.correct[r] for r in rows],
+                          {k: [v[r] for r in rows] for k, v in rewards.terms.items()}))
+        terms = {k: [x for p in parts for x in p[5][k]] for k in rounds[0][3].terms}
+        rewards = dataclasses.replace(rounds[0][3], total=[x for p in parts for x in p[3]],
+                                      correct=[x for p in parts for x in p[4]], terms=terms)
+        return ([ex for p in parts for ex in p[0]], RolloutBatch.cat([p[1] for p in parts]),
+                [x for p in parts for x in p[2]], rewards, torch.tensor(rewards.total, dtype=torch.float64))
+
+    @staticmethod
+    def _informative(scored: tuple) -> list[bool]:
+        """Per prompt of a scored round: its group's rewards differ."""
+        mine, rollout, _, _, scores = scored
+        uniform = zero_variance_groups(scores, group_ids(rollout.prompt_index))
+        flags = [True] * len(mine)
+        for r, i in enumerate(rollout.prompt_index):
+            flags[i] = not bool(uniform[r])
+        return flags
+
     def _refresh_table(self) -> bool:
         """(Re)compute the neighbour table when due; hand it to the engine. True if recomputed."""
 
@@ -347,11 +433,13 @@ class Trainer:
             self.table_updates = self.updates
         return bool(due)
 
-    def _generate(self, prompts: list[list[int]], keys: list[int]):
+    def _generate(self, prompts: list[list[int]], keys: list[int], sync: bool = True):
+        """One rollout with the current weights; ``sync`` False: the engine has them already."""
         self.engine.wake_up()
-        self.engine.sync_weights(self.chunks)
-        if self.table is not None:
-            self.engine.set_neighbor_table(self.table)
+        if sync:
+            self.engine.sync_weights(self.chunks)
+            if self.table is not None:
+                self.engine.set_neighbor_table(self.table)
         rollout = self.engine.generate(prompts, self._sampling(self.step), mixing=self._mixing(), keys=keys)
         self.engine.sleep()
         rollout.policy_version = self.step
@@ -390,22 +478,28 @@ class Trainer:
 
     def _logprob_extras(self, tb: TokenBatch, rollout, timer: PhaseTimer, out: dict, hidden=None,
                         generating: WeightSnapshot | None = None) -> dict:
-        """Old / reference log-probs, TIS weights and the rollout-vs-trainer gap (label-aligned);
+        """Old / reference log-probs, mismatch-correction weights and keep mask (grpo/mismatch.py),
+        the rollout-vs-trainer mismatch metrics (label-aligned);
         ``hidden`` (DRA's ResponseHiddenMeans) captures the policy's hidden states in the replay;
         old log-probs under ``generating`` (a one-step-off batch's weights) when given."""
         g, s = self.cfg.grpo, self.settings
         engine_lp = tb.label_aligned(rollout.logprobs)
         extras = {}
         mask = tb.mask
+        corr = g.correction
         with timer("old_logprobs"):
             if g.old_logprobs == "recompute":
                 weights = generating.active(self.chunks) if generating else contextlib.nullcontext(self.chunks)
                 with hidden or contextlib.nullcontext(), weights as chunks:
                     old = batch_logprobs(chunks, tb, s.temperature, s.micro_batch_size, s.vocab_limit,
-                                         s.max_tokens)
+                                         s.max_tokens, packing=s.packing)
+                keep = None
+                if corr.mode != "off":
+                    extras["tis_weight"], keep = correction(old, engine_lp, mask, corr)
+                    extras["keep"] = keep
+                mixed = tb.mix.mask if tb.mix is not None else None
+                out.update(mismatch_metrics(dp_sums(mismatch_sums(old, engine_lp, mask, mixed, keep))))
                 gap = (old - engine_lp).abs() * mask
-                sums = dp_sums({"gap": float(gap.sum()), "n": float(mask.sum())})
-                out["logprob_gap/mean_abs"] = sums["gap"] / max(sums["n"], 1.0)
                 out["logprob_gap/max_abs"] = dp_max({"m": float(gap.max()) if gap.numel() else 0.0})["m"]
             else:
                 old = engine_lp
@@ -413,9 +507,9 @@ class Trainer:
         if self.reference is not None:
             with timer("ref_logprobs"), self.reference.active(self.chunks) as ref_chunks:
                 extras["ref_logprobs"] = batch_logprobs(ref_chunks, tb, s.temperature, s.micro_batch_size,
-                                                        s.vocab_limit, s.max_tokens)
-        if g.tis_cap is not None:
-            extras["tis_weight"] = torch.exp(old - engine_lp).clamp(max=g.tis_cap) * mask
+                                                        s.vocab_limit, s.max_tokens, packing=s.packing)
+        if corr.mode != "off" and g.old_logprobs != "recompute":  # tis_cap: weights of 1 here
+            extras["tis_weight"], extras["keep"] = correction(old, engine_lp, mask, corr)
         return extras
 
     # ---- the update --------------------------------------------------------------------------

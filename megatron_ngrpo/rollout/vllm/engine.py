@@ -175,6 +175,8 @@ class VLLMEngine(RolloutEngine):
             worker_extension_cls=HOOK,
             **memory,
         )
+        if self.cfg.quantization:  # refused without a GPU before any process group (job_config.check_device)
+            kwargs["quantization"] = self.cfg.quantization
         if self.cfg.max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = self.cfg.max_num_batched_tokens
         if self.colocated:
