@@ -8,7 +8,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if compgen -G ".whl/*.whl" >/dev/null && ! python3 -c "import megatron.core" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  if python3 -m pip --version >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  else  # a venv without pip: a wheel is a zip of its site-packages files
+    for w in .whl/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done
+  fi
   export PYTHONPATH=/tmp/site:$PWD
 else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
