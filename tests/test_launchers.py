@@ -110,6 +110,14 @@ def test_docs_show_the_computed_tables():
     (["run", "r1-7b", "--task", "convert-hf"], "--output DIR is required"),
     (["run", "tiny", "--procs-per-node", "3", "--config", "setup.py"], "not divisible by TP×PP = 2"),
     (["run", "r1-7b", "--config", "setup.py", "--disaggregated"], "--disaggregated: only for"),
+    # Slurm: checkpoints on shared storage, visible in the container
+    (["run", "r1-7b", "--executor", "slurm", "--config", "configs/ngrpo_r1_7b.yaml"],
+     "train.run_dir = 'runs/ngrpo_r1_7b': relative, so a Slurm job would write it inside its own job folder"),
+    (["run", "r1-7b", "--executor", "slurm", "--config", "configs/ngrpo_r1_7b.yaml", "--container-image", "img",
+      "--mount", "/lustre:/lustre", "train.run_dir=/scratch/run"],
+     "train.run_dir = '/scratch/run': not under any --mount of the container"),
+    (["run", "r1-7b", "--executor", "slurm", "--task", "convert-hf", "--output", "out"],
+     "--output = 'out': relative"),
 ])
 def test_cli_rejects_bad_input(argv, message, capsys):
     assert cli.main(argv) == 2
@@ -121,13 +129,16 @@ def test_cli_rejects_bad_input(argv, message, capsys):
 
 GOLDEN_CASES = {
     # one node, 8 ranks per node under one torchrun (the nproc trap), git-packaged code
-    "r1-1.5b": ["run", "r1-1.5b", "--executor", "slurm"],
-    # four nodes, c10d rendezvous on the head node, pyxis container + mounts, NCCL env
+    "r1-1.5b": ["run", "r1-1.5b", "--executor", "slurm", "train.run_dir=/lustre/ngrpo/runs/r1-1.5b"],
+    # four nodes, c10d rendezvous on the head node, pyxis container + mounts (the model folder
+    # mounted because the config names it), NCCL env
     "r1-7b": ["run", "r1-7b", "--executor", "slurm", "--nodes", "4", "--container-image",
               "nvcr.io/nvidia/pytorch:25.01-py3", "--mount", "/lustre:/lustre",
-              "--env", "NCCL_SOCKET_IFNAME=ib0", "--env", "NCCL_IB_HCA=mlx5", "grpo.kl_coef=0.01"],
+              "--env", "NCCL_SOCKET_IFNAME=ib0", "--env", "NCCL_IB_HCA=mlx5", "grpo.kl_coef=0.01",
+              "train.run_dir=/lustre/ngrpo/runs/r1-7b"],
     # heterogeneous job: vLLM rollout servers + the training group with its own rendezvous
-    "r1-14b": ["run", "r1-14b", "--executor", "slurm", "--disaggregated", "--rollout-nodes", "2"],
+    "r1-14b": ["run", "r1-14b", "--executor", "slurm", "--disaggregated", "--rollout-nodes", "2",
+               "train.run_dir=/lustre/ngrpo/runs/r1-14b"],
 }
 
 
