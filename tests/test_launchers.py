@@ -283,7 +283,7 @@ def test_local_conversion_job_with_packager_none(tmp_path):
                         env, tmp_path / "convert.log").finish()
     assert rc == 0 and "convert-hf: SUCCEEDED" in out, out[-4000:]
     meta = json.loads((tmp_path / "ckpt" / "megatron_ngrpo.json").read_text())
-    assert meta["tp"] == 2
+    assert meta["tensor_parallel"] == 2
 
 
 def test_git_packaged_job_finds_what_the_recipes_need(tmp_path):
@@ -308,8 +308,10 @@ def test_git_packaged_job_finds_what_the_recipes_need(tmp_path):
     with tarfile.open(archive) as tar:
         tar.extractall(code, filter="data")
     names = ["r1-1.5b", "r1-7b", "r1-14b"]
+    # The R1 tokenizer by name (the repository's copy), not the model folder's (a config.json only).
     check = ("import sys\nfrom megatron_ngrpo.launch import plan, recipes\n"
-             "for name in sys.argv[1:]:\n    plan.recipe_config(recipes.get(name), recipes.get(name).nodes)\n"
+             "for name in sys.argv[1:]:\n"
+             "    plan.recipe_config(recipes.get(name), recipes.get(name).nodes, ('tokenizer=deepseek-r1-distill-qwen',))\n"
              "print(plan.__file__)")
     env = {k: v for k, v in os.environ.items() if k != "NGRPO_SHARED"}
     p = subprocess.run([sys.executable, "-c", check, *names], cwd=code, capture_output=True, text=True,
