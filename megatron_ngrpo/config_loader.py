@@ -46,6 +46,15 @@ def load(cls: type[T], yaml_paths: list[str | Path] | str | Path | None = None,
     Top-level sections renamed in ``cls.RENAMED`` (old → new) are still read under their old
     name, with a one-line deprecation message on stderr.
     """
+    obj = compose(cls, yaml_paths, overrides)
+    validate(obj)
+    return obj
+
+
+def compose(cls: type[T], yaml_paths: list[str | Path] | str | Path | None = None,
+            overrides: list[str] | None = None) -> T:
+    """:func:`load` without the ``validate()`` calls (types and keys are still checked): for a
+    launcher reading a job's fields where the files the config names live on the cluster."""
     renamed = getattr(cls, "RENAMED", {})
     if isinstance(yaml_paths, (str, Path)):
         yaml_paths = [yaml_paths]
@@ -76,9 +85,7 @@ def load(cls: type[T], yaml_paths: list[str | Path] | str | Path | None = None,
         except (yaml.YAMLError, OmegaConfBaseException) as e:
             raise ConfigError(f"override {item!r}: cannot parse the value: {_one_line(e)}") from None
         merged = _merge(merged, parsed, f"override {item!r}")
-    obj = OmegaConf.to_object(merged)
-    validate(obj)
-    return obj
+    return OmegaConf.to_object(merged)
 
 
 def validate(obj, prefix: str = "") -> None:

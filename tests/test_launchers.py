@@ -7,10 +7,12 @@ tests/test_launchers.py -k golden`` and review the diff.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +25,8 @@ from slurm_harness import (
     write_smoke_inputs,
 )
 
-from megatron_ngrpo.launch import cli, memory, recipes
+from megatron_ngrpo.config_loader import ConfigError
+from megatron_ngrpo.launch import cli, job_files, memory, recipes
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -117,6 +120,14 @@ def test_docs_show_the_computed_tables():
     (["run", "r1-7b", "--task", "convert-hf"], "--output DIR is required"),
     (["run", "tiny", "--procs-per-node", "3", "--config", "setup.py"], "not divisible by TP×PP = 2"),
     (["run", "r1-7b", "--config", "setup.py", "--disaggregated"], "--disaggregated: only for"),
+    # Slurm: checkpoints on shared storage, visible in the container
+    (["run", "r1-7b", "--executor", "slurm", "--config", "configs/ngrpo_r1_7b.yaml"],
+     "train.run_dir = 'runs/ngrpo_r1_7b': relative, so a Slurm job would write it inside its own job folder"),
+    (["run", "r1-7b", "--executor", "slurm", "--config", "configs/ngrpo_r1_7b.yaml", "--container-image", "img",
+      "--mount", "/lustre:/lustre", "train.run_dir=/scratch/run"],
+     "train.run_dir = '/scratch/run': not under any --mount of the container"),
+    (["run", "r1-7b", "--executor", "slurm", "--task", "convert-hf", "--output", "out"],
+     "--output = 'out': relative"),
 ])
 def test_cli_rejects_bad_input(argv, message, capsys):
     assert cli.main(argv) == 2
@@ -128,13 +139,16 @@ def test_cli_rejects_bad_input(argv, message, capsys):
 
 GOLDEN_CASES = {
     # one node, 8 ranks per node under one torchrun (the nproc trap), git-packaged code
-    "r1-1.5b": ["run", "r1-1.5b", "--executor", "slurm"],
-    # four nodes, c10d rendezvous on the head node, pyxis container + mounts, NCCL env
+    "r1-1.5b": ["run", "r1-1.5b", "--executor", "slurm", "train.run_dir=/lustre/ngrpo/runs/r1-1.5b"],
+    # four nodes, c10d rendezvous on the head node, pyxis container + mounts (the model folder
+    # mounted because the config names it), NCCL env
     "r1-7b": ["run", "r1-7b", "--executor", "slurm", "--nodes", "4", "--container-image",
               "nvcr.io/nvidia/pytorch:25.01-py3", "--mount", "/lustre:/lustre",
-              "--env", "NCCL_SOCKET_IFNAME=ib0", "--env", "NCCL_IB_HCA=mlx5", "grpo.kl_coef=0.01"],
+              "--env", "NCCL_SOCKET_IFNAME=ib0", "--env", "NCCL_IB_HCA=mlx5", "grpo.kl_coef=0.01",
+              "train.run_dir=/lustre/ngrpo/runs/r1-7b"],
     # heterogeneous job: vLLM rollout servers + the training group with its own rendezvous
-    "r1-14b": ["run", "r1-14b", "--executor", "slurm", "--disaggregated", "--rollout-nodes", "2"],
+    "r1-14b": ["run", "r1-14b", "--executor", "slurm", "--disaggregated", "--rollout-nodes", "2",
+               "train.run_dir=/lustre/ngrpo/runs/r1-14b"],
 }
 
 
@@ -218,3 +232,96 @@ def test_local_failure_exits_nonzero(local_runs):
     rc, out = bad.finish()
     assert rc == 1, out[-4000:]
     assert "train: FAILED" in out and "did not succeed" in out
+
+
+# ---- what a Slurm job reads and writes (launch/job_files.py), conversions' command line --------
+
+def test_container_mounts_what_the_job_reads_and_refuses_uncovered_writes():
+    files = job_files.JobFiles(reads={"model.hf_path": "/models/m", "train.load": "/lustre/ckpt/iter_10"},
+                               writes={"train.run_dir": "/lustre/runs/a"})
+    assert job_files.container_mounts(["/lustre:/lustre"], files) == ["/lustre:/lustre", "/models/m:/models/m"]
+    assert job_files.container_mounts(["/data/models:/models:ro", "/lustre:/lustre"], files) == [
+        "/data/models:/models:ro", "/lustre:/lustre"]
+    with pytest.raises(ConfigError, match=r"^train.run_dir = '/lustre/runs/a': not under any --mount"):
+        job_files.container_mounts(["/lustre2:/lustre2", "/lus:/lus"], files)  # a prefix is not a parent
+    with pytest.raises(ConfigError, match=r"^train.run_dir = 'runs/a': relative"):
+        job_files.require_absolute(job_files.JobFiles(writes={"train.run_dir": "runs/a"}))
+
+
+def test_train_files_are_the_configs_absolute_paths(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("tokenizer: deepseek-r1-distill-qwen\ndata:\n  train:\n    - path: /lustre/d.jsonl\n"
+                      "    - path: rel.jsonl\ntrain:\n  run_dir: /lustre/run\n  load: /ckpt/iter_1\n")
+    files = job_files.train_files([str(config)], ["model.hf_path=/models/m"])
+    assert files.reads == {"model.hf_path": "/models/m", "data.train[0].path": "/lustre/d.jsonl",
+                           "train.load": "/ckpt/iter_1"}
+    assert files.writes == {"train.run_dir": "/lustre/run"}
+
+
+def test_conversions_run_the_installed_package():
+    """Rendered conversions are ``python -m`` of the package (no checkout path: the bug was a
+    tools/ path under the package folder), and the launcher's checkout is the repository root."""
+    from megatron_ngrpo.launch import executors
+
+    assert (executors.REPO / "setup.py").is_file()
+    tiny = recipes.get("tiny")
+    hf = recipes.render(tiny, "convert-hf", hf_path="/m", output="/o")
+    assert hf.command.argv == ("python", "-m", "megatron_ngrpo.conversion", "hf-to-megatron", "--input", "/m",
+                               "--output", "/o", "--tp", "2", "--pp", "1")
+    back = recipes.render(tiny, "convert-megatron", hf_path="/m", output="/o", checkpoint="/c")
+    assert back.command.argv[:4] == ("python", "-m", "megatron_ngrpo.conversion", "megatron-to-hf")
+    assert not any(a.endswith(".py") for t in (hf, back) for a in t.command.argv)
+
+
+CONVERSION_MODULE = importlib.util.find_spec("megatron_ngrpo.conversion.__main__") is not None
+
+
+@pytest.mark.skipif(not CONVERSION_MODULE, reason="python -m megatron_ngrpo.conversion comes with branch "
+                                                   "'standalone' (ngrpo-convert)")
+def test_local_conversion_job_with_packager_none(tmp_path):
+    """A real conversion job through the launcher (local torchrun, 2 ranks = the tiny recipe's TP 2,
+    the checkout in place): the HF model becomes a Megatron checkpoint."""
+    from megatron_ngrpo.testing.tiny import write_tiny_hf
+
+    hf = write_tiny_hf(tmp_path / "hf")
+    env = {**smoke_env(), "NEMORUN_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
+    rc, out = start_cli(["run", "tiny", "--task", "convert-hf", "--executor", "local", "--packager", "none",
+                         "--hf-path", str(hf), "--output", str(tmp_path / "ckpt"), "--title", "convert"],
+                        env, tmp_path / "convert.log").finish()
+    assert rc == 0 and "convert-hf: SUCCEEDED" in out, out[-4000:]
+    meta = json.loads((tmp_path / "ckpt" / "megatron_ngrpo.json").read_text())
+    assert meta["tensor_parallel"] == 2
+
+
+def test_git_packaged_job_finds_what_the_recipes_need(tmp_path):
+    """The default packager (NeMo-Run's GitArchivePackager: ``git archive`` of a commit) must carry
+    everything the GPU recipes' configs name besides the model: the archive of this working tree's
+    tracked files (``git stash create``), unpacked alone and run from there with no shared data
+    folder (NGRPO_SHARED unset), validates each recipe's training config at its world size
+    (tokenizer, data files, benchmarks; the model folder is a config.json of the recipe's shape)."""
+    import subprocess
+    import tarfile
+
+    git = lambda *a: subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()  # noqa: E731
+    ref = git("stash", "create") or "HEAD"
+    # In its own process: NeMo-Run's shell runner reads stdin, which pytest captures.
+    pack = ("import sys; from pathlib import Path; import nemo_run as run\n"
+            "print(run.GitArchivePackager(ref=sys.argv[1]).package(Path(sys.argv[2]), sys.argv[3], 'code'))")
+    out = subprocess.run([sys.executable, "-c", pack, ref, str(REPO), str(tmp_path)], stdin=subprocess.DEVNULL,
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    archive = out.strip().splitlines()[-1]
+    code = tmp_path / "job" / "code"
+    code.mkdir(parents=True)
+    with tarfile.open(archive) as tar:
+        tar.extractall(code, filter="data")
+    names = ["r1-1.5b", "r1-7b", "r1-14b"]
+    # The R1 tokenizer by name (the repository's copy), not the model folder's (a config.json only).
+    check = ("import sys\nfrom megatron_ngrpo.launch import plan, recipes\n"
+             "for name in sys.argv[1:]:\n"
+             "    plan.recipe_config(recipes.get(name), recipes.get(name).nodes, ('tokenizer=deepseek-r1-distill-qwen',))\n"
+             "print(plan.__file__)")
+    env = {k: v for k, v in os.environ.items() if k != "NGRPO_SHARED"}
+    p = subprocess.run([sys.executable, "-c", check, *names], cwd=code, capture_output=True, text=True,
+                       timeout=300, env={**env, "PYTHONPATH": str(code)})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.strip() == str(code / "megatron_ngrpo" / "launch" / "plan.py")  # the archive's code ran

@@ -17,8 +17,8 @@ all of them).
     rendezvous) with ``rollout.engine=remote``; it finds the server by its registration in the
     job directory and trains 3 steps with mixing through it, replaying the server's log-probs
     within 1e-5. (Slurm 22.05 gives hetjob components distinct nodes: hence the third node.)
-(d) a deliberately failing job (a bad config value for the real trainer) is reported FAILED and
-    the CLI exits non-zero.
+(d) a deliberately failing job (a bad config value for the real trainer) is stopped by the
+    pre-flight step before torchrun, reported FAILED, and the CLI exits non-zero.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def jobs(cluster, tmp_path_factory):
               f"--kv-cache-memory-bytes 4000000")
     runs = {
         "train": ["run", "tiny", "--title", "ngrpo-train", "--module", TRAIN_MODULE, *trainer,
-                  "--nodes", "2", "--procs-per-node", "1", "--gpus-per-node", "1",
+                  "--nodes", "2", "--procs-per-node", "1", "--gpus-per-node", "0",
                   "--rdzv-port", str(free_port()), "--container-image", "ngrpo/test:stub",
                   "--mount", f"{tmp}:{tmp}", f"train.run_dir={tmp / 'run'}"],
         "eval": ["run", "tiny", "--task", "eval", "--title", "ngrpo-eval", "--module", SMOKE_MODULE, *smoke,
@@ -185,6 +185,9 @@ def test_failed_job_is_reported_and_exits_nonzero(jobs):
     rc, out = launches["fail"].finish()
     assert rc == 1, out[-4000:]
     assert "train: FAILED" in out and "did not succeed" in out
-    assert "'grpo.loss_agg' = 'mean'" in _logs(tmp, "ngrpo-fail", "log-ngrpo.train_*.out")
+    # Refused by the pre-flight step on each node (the batch script's log), torchrun never started.
+    sbatch_log = _logs(tmp, "ngrpo-fail", "sbatch_*.out")
+    assert "preflight failed: config field 'grpo.loss_agg' = 'mean'" in sbatch_log, sbatch_log[-3000:]
+    assert "torchrun not started" in sbatch_log and not _logs(tmp, "ngrpo-fail", "log-ngrpo.train_*.out")
     rc, out = start_cli(["status", experiment_id(out)], env, tmp / "status-fail.log").finish()
     assert rc == 1 and "train: FAILED" in out, out[-3000:]

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from megatron_ngrpo.config_loader import ConfigError
-from megatron_ngrpo.launch import plan, recipes
+from megatron_ngrpo.launch import job_files, plan, recipes
 from megatron_ngrpo.launch.memory import GIB
 
 REPO = Path(__file__).resolve().parents[1]
@@ -176,10 +176,6 @@ def make_plan(args: argparse.Namespace):
         raise ConfigError("--packager git: the local executor runs this checkout in place")
     group_wait = {} if args.group_wait is None else dict(group_start_wait=args.group_wait,
                                                           group_monitor_wait=args.group_wait)
-    cluster = Cluster(account=args.account, partition=args.partition, time=args.time,
-                      container_image=args.container_image, container_mounts=list(args.mount),
-                      env=dict(args.env), packager=packager, rdzv_port=args.rdzv_port,
-                      exclusive=args.exclusive, mem=args.mem, **group_wait)
     home = os.environ.get("NEMORUN_HOME", "")
     if args.executor == "slurm" and not args.container_image and "/nemo_run" in home:
         # NeMo-Run rewrites every "/nemo_run" of a non-container sbatch script to the job directory.
@@ -187,22 +183,44 @@ def make_plan(args: argparse.Namespace):
     for config in args.config:
         if not Path(config).is_file():
             raise ConfigError(f"--config {config!r}: no such file")
+    hf_path = args.hf_path or f"{args.models_dir}/{recipe.hf_name}"
     task = recipes.render(
         recipe, args.task,
-        hf_path=args.hf_path or f"{args.models_dir}/{recipe.hf_name}",
+        hf_path=hf_path,
         configs=tuple(experiment.config_placeholder(i) for i in range(len(args.config))),
         checkpoint=args.checkpoint, output=args.output, nodes=args.nodes,
-        overrides=tuple(args.overrides), module=args.module, code_root=cluster.code_root(),
-        disaggregated=args.disaggregated)
+        overrides=tuple(args.overrides), module=args.module, disaggregated=args.disaggregated)
     tasks = [task]
     if args.disaggregated:
         if args.executor != "slurm" or args.task != "train":
             raise ConfigError("--disaggregated: only for --task train on --executor slurm")
-        tasks = [recipes.rollout_server(recipe, args.hf_path or f"{args.models_dir}/{recipe.hf_name}",
-                                        tuple(shlex.split(args.rollout_args))), task]
+        tasks = [recipes.rollout_server(recipe, hf_path, tuple(shlex.split(args.rollout_args))), task]
+    mounts = list(args.mount)
+    if args.executor == "slurm":
+        files = slurm_files(args, recipe, hf_path)
+        job_files.require_absolute(files)
+        if args.container_image:
+            mounts = job_files.container_mounts(mounts, files)
+    cluster = Cluster(account=args.account, partition=args.partition, time=args.time,
+                      container_image=args.container_image, container_mounts=mounts,
+                      env=dict(args.env), packager=packager, rdzv_port=args.rdzv_port,
+                      exclusive=args.exclusive, mem=args.mem, **group_wait)
     return experiment.Plan(title=args.title or f"ngrpo-{recipe.name}-{args.task}", tasks=tasks,
                            executor=args.executor, cluster=cluster, time=recipe.time,
                            configs=[Path(c) for c in args.config])
+
+
+def slurm_files(args: argparse.Namespace, recipe: recipes.Recipe, hf_path: str) -> job_files.JobFiles:
+    """What a Slurm job of ``args`` reads and writes outside its job folder (launch/job_files.py):
+    the trainer's config paths; for other entry modules and tasks, the model and the options."""
+    if args.task == "train" and (args.module or recipes.TRAIN_MODULE) == recipes.TRAIN_MODULE:
+        return job_files.train_files(args.config, [*recipe.model_overrides(hf_path),
+                                                   *recipe.rollout_overrides(args.disaggregated), *args.overrides])
+    reads = {"--hf-path": hf_path, "--checkpoint": args.checkpoint or ""}
+    files = job_files.JobFiles(reads={k: v for k, v in reads.items() if os.path.isabs(v)})
+    if args.task.startswith("convert") and args.output:
+        files.writes["--output"] = args.output
+    return files
 
 
 def cmd_run(args: argparse.Namespace) -> int:

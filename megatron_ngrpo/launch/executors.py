@@ -13,14 +13,17 @@ The NeMo-Run 0.11.1 traps handled here (docs/ENVIRONMENT.md §6):
 from __future__ import annotations
 
 import os
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import nemo_run as run
 
-from megatron_ngrpo.launch.recipes import TaskSpec
+from megatron_ngrpo.launch.recipes import TRAIN_MODULE, TaskSpec
 
-REPO = Path(__file__).resolve().parents[1]
+# The checkout: megatron_ngrpo/launch/executors.py -> the repository root.
+REPO = Path(__file__).resolve().parents[2]
+PREFLIGHT_MODULE = "megatron_ngrpo.launch.preflight"
 # Where the packaged code is inside a NeMo-Run job (NeMo-Run rewrites /nemo_run to the job
 # directory outside containers, and mounts the job directory there inside).
 PACKAGED_CODE = "/nemo_run/code"
@@ -124,3 +127,25 @@ def slurm_executor(task: TaskSpec, cluster: Cluster, time: str, *, launcher: boo
         monitor_group_job_wait_time=cluster.group_monitor_wait,
         poll_estimated_start_time=False,
     )
+
+
+def runs_preflight(task: TaskSpec) -> bool:
+    """Jobs that get the pre-flight check: the trainer's (its config is the one checked)."""
+    return task.command.argv[:3] == ("python", "-m", TRAIN_MODULE)
+
+
+def preflight_line(task: TaskSpec, cluster: Cluster, job_dir: str, het_group: int | None = None) -> str:
+    """The sbatch line that runs :mod:`megatron_ngrpo.launch.preflight` once on every node of
+    ``task``, as its ranks will run (same container, mounts and code), before torchrun starts: a
+    failing node prints its one line and the job ends without requeueing."""
+    check = ("python", "-m", PREFLIGHT_MODULE, "--gpus", str(task.gpus_per_node),
+             "--world-size", str(task.nodes * task.procs_per_node), *task.command.argv[3:])
+    srun = ["srun", *([f"--het-group={het_group}"] if het_group is not None else []),
+            f"--nodes={task.nodes}", "--ntasks-per-node=1"]
+    if cluster.container_image:
+        srun += ["--container-image", cluster.container_image, "--container-mounts",
+                 ",".join([*cluster.mounts(), f"{job_dir}:/nemo_run"]), "--container-workdir", "/nemo_run/code"]
+    else:
+        srun += ["--chdir", os.path.join(job_dir, "code") if cluster.packager == "git" else str(REPO)]
+    return (f"{shlex.join([*srun, *check])} || "
+            "{ echo 'pre-flight failed (the line above): torchrun not started'; exit 1; }")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import nemo_run as run
 
-from megatron_ngrpo.launch.executors import Cluster, local_executor, slurm_executor
+from megatron_ngrpo.launch.executors import Cluster, local_executor, preflight_line, runs_preflight, slurm_executor
 from megatron_ngrpo.launch.recipes import Command, TaskSpec
 
 TERMINAL_OK = "SUCCEEDED"
@@ -90,6 +90,7 @@ def _add(exp: run.Experiment, plan: Plan) -> list[str]:
         task = plan.tasks[0]
         executor = slurm_executor(task, plan.cluster, plan.time, launcher=not task.command.per_node)
         exp.add(_script(task.command), executor=executor, name=task.name)
+        _add_preflight(exp, plan, {None: task})
         return [task.name]
     scripts, executors = [], []
     # The training group finds the rollout group's servers by their registrations in the job
@@ -102,7 +103,20 @@ def _add(exp: run.Experiment, plan: Plan) -> list[str]:
                                         heterogeneous=group == 0))
     name = "-".join(t.name for t in plan.tasks)
     exp.add(scripts, executor=executors, name=name)
+    _add_preflight(exp, plan, dict(enumerate(plan.tasks)))
     return [name]
+
+
+def _add_preflight(exp: run.Experiment, plan: Plan, tasks: dict[int | None, TaskSpec]) -> None:
+    """The pre-flight lines (executors.preflight_line) of the trainer's group in the job's setup.
+    The job directory is known once the job is added, hence after ``exp.add``."""
+    job = exp.jobs[-1]
+    # A hetjob's JobGroup holds the groups merged into one executor.
+    executor = job.executors if hasattr(job, "executors") else job.executor
+    lines = [preflight_line(task, plan.cluster, executor.job_dir, group)
+             for group, task in tasks.items() if runs_preflight(task)]
+    if lines:
+        executor.setup_lines = "\n".join(["# pre-flight (python -m megatron_ngrpo.launch.preflight)", *lines])
 
 
 def dryrun(plan: Plan) -> dict[str, str]:

@@ -16,12 +16,10 @@ from megatron_ngrpo.launch import memory
 from megatron_ngrpo.models.config import ModelConfig
 from megatron_ngrpo.models.provider import check_layout
 
-# Agreed entry points (docs/DEVELOPING.md). Modules run with `python -m`, tools as scripts
-# relative to the code root.
+# Entry points, run as ``python -m`` of the installed (or packaged) package, never as checkout paths.
 TRAIN_MODULE = "megatron_ngrpo.train"
 EVAL_MODULE = "megatron_ngrpo.eval"
-HF_TO_MEGATRON = "tools/convert_hf_to_megatron.py"
-MEGATRON_TO_HF = "tools/convert_megatron_to_hf.py"
+CONVERT_MODULE = "megatron_ngrpo.conversion"  # hf-to-megatron | megatron-to-hf (= ngrpo-convert)
 # The rollout servers of a disaggregated job (vLLM with N-GRPO's mixing hook) listen on
 # consecutive ports from here, one per engine on a node, and register their URLs in a folder of
 # the job directory (NeMo-Run maps /nemo_run to it, inside containers and out).
@@ -201,8 +199,8 @@ class Command:
     per_node: bool = False
 
     @classmethod
-    def python(cls, target: str, args: tuple[str, ...], module: bool = True) -> Command:
-        return cls(("python", *(["-m"] if module else []), target, *args))
+    def python(cls, module: str, args: tuple[str, ...]) -> "Command":
+        return cls(("python", "-m", module, *args))
 
 
 @dataclass(frozen=True)
@@ -219,7 +217,7 @@ class TaskSpec:
 
 def render(recipe: Recipe, task: str, *, hf_path: str, configs: tuple[str, ...] = (),
            checkpoint: str | None = None, output: str | None = None, nodes: int | None = None,
-           overrides: tuple[str, ...] = (), module: str | None = None, code_root: str = ".",
+           overrides: tuple[str, ...] = (), module: str | None = None,
            disaggregated: bool = False) -> TaskSpec:
     """The command of ``task`` for ``recipe``.
 
@@ -227,8 +225,9 @@ def render(recipe: Recipe, task: str, *, hf_path: str, configs: tuple[str, ...] 
     recipe's overrides come first, so the user's win (OmegaConf applies them in order).
     ``module`` replaces the entry module (anything taking ``--config FILE [a.b=c ...]``).
     ``disaggregated``: the trainer generates on the rollout group's servers (:func:`rollout_server`).
-    convert-hf / convert-megatron: the tools under ``code_root`` with the recipe's TP × PP, one
-    rank per model-parallel rank on one node; ``overrides`` are extra arguments of the tool.
+    convert-hf / convert-megatron: ``python -m megatron_ngrpo.conversion hf-to-megatron`` /
+    ``megatron-to-hf`` with the recipe's TP × PP, one rank per model-parallel rank on one node;
+    ``overrides`` are extra arguments of the converter.
     """
     nodes = nodes or recipe.nodes
     recipe.validate(nodes)
@@ -248,15 +247,14 @@ def render(recipe: Recipe, task: str, *, hf_path: str, configs: tuple[str, ...] 
         raise ConfigError(f"task {task}: --output DIR is required")
     layout = ("--tp", str(recipe.tensor_parallel), "--pp", str(recipe.pipeline_parallel))
     if task == "convert-hf":
-        args = ("--input", hf_path, "--output", output, *layout, *overrides)
-        script = HF_TO_MEGATRON
+        args = ("hf-to-megatron", "--input", hf_path, "--output", output, *layout, *overrides)
     else:
         if not checkpoint:
             raise ConfigError("task convert-megatron: --checkpoint DIR is required")
-        args = ("--input", checkpoint, "--output", output, "--hf-source", hf_path, *layout, *overrides)
-        script = MEGATRON_TO_HF
+        args = ("megatron-to-hf", "--input", checkpoint, "--output", output, "--hf-source", hf_path, *layout,
+                *overrides)
     model_parallel = recipe.tensor_parallel * recipe.pipeline_parallel
-    return TaskSpec(task, Command.python(f"{code_root}/{script}", args, module=False), 1, model_parallel,
+    return TaskSpec(task, Command.python(CONVERT_MODULE, args), 1, model_parallel,
                     min(recipe.gpus_per_node, model_parallel))
 
 

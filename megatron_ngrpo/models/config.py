@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from megatron_ngrpo.architecture import ArchSpec
 from megatron_ngrpo.config_loader import fail
 
@@ -47,6 +49,12 @@ class ModelConfig:
             fail("dtype", self.dtype, "expected auto, float32, bfloat16 or float16")
         if self.layer_spec not in ("auto", "local", "te"):
             fail("layer_spec", self.layer_spec, "expected auto, local or te")
+        if self.layer_spec != "local" and torch.cuda.is_available():
+            # provider imports this module. On a GPU it refuses auto / te without TE; a CPU host
+            # (a launcher validating a GPU job) cannot tell, the job's own validation does.
+            from megatron_ngrpo.models.provider import use_te
+
+            use_te(self)
         if self.make_vocab_size_divisible_by < 1:
             fail("make_vocab_size_divisible_by", self.make_vocab_size_divisible_by, "must be >= 1")
         if self.num_real_tokens is not None:
