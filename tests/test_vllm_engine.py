@@ -362,6 +362,11 @@ def test_weight_sync_verify_catches_corruption(engine, model_dir, monkeypatch):
     ({"weight_transfer": "nccl_m2n"}, r"^config field 'weight_transfer' = 'nccl_m2n': not wired: .*use nccl\)$"),
     ({"weight_transfer": "tcp"}, r"^config field 'weight_transfer' = 'tcp': expected gloo, ipc, nccl or reload$"),
     ({"sync_bucket_mb": 0}, r"^config field 'sync_bucket_mb' = 0: must be > 0$"),
+    # colocated: the trainer and its vLLM worker share a GPU (and, in-process, a process)
+    ({"weight_transfer": "nccl"}, r"^config field 'weight_transfer' = 'nccl': cannot work colocated: .* NCCL "
+                                  r"refuses two ranks on one device"),
+    ({"weight_transfer": "ipc"}, r"^config field 'weight_transfer' = 'ipc': cannot work with in_process=true: "
+                                 r"the CUDA IPC handle would be opened in the process that made it"),
     ({"verify_weights": True}, r"^config field 'verify_weights' = True: checks tensors on the gloo route only"),
 ])
 def test_weight_transfer_config_errors(fields, match):
@@ -369,6 +374,10 @@ def test_weight_transfer_config_errors(fields, match):
 
     with pytest.raises(ConfigError, match=match):
         VLLMConfig(**fields).validate()
+
+
+def test_ipc_route_is_accepted_with_a_worker_process():
+    VLLMConfig(weight_transfer="ipc", in_process=False).validate()  # the handle crosses processes there
 
 
 @pytest.mark.parametrize("layout,nproc", [("vllm_tp2_under_trainer_tp2", 2), ("vllm_tp2_under_trainer_tp4", 4),
