@@ -395,7 +395,11 @@ def test_colocated_weights_equal_the_trainers_after_every_sync(layout, nproc):
 
     results = launch(Path(__file__).parent / "dist" / "vllm_sync_worker.py", nproc=nproc, timeout=900,
                      env={"NGRPO_TEST_PG_TIMEOUT": "120"}, only=[layout])
-    syncs = check(results, layout)
+    value = check(results, layout)
+    syncs, timeouts = value["syncs"], value["group_timeouts"]
+    # vLLM made its groups with torch's 30-min default; the engine gives them the job's
+    assert any(name.startswith("vllm") or name == "undefined" for name in timeouts), timeouts
+    assert {name: s for name, s in timeouts.items() if s != 120.0} == {}
     assert len(syncs) == 3 and all(s["num_params"] > 0 and s["buckets"] > 10 for s in syncs), syncs
     sharded = layout.startswith("vllm_tp2")
     assert [s["tp_shards"] for s in syncs] == [sharded, sharded, False], syncs

@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ngrpo.mixing.records import MixRecord
-from megatron_ngrpo.parallel import broadcast_from_rank0, is_rank0
+from megatron_ngrpo.parallel import broadcast_from_rank0, collective_timeout, is_rank0
 from megatron_ngrpo.rollout.vllm import wire
 from megatron_ngrpo.rollout.config import RemoteConfig
 from megatron_ngrpo.rollout.vllm.replicas import gather_requests
@@ -104,7 +104,7 @@ class RemoteEngine(RolloutEngine):
         self._noise: dict[str, tuple] = {}  # url → (weight version, STHT noise scale) it holds
         self._table_width: int | None = None  # k of the neighbour table the servers were sent
         multi = dist.is_initialized() and dist.get_world_size() > 1
-        self.group = dist.new_group(backend="gloo") if multi else None
+        self.group = dist.new_group(backend="gloo", timeout=collective_timeout()) if multi else None
         error, start = None, None
         if is_rank0():
             try:

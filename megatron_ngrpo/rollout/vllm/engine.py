@@ -63,6 +63,7 @@ from megatron_ngrpo.atomic import atomic_file
 from megatron_ngrpo.data.tokenizer import special_token_ids
 from megatron_ngrpo.mixing.config import MixingConfig
 from megatron_ngrpo.models.config import real_token_count
+from megatron_ngrpo.parallel import adopt_timeout
 from megatron_ngrpo.rollout.config import VLLMConfig
 from megatron_ngrpo.rollout.vllm.replicas import generate_on_replicas
 from megatron_ngrpo.rollout.types import (
@@ -178,6 +179,8 @@ class VLLMEngine(RolloutEngine):
             register()
             kwargs["weight_transfer_config"] = {"backend": self.cfg.weight_transfer}
         llm = LLM(**kwargs)
+        if self.colocated:
+            adopt_timeout()  # vLLM made its TP / PP / DP groups with torch's default timeout
         llm.collective_rpc("nbr_mix_install", args=(self.num_real_tokens,))
         return llm
 
