@@ -182,6 +182,61 @@ def test_requests_of_different_k_share_a_step(engine, hf_model):
         assert d < TOL, (k, d)
 
 
+@pytest.mark.parametrize("strategy", ["soft_thinking", "stht"])
+def test_bf16_mixed_rows_equal_the_trainers_bit_for_bit(model_dir, monkeypatch, strategy):
+    """A bf16 engine: every input row the hook mixed (caught in the model runner) equals, bit for
+    bit, the trainer's mixing embedding op on vLLM's bf16 embedding matrix with the same ids,
+    weights and noise (one arithmetic, mixing/arithmetic.py); rounding each product to bf16, as
+    the hook once did, changes some of them."""
+    from megatron_ngrpo.mixing.embedding import _MixedLookup
+    from megatron_ngrpo.rollout.vllm.engine import VLLMEngine
+    from megatron_ngrpo.rollout.vllm.hook import NeighborMixRunner
+
+    caught = []  # (rows as vLLM fed them [M, h], entries, embedding matrix)
+    scheduled, preprocess = NeighborMixRunner._nm_scheduled_mixes, NeighborMixRunner._preprocess
+
+    def spy_scheduled(self, scheduler_output):
+        self._spy = scheduled(self, scheduler_output)
+        return self._spy
+
+    def spy_preprocess(self, scheduler_output, num_input_tokens, intermediate_tensors=None):
+        self._spy = ([], [])
+        out = preprocess(self, scheduler_output, num_input_tokens, intermediate_tensors)
+        rows, entries = self._spy
+        if rows:
+            caught.append((out[1][rows].clone(), entries, self.get_model().model.embed_tokens.weight))
+        return out
+
+    monkeypatch.setattr(NeighborMixRunner, "_nm_scheduled_mixes", spy_scheduled)
+    monkeypatch.setattr(NeighborMixRunner, "_preprocess", spy_preprocess)
+    cfg = VLLMConfig(dtype="bfloat16", max_model_len=256, kv_cache_memory_bytes=1_200_000, max_num_seqs=32)
+    eng = VLLMEngine(model_dir, cfg, tokenizer=model_dir.parent / "tokenizer")
+    try:
+        batch = eng.generate(PROMPTS[:6], SamplingParams(n=2, temperature=1.0, max_new_tokens=24, seed=3),
+                             MixingConfig(strategy=strategy, rate=0.5, k=3))
+    finally:
+        eng.close()
+    assert len(batch.mixes) > 20 and caught
+    fed, trainer, old = [], [], []
+    for rows, entries, weight in caught:
+        assert rows.dtype == weight.dtype == torch.bfloat16
+        ids = torch.tensor([e[0] for e in entries])
+        w = torch.tensor([e[1] for e in entries], dtype=torch.float32)
+        noise = torch.stack([e[2] for e in entries]).float() if strategy == "stht" else None
+        m = len(entries)
+        with torch.no_grad():
+            mine = _MixedLookup.apply(weight, torch.zeros(m, dtype=torch.long), None, torch.arange(m), ids, w,
+                                      noise, False, None)
+        cand = weight[ids]
+        before = (w.to(cand.dtype).unsqueeze(-1) * cand).sum(1)
+        fed.append(rows)
+        trainer.append(mine)
+        old.append(before if noise is None else before + noise.to(cand.dtype))
+    fed, trainer, old = torch.cat(fed), torch.cat(trainer), torch.cat(old)
+    assert torch.equal(fed.view(torch.int16), trainer.view(torch.int16)), (fed - trainer).abs().max()
+    assert not torch.equal(old, trainer)
+
+
 def test_stop_after_gate(engine):
     """Mixing stops at the first emitted "wA wB" (given by a first run); that position is not mixed."""
     mixing = MixingConfig(rate=1.0, k=2)

@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_ngrpo.mixing import decision
+from megatron_ngrpo.mixing.arithmetic import mix_rows
 from megatron_ngrpo.mixing.config import MixingConfig
 from megatron_ngrpo.mixing.perturbations import NoiseSpec, decide_for_strategy
 from megatron_ngrpo.mixing.records import MixRecord
@@ -305,11 +306,12 @@ class NeighborMixRunner:
         else:
             cand = self.model.embed_input_ids(ids.flatten())
         cand = cand.view(*ids.shape, -1)  # [M, k, h]
-        # Same arithmetic as the trainer's MixingVocabParallelEmbedding: Σ w·E in E's dtype, + noise.
-        mix = (weights.to(cand.dtype).unsqueeze(-1) * cand).sum(1)
         noisy = [j for j, e in enumerate(entries) if e[2] is not None]  # STHT
-        if noisy:
-            mix[noisy] += torch.stack([entries[j][2] for j in noisy]).to(device=device, dtype=mix.dtype)
+        noise = None
+        if noisy:  # rows without noise add an exact 0
+            noise = torch.zeros(len(entries), cand.shape[-1], dtype=torch.float32, device=device)
+            noise[noisy] = torch.stack([entries[j][2] for j in noisy]).to(device=device, dtype=torch.float32)
+        mix = mix_rows(cand, weights, noise)  # the trainer's arithmetic (mixing/arithmetic.py)
         index = torch.tensor(rows, dtype=torch.long, device=device)
         inputs_embeds.index_copy_(0, index, mix.to(inputs_embeds.dtype))
         return (input_ids, inputs_embeds, *rest)
