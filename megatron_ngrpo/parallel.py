@@ -7,7 +7,6 @@ gloo on CPU (with :mod:`megatron_ngrpo.compat.cpu` installed), NCCL on GPU.
 from __future__ import annotations
 
 import datetime
-import math
 import os
 import socket
 
@@ -15,16 +14,39 @@ import torch
 import torch.distributed as dist
 
 # How long a collective waits for the slowest rank (a long rollout on one data-parallel group, a
-# checkpoint written by rank 0): the jobs' `train.dist_timeout_s` / `dist_timeout_s`. Also applied
-# to megatron's groups (initialize_model_parallel).
+# checkpoint written by rank 0): the jobs' `train.dist_timeout_s` / `dist_timeout_s`. Every group
+# of the job gets it: the project's (collective_timeout()), megatron's and vLLM's colocated ones
+# (adopt_timeout after they are made); torch gives a group made without one its 30-min default.
 DEFAULT_TIMEOUT_S = 1800
 _timeout_s = DEFAULT_TIMEOUT_S
 
+# NCCL flight recorder, dumped when a collective times out: each rank writes what it was waiting
+# in to <trace prefix><rank>. torch reads these when a NCCL group is made; set where unset under
+# any of their names (torch's newer TORCH_FR_* ones first), so the user's settings win.
+NCCL_DEBUG_DEFAULTS = {
+    ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"): "2000",
+    ("TORCH_NCCL_DUMP_ON_TIMEOUT",): "1",
+}
+_TRACE_FILE = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
 
-def init_distributed(timeout_s: int = DEFAULT_TIMEOUT_S) -> None:
+
+def set_nccl_debug_defaults(trace_dir: str | None = None) -> None:
+    """The flight-recorder defaults above; dumps go to ``trace_dir/nccl_trace_rank_<rank>`` (the
+    run directory: node-local /tmp, torch's default, is gone with the allocation)."""
+    defaults = dict(NCCL_DEBUG_DEFAULTS)
+    if trace_dir:
+        os.makedirs(trace_dir, exist_ok=True)
+        defaults[_TRACE_FILE] = os.path.join(os.path.abspath(trace_dir), "nccl_trace_rank_")
+    for names, value in defaults.items():
+        if not any(n in os.environ for n in names):
+            os.environ[names[-1]] = value
+
+
+def init_distributed(timeout_s: int = DEFAULT_TIMEOUT_S, trace_dir: str | None = None) -> None:
     """Initialise the default process group from torchrun's environment variables (or a single
     process group of size 1 when they are absent), with collectives timing out after
-    ``timeout_s``. Idempotent (the first call's timeout stays)."""
+    ``timeout_s`` and NCCL's flight recorder dumping to ``trace_dir`` on a timeout
+    (:func:`set_nccl_debug_defaults`). Idempotent (the first call's settings stay)."""
     global _timeout_s
     # megatron is imported here, not at module level: processes that only need the rank helpers
     # below (CLIs failing on a config error, report writers) stay free of it.
@@ -37,6 +59,7 @@ def init_distributed(timeout_s: int = DEFAULT_TIMEOUT_S) -> None:
     if dist.is_initialized():
         return
     _timeout_s = timeout_s
+    set_nccl_debug_defaults(trace_dir)
     if "RANK" not in os.environ:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
@@ -44,8 +67,20 @@ def init_distributed(timeout_s: int = DEFAULT_TIMEOUT_S) -> None:
     if on_gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(
-        backend="nccl" if on_gpu else "gloo", timeout=datetime.timedelta(seconds=timeout_s)
+        backend="nccl" if on_gpu else "gloo", timeout=collective_timeout()
     )
+
+
+def collective_timeout() -> datetime.timedelta:
+    """The job's collective timeout: give it to every process group made (``dist.new_group``)."""
+    return datetime.timedelta(seconds=_timeout_s)
+
+
+def adopt_timeout() -> None:
+    """Give every process group of this process the job's timeout: the groups a library made
+    with torch's default (vLLM's colocated TP / PP / DP groups, one of megatron's)."""
+    for group in list(dist.distributed_c10d._world.pg_map):
+        dist.distributed_c10d._set_pg_timeout(collective_timeout(), group)
 
 
 def initialize_model_parallel(
@@ -64,8 +99,9 @@ def initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
-        distributed_timeout_minutes=max(1, math.ceil(_timeout_s / 60)),
+        distributed_timeout_minutes=_timeout_s / 60,  # megatron makes timedelta(minutes=...): exact
     )
+    adopt_timeout()  # megatron 0.16.1 makes EXPERT_DATA_PARALLEL_GROUP_GLOO without its timeout
     model_parallel_seed(seed)
 
 
@@ -96,11 +132,10 @@ def duplicate_model_parallel_groups():
     mine = {n: _members(getattr(pgs, n, None)) for n in names}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    timeout = datetime.timedelta(seconds=_timeout_s)
     for n in names:
         # Every rank creates every distinct group of this kind, in one order, and keeps its own.
         kinds = sorted({tuple(m[n]) for m in everyone if m[n] is not None})
-        groups = {ranks: dist.new_group(list(ranks), timeout=timeout) for ranks in kinds}
+        groups = {ranks: dist.new_group(list(ranks), timeout=collective_timeout()) for ranks in kinds}
         if mine[n] is not None:
             setattr(pgs, n, groups[tuple(mine[n])])
     return pgs

@@ -204,12 +204,13 @@ def test_startup_errors_are_one_line(task, servers, tmp_path, capsys, monkeypatc
     from megatron_ngrpo.rollout.remote import client as remote_engine
 
     monkeypatch.setattr(remote_engine, "INFO_METHOD", "nbr_no_such_method")
-    _one_line_error(r"vLLM 0.32.\d+ without the rollout worker extension, so no mixing hook \(POST "
+    _one_line_error(r"vLLM 0.32.0 without the rollout worker extension, so no mixing hook \(POST "
                     r"/collective_rpc: HTTP 500: .*'nbr_no_such_method'",
                     engine._info, urls[0], time.monotonic())
     monkeypatch.undo()
     for change, match in [({"hook": None}, r"the mixing hook is not installed in vLLM's model runner \(hook None\)"),
-                          ({"vllm": "0.33.1"}, r"vLLM 0.33.1, but the mixing hook is written for vLLM 0.32.x"),
+                          ({"vllm": "0.33.1"}, r"vLLM 0.33.1, but the mixing hook is written for vLLM 0.32.0$"),
+                          ({"vllm": "0.32.1"}, r"vLLM 0.32.1, but the mixing hook is written for vLLM 0.32.0$"),
                           ({"vocab_size": 999}, r"vocab_size = 999, the trainer's is"),
                           ({"protocol": 0}, "wire protocol 0")]:
         _one_line_error(match, engine.check, urls[0], {**info, **change})
@@ -227,7 +228,7 @@ def test_startup_errors_are_one_line(task, servers, tmp_path, capsys, monkeypatc
                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert out.returncode == 1 and out.stderr.splitlines()[-1] == (
         "error: rollout server: RuntimeError: vLLM 0.33.0 is installed; the mixing hook patches vLLM "
-        "0.32.x runner internals (install vllm==0.32.*)"), out.stderr[-2000:]
+        "0.32.0's private runner internals (install vllm==0.32.0)"), out.stderr[-2000:]
 
     from megatron_ngrpo.config_loader import ConfigError
     from megatron_ngrpo.launch import cli

@@ -95,6 +95,17 @@ def test_config_error_messages(task, monkeypatch, overrides, world, message):
     assert "\n" not in str(err.value)
 
 
+def test_async_megatron_engine_is_refused_on_gpu(task, monkeypatch):
+    """Valid on CPU (tests/test_async.py runs it); on a GPU refused until measured."""
+    assert _cfg(task, "train.async.max_staleness=1", world=2, monkeypatch=monkeypatch).train.async_.max_staleness
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ConfigError, match=r"^config field 'train.async.max_staleness' = 1: the one-step-off "
+                                          r"Megatron engine is not measured on GPU .*use rollout.engine=remote"):
+        _cfg(task, "train.async.max_staleness=1", world=2, monkeypatch=monkeypatch)
+    _cfg(task, "train.async.max_staleness=1", "rollout.engine=remote", "rollout.remote.urls=[http://x:1]",
+         world=2, monkeypatch=monkeypatch)  # rollout servers stay allowed
+
+
 def test_tiny_config_is_valid_and_main_exits_2_on_errors(task, monkeypatch, capsys):
     cfg = _cfg(task, world=2, monkeypatch=monkeypatch)
     assert cfg.mixing.enabled and cfg.rollout.n == 4

@@ -182,6 +182,88 @@ def test_requests_of_different_k_share_a_step(engine, hf_model):
         assert d < TOL, (k, d)
 
 
+@pytest.mark.parametrize("strategy", ["soft_thinking", "stht"])
+def test_bf16_mixed_rows_equal_the_trainers_bit_for_bit(model_dir, monkeypatch, strategy):
+    """A bf16 engine: every input row the hook mixed (caught in the model runner) equals, bit for
+    bit, the trainer's mixing embedding op on vLLM's bf16 embedding matrix with the same ids,
+    weights and noise (one arithmetic, mixing/arithmetic.py); rounding each product to bf16, as
+    the hook once did, changes some of them."""
+    from megatron_ngrpo.mixing.embedding import _MixedLookup
+    from megatron_ngrpo.rollout.vllm.engine import VLLMEngine
+    from megatron_ngrpo.rollout.vllm.hook import NeighborMixRunner
+
+    caught = []  # (rows as vLLM fed them [M, h], entries, embedding matrix)
+    scheduled, preprocess = NeighborMixRunner._nm_scheduled_mixes, NeighborMixRunner._preprocess
+
+    def spy_scheduled(self, scheduler_output):
+        self._spy = scheduled(self, scheduler_output)
+        return self._spy
+
+    def spy_preprocess(self, scheduler_output, num_input_tokens, intermediate_tensors=None):
+        self._spy = ([], [])
+        out = preprocess(self, scheduler_output, num_input_tokens, intermediate_tensors)
+        rows, entries = self._spy
+        if rows:
+            caught.append((out[1][rows].clone(), entries, self.get_model().model.embed_tokens.weight))
+        return out
+
+    monkeypatch.setattr(NeighborMixRunner, "_nm_scheduled_mixes", spy_scheduled)
+    monkeypatch.setattr(NeighborMixRunner, "_preprocess", spy_preprocess)
+    cfg = VLLMConfig(dtype="bfloat16", max_model_len=256, kv_cache_memory_bytes=1_200_000, max_num_seqs=32)
+    eng = VLLMEngine(model_dir, cfg, tokenizer=model_dir.parent / "tokenizer")
+    try:
+        batch = eng.generate(PROMPTS[:6], SamplingParams(n=2, temperature=1.0, max_new_tokens=24, seed=3),
+                             MixingConfig(strategy=strategy, rate=0.5, k=3))
+    finally:
+        eng.close()
+    assert len(batch.mixes) > 20 and caught
+    fed, trainer, old = [], [], []
+    for rows, entries, weight in caught:
+        assert rows.dtype == weight.dtype == torch.bfloat16
+        ids = torch.tensor([e[0] for e in entries])
+        w = torch.tensor([e[1] for e in entries], dtype=torch.float32)
+        noise = torch.stack([e[2] for e in entries]).float() if strategy == "stht" else None
+        m = len(entries)
+        with torch.no_grad():
+            mine = _MixedLookup.apply(weight, torch.zeros(m, dtype=torch.long), None, torch.arange(m), ids, w,
+                                      noise, False, None)
+        cand = weight[ids]
+        before = (w.to(cand.dtype).unsqueeze(-1) * cand).sum(1)
+        fed.append(rows)
+        trainer.append(mine)
+        old.append(before if noise is None else before + noise.to(cand.dtype))
+    fed, trainer, old = torch.cat(fed), torch.cat(trainer), torch.cat(old)
+    assert torch.equal(fed.view(torch.int16), trainer.view(torch.int16)), (fed - trainer).abs().max()
+    assert not torch.equal(old, trainer)
+
+
+def test_private_vllm_touch_points_are_checked(engine, monkeypatch):
+    """The hook's table of private vLLM internals resolves on the installed vLLM and the live V1
+    runner (nbr_mix_install checks it); one that moved is named in one line at install; another
+    vLLM release, or a V2 runner, is refused."""
+    from megatron_ngrpo.rollout.vllm import hook
+
+    assert len(hook.PRIVATE_TOUCH_POINTS) >= 30
+    assert engine.llm.collective_rpc(lambda worker: hook.missing_touch_points(worker.model_runner)) == [[]]
+    monkeypatch.setattr(hook, "PRIVATE_TOUCH_POINTS", hook.PRIVATE_TOUCH_POINTS + (
+        ("runner.input_batch.no_such_field", "moved"), ("vllm.v1.no_such_module:X", "moved")))
+    runner = engine.llm.collective_rpc(lambda worker: worker.model_runner)[0]
+    assert hook.missing_touch_points(runner) == ["runner.input_batch.no_such_field", "vllm.v1.no_such_module:X"]
+    with pytest.raises(ValueError, match=r"^neighbour mixing in vLLM: this vLLM lacks 2 of the hook's private touch "
+                                         r"points: runner.input_batch.no_such_field, vllm.v1.no_such_module:X"):
+        hook.NeighborMixExtension.nbr_mix_install(type("W", (), {"model_runner": runner})(), 512)
+    monkeypatch.undo()
+    # Model Runner V2: a class of the same name in another module
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
+
+    fake = V2Runner.__new__(V2Runner)
+    fake.vllm_config = runner.vllm_config
+    with pytest.raises(ValueError, match=r"model runner is vllm.v1.worker.gpu.model_runner.GPUModelRunner, not the V1"):
+        hook.NeighborMixExtension.nbr_mix_install(type("W", (), {"model_runner": fake})(), 512)
+    assert hook.supported_vllm("0.32.0") and hook.supported_vllm("0.32.0+cu129")
+    assert not hook.supported_vllm("0.32.1") and not hook.supported_vllm("0.33.0")
+
+
 def test_stop_after_gate(engine):
     """Mixing stops at the first emitted "wA wB" (given by a first run); that position is not mixed."""
     mixing = MixingConfig(rate=1.0, k=2)
@@ -362,6 +444,11 @@ def test_weight_sync_verify_catches_corruption(engine, model_dir, monkeypatch):
     ({"weight_transfer": "nccl_m2n"}, r"^config field 'weight_transfer' = 'nccl_m2n': not wired: .*use nccl\)$"),
     ({"weight_transfer": "tcp"}, r"^config field 'weight_transfer' = 'tcp': expected gloo, ipc, nccl or reload$"),
     ({"sync_bucket_mb": 0}, r"^config field 'sync_bucket_mb' = 0: must be > 0$"),
+    # colocated: the trainer and its vLLM worker share a GPU (and, in-process, a process)
+    ({"weight_transfer": "nccl"}, r"^config field 'weight_transfer' = 'nccl': cannot work colocated: .* NCCL "
+                                  r"refuses two ranks on one device"),
+    ({"weight_transfer": "ipc"}, r"^config field 'weight_transfer' = 'ipc': cannot work with in_process=true: "
+                                 r"the CUDA IPC handle would be opened in the process that made it"),
     ({"verify_weights": True}, r"^config field 'verify_weights' = True: checks tensors on the gloo route only"),
 ])
 def test_weight_transfer_config_errors(fields, match):
@@ -369,6 +456,10 @@ def test_weight_transfer_config_errors(fields, match):
 
     with pytest.raises(ConfigError, match=match):
         VLLMConfig(**fields).validate()
+
+
+def test_ipc_route_is_accepted_with_a_worker_process():
+    VLLMConfig(weight_transfer="ipc", in_process=False).validate()  # the handle crosses processes there
 
 
 @pytest.mark.parametrize("layout,nproc", [("vllm_tp2_under_trainer_tp2", 2), ("vllm_tp2_under_trainer_tp4", 4),
@@ -386,7 +477,11 @@ def test_colocated_weights_equal_the_trainers_after_every_sync(layout, nproc):
 
     results = launch(Path(__file__).parent / "dist" / "vllm_sync_worker.py", nproc=nproc, timeout=900,
                      env={"NGRPO_TEST_PG_TIMEOUT": "120"}, only=[layout])
-    syncs = check(results, layout)
+    value = check(results, layout)
+    syncs, timeouts = value["syncs"], value["group_timeouts"]
+    # vLLM made its groups with torch's 30-min default; the engine gives them the job's
+    assert any(name.startswith("vllm") or name == "undefined" for name in timeouts), timeouts
+    assert {name: s for name, s in timeouts.items() if s != 120.0} == {}
     assert len(syncs) == 3 and all(s["num_params"] > 0 and s["buckets"] > 10 for s in syncs), syncs
     sharded = layout.startswith("vllm_tp2")
     assert [s["tp_shards"] for s in syncs] == [sharded, sharded, False], syncs

@@ -35,6 +35,7 @@ from megatron.core.tensor_parallel.mappings import (
 
 from megatron_ngrpo.architecture import unwrap
 from megatron_ngrpo.compat.cpu import bypass
+from megatron_ngrpo.mixing.arithmetic import mix_rows
 from megatron_ngrpo.mixing.records import MixRecord
 
 
@@ -165,7 +166,8 @@ class _MixedLookup(torch.autograd.Function):
     under DDP even without mixes), or the hook would skip a dense gradient once the flag is set.
 
     Precision: the mixture and the gradient are accumulated in fp32 for 16-bit weights (the
-    k rows are upcast before the weighted sum; the gradient buffer is fp32 and rounded once to
+    mixture by :func:`~megatron_ngrpo.mixing.arithmetic.mix_rows`, vLLM's hook's arithmetic
+    too, so a bf16 engine and trainer build the same bits; the gradient buffer is fp32 and rounded once to
     the weight dtype at the end, ``main_grad`` fp32 and never rounded), as megatron's own
     embedding backward accumulates on GPU.
     Shapes: weight [V, h], ids/outside [N], rows [M], cand_ids/cand_w [M, k] (cand_w fp32),
@@ -182,10 +184,7 @@ class _MixedLookup(torch.autograd.Function):
             out = F.embedding(ids, weight)
             if outside is not None:
                 out.masked_fill_(outside.unsqueeze(1), 0.0)
-            mixed = torch.bmm(cand_w.unsqueeze(1), F.embedding(cand_ids, weight).float()).squeeze(1)
-            if noise is not None:
-                mixed = mixed + noise.float()
-            out.index_copy_(0, rows, mixed.to(out.dtype))
+            out.index_copy_(0, rows, mix_rows(F.embedding(cand_ids, weight), cand_w, noise))
         ctx.save_for_backward(ids, outside, rows, cand_ids, cand_w)
         ctx.num_rows, ctx.cand_grad, ctx.weight_dtype = weight.shape[0], cand_grad, weight.dtype
         ctx.grad_param = grad_param

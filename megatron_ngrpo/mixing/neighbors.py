@@ -659,14 +659,24 @@ def _cpu_bf16_matmul_is_faster() -> bool:
 
 def _input_roundoff(device: torch.device) -> float:
     """Unit roundoff to which an fp32 matmul on ``device`` rounds its inputs: 0 for IEEE fp32
-    products (CPU: numpy's BLAS), 2^-11 under TF32 (``torch.set_float32_matmul_precision("high")``
-    or ``allow_tf32``; bf16x3 is more accurate), 2^-8 under "medium" (bf16 inputs)."""
+    products (CPU: numpy's BLAS), 2^-11 under TF32 (``torch.set_float32_matmul_precision("high")``,
+    ``allow_tf32``, or torch >= 2.9's ``fp32_precision = "tf32"``; bf16x3 is more accurate),
+    2^-8 under "medium" / ``"bf16"`` (bf16 inputs)."""
     if device.type != "cuda":
         return 0.0
-    precision = torch.get_float32_matmul_precision()
-    if precision == "medium":
+    # torch >= 2.9: once the new fp32_precision API was used, reading the legacy flags raises;
+    # the new one is always readable ("none": the backend-wide setting), and reflects legacy "high".
+    mode = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
+    if mode == "none":
+        mode = torch.backends.fp32_precision
+    try:
+        legacy = torch.get_float32_matmul_precision()
+        tf32 = torch.backends.cuda.matmul.allow_tf32
+    except RuntimeError:
+        legacy, tf32 = None, False
+    if mode == "bf16" or legacy == "medium":
         return 2.0 ** -8
-    if precision == "high" or torch.backends.cuda.matmul.allow_tf32:
+    if mode == "tf32" or legacy == "high" or tf32:
         return 2.0 ** -11
     return 0.0
 

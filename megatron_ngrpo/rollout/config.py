@@ -37,9 +37,10 @@ class VLLMConfig:
     # the next weight sync reloads them). CPU vLLM has no sleep mode: the calls are no-ops there.
     sleep_level: int = 1
     # Weight sync route (rollout/vllm/weight_transfer.py): vLLM's weight-transfer API with the gloo
-    # engine registered here (CPU, any layout), its "ipc" engine (colocated, GPU) or "nccl"
-    # (GPU); "reload" streams the tensors through collective_rpc("reload_weights") (in-process
-    # worker) or a safetensors directory (worker processes): the fallback.
+    # engine registered here (CPU, any layout) or its "ipc" engine (GPU, a worker process of its
+    # own: in_process=false); "reload" streams the tensors through collective_rpc("reload_weights")
+    # (in-process worker) or a safetensors directory (worker processes): the fallback. "nccl" is
+    # refused here (colocated: the worker shares the trainer's GPU); it is rollout.remote's route.
     weight_transfer: str = "reload"
     # Largest bucket of tensors sent at once (MiB): the sender's extra memory beyond one tensor.
     sync_bucket_mb: float = 512.0
@@ -64,6 +65,15 @@ class VLLMConfig:
                  "tensor (use nccl)")
         if self.weight_transfer not in ("gloo", "ipc", "nccl", "reload"):
             fail("weight_transfer", self.weight_transfer, "expected gloo, ipc, nccl or reload")
+        # Colocated engines only (rollout.engine=vllm, evaluation): routes that cannot work there.
+        if self.weight_transfer == "nccl":
+            fail("weight_transfer", self.weight_transfer, "cannot work colocated: the trainer rank and its "
+                 "vLLM worker share one GPU and NCCL refuses two ranks on one device (use ipc with "
+                 "in_process=false, gloo or reload; nccl is rollout.remote.weight_transfer's route)")
+        if self.weight_transfer == "ipc" and self.in_process:
+            fail("weight_transfer", self.weight_transfer, "cannot work with in_process=true: the CUDA IPC "
+                 "handle would be opened in the process that made it, which CUDA refuses (use "
+                 "in_process=false on one rank, gloo or reload)")
         if self.sync_bucket_mb <= 0:
             fail("sync_bucket_mb", self.sync_bucket_mb, "must be > 0")
         if self.verify_weights and self.weight_transfer != "gloo":

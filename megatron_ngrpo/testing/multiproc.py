@@ -105,3 +105,17 @@ def check(results: dict[str, dict], name: str):
         f"--- rank {r}:\n{e}" for r, e in res["errors"].items()
     )
     return res["value"]
+
+
+def group_timeouts() -> dict[str, float]:
+    """``{group description: timeout in seconds}`` of every process group of this process (every
+    backend of each; a description shared by several groups names the largest timeout)."""
+    import torch.distributed as dist
+
+    out: dict[str, float] = {}
+    for i, group in enumerate(dist.distributed_c10d._world.pg_map):
+        name = group.group_desc or f"group{i}"
+        for device in group._device_types:
+            seconds = group._get_backend(device).options._timeout.total_seconds()
+            out[name] = max(seconds, out.get(name, seconds))
+    return out

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from megatron_ngrpo.architecture import ArchSpec
 from megatron_ngrpo.config_loader import ConfigError, fail, launch_world_size, load
 from megatron_ngrpo.data.config import DataConfig
@@ -63,6 +65,11 @@ class NGRPOConfig:
         if self.train.dynamic_sampling.enabled and self.train.async_.max_staleness:
             fail("train.dynamic_sampling.enabled", True, "refills a step by generating more with the "
                  "current weights: synchronous rollouts only (train.async.max_staleness = 0)")
+        if self.train.async_.max_staleness and self.rollout.engine == "megatron" and torch.cuda.is_available():
+            fail("train.async.max_staleness", self.train.async_.max_staleness,
+                 "the one-step-off Megatron engine is not measured on GPU (its second thread shares the "
+                 "device, two NCCL communicators per group, CUDA RNG-tracker forks unguarded): use "
+                 "rollout.engine=remote, or max_staleness=0")
         t = self.train
         dp = data_parallel_size(self.model)
         for name in ("prompts_per_step", "mini_batch_prompts"):

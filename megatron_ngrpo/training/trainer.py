@@ -116,7 +116,7 @@ class Trainer:
     def setup(self) -> None:
 
         cfg = self.cfg
-        init_distributed(cfg.train.dist_timeout_s)
+        init_distributed(cfg.train.dist_timeout_s, trace_dir=str(Path(cfg.train.run_dir) / "nccl_traces"))
         initialize_model_parallel(cfg.model.tensor_parallel, cfg.model.pipeline_parallel,
                                   cfg.model.virtual_pipeline, seed=cfg.train.seed)
         self.device = device()

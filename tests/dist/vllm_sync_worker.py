@@ -3,7 +3,8 @@
 small buckets, SHA-256 per tensor): trainer TP=2 with vLLM TP=2 and, at 4 ranks, trainer TP=4
 with two vLLM TP=2 replicas (two syncs shard-to-shard, the third with gathered tensors again),
 then trainer DP=2 with one vLLM TP=1 replica per rank. After every one of three syncs of changed weights, every vLLM parameter, read
-back (and reassembled from its TP shards), equals the trainer's tensors exactly (fp32). One case per launch (``--only``): vLLM cannot build a second colocated engine in a
+back (and reassembled from its TP shards), equals the trainer's tensors exactly (fp32); every
+process group, vLLM's included, has the job's timeout. One case per launch (``--only``): vLLM cannot build a second colocated engine in a
 process whose first one has shut down.
 """
 
@@ -14,7 +15,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from megatron_ngrpo.testing.multiproc import case, run_cases, shared_tmpdir
+from megatron_ngrpo.testing.multiproc import case, group_timeouts, run_cases, shared_tmpdir
 
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
@@ -62,7 +63,7 @@ def _syncs_match(trainer_tp: int, vllm_tp: int, kv_heads: int = 2) -> list[dict]
             want = dict(export_hf_tensors(chunks, spec))
             assert_equal_to_hf(vllm_weights(engine.llm, group), want, where=f"sync {step}: ")
             syncs.append({k: engine.last_sync[k] for k in ("num_params", "buckets", "tp_shards")})
-        return syncs
+        return {"syncs": syncs, "group_timeouts": group_timeouts()}
     finally:
         engine.close()
 

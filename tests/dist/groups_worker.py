@@ -1,0 +1,35 @@
+"""Every process group a training job makes times out after the job's ``dist_timeout_s``
+(tests/test_parallel.py; NGRPO_TEST_PG_TIMEOUT is that timeout): the default group, megatron's
+(model-parallel, data-parallel incl. its gloo twins), the one-step-off producer's duplicates, and
+the rollout client's gloo group (made before it looks for servers, here none)."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from megatron_ngrpo.testing.multiproc import case, group_timeouts, run_cases
+
+
+@case
+def every_group_gets_the_job_timeout():
+    from megatron_ngrpo.architecture import ArchSpec
+    from megatron_ngrpo.parallel import duplicate_model_parallel_groups, free_port, initialize_model_parallel
+    from megatron_ngrpo.rollout.config import RemoteConfig
+    from megatron_ngrpo.rollout.remote.client import RemoteEngine, RolloutServerError
+    from megatron_ngrpo.testing.tiny import tiny_hf_config
+
+    initialize_model_parallel(1, 2)
+    duplicate_model_parallel_groups()
+    before = len(dist.distributed_c10d._world.pg_map)
+    spec = ArchSpec.from_dict(tiny_hf_config())
+    url = f"http://127.0.0.1:{free_port()}"
+    try:
+        RemoteEngine(RemoteConfig(urls=[url], start_timeout_s=1), spec, 64)
+    except RolloutServerError:
+        pass
+    assert len(dist.distributed_c10d._world.pg_map) == before + 1, "the rollout client made no group"
+    return group_timeouts()
+
+
+if __name__ == "__main__":
+    run_cases()
