@@ -3,7 +3,7 @@
 # path imports that such a machine lacks (it has torch, transformers and their dependencies),
 # downloaded here into the git-ignored .whl/ folder, which travels with the checkout.
 # Python 3.12, x86_64; --no-deps: each dependency is listed here (checked with
-# `unzip -p .whl/X.whl '*/METADATA' | grep ^Requires-Dist`). About 3.5 MiB in all.
+# `unzip -p .whl/X.whl '*/METADATA' | grep ^Requires-Dist`). About 4.2 MiB in all.
 # The versions are the ones scripts/setup.sh installs and the tests run with.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,6 +16,9 @@ WHEELS=(
   latex2sympy2_extended==1.11.0      # math-verify's; needs sympy (torch brings it)
   psutil==7.2.2                      # megatron-core's checkpoint save (undeclared by it)
   einops==0.8.2                      # megatron-core (undeclared by it)
+  datasets==5.2.0                    # data/datasets.py reads every training file through it
+  dill==0.4.1                        # datasets'
+  multiprocess==0.70.19              # datasets' (py312 wheel)
 )
 mkdir -p .whl
 for spec in "${WHEELS[@]}"; do

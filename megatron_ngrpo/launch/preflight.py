@@ -25,7 +25,7 @@ from megatron_ngrpo.config_loader import ConfigError
 # Import name -> distribution name of what every training job imports.
 ALWAYS = {"torch": "torch", "megatron.core": "megatron-core", "transformers": "transformers",
           "tokenizers": "tokenizers", "safetensors": "safetensors", "omegaconf": "omegaconf",
-          "math_verify": "math-verify"}
+          "math_verify": "math-verify", "datasets": "datasets"}
 VLLM = {"vllm": "vllm"}
 TE = {"transformer_engine.pytorch": "transformer-engine"}
 
