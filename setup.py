@@ -1,6 +1,9 @@
 """megatron_ngrpo: N-GRPO (semantic neighbour mixing) on megatron-core."""
 from setuptools import find_packages, setup
 
+# Reads GGUF files (ngrpo-import-gguf, scripts/setup_real_model.sh); the tests import one.
+GGUF = "gguf==0.19.0"
+
 setup(
     name="megatron_ngrpo",
     version="0.1.0",
@@ -37,12 +40,14 @@ setup(
         # leptonai 0.47 breaks `import nemo_run`.
         "launch": ["nemo-run==0.11.1", "leptonai<0.47"],
         "te": ["transformer-engine[pytorch]"],
-        "dev": ["pytest", "pytest-timeout", "faiss-cpu", "scipy>=1.11"],
+        "dev": ["pytest", "pytest-timeout", "faiss-cpu", "scipy>=1.11", GGUF],
+        "gguf": [GGUF],
     },
     entry_points={
         "console_scripts": [
             "ngrpo-train=megatron_ngrpo.train:main",
             "ngrpo-launch=megatron_ngrpo.launch.cli:main",
+            "ngrpo-import-gguf=megatron_ngrpo.conversion.gguf:main",
         ]
     },
 )
