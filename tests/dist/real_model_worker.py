@@ -7,6 +7,7 @@ brute-force similarity matrix).
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from pathlib import Path
@@ -43,9 +44,15 @@ QUERY_ROWS = ((0, 128), (20_000, 20_128), (49_024, 49_152))
 _REF: dict[str, torch.Tensor] = {}
 
 
+@functools.cache
+def tokenizer():
+    return load_tokenizer(MODEL)
+
+
+@functools.cache
 def tokens() -> torch.Tensor:
     """[2, L]: the two real sentences, cut to the shorter one's length."""
-    ids = [load_tokenizer(MODEL)(s).input_ids for s in SENTENCES]
+    ids = [tokenizer()(s).input_ids for s in SENTENCES]
     n = min(map(len, ids))
     return torch.tensor([i[:n] for i in ids])
 
@@ -151,9 +158,9 @@ def _neighbors_case(tp: int):
         chunks = build(tp, 1)
         emb = mixing_embedding(chunks[0])
         cfg = MixingConfig(k=8, metric="cosine")
-        num_real = len(load_tokenizer(MODEL))
+        num_real = len(tokenizer())
         vocab = unwrap(chunks[0]).vocab_size
-        exclude = exclusion_mask(vocab, cfg, num_real, special_token_ids(load_tokenizer(MODEL)))
+        exclude = exclusion_mask(vocab, cfg, num_real, special_token_ids(tokenizer()))
         # tied: the output layer is the same matrix, so either neighbour source gives this table
         assert unwrap(chunks[0]).shared_embedding_or_output_weight() is emb.weight
         full = None
