@@ -130,3 +130,18 @@ def test_setup_script_is_quick_when_done(real_model):
                        env={**__import__("os").environ, "NGRPO_MODELS": str(real_model.parent)})
     assert r.returncode == 0 and r.stdout == f"setup_real_model: ok ({real_model})\n" and not r.stderr, r
     assert time.perf_counter() - t0 < 15
+
+
+def test_trainer_refuses_a_bad_folder_in_one_line(tmp_path):
+    """configs/smollm2_135m.yaml pointed at a folder whose tokenizer outgrows the embedding:
+    exit 2 and one line, before any process group starts."""
+    model = write_tiny_hf(tmp_path / "m", "llama", vocab_size=64, tied=True, num_layers=1)
+    write_word_tokenizer(model, 65)
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"problem": "max(1,2)=", "answer": "2"}\n')
+    r = subprocess.run([sys.executable, "-m", "megatron_ngrpo.train", "--config", "configs/smollm2_135m.yaml",
+                        f"model.hf_path={model}", f"data.train=[{{path: {data}}}]"],
+                       capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"error: {model}/tokenizer.json: 65 token ids, more than {model}/config.json "
+                               f"field vocab_size = 64"), r.stderr
