@@ -57,13 +57,13 @@ def runs(real_model, task, tmp_path_factory) -> dict[str, Path]:
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_two_steps_with_mixing(runs, engine):
     """Both steps mix, and the engine's log-probs of its own (mixed) rollouts equal the trainer's
-    replay of the records: the gap is fp32 noise (< 1e-3 nats over 30 layers, not the > 0.1 a
-    dropped or misplaced mix gives)."""
+    replay of the records, also at step 2 after the weight sync of the tied matrix: fp32 noise
+    over 30 layers (measured max 1.9e-5 built-in, 2.6e-5 vLLM; bound 1e-4)."""
     rows = [json.loads(line) for line in (runs[engine] / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert r["mixing/mixed_token_frac"] > 0, r
-        assert r["logprob_gap/max_abs"] < 1e-3, r
+        assert r["logprob_gap/max_abs"] < 1e-4, r
     print(engine, "logprob_gap/max_abs", [r["logprob_gap/max_abs"] for r in rows])
     assert (runs[engine] / "latest").read_text().strip() == "iter_0000002"
 
@@ -88,7 +88,8 @@ def test_eval_cli_scores_the_run_and_hf_export_generates_the_same(runs, real_mod
     assert "heldout" in json.dumps(summary)
     (gens,) = (out / "generations").glob("*.jsonl")
     records = [json.loads(line) for line in gens.read_text().splitlines()]
-    assert len(records) == 3
+    assert len(records) == 3 and all(r["response_tokens"] > 0 for r in records)
+    print("eval", summary)
 
     hf = tmp_path / "hf"
     convert_megatron_to_hf(run, hf, progress=False)
