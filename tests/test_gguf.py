@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import time
@@ -13,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from gguf import GGUFReader, GGUFWriter, dequantize
 from safetensors.torch import load_file, save_file
 
 from megatron_ngrpo.config_loader import ConfigError
@@ -31,9 +33,7 @@ def smollm2_gguf() -> Path:
 
 
 def write_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray]) -> Path:
-    import gguf
-
-    w = gguf.GGUFWriter(path, arch)
+    w = GGUFWriter(path, arch)
     for name, t in tensors.items():
         w.add_tensor(name, t)
     w.write_header_to_file()
@@ -98,8 +98,6 @@ def test_real_gguf_import(real_model):
     """The folder setup_real_model.sh built is this GGUF's import (stamp); a second call returns
     at once; its tensors are gguf's dequantisation (Q8_0 embedding, Q4_1 MLP) bit for bit; tied:
     one matrix; the model's own tokenizer and chat template are there."""
-    from gguf import GGUFReader, dequantize
-
     path = smollm2_gguf()
     assert check_gguf(path) == "llama"
     assert is_imported(path, real_model), f"{real_model} was not built by scripts/setup_real_model.sh"
@@ -127,7 +125,7 @@ def test_real_gguf_import(real_model):
 def test_setup_script_is_quick_when_done(real_model):
     t0 = time.perf_counter()
     r = subprocess.run(["bash", "scripts/setup_real_model.sh"], capture_output=True, text=True, cwd=REPO,
-                       env={**__import__("os").environ, "NGRPO_MODELS": str(real_model.parent)})
+                       env={**os.environ, "NGRPO_MODELS": str(real_model.parent)})
     assert r.returncode == 0 and r.stdout == f"setup_real_model: ok ({real_model})\n" and not r.stderr, r
     assert time.perf_counter() - t0 < 15
 

@@ -13,6 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from megatron_ngrpo.conversion.convert import convert_megatron_to_hf
+from megatron_ngrpo.conversion.hf_io import HFCheckpoint
+from megatron_ngrpo.data.templates import TemplateConfig, encode_prompt
+from megatron_ngrpo.eval.runner import load_benchmarks, prompt_message
+from megatron_ngrpo.parallel import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "smollm2_135m.yaml"
@@ -41,7 +48,7 @@ def runs(real_model, task, tmp_path_factory) -> dict[str, Path]:
     for engine, extra in ENGINES.items():
         run_dir = tmp_path_factory.mktemp(f"run_{engine}")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(__import__("megatron_ngrpo.parallel", fromlist=["free_port"]).free_port()),
+               "--master-port", str(free_port()),
                "-m", "megatron_ngrpo.train", "--config", str(CONFIG),
                f"data.train=[{{path: {task / 'train.jsonl'}}}]", f"validation.benchmarks=[{task / 'heldout.jsonl'}]",
                "validation.every=0", f"train.run_dir={run_dir}", "train.max_steps=2", "train.save_every=2",
@@ -71,13 +78,6 @@ def test_two_steps_with_mixing(runs, engine):
 def test_eval_cli_scores_the_run_and_hf_export_generates_the_same(runs, real_model, task, tmp_path):
     """Eval CLI (built-in engine, greedy) on the trained run; the run converted to HF: transformers
     greedy text = the eval's text for the same prompts; the weights moved from the initial ones."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from megatron_ngrpo.conversion.convert import convert_megatron_to_hf
-    from megatron_ngrpo.conversion.hf_io import HFCheckpoint
-    from megatron_ngrpo.data.templates import TemplateConfig, encode_prompt
-    from megatron_ngrpo.eval.runner import load_benchmarks, prompt_message
-
     run, out = runs["megatron"], tmp_path / "eval"
     cmd = [sys.executable, "-m", "megatron_ngrpo.eval", "--config", str(EVAL_CONFIG), f"checkpoint={run}",
            f"benchmarks=[{task / 'heldout.jsonl'}]", "limit=3", "sampling.n=1", "sampling.temperature=0",

@@ -37,7 +37,7 @@ def dequantizable_types() -> frozenset[str]:
 def check_gguf(path: str | Path) -> str:
     """One-line :class:`ConfigError` for a GGUF this project cannot import (unreadable,
     unsupported ``general.architecture``, a tensor type that does not dequantise); returns the
-    architecture. Reads the header only (memory-mapped)."""
+    architecture. Reads the metadata only (the file is memory-mapped; no tensor is dequantised)."""
     from gguf import GGUFReader  # optional dependency
 
     path = Path(path)
@@ -90,6 +90,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, overwrite: bool = Fa
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from megatron_ngrpo.architecture import ArchSpec
     from megatron_ngrpo.atomic import atomic_directory
     from megatron_ngrpo.conversion.hf_io import check_hf_folder
 
@@ -109,6 +110,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, overwrite: bool = Fa
         model.generation_config.save_pretrained(tmp)
         del model, state
         AutoTokenizer.from_pretrained(src, gguf_file=name).save_pretrained(tmp)
+        ArchSpec.from_hf(tmp)  # e.g. a llama GGUF named "mistral" becomes model_type mistral
         check_hf_folder(tmp, tokenizer_dir=tmp, source=str(gguf_path))
         (tmp / STAMP).write_text(json.dumps(_stamp(gguf_path), indent=2))
     return out_dir
