@@ -123,7 +123,8 @@ def main() -> None:
     table = build_neighbor_table(w, 0, args.k, "cosine", chunk_size=args.chunk)
     extra = peak_rss_mb() - base
     differ = int((table != faiss_ids(w, args.k, args.vocab)).any(1).sum())
-    print(f"full table V={args.vocab}: rows differing from faiss's (fp32 near-ties): {differ}; peak RSS growth {extra:.0f} MiB "
+    print(f"full table V={args.vocab}: rows differing from faiss's (fp32 near-ties): {differ}; "
+          f"peak RSS growth {extra:.0f} MiB "
           f"(bound: scores {screen.itemsize * args.chunk * args.vocab / 2**20:.0f} + normalised copy "
           f"{screen.itemsize * args.vocab * args.dim / 2**20:.0f} MiB + small buffers)", flush=True)
     r = compare(lambda: build_neighbor_table(w, 0, args.k, "cosine", chunk_size=args.chunk),
