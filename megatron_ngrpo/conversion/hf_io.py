@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from megatron_ngrpo.architecture import ArchSpec
 from megatron_ngrpo.atomic import atomic_directory
+from megatron_ngrpo.config_loader import ConfigError
 from megatron_ngrpo.conversion.mapping import (
     ConversionError,
     check_hf_names,
@@ -35,6 +36,47 @@ INDEX = "model.safetensors.index.json"
 AUX_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
              "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model",
              "added_tokens.json", "chat_template.jinja", "chat_template.json")
+
+
+# Any one of these makes a folder a tokenizer (vocab.json goes with merges.txt).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def tokenizer_json_id_count(path: str | Path) -> int:
+    """Token ids a ``tokenizer.json`` can produce (largest model or added-token id + 1), read
+    from the JSON without building the tokenizer."""
+    tok = json.loads(Path(path).read_text())
+    vocab = tok["model"]["vocab"]
+    ids = list(vocab.values()) if isinstance(vocab, dict) else [len(vocab) - 1]  # Unigram: a list
+    return max(ids + [t["id"] for t in tok.get("added_tokens", [])]) + 1
+
+
+def check_hf_folder(path: str | Path, tokenizer_dir: str | Path | None = None, weights: bool = True,
+                    source: str | None = None) -> None:
+    """One-line :class:`ConfigError` (file and field) for an HF model folder ``path`` the trainer
+    cannot use, before any process group starts. With ``tokenizer_dir`` (may be ``path``): no
+    tokenizer files there; a ``tokenizer.json`` with more ids than ``config.json``'s
+    ``vocab_size`` (embedding rows). With ``weights``: ``tie_word_embeddings`` declared while the
+    safetensors hold an ``lm_head.weight`` that differs from ``model.embed_tokens.weight`` (the
+    second matrix would be silently dropped; an identical copy is accepted). ``source``: named
+    in the message (e.g. the GGUF the folder was built from)."""
+    path = Path(path)
+    suffix = f" (from {source})" if source else ""
+    cfg = json.loads((path / "config.json").read_text())
+    if tokenizer_dir is not None:
+        tok = Path(tokenizer_dir)
+        if not any((tok / f).is_file() for f in TOKENIZER_FILES):
+            raise ConfigError(f"{tok}{suffix}: no tokenizer files (one of {', '.join(TOKENIZER_FILES)})")
+        if (tok / "tokenizer.json").is_file():
+            count = tokenizer_json_id_count(tok / "tokenizer.json")
+            if count > cfg.get("vocab_size", count):
+                raise ConfigError(f"{tok / 'tokenizer.json'}{suffix}: {count} token ids, more than "
+                                  f"{path / 'config.json'} field vocab_size = {cfg['vocab_size']} (embedding rows)")
+    if weights and cfg.get("tie_word_embeddings") and any(path.glob("*.safetensors")):
+        ckpt = HFCheckpoint(path)
+        if "lm_head.weight" in ckpt and not torch.equal(ckpt["lm_head.weight"], ckpt["model.embed_tokens.weight"]):
+            raise ConfigError(f"{path / 'config.json'}{suffix}: field tie_word_embeddings = true, but the "
+                              f"weights hold a separate lm_head.weight (two matrices: set it false or drop lm_head)")
 
 
 class HFCheckpoint(Mapping):

@@ -14,6 +14,7 @@ import torch
 
 from megatron_ngrpo.architecture import ArchSpec
 from megatron_ngrpo.config_loader import ConfigError, fail, launch_world_size, load
+from megatron_ngrpo.conversion.hf_io import check_hf_folder
 from megatron_ngrpo.data.config import DataConfig
 from megatron_ngrpo.data.datasets import resolve_source
 from megatron_ngrpo.data.paths import shared_data_dir
@@ -88,6 +89,8 @@ class NGRPOConfig:
             fail("train.load", t.load, f"empty means the HF weights of model.hf_path, but "
                  f"{self.model.hf_path} has no *.safetensors (use a checkpoint or 'random')")
         _require_tokenizer(self.tokenizer)
+        check_hf_folder(self.model.hf_path, tokenizer_dir=self.tokenizer if Path(self.tokenizer).is_dir() else None,
+                        weights=not t.load)
         _require_data_files(self.data)
 
 
