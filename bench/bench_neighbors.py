@@ -35,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _timing import compare  # noqa: E402
 
-from megatron_ngrpo.mixing.neighbors import screen_dtype, build_neighbor_table  # noqa: E402
+from megatron_ngrpo.mixing.gemm_cpu import screen_dtype  # noqa: E402
+from megatron_ngrpo.mixing.neighbors import build_neighbor_table  # noqa: E402
 
 
 def rss_mb() -> float:
