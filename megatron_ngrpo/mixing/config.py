@@ -11,6 +11,12 @@ from megatron_ngrpo.config_loader import fail
 
 STRATEGIES = ("none", "neighbor", "stht", "soft_thinking", "gumbel")
 METRICS = ("cosine", "l2", "l1", "dot")
+LOOKUPS = ("table", "on_demand", "auto")
+# Cost of one on-demand neighbour row in rows of the full table, at the worst batch (one new
+# anchor per decode step: a pass over the key rows for one query). SmolLM2-135M (V = 49,152,
+# d = 576, CPU): 40 (73 ms vs 1.83 ms per row, loaded machine; 8.6 at 4 anchors per step, 2.6 at
+# 16); bench/bench_neighbor_lookup.py prints it.
+ON_DEMAND_ROW_COST = 40
 
 
 @dataclass
@@ -39,6 +45,9 @@ class MixingConfig:
     embedding_grad: bool = True
     # Recompute the neighbour table every N optimizer steps (0 = only at start).
     refresh_every: int = 1
+    # Neighbour rows: "table" (the whole [V, k] table per weight version), "on_demand" (only the
+    # anchors a decode step mixes, exact and cached per weight version), "auto" (see lookup_mode).
+    neighbor_lookup: str = "auto"
     # Query rows scored per chunk when building the table (bounds peak memory).
     chunk_size: int = 1024
     # Baselines: STHT σ = noise_scale × RMS embedding norm; soft_thinking/gumbel use top-`k`.
@@ -65,10 +74,33 @@ class MixingConfig:
             fail("emit", self.emit, "expected 'anchor' (paper) or 'sample' (reference code)")
         if self.refresh_every < 0:
             fail("refresh_every", self.refresh_every, "must be >= 0")
+        if self.neighbor_lookup not in LOOKUPS:
+            fail("neighbor_lookup", self.neighbor_lookup, f"expected one of {LOOKUPS}")
+        if self.neighbor_lookup == "on_demand" and self.refresh_every != 1:
+            fail("neighbor_lookup", self.neighbor_lookup,
+                 f"on-demand rows are always the current weights' (refresh_every = {self.refresh_every} "
+                 "keeps a table across updates): set refresh_every: 1 or neighbor_lookup: table")
         if self.chunk_size < 1:
             fail("chunk_size", self.chunk_size, "must be >= 1")
         if self.noise_scale < 0:
             fail("noise_scale", self.noise_scale, "must be >= 0")
+
+    def lookup_mode(self, positions: int, vocab_size: int) -> str:
+        """"table" or "on_demand" for a weight version whose rollouts decode at most
+        ``positions`` tokens (sequences × max_new_tokens) over a ``vocab_size`` vocabulary.
+
+        ``auto``: on-demand when its worst-case cost stays below the table's, i.e. when
+        ``rate · positions · ON_DEMAND_ROW_COST < vocab_size`` (rate · positions bounds the
+        distinct anchors; each costs at most ON_DEMAND_ROW_COST table rows), and only with
+        ``refresh_every == 1`` (a table kept across updates is the table's option). SmolLM2-135M,
+        16 rollouts × 48 tokens at ρ = 0.1: 77 · 40 = 3,080 < 49,152 → on_demand; a 7B run
+        (V = 152,064) with 512 rollouts × 4,096 tokens: 2·10^5 · 40 ≫ V → table.
+        """
+        if self.neighbor_lookup != "auto":
+            return self.neighbor_lookup
+        if self.refresh_every != 1:
+            return "table"
+        return "on_demand" if self.rate * positions * ON_DEMAND_ROW_COST < vocab_size else "table"
 
     @property
     def enabled(self) -> bool:

@@ -8,6 +8,8 @@ matmul, certified top-k, TP merge, memory bounds) is `topk_certified`, its GEMM 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -50,25 +52,8 @@ def build_neighbor_table(
         on every rank: row v = [v, n_1, ..., n_{k-1}] ordered by decreasing similarity, ties to
         the lower id; n_j != v and never excluded.
     """
-    if metric not in METRICS:
-        raise ValueError(f"metric {metric!r}: expected one of {METRICS}")
-    if weight_local.dim() != 2:
-        raise ValueError(f"weight_local: expected [V_local, d], got shape {tuple(weight_local.shape)}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size {chunk_size}: must be >= 1")
-    weight_local = weight_local.detach()
+    weight_local, vocab_size, exclude = _checked(weight_local, vocab_start, k, metric, exclude, chunk_size, tp_group)
     device = weight_local.device
-    vocab_size = _check_partitions(weight_local.shape[0], vocab_start, tp_group, device)
-    if not 1 <= k < vocab_size:
-        raise ValueError(f"k = {k}: must satisfy 1 <= k < vocabulary size {vocab_size} (k counts the anchor)")
-    if exclude is None:
-        exclude = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-    exclude = exclude.to(device=device, dtype=torch.bool)
-    if exclude.shape != (vocab_size,):
-        raise ValueError(f"exclude: expected shape ({vocab_size},), got {tuple(exclude.shape)}")
-    allowed = vocab_size - int(exclude.sum())
-    if k > allowed:
-        raise ValueError(f"k = {k}: only {allowed} of {vocab_size} rows are not excluded")
     start, stop = rows if rows is not None else (0, vocab_size)
     if not 0 <= start < stop <= vocab_size:
         raise ValueError(f"rows = {rows}: must satisfy 0 <= start < stop <= {vocab_size}")
@@ -77,9 +62,7 @@ def build_neighbor_table(
     if k == 1:
         return anchors.unsqueeze(1)
     with torch.no_grad():
-        keys = Keys(weight_local, vocab_start, metric, exclude)
-        if not _all_ranks(keys.finite, tp_group, device):
-            raise ValueError("weight_local: contains non-finite values")
+        keys = _keys(weight_local, vocab_start, metric, exclude, tp_group)
         if metric in PRODUCT_METRICS and (start, stop) == (0, vocab_size) and not group_active(tp_group) \
                 and not group_active(dp_group):
             nbrs = symmetric_neighbors(keys, k - 1, chunk_size)
@@ -114,33 +97,130 @@ def neighbor_table_for_model(
     """
     from megatron.core import parallel_state as ps
 
-    from megatron_ngrpo.architecture import unwrap
-    from megatron_ngrpo.mixing.embedding import mixing_embedding
-
-    chunks = list(model_chunk) if isinstance(model_chunk, (list, tuple)) else [model_chunk]
-    weight, vocab_start = _source_weight(chunks, cfg.neighbor_source, output_weight, mixing_embedding, unwrap)
-    vocab_size = unwrap(chunks[0]).vocab_size
     parallel = ps.model_parallel_is_initialized()
     tp_group = ps.get_tensor_model_parallel_group() if parallel else None
     dp_group = ps.get_data_parallel_group() if parallel else None
     pp_group = ps.get_pipeline_model_parallel_group() if parallel else None
-    exclude = exclusion_mask(vocab_size, cfg, num_real_tokens, special_ids)
-
+    m = _model_matrix(model_chunk, cfg, num_real_tokens, special_ids, output_weight, tp_group, pp_group)
     table = None
-    if weight is not None:
-        table = build_neighbor_table(weight.detach(), vocab_start, cfg.k, cfg.metric, exclude,
+    if m.weight is not None:
+        table = build_neighbor_table(m.weight.detach(), m.vocab_start, cfg.k, cfg.metric, m.exclude,
                                      cfg.chunk_size, tp_group, dp_group)
-    if pp_group is None or dist.get_world_size(pp_group) == 1:
-        if table is None:
-            raise ValueError(f"neighbor_source {cfg.neighbor_source!r}: this model chunk holds no such matrix")
+    if m.pp_src is None:
         return table
-    src = ps.get_pipeline_model_parallel_first_rank() if cfg.neighbor_source == "input" \
-        else ps.get_pipeline_model_parallel_last_rank()
     if table is None:
-        device = next(chunks[0].parameters()).device
-        table = torch.empty(vocab_size, cfg.k, dtype=torch.long, device=device)
-    dist.broadcast(table, src=src, group=pp_group)
+        table = torch.empty(m.vocab_size, cfg.k, dtype=torch.long, device=m.device)
+    dist.broadcast(table, src=m.pp_src, group=pp_group)
     return table
+
+
+class NeighborLookup:
+    """Exact neighbour rows on demand for one weight version: ``rows(ids)`` [n, k] equals
+    ``build_neighbor_table(...)[ids]`` of the same arguments bit for bit (the same search,
+    :func:`~megatron_ngrpo.mixing.topk_certified.chunk_neighbors`, on the queried ids only), and
+    every row computed is kept: a [V, k] cache filled row by row. Cost per new anchor: one
+    screen row against the local keys (V_l·d multiply-adds per TP rank), against V²·d/2 for the
+    whole single-rank table; ``rows_computed`` counts the rows actually searched.
+
+    Collective: every rank of ``tp_group`` and ``pp_group`` calls :meth:`ensure` (or :meth:`rows`
+    while some id is not cached) with the same ids, so their caches stay identical. Ranks
+    without the matrix (other pipeline stages; ``weight_local`` None, ``vocab_size`` given)
+    receive the rows by a broadcast from global rank ``pp_src``.
+
+    Args as :func:`build_neighbor_table`; the key rows are prepared at the first search (an
+    engine that never mixes pays nothing). A new weight version needs a new lookup.
+    """
+
+    def __init__(self, weight_local: torch.Tensor | None, vocab_start: int, k: int, metric: str = "cosine",
+                 exclude: torch.Tensor | None = None, chunk_size: int = 1024,
+                 tp_group: dist.ProcessGroup | None = None, pp_group: dist.ProcessGroup | None = None,
+                 pp_src: int | None = None, vocab_size: int | None = None, device=None):
+        self.k, self.metric, self.chunk_size = k, metric, chunk_size
+        self.tp_group, self.pp_group, self.pp_src = tp_group, pp_group, pp_src
+        self.vocab_start, self.exclude = vocab_start, exclude
+        if weight_local is not None:
+            self.weight, vocab_size, self.exclude = _checked(weight_local, vocab_start, k, metric, exclude,
+                                                             chunk_size, tp_group)
+            device = self.weight.device
+        elif pp_src is None or vocab_size is None:
+            raise ValueError("NeighborLookup without weight_local needs pp_src and vocab_size (another stage's rows)")
+        else:
+            self.weight = None
+        self.vocab_size = vocab_size
+        self._keys: Keys | None = None
+        self.cache = torch.full((vocab_size, k), -1, dtype=torch.long, device=device)
+        self.known = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        self.rows_computed = 0
+
+    def ensure(self, ids: torch.Tensor) -> None:
+        """Search the rows of the ids [n] (global, any order, repeats allowed) not cached yet."""
+        ids = ids.reshape(-1).to(self.known.device)
+        if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < self.vocab_size):
+            raise ValueError(f"neighbour lookup: ids outside [0, {self.vocab_size})")
+        new = torch.unique(ids)
+        new = new[~self.known[new]]
+        if not new.numel():
+            return
+        nbrs = torch.empty(new.numel(), self.k - 1, dtype=torch.long, device=new.device)
+        if self.weight is not None and self.k > 1:
+            with torch.no_grad():
+                if self._keys is None:
+                    self._keys = _keys(self.weight, self.vocab_start, self.metric, self.exclude, self.tp_group)
+                for c0 in range(0, new.numel(), self.chunk_size):
+                    nbrs[c0:c0 + self.chunk_size] = chunk_neighbors(self._keys, new[c0:c0 + self.chunk_size],
+                                                                    self.k - 1, self.tp_group)
+        if self.pp_src is not None and self.k > 1:
+            dist.broadcast(nbrs, src=self.pp_src, group=self.pp_group)
+        self.cache[new] = torch.cat([new.unsqueeze(1), nbrs], 1)
+        self.known[new] = True
+        self.rows_computed += new.numel()
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """[n, k] int64 rows of the ids [n] (anchor first), searched where not cached."""
+        self.ensure(ids)
+        return self.cache[ids.to(self.cache.device)]
+
+
+def neighbor_lookup_for_model(model_chunks, cfg: MixingConfig, num_real_tokens: int, special_ids=(),
+                              tp_group=None, pp_group=None) -> NeighborLookup:
+    """The on-demand :class:`NeighborLookup` of a megatron GPT model's matrix (the one
+    :func:`neighbor_table_for_model` tabulates, same exclusions), over the given TP and PP
+    groups (an engine's own, which may duplicate megatron's; None = single process)."""
+    m = _model_matrix(model_chunks, cfg, num_real_tokens, special_ids, None, tp_group, pp_group)
+    weight = None if m.weight is None else m.weight.detach()
+    return NeighborLookup(weight, m.vocab_start, cfg.k, cfg.metric, m.exclude, cfg.chunk_size, tp_group,
+                          pp_group, m.pp_src, m.vocab_size, m.device)
+
+
+@dataclass
+class _ModelMatrix:
+    weight: torch.Tensor | None  # this rank's partition, None on stages without the matrix
+    vocab_start: int
+    vocab_size: int
+    exclude: torch.Tensor
+    pp_src: int | None  # global rank of the stage holding it; None without pipeline parallelism
+    device: torch.device
+
+
+def _model_matrix(model_chunk, cfg: MixingConfig, num_real_tokens: int, special_ids, output_weight,
+                  tp_group, pp_group) -> _ModelMatrix:
+    """The neighbour matrix of a megatron model on this rank and where it lives."""
+    from megatron_ngrpo.architecture import unwrap
+    from megatron_ngrpo.mixing.embedding import mixing_embedding
+
+    chunks = list(model_chunk) if isinstance(model_chunk, (list, tuple)) else [model_chunk]
+    weight, vocab_start = _source_weight(chunks, cfg.neighbor_source, output_weight, mixing_embedding, unwrap,
+                                         tp_group)
+    vocab_size = unwrap(chunks[0]).vocab_size
+    exclude = exclusion_mask(vocab_size, cfg, num_real_tokens, special_ids)
+    device = next(chunks[0].parameters()).device
+    pp_src = None
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        last = dist.get_world_size(pp_group) - 1
+        pp_src = dist.get_global_rank(pp_group, 0 if cfg.neighbor_source == "input" else last)
+    elif weight is None:
+        raise ValueError(f"neighbor_source {cfg.neighbor_source!r}: this model chunk holds no such matrix")
+    return _ModelMatrix(weight, vocab_start, vocab_size, exclude, pp_src, device)
 
 
 def exclusion_mask(vocab_size: int, cfg: MixingConfig, num_real_tokens: int, special_ids=()) -> torch.Tensor:
@@ -157,6 +237,37 @@ def exclusion_mask(vocab_size: int, cfg: MixingConfig, num_real_tokens: int, spe
     if ids:
         exclude[torch.as_tensor(ids, dtype=torch.long)] = True
     return exclude
+
+
+def _checked(weight_local, vocab_start: int, k: int, metric: str, exclude, chunk_size: int, tp_group):
+    """The arguments of a neighbour search, checked: (detached weight, V, exclude [V] bool)."""
+    if metric not in METRICS:
+        raise ValueError(f"metric {metric!r}: expected one of {METRICS}")
+    if weight_local.dim() != 2:
+        raise ValueError(f"weight_local: expected [V_local, d], got shape {tuple(weight_local.shape)}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size {chunk_size}: must be >= 1")
+    weight_local = weight_local.detach()
+    device = weight_local.device
+    vocab_size = _check_partitions(weight_local.shape[0], vocab_start, tp_group, device)
+    if not 1 <= k < vocab_size:
+        raise ValueError(f"k = {k}: must satisfy 1 <= k < vocabulary size {vocab_size} (k counts the anchor)")
+    if exclude is None:
+        exclude = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+    exclude = exclude.to(device=device, dtype=torch.bool)
+    if exclude.shape != (vocab_size,):
+        raise ValueError(f"exclude: expected shape ({vocab_size},), got {tuple(exclude.shape)}")
+    allowed = vocab_size - int(exclude.sum())
+    if k > allowed:
+        raise ValueError(f"k = {k}: only {allowed} of {vocab_size} rows are not excluded")
+    return weight_local, vocab_size, exclude
+
+
+def _keys(weight_local, vocab_start: int, metric: str, exclude, tp_group) -> Keys:
+    keys = Keys(weight_local, vocab_start, metric, exclude)
+    if not _all_ranks(keys.finite, tp_group, weight_local.device):
+        raise ValueError("weight_local: contains non-finite values")
+    return keys
 
 
 # ---- partitions and groups ---------------------------------------------------------------------
@@ -208,8 +319,7 @@ def _all_ranks(flag: bool, group, device=None) -> bool:
     return bool(t.item() > 0)
 
 
-
-def _source_weight(chunks, source: str, output_weight, mixing_embedding, unwrap):
+def _source_weight(chunks, source: str, output_weight, mixing_embedding, unwrap, tp_group):
     """(weight_local, vocab_start) of the neighbour matrix held by these chunks, or (None, 0)."""
     if source == "input":
         for chunk in chunks:
@@ -226,7 +336,5 @@ def _source_weight(chunks, source: str, output_weight, mixing_embedding, unwrap)
                 break
     if output_weight is None:
         return None, 0
-    from megatron.core import parallel_state as ps
-
-    rank = ps.get_tensor_model_parallel_rank() if ps.model_parallel_is_initialized() else 0
+    rank = dist.get_rank(tp_group) if group_active(tp_group) else 0
     return output_weight, rank * output_weight.shape[0]

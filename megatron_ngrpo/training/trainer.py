@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_ngrpo.architecture import unwrap
 from megatron_ngrpo.data.templates import TRAIN_INSTRUCTION
 from megatron_ngrpo.grpo.advantages import (
     compute_advantages,
@@ -60,7 +61,6 @@ class ReferencePolicy:
     reference pass (``swap``, no extra device memory), or a second model (``copy``)."""
 
     def __init__(self, chunks: list, mode: str, model_cfg):
-        from megatron_ngrpo.architecture import unwrap
         from megatron_ngrpo.models.provider import build_model
 
         self.mode = mode
@@ -215,7 +215,6 @@ class Trainer:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        from megatron_ngrpo.architecture import unwrap
         from megatron_ngrpo.models.provider import params_dtype
 
         o = self.cfg.optim
@@ -373,6 +372,9 @@ class Trainer:
         mixing = self.cfg.mixing
         if not (mixing.enabled and mixing.strategy == "neighbor"):
             return False
+        if self._mixing().neighbor_lookup == "on_demand":  # the engine searches the rows it mixes
+            self.table = None
+            return False
         due = self.table is None or (mixing.refresh_every and
                                      self.updates - self.table_updates >= mixing.refresh_every)
         if due:
@@ -399,7 +401,21 @@ class Trainer:
                                           seed=(self.cfg.train.seed * 1_000_003 + step) % 2**31)
 
     def _mixing(self):
-        return self.cfg.mixing if self.cfg.mixing.enabled else None
+        """The rollouts' mixing config, its neighbour lookup resolved: ``auto`` by
+        ``lookup_mode`` of this DP rank's decode positions per step ("table" with an engine that
+        only takes tables)."""
+        mixing = self.cfg.mixing
+        if not mixing.enabled:
+            return None
+        if mixing.strategy != "neighbor" or mixing.neighbor_lookup == "table":
+            return mixing
+        if not self.engine.neighbors_on_demand:
+            if mixing.neighbor_lookup == "on_demand":
+                raise ValueError(f"mixing.neighbor_lookup = on_demand: {type(self.engine).__name__} mixes with "
+                                 "the trainer's table only (use table or auto)")
+            return dataclasses.replace(mixing, neighbor_lookup="table")
+        positions = (self.cfg.train.prompts_per_step // self.dp_size) * self.cfg.rollout.n * self.cfg.rollout.max_new_tokens
+        return dataclasses.replace(mixing, neighbor_lookup=mixing.lookup_mode(positions, unwrap(self.chunks[0]).vocab_size))
 
     def _pad_id(self) -> int:
         pad = self.tokenizer.pad_token_id
