@@ -13,10 +13,12 @@ STRATEGIES = ("none", "neighbor", "stht", "soft_thinking", "gumbel")
 METRICS = ("cosine", "l2", "l1", "dot")
 LOOKUPS = ("table", "on_demand", "auto")
 # Cost of one on-demand neighbour row in rows of the full table, at the worst batch (one new
-# anchor per decode step: a pass over the key rows for one query). SmolLM2-135M (V = 49,152,
-# d = 576, CPU): 40 (73 ms vs 1.83 ms per row, loaded machine; 8.6 at 4 anchors per step, 2.6 at
-# 16); bench/bench_neighbor_lookup.py prints it.
-ON_DEMAND_ROW_COST = 40
+# anchor per search: a pass over the key rows for one query), per device type. Measured with
+# bench/bench_neighbor_lookup.py --row-cost (bench/results/neighbor_lookup.md): CPU, SmolLM2-135M
+# (49,152 × 576): 40 (8.6 at 4 anchors per search, 2.6 at 16); H100, random 49,152 × 576: 1,417
+# (the whole table takes 0.15 s there; 195 at 16 anchors), random 152,064 × 3,584 (7B shape): 345
+# (table 4.2 s; 23 at 16 anchors).
+ON_DEMAND_ROW_COST = {"cpu": 40, "cuda": 1400}
 
 
 @dataclass
@@ -85,22 +87,25 @@ class MixingConfig:
         if self.noise_scale < 0:
             fail("noise_scale", self.noise_scale, "must be >= 0")
 
-    def lookup_mode(self, positions: int, vocab_size: int) -> str:
+    def lookup_mode(self, positions: int, vocab_size: int, device_type: str = "cpu") -> str:
         """"table" or "on_demand" for a weight version whose rollouts decode at most
-        ``positions`` tokens (sequences × max_new_tokens) over a ``vocab_size`` vocabulary.
+        ``positions`` tokens (sequences × max_new_tokens) over a ``vocab_size`` vocabulary,
+        searched on a ``device_type`` ("cpu", "cuda") device.
 
         ``auto``: on-demand when its worst-case cost stays below the table's, i.e. when
-        ``rate · positions · ON_DEMAND_ROW_COST < vocab_size`` (rate · positions bounds the
-        distinct anchors; each costs at most ON_DEMAND_ROW_COST table rows), and only with
+        ``rate · positions · ON_DEMAND_ROW_COST[device_type] < vocab_size`` (rate · positions
+        bounds the distinct anchors; each costs at most that many table rows), and only with
         ``refresh_every == 1`` (a table kept across updates is the table's option). SmolLM2-135M,
-        16 rollouts × 48 tokens at ρ = 0.1: 77 · 40 = 3,080 < 49,152 → on_demand; a 7B run
-        (V = 152,064) with 512 rollouts × 4,096 tokens: 2·10^5 · 40 ≫ V → table.
+        16 rollouts × 48 tokens at ρ = 0.1: 77 · 40 = 3,080 < 49,152 → on_demand on CPU, 77 ·
+        1,400 > 49,152 → table on a GPU (0.15 s); a 7B run (V = 152,064) with 512 rollouts ×
+        4,096 tokens: table on either.
         """
         if self.neighbor_lookup != "auto":
             return self.neighbor_lookup
         if self.refresh_every != 1:
             return "table"
-        return "on_demand" if self.rate * positions * ON_DEMAND_ROW_COST < vocab_size else "table"
+        cost = ON_DEMAND_ROW_COST.get(device_type, ON_DEMAND_ROW_COST["cuda"])
+        return "on_demand" if self.rate * positions * cost < vocab_size else "table"
 
     @property
     def enabled(self) -> bool:

@@ -8,6 +8,7 @@ matmul, certified top-k, TP merge, memory bounds) is `topk_certified`, its GEMM 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -120,7 +121,8 @@ class NeighborLookup:
     :func:`~megatron_ngrpo.mixing.topk_certified.chunk_neighbors`, on the queried ids only), and
     every row computed is kept: a [V, k] cache filled row by row. Cost per new anchor: one
     screen row against the local keys (V_l·d multiply-adds per TP rank), against V²·d/2 for the
-    whole single-rank table; ``rows_computed`` counts the rows actually searched.
+    whole single-rank table; ``rows_computed`` counts the rows actually searched, ``seconds`` the
+    wall time spent searching them.
 
     Collective: every rank of ``tp_group`` and ``pp_group`` calls :meth:`ensure` (or :meth:`rows`
     while some id is not cached) with the same ids, so their caches stay identical. Ranks
@@ -151,6 +153,7 @@ class NeighborLookup:
         self.cache = torch.full((vocab_size, k), -1, dtype=torch.long, device=device)
         self.known = torch.zeros(vocab_size, dtype=torch.bool, device=device)
         self.rows_computed = 0
+        self.seconds = 0.0
 
     def ensure(self, ids: torch.Tensor) -> None:
         """Search the rows of the ids [n] (global, any order, repeats allowed) not cached yet."""
@@ -161,6 +164,7 @@ class NeighborLookup:
         new = new[~self.known[new]]
         if not new.numel():
             return
+        t0 = time.perf_counter()
         nbrs = torch.empty(new.numel(), self.k - 1, dtype=torch.long, device=new.device)
         if self.weight is not None and self.k > 1:
             with torch.no_grad():
@@ -174,6 +178,7 @@ class NeighborLookup:
         self.cache[new] = torch.cat([new.unsqueeze(1), nbrs], 1)
         self.known[new] = True
         self.rows_computed += new.numel()
+        self.seconds += time.perf_counter() - t0
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """[n, k] int64 rows of the ids [n] (anchor first), searched where not cached."""

@@ -227,7 +227,7 @@ class MegatronEngine(RolloutEngine):
         if mixing.strategy == "neighbor":
             if self._fixed_table is not None:
                 return {"table": self._fixed_table.to(self._device)}
-            mode = mixing.lookup_mode(positions, unwrap(self.chunks[0]).vocab_size)
+            mode = mixing.lookup_mode(positions, unwrap(self.chunks[0]).vocab_size, self._device.type)
             key = (mode, mixing.k, mixing.metric, mixing.neighbor_source, mixing.exclude_special,
                    mixing.exclude_padded, tuple(mixing.exclude_ids), mixing.chunk_size)
             if key not in self._derived:

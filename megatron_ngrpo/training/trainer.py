@@ -386,9 +386,10 @@ class Trainer:
     def _generate(self, prompts: list[list[int]], keys: list[int]):
         self.engine.wake_up()
         self.engine.sync_weights(self.chunks)
-        if self.table is not None:
-            self.engine.set_neighbor_table(self.table)
-        rollout = self.engine.generate(prompts, self._sampling(self.step), mixing=self._mixing(), keys=keys)
+        mixing = self._mixing()
+        if self.table is not None or (mixing is not None and mixing.neighbor_lookup == "on_demand"):
+            self.engine.set_neighbor_table(self.table)  # None: the engine searches rows on demand
+        rollout = self.engine.generate(prompts, self._sampling(self.step), mixing=mixing, keys=keys)
         self.engine.sleep()
         rollout.policy_version = self.step
         rollout.validate(self.num_real_tokens)
@@ -415,7 +416,8 @@ class Trainer:
                                  "the trainer's table only (use table or auto)")
             return dataclasses.replace(mixing, neighbor_lookup="table")
         positions = (self.cfg.train.prompts_per_step // self.dp_size) * self.cfg.rollout.n * self.cfg.rollout.max_new_tokens
-        return dataclasses.replace(mixing, neighbor_lookup=mixing.lookup_mode(positions, unwrap(self.chunks[0]).vocab_size))
+        mode = mixing.lookup_mode(positions, unwrap(self.chunks[0]).vocab_size, torch.device(self.device).type)
+        return dataclasses.replace(mixing, neighbor_lookup=mode)
 
     def _pad_id(self) -> int:
         pad = self.tokenizer.pad_token_id
