@@ -63,7 +63,7 @@ def main() -> None:
     repo = Path(__file__).resolve().parents[1]
     root = Path(tempfile.mkdtemp(prefix="bench_neighbor_lookup_"))
     write_arithmetic_task(root)
-    overrides = [f"tokenizer={args.model}", f"model.hf_path={args.model}", "train.load=",
+    overrides = [f"tokenizer={args.model}", f"model.hf_path={args.model}", "train.load=''",
                  "model.make_vocab_size_divisible_by=128", f"train.run_dir={root / 'run'}",
                  f"data.train=[{{path: {root / 'train.jsonl'}}}]", "data.template.kind=plain",
                  "mixing.rate=0.1", "mixing.refresh_every=1", "rollout.n=4",

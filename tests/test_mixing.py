@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from megatron_ngrpo.mixing import gemm_cpu as G
-from megatron_ngrpo.mixing import topk_certified as T
 from megatron_ngrpo.mixing import perturbations as P
+from megatron_ngrpo.mixing import topk_certified as T
 from megatron_ngrpo.mixing.config import MixingConfig
 from megatron_ngrpo.mixing.decision import counter_uniform, gate, gate_uniform
 from megatron_ngrpo.mixing.neighbors import build_neighbor_table, exclusion_mask

@@ -65,6 +65,7 @@ import torch
 
 from megatron_ngrpo.mixing import decision
 from megatron_ngrpo.mixing.config import MixingConfig
+from megatron_ngrpo.mixing.neighbors import NeighborLookup
 from megatron_ngrpo.mixing.perturbations import NoiseSpec, decide_for_strategy
 from megatron_ngrpo.mixing.records import MixRecord
 
@@ -505,8 +506,6 @@ class NeighborMixExtension:
         rank takes the same decisions, so they search the same anchors together."""
         from vllm.distributed.parallel_state import get_tp_group
         from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-
-        from megatron_ngrpo.mixing.neighbors import NeighborLookup
 
         want = ParallelLMHead if source == "output" else VocabParallelEmbedding
         layer = next((m for m in self.model_runner.get_model().modules()
