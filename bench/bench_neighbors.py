@@ -1,6 +1,6 @@
 """Neighbour-table build vs faiss-cpu exact search (IndexFlatIP on normalised rows = cosine).
 
-    OMP_NUM_THREADS=1 python -m bench.bench_neighbors [--vocab 16384 --slice-vocab 32768 --dim 512]
+    OMP_NUM_THREADS=1 python bench/bench_neighbors.py [--vocab 16384 --slice-vocab 32768 --dim 512]
 
 Both run single-threaded on the same random fp32 matrix, timed in interleaved pairs by
 ``bench/_timing.py`` (process CPU time, median ratio over A B / B A blocks with its 95% interval,
@@ -16,9 +16,6 @@ fp32); the result is checked equal to faiss's ids.
 3. Memory: peak RSS growth of a full build (measured first, in a fresh process state).
 4. Qwen2-1.5B shape (V=151936, d=1536): a query slice through the general path, extrapolated to
    the full table (an upper bound for the single-rank path, which does half the matmul work).
-
-``--hf DIR``: parts 1-2 on a real model's input embedding instead of random rows (e.g. SmolLM2-135M-
-Instruct, 49,152 × 576, from scripts/setup_real_model.sh); ``--qwen-queries 0`` skips part 4.
 """
 
 from __future__ import annotations
@@ -34,7 +31,8 @@ import numpy as np
 import torch
 
 from bench._timing import compare
-from megatron_ngrpo.mixing.neighbors import build_neighbor_table, screen_dtype
+from megatron_ngrpo.mixing.gemm_cpu import screen_dtype
+from megatron_ngrpo.mixing.neighbors import build_neighbor_table
 
 
 def rss_mb() -> float:
@@ -96,7 +94,6 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=1024)
     p.add_argument("--qwen-queries", type=int, default=1024)
     p.add_argument("--max-seconds", type=float, default=200.0)
-    p.add_argument("--hf", default="", help="HF folder: its embedding matrix for parts 1-2")
     args = p.parse_args()
     same_blas_kernels()
     import faiss
@@ -104,23 +101,16 @@ def main() -> None:
     threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
     torch.set_num_threads(threads)
     faiss.omp_set_num_threads(threads)
-    if args.hf:
-        from megatron_ngrpo.conversion.hf_io import HFCheckpoint
-
-        w = HFCheckpoint(args.hf)["model.embed_tokens.weight"].float()
-        args.vocab, args.slice_vocab, args.dim = w.shape[0], w.shape[0], w.shape[1]
-        print(f"embedding of {args.hf}: {tuple(w.shape)}", flush=True)
-    else:
-        w = torch.randn(args.vocab, args.dim, generator=torch.Generator().manual_seed(0))
     screen = screen_dtype(torch.device("cpu"), "cosine")
     print(f"threads {torch.get_num_threads()}, d={args.dim}, k={args.k}, chunk {args.chunk}, "
           f"scoring screen {screen} (faiss: fp32)", flush=True)
+
+    w = torch.randn(args.vocab, args.dim, generator=torch.Generator().manual_seed(0))
     base = rss_mb()
     table = build_neighbor_table(w, 0, args.k, "cosine", chunk_size=args.chunk)
     extra = peak_rss_mb() - base
-    differ = int((table != faiss_ids(w, args.k, args.vocab)).any(1).sum())
-    print(f"full table V={args.vocab}: rows differing from faiss's (fp32 near-ties): {differ}; "
-          f"peak RSS growth {extra:.0f} MiB "
+    same = torch.equal(table, faiss_ids(w, args.k, args.vocab))
+    print(f"full table V={args.vocab}: identical to faiss: {same}; peak RSS growth {extra:.0f} MiB "
           f"(bound: scores {screen.itemsize * args.chunk * args.vocab / 2**20:.0f} + normalised copy "
           f"{screen.itemsize * args.vocab * args.dim / 2**20:.0f} MiB + small buffers)", flush=True)
     r = compare(lambda: build_neighbor_table(w, 0, args.k, "cosine", chunk_size=args.chunk),
@@ -132,7 +122,7 @@ def main() -> None:
     np.matmul(x, x.T)
     print(f"for scale: one bare sgemm of all V x V scores (numpy) {time.process_time() - c0:.2f} s cpu", flush=True)
 
-    ws = w if args.hf else torch.randn(args.slice_vocab, args.dim, generator=torch.Generator().manual_seed(1))
+    ws = torch.randn(args.slice_vocab, args.dim, generator=torch.Generator().manual_seed(1))
     q = args.queries
     sl = build_neighbor_table(ws, 0, args.k, "cosine", chunk_size=args.chunk, rows=(0, q))
     print(f"query slice {q} of V={args.slice_vocab}: identical to faiss: {torch.equal(sl, faiss_ids(ws, args.k, q))}")
@@ -142,8 +132,6 @@ def main() -> None:
                 max_seconds=args.max_seconds)
     print(r, f"| ours {r.a_cpu:.2f} s, faiss {r.b_cpu:.2f} s", flush=True)
 
-    if not args.qwen_queries:
-        return
     v, d, q = 151936, 1536, args.qwen_queries
     wq = torch.randn(v, d, generator=torch.Generator().manual_seed(2))
     base = rss_mb()

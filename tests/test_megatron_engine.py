@@ -58,3 +58,9 @@ def test_virtual_pipeline(results):
 def test_baseline_strategies_replay(results):
     """Soft Thinking / STHT (with recorded noise) / Gumbel mixtures replay within 1e-5."""
     check(results, "strategies_replay_tp2_pp2")
+
+
+def test_on_demand_neighbors_equal_table(results):
+    """On-demand neighbour rows: the table's batch bit for bit, only the mixed anchors searched."""
+    value = check(results, "on_demand_neighbors_tp2_pp2")
+    assert 0 < value["rows_computed"] <= value["mixed"]

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_ngrpo.mixing import neighbors as N
+from megatron_ngrpo.mixing import gemm_cpu as G
 from megatron_ngrpo.mixing import perturbations as P
+from megatron_ngrpo.mixing import topk_certified as T
 from megatron_ngrpo.mixing.config import MixingConfig
 from megatron_ngrpo.mixing.decision import counter_uniform, gate, gate_uniform
 from megatron_ngrpo.mixing.neighbors import build_neighbor_table, exclusion_mask
@@ -87,7 +88,7 @@ def test_table_bad_inputs_raise():
 def screen(request, monkeypatch):
     """Both scoring screens whatever this CPU has (bf16 applies to the matmul metrics cosine,
     dot; the others keep fp32)."""
-    monkeypatch.setattr(N, "screen_dtype", lambda device, metric: request.param if metric in ("cosine", "dot")
+    monkeypatch.setattr(G, "screen_dtype", lambda device, metric: request.param if metric in ("cosine", "dot")
                         else torch.float32)
     return request.param
 
@@ -141,28 +142,28 @@ def test_screen_score_bounds_contain_float64_scores(metric, own, screen):
     g = torch.Generator().manual_seed(3)
     w = torch.randn(2000, 96, generator=g) * torch.logspace(-2, 2, 2000).unsqueeze(1)[torch.randperm(2000, generator=g)]
     w[1] = w[0] * (1 + 1e-3)
-    keys = N._Keys(w, 0, metric, torch.zeros(2000, dtype=torch.bool))
+    keys = T.Keys(w, 0, metric, torch.zeros(2000, dtype=torch.bool))
     ids = torch.arange(0, 300)
     st, _, shift, tol = keys.screen_scores(w[ids], ids, own=own)
     assert st.dtype == screen and not bool(shift.any())
     s = st.T
-    true = N.pair_scores64(w[ids].double().unsqueeze(1), w.double().unsqueeze(0), metric)
+    true = T.pair_scores64(w[ids].double().unsqueeze(1), w.double().unsqueeze(0), metric)
     finite = torch.isfinite(s)
     assert int((~finite).sum()) == 300  # self only
     t = tol.unsqueeze(1)
-    assert bool((N._lower(s, t) <= true)[finite].all()) and bool((true <= N._upper(s, t))[finite].all())
+    assert bool((T._lower(s, t) <= true)[finite].all()) and bool((true <= T._upper(s, t))[finite].all())
     if metric == "cosine":  # (dot's bound scales with the largest key norm, 10^4 × the smallest here)
-        width = (N._upper(s, t) - N._lower(s, t))[finite]
+        width = (T._upper(s, t) - T._lower(s, t))[finite]
         assert float(width.max()) < (8 * 2.0 ** -8 if screen == torch.bfloat16 else 1e-3)
 
 
 def test_bf16_screen_rescores_only_near_ties(monkeypatch):
     """The bf16 screen's wider margin keeps the near-tie fallback rare on random rows (general
     and symmetric paths), and the table exact."""
-    monkeypatch.setattr(N, "screen_dtype", lambda device, metric: torch.bfloat16)
+    monkeypatch.setattr(G, "screen_dtype", lambda device, metric: torch.bfloat16)
     retried = []
-    rescore = N._rescore_above
-    monkeypatch.setattr(N, "_rescore_above", lambda keys, q32, *a: retried.append(len(q32)) or rescore(keys, q32, *a))
+    rescore = T._rescore_above
+    monkeypatch.setattr(T, "_rescore_above", lambda keys, q32, *a: retried.append(len(q32)) or rescore(keys, q32, *a))
     w = torch.randn(3000, 128, generator=torch.Generator().manual_seed(0))
     ref = neighbor_table64(w, 3, "cosine")
     assert torch.equal(build_neighbor_table(w, 0, 3, "cosine", chunk_size=1024), ref)
@@ -173,12 +174,12 @@ def test_bf16_screen_rescores_only_near_ties(monkeypatch):
 def test_screen_choice_times_both_gemms_without_touching_the_global_rng():
     """The screen dtype is decided by timing bf16 against fp32 once per process; a table build
     after ``torch.manual_seed`` must leave the run's random stream where it was."""
-    N._cpu_bf16_matmul_is_faster.cache_clear()
+    G.cpu_bf16_matmul_is_faster.cache_clear()
     state = torch.get_rng_state()
-    choice = N.screen_dtype(torch.device("cpu"), "cosine")
+    choice = G.screen_dtype(torch.device("cpu"), "cosine")
     assert torch.equal(torch.get_rng_state(), state)
     assert choice in (torch.float32, torch.bfloat16)
-    assert N.screen_dtype(torch.device("cpu"), "l2") == torch.float32  # not a bare product
+    assert G.screen_dtype(torch.device("cpu"), "l2") == torch.float32  # not a bare product
 
 
 def test_exclusion_mask_from_config():
@@ -281,18 +282,18 @@ def test_table_exact_under_tf32_matmul(monkeypatch, rows):
     """TF32 matmul (GPU "high" precision), emulated on CPU: the certificate's bound covers the
     input rounding, the table is still exact, and only near-tie rows are re-scored (the bound
     used to exceed the cosine range at large d, re-scoring every pair)."""
-    monkeypatch.setattr(N, "screen_dtype", lambda device, metric: torch.float32)
-    monkeypatch.setattr(N, "_input_roundoff", lambda device: 2.0 ** -11)
-    monkeypatch.setattr(N, "_mm_into", lambda a, b, out: torch.mm(_tf32(a), _tf32(b.contiguous()), out=out))
+    monkeypatch.setattr(G, "screen_dtype", lambda device, metric: torch.float32)
+    monkeypatch.setattr(G, "input_roundoff", lambda device: 2.0 ** -11)
+    monkeypatch.setattr(G, "mm_into", lambda a, b, out: torch.mm(_tf32(a), _tf32(b.contiguous()), out=out))
     retried = []
-    rescore = N._rescore_above
-    monkeypatch.setattr(N, "_rescore_above", lambda keys, q32, *a: retried.append(len(q32)) or rescore(keys, q32, *a))
+    rescore = T._rescore_above
+    monkeypatch.setattr(T, "_rescore_above", lambda keys, q32, *a: retried.append(len(q32)) or rescore(keys, q32, *a))
     w = torch.randn(3000, 64, generator=torch.Generator().manual_seed(0))
     got = build_neighbor_table(w, 0, 3, "cosine", rows=rows, chunk_size=1024)
     ref = neighbor_table64(w, 3, "cosine")
     assert torch.equal(got, ref if rows is None else ref[rows[0]:rows[1]])
     assert sum(retried) < 0.05 * got.shape[0], retried
-    tol = N._Keys(w, 0, "cosine", torch.zeros(3000, dtype=torch.bool)).bound(w[:1])[2]
+    tol = T.Keys(w, 0, "cosine", torch.zeros(3000, dtype=torch.bool)).bound(w[:1])[2]
     assert float(tol) < 1.1e-3
 
 

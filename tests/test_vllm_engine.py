@@ -509,3 +509,18 @@ def test_expected_vllm_messages_are_dropped_others_kept(engine, model_dir):
     assert not log.filter(record(log, "%s: %s, retrying %d of %d", f"Error parsing config for {tokenizer}", "x", 1, 2))
     assert not log.filter(record(log, "%s: %s", f"Error parsing config for {tokenizer}", "x"))
     assert log.filter(record(log, "%s: %s", f"Error parsing config for {model}", "x"))
+
+
+def test_on_demand_neighbors_equal_table(engine):
+    """mixing.neighbor_lookup on_demand: the worker searches the mixed anchors' rows in vLLM's
+    own embedding shard; the batch equals the one mixed with the whole table, and only the
+    distinct anchors were searched. Greedy: vLLM's sampling draws differ between calls."""
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=12, seed=11)
+    table = engine.generate(PROMPTS[:6], params, MixingConfig(rate=0.3, neighbor_lookup="table"), keys=KEYS[:6])
+    on_demand = engine.generate(PROMPTS[:6], params, MixingConfig(rate=0.3, neighbor_lookup="on_demand"),
+                                keys=KEYS[:6])
+    assert on_demand.response_ids == table.response_ids and len(on_demand.mixes) > 5
+    assert torch.equal(on_demand.mixes.ids, table.mixes.ids)
+    assert torch.equal(on_demand.mixes.weights, table.mixes.weights)
+    rows = engine.llm.collective_rpc("nbr_mix_stats")[0]["neighbor_rows"]
+    assert rows == len(torch.unique(on_demand.mixes.ids[:, 0])) < VOCAB

@@ -11,6 +11,14 @@ from megatron_ngrpo.config_loader import fail
 
 STRATEGIES = ("none", "neighbor", "stht", "soft_thinking", "gumbel")
 METRICS = ("cosine", "l2", "l1", "dot")
+LOOKUPS = ("table", "on_demand", "auto")
+# Cost of one on-demand neighbour row in rows of the full table, at the worst batch (one new
+# anchor per search: a pass over the key rows for one query), per device type. Measured with
+# bench/bench_neighbor_lookup.py --row-cost (bench/results/neighbor_lookup.md): CPU, SmolLM2-135M
+# (49,152 × 576): 40 (8.6 at 4 anchors per search, 2.6 at 16); H100, random 49,152 × 576: 1,417
+# (the whole table takes 0.15 s there; 195 at 16 anchors), random 152,064 × 3,584 (7B shape): 345
+# (table 4.2 s; 23 at 16 anchors).
+ON_DEMAND_ROW_COST = {"cpu": 40, "cuda": 1400}
 
 
 @dataclass
@@ -39,6 +47,9 @@ class MixingConfig:
     embedding_grad: bool = True
     # Recompute the neighbour table every N optimizer steps (0 = only at start).
     refresh_every: int = 1
+    # Neighbour rows: "table" (the whole [V, k] table per weight version), "on_demand" (only the
+    # anchors a decode step mixes, exact and cached per weight version), "auto" (see lookup_mode).
+    neighbor_lookup: str = "auto"
     # Query rows scored per chunk when building the table (bounds peak memory).
     chunk_size: int = 1024
     # Baselines: STHT σ = noise_scale × RMS embedding norm; soft_thinking/gumbel use top-`k`.
@@ -65,10 +76,36 @@ class MixingConfig:
             fail("emit", self.emit, "expected 'anchor' (paper) or 'sample' (reference code)")
         if self.refresh_every < 0:
             fail("refresh_every", self.refresh_every, "must be >= 0")
+        if self.neighbor_lookup not in LOOKUPS:
+            fail("neighbor_lookup", self.neighbor_lookup, f"expected one of {LOOKUPS}")
+        if self.neighbor_lookup == "on_demand" and self.refresh_every != 1:
+            fail("neighbor_lookup", self.neighbor_lookup,
+                 f"on-demand rows are always the current weights' (refresh_every = {self.refresh_every} "
+                 "keeps a table across updates): set refresh_every: 1 or neighbor_lookup: table")
         if self.chunk_size < 1:
             fail("chunk_size", self.chunk_size, "must be >= 1")
         if self.noise_scale < 0:
             fail("noise_scale", self.noise_scale, "must be >= 0")
+
+    def lookup_mode(self, positions: int, vocab_size: int, device_type: str = "cpu") -> str:
+        """"table" or "on_demand" for a weight version whose rollouts decode at most
+        ``positions`` tokens (sequences × max_new_tokens) over a ``vocab_size`` vocabulary,
+        searched on a ``device_type`` ("cpu", "cuda") device.
+
+        ``auto``: on-demand when its worst-case cost stays below the table's, i.e. when
+        ``rate · positions · ON_DEMAND_ROW_COST[device_type] < vocab_size`` (rate · positions
+        bounds the distinct anchors; each costs at most that many table rows), and only with
+        ``refresh_every == 1`` (a table kept across updates is the table's option). SmolLM2-135M,
+        16 rollouts × 48 tokens at ρ = 0.1: 77 · 40 = 3,080 < 49,152 → on_demand on CPU, 77 ·
+        1,400 > 49,152 → table on a GPU (0.15 s); a 7B run (V = 152,064) with 512 rollouts ×
+        4,096 tokens: table on either.
+        """
+        if self.neighbor_lookup != "auto":
+            return self.neighbor_lookup
+        if self.refresh_every != 1:
+            return "table"
+        cost = ON_DEMAND_ROW_COST.get(device_type, ON_DEMAND_ROW_COST["cuda"])
+        return "on_demand" if self.rate * positions * cost < vocab_size else "table"
 
     @property
     def enabled(self) -> bool:

@@ -90,7 +90,7 @@ def gate(rate: float, seed: int, key, position) -> torch.Tensor:
 
 def decide(
     logits: torch.Tensor,
-    table: torch.Tensor,
+    table,
     temperature: float,
     mixed: torch.Tensor,
     num_real_tokens: int,
@@ -102,24 +102,32 @@ def decide(
     Args:
         logits: [B, V_local] this rank's vocab partition (columns ``vocab_start ..``); the full
             vocabulary when ``tp_group`` is None or of size 1.
-        table: [V, k] int64 neighbour table (row v = v followed by its k-1 neighbours), replicated.
+        table: [V, k] int64 neighbour table (row v = v followed by its k-1 neighbours), replicated,
+            or a :class:`~megatron_ngrpo.mixing.neighbors.NeighborLookup` (the same rows on demand,
+            for the anchors of all B rows: pass only the gated rows; collective where a row is new).
         temperature: τ of α (the argmax is τ-invariant and taken on the raw logits).
         mixed: [B] bool gate of each row (from :func:`gate`); copied into the decision.
         num_real_tokens: ids >= this (padding, unused rows) are never the anchor.
         vocab_start: global id of column 0 of ``logits``.
         tp_group: tensor-parallel group over which the vocabulary is split.
     """
-    v_local = logits.shape[1]
-    # The anchor from the raw logits (argmax is τ-invariant; dividing in fp32 first can merge
-    # distinct logits into ties), over the real ids only: a view, no [B, V] copy.
-    real = max(0, min(v_local, num_real_tokens - vocab_start))
-    anchor = _global_argmax(logits[:, :real], vocab_start, tp_group)
-    ids = table.to(logits.device)[anchor]  # [B, k]
+    anchor = anchors(logits, num_real_tokens, vocab_start, tp_group)
+    ids = table.to(logits.device)[anchor] if torch.is_tensor(table) else table.rows(anchor).to(logits.device)
     cand = _gather_global_columns(logits, ids, vocab_start, tp_group).double()  # [B, k]
     cand = cand.masked_fill(ids >= num_real_tokens, float("-inf"))
     # α in float64 from the k gathered logits: exact softmax of z/τ renormalised on C.
     weights = torch.softmax(cand / temperature, dim=-1).float()
     return MixDecision(mixed=mixed.to(logits.device), anchor=anchor, ids=ids, weights=weights)
+
+
+def anchors(logits: torch.Tensor, num_real_tokens: int, vocab_start: int = 0,
+            tp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """[B] anchor ids of vocab-parallel logits [B, V_local]: the global argmax over the real ids
+    (ties → lower id), as :func:`decide` takes it."""
+    # From the raw logits (argmax is τ-invariant; dividing in fp32 first can merge distinct
+    # logits into ties), over the real ids only: a view, no [B, V] copy.
+    real = max(0, min(logits.shape[1], num_real_tokens - vocab_start))
+    return _global_argmax(logits[:, :real], vocab_start, tp_group)
 
 
 def _tp_active(group) -> bool:

@@ -54,9 +54,9 @@ from megatron.core.transformer.utils import set_model_to_sequence_parallel
 
 from megatron_ngrpo.architecture import ArchSpec, unwrap
 from megatron_ngrpo.compat.cpu import device
-from megatron_ngrpo.mixing.decision import gate, gate_uniform
+from megatron_ngrpo.mixing.decision import anchors, gate, gate_uniform
 from megatron_ngrpo.mixing.embedding import MixBatch, mixing_embedding, mixing_inputs
-from megatron_ngrpo.mixing.neighbors import neighbor_table_for_model
+from megatron_ngrpo.mixing.neighbors import NeighborLookup, neighbor_lookup_for_model, neighbor_table_for_model
 from megatron_ngrpo.mixing.perturbations import (
     NoiseSpec,
     decide_for_strategy,
@@ -90,9 +90,11 @@ class MegatronEngine(RolloutEngine):
         decode: token ids → text; needed for stop strings, ``stop_after`` and ``texts``.
         special_ids: ids excluded from neighbour sets (passed to the table builder).
         neighbor_table: a given [V, k] neighbour table (anchor first, see also
-            :meth:`set_neighbor_table`); None = build it from the model with
-            :func:`~megatron_ngrpo.mixing.neighbors.neighbor_table_for_model` at the first mixed
-            generate after construction or :meth:`sync_weights`.
+            :meth:`set_neighbor_table`); None = from the model, per ``mixing.lookup_mode``: the
+            whole table (:func:`~megatron_ngrpo.mixing.neighbors.neighbor_table_for_model`) at
+            the first mixed generate after construction or :meth:`sync_weights`, or on-demand
+            rows of the anchors each decode step mixes (:class:`NeighborLookup`, sharded over TP,
+            cached until :meth:`sync_weights`).
         max_batch_size: rows decoded at once (0 = all); rows are grouped by prompt length.
         max_seq_len: longest prompt + response (default: the model's max_sequence_length).
         separate_copy: generate with a copy of the weights (built from ``model_cfg``) that
@@ -103,6 +105,8 @@ class MegatronEngine(RolloutEngine):
             Groups of their own let a separate copy generate on a second thread while the
             trainer runs collectives (training/async_rollout.py).
     """
+
+    neighbors_on_demand = True
 
     def __init__(self, model_chunks, num_real_tokens: int, *, eos_token_ids: Sequence[int] = (),
                  decode: Callable[[list[int]], str] | None = None, special_ids: Sequence[int] = (),
@@ -169,7 +173,7 @@ class MegatronEngine(RolloutEngine):
         keys = list(range(len(prompts))) if keys is None else [int(k) for k in keys]
         row_prompts = [list(prompts[i]) for i in range(len(prompts)) for _ in range(params.n)]
         row_keys = sequence_keys(keys, params.n)
-        aux = self._mixing_aux(mixing) if mixing is not None else {}
+        aux = self._mixing_aux(mixing, len(row_prompts) * params.max_new_tokens) if mixing is not None else {}
         if self._src is None:
             self._src = _decider_rank(self.groups.mp)
         order = sorted(range(len(row_prompts)), key=lambda r: len(row_prompts[r]))
@@ -212,17 +216,22 @@ class MegatronEngine(RolloutEngine):
                     if torch.is_tensor(p):
                         p.copy_(q)
 
-    def _mixing_aux(self, mixing) -> dict:
-        """What the strategy needs from the weights: ``table`` (neighbor) or ``noise`` (stht),
-        built collectively on first use and cached until :meth:`sync_weights`."""
+    def _mixing_aux(self, mixing, positions: int) -> dict:
+        """What the strategy needs from the weights: ``table`` (neighbor: the [V, k] table, or
+        the on-demand :class:`NeighborLookup` per ``mixing.lookup_mode`` of ``positions`` decode
+        positions) or ``noise`` (stht), built collectively on first use and cached until
+        :meth:`sync_weights` (one per weight version; a lookup keeps its rows until then)."""
         if mixing.strategy == "neighbor":
             if self._fixed_table is not None:
                 return {"table": self._fixed_table.to(self._device)}
-            key = ("table", mixing.k, mixing.metric, mixing.neighbor_source, mixing.exclude_special,
-                   mixing.exclude_padded, tuple(mixing.exclude_ids))
+            mode = mixing.lookup_mode(positions, unwrap(self.chunks[0]).vocab_size, self._device.type)
+            key = (mode, mixing.k, mixing.metric, mixing.neighbor_source, mixing.exclude_special,
+                   mixing.exclude_padded, tuple(mixing.exclude_ids), mixing.chunk_size)
             if key not in self._derived:
-                self._derived[key] = neighbor_table_for_model(
-                    self.chunks, mixing, self.num_real_tokens, self.special_ids).to(self._device)
+                self._derived[key] = neighbor_lookup_for_model(
+                    self.chunks, mixing, self.num_real_tokens, self.special_ids, self.groups.tp, self.groups.pp) \
+                    if mode == "on_demand" else \
+                    neighbor_table_for_model(self.chunks, mixing, self.num_real_tokens, self.special_ids).to(self._device)
             return {"table": self._derived[key]}
         if mixing.strategy == "stht":
             key = ("noise", mixing.noise_scale)
@@ -288,6 +297,8 @@ class MegatronEngine(RolloutEngine):
         while True:
             producing = (plen[live] <= col) & ~state.done[live]
             packed = None
+            if isinstance(aux.get("table"), NeighborLookup):
+                self._ensure_rows(aux["table"], logits, live, producing, col, state)
             if dist.get_rank() == self._src:
                 packed = self._decide(logits, live, producing, col, state, params, mixing, aux)
             packed = self._broadcast(packed, len(live), mixing.k if mixing is not None else 1)
@@ -353,7 +364,7 @@ class MegatronEngine(RolloutEngine):
         z[:, self.num_real_tokens:] = float("-inf")
         temp = params.temperature
         scaled = z / (temp if temp > 0 else 1.0)
-        t = (col - state.plen[live]).clamp(min=0, max=state.uniform.shape[1] - 1)
+        t = state.column(live, col)
         if temp > 0:
             token = _sample(scaled, params.top_k, params.top_p, state.uniform[live, t].to(z.device))
         else:
@@ -361,7 +372,7 @@ class MegatronEngine(RolloutEngine):
         packed = torch.zeros(b, 4 + 2 * k, dtype=torch.float64, device=z.device)
         mixed = torch.zeros(b, dtype=torch.bool)
         if mixing is not None:
-            mixed = state.gates[live, t] & producing & ~state.mix_off[live]
+            mixed = state.gated(live, producing, t)
             if bool(mixed.any()):
                 sel = torch.nonzero(mixed).flatten()
                 rows = sel.to(z.device)
@@ -382,6 +393,20 @@ class MegatronEngine(RolloutEngine):
         packed[:, 2] = mixed.double().to(z.device)
         packed[:, 3] = finish.double().to(z.device)
         return packed
+
+    def _ensure_rows(self, lookup: NeighborLookup, logits, live, producing, col, state: _RowState) -> None:
+        """On-demand neighbours: the decider sends the anchors of this step's gated rows over
+        the model-parallel group (one broadcast of [B] ids, -1 = none) and every rank searches
+        the rows not cached yet (collective over TP, broadcast over PP), so that the decision
+        reads cached rows only."""
+        ids = torch.full((len(live),), -1, dtype=torch.long, device=self._device)
+        if dist.get_rank() == self._src:
+            mixed = state.gated(live, producing, state.column(live, col))
+            rows = torch.nonzero(mixed).flatten().to(logits.device)
+            ids[:rows.numel()] = anchors(logits[rows], self.num_real_tokens).to(self._device)
+        if dist.get_world_size(self.groups.mp) > 1:
+            dist.broadcast(ids, src=self._src, group=self.groups.mp)
+        lookup.ensure(ids[ids >= 0])
 
     def _finish(self, token, live, producing, t, state: _RowState, params, mixing):
         """Finish codes [B] and the rows whose token completes ``mixing.stop_after`` (they stop
@@ -513,6 +538,15 @@ class _RowState:
         self.uniform = gate_uniform(params.seed ^ _SAMPLE_SALT, keys, t)
         if mixing is not None:
             self.gates = gate(mixing.rate, params.seed, keys, t)
+
+    def column(self, live: torch.Tensor, col: int) -> torch.Tensor:
+        """Response position t [len(live)] of the rows ``live`` at batch column ``col``
+        (clamped into the drawn range for rows still in their prompt)."""
+        return (col - self.plen[live]).clamp(min=0, max=self.uniform.shape[1] - 1)
+
+    def gated(self, live: torch.Tensor, producing: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """[len(live)] bool: rows whose gate fires at position t and that may mix."""
+        return self.gates[live, t] & producing & ~self.mix_off[live]
 
     def response(self, i: int, last: int) -> list[int]:
         """The last ``last`` response tokens of batch row ``i``."""

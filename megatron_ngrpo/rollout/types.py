@@ -207,6 +207,9 @@ class RolloutEngine(abc.ABC):
     """
 
     last_sync: dict = {}
+    # Whether the engine searches exact neighbour rows itself, on demand, when it is given no
+    # table and ``mixing.neighbor_lookup`` resolves to "on_demand" (mixing/neighbors.py).
+    neighbors_on_demand: bool = False
 
     @abc.abstractmethod
     def generate(self, prompts: list[list[int]], params: SamplingParams, mixing=None,

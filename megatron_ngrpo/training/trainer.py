@@ -425,6 +425,9 @@ class Trainer:
         mixing = self.cfg.mixing
         if not (mixing.enabled and mixing.strategy == "neighbor"):
             return False
+        if self._mixing().neighbor_lookup == "on_demand":  # the engine searches the rows it mixes
+            self.table = None
+            return False
         due = self.table is None or (mixing.refresh_every and
                                      self.updates - self.table_updates >= mixing.refresh_every)
         if due:

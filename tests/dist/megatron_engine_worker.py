@@ -286,6 +286,33 @@ def strategies_replay_tp2_pp2():
 
 
 @case
+def on_demand_neighbors_tp2_pp2():
+    """mixing.neighbor_lookup on_demand: the same batch as with the whole table (records bit for
+    bit), while the engine searched only the distinct anchors it mixed (sharded over TP, sent
+    to the last stage over PP), once each per weight version; a weight sync starts a new cache."""
+    from megatron_ngrpo.mixing.neighbors import NeighborLookup
+    from megatron_ngrpo.rollout.types import SamplingParams
+
+    chunks = layout(2, 2)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=20, seed=5)
+    table = engine(chunks).generate(PROMPTS, params, mixing(0.3, neighbor_lookup="table"))
+    eng = engine(chunks)
+    on_demand = eng.generate(PROMPTS, params, mixing(0.3, neighbor_lookup="on_demand"))
+    assert on_demand.response_ids == table.response_ids and on_demand.logprobs == table.logprobs
+    assert torch.equal(on_demand.mixes.ids, table.mixes.ids)
+    assert torch.equal(on_demand.mixes.weights, table.mixes.weights)
+    lookups = [v for v in eng._derived.values() if isinstance(v, NeighborLookup)]
+    assert len(lookups) == 1 and len(eng._derived) == 1  # no table was built beside it
+    distinct = len(torch.unique(on_demand.mixes.ids[:, 0]))
+    assert lookups[0].rows_computed == distinct < NUM_REAL, (lookups[0].rows_computed, distinct)
+    again = eng.generate(PROMPTS, params, mixing(0.3, neighbor_lookup="on_demand"))
+    assert lookups[0].rows_computed == distinct and torch.equal(again.mixes.ids, table.mixes.ids)  # cached
+    eng.sync_weights(chunks)
+    assert not eng._derived
+    return {"mixed": len(on_demand.mixes), "rows_computed": distinct}
+
+
+@case
 def determinism_gates_anchor():
     """Same seed → same batch; another seed → another; mixed positions are exactly the gate's
     draws; paper mode emits the anchor (record ids[0]) at every mixed position; batching

@@ -56,7 +56,7 @@ def neighbor_table_matches_bruteforce():
     """TP=1 (DP=4), TP=2 (DP=2 and no DP split), TP=4; four metrics; exclusions; chunks that
     straddle partitions; cosine and dot under both scoring screens (fp32, bf16) whatever the
     CPU has."""
-    from megatron_ngrpo.mixing import neighbors
+    from megatron_ngrpo.mixing import gemm_cpu
     from megatron_ngrpo.mixing.neighbors import build_neighbor_table
     from megatron_ngrpo.parallel import initialize_model_parallel
     from megatron_ngrpo.testing.reference import neighbor_table64
@@ -67,9 +67,9 @@ def neighbor_table_matches_bruteforce():
     refs, checked = {}, 0
     combos = [(name, metric, 5, exclude) for name in mats for metric in ("cosine", "l2", "l1", "dot")]
     combos += [("random", metric, 2, None) for metric in ("cosine", "l2", "l1", "dot")]
-    auto = neighbors.screen_dtype
+    auto = gemm_cpu.screen_dtype
     for tp, screen in [(tp, screen) for tp in (1, 2, 4) for screen in (torch.float32, torch.bfloat16)]:
-        neighbors.screen_dtype = lambda device, metric: screen if metric in ("cosine", "dot") else torch.float32
+        gemm_cpu.screen_dtype = lambda device, metric: screen if metric in ("cosine", "dot") else torch.float32
         initialize_model_parallel(tp=tp)
         tp_group, dp_group, rank = _groups()
         n = 64 // tp
@@ -86,7 +86,7 @@ def neighbor_table_matches_bruteforce():
                 if exc is not None:
                     assert not exclude[got[:, 1:]].any()
                 checked += 1
-    neighbors.screen_dtype = auto
+    gemm_cpu.screen_dtype = auto
     return {"tables_checked": checked}
 
 

@@ -13,7 +13,10 @@
 * The neighbour table (``mixing.neighbors.build_neighbor_table``) is computed here, on the full
   HF matrix (input embedding or output layer per ``neighbor_source``, padded rows
   ``>= num_real_tokens`` and special ids excluded), from the checkpoint at start-up and from the
-  synced tensors after every ``sync_weights``, then sent to the workers.
+  synced tensors after every ``sync_weights``, then sent to the workers; or, when
+  ``mixing.lookup_mode`` is "on_demand", each worker searches the rows of the anchors it mixes
+  in its own vocab shard of vLLM's weights (``NeighborLookup`` over vLLM's TP group, cached until
+  the next weight load; equal to the table of those weights).
 * ``sync_weights(model_chunks)`` gathers the Megatron shards with HF names
   (``conversion.mapping.export_hf_tensors``, one parameter at a time) and loads them into the
   live engine by ``cfg.weight_transfer``: ``gloo`` / ``ipc`` / ``nccl`` through vLLM's
@@ -94,7 +97,7 @@ EMBED_NAME = "model.embed_tokens.weight"
 OUTPUT_NAME = "lm_head.weight"
 # MixingConfig fields the table / noise spec depend on.
 _TABLE_FIELDS = ("strategy", "k", "metric", "neighbor_source", "exclude_special", "exclude_padded",
-                 "exclude_ids", "noise_scale")
+                 "exclude_ids", "noise_scale", "chunk_size")
 
 
 class VLLMEngine(RolloutEngine):
@@ -109,6 +112,8 @@ class VLLMEngine(RolloutEngine):
             one, no texts, stop strings or ``stop_after``).
         seed: vLLM's engine seed (sampling draws; the mixing gate uses ``SamplingParams.seed``).
     """
+
+    neighbors_on_demand = True
 
     def __init__(self, hf_path: str | Path, cfg: VLLMConfig | None = None, *,
                  num_real_tokens: int | None = None, tokenizer: str | Path | None = None,
@@ -126,6 +131,7 @@ class VLLMEngine(RolloutEngine):
         self._sources: dict[str, torch.Tensor] = {}  # HF name → current matrix for the table
         self._table_key = None
         self._table_mixing: MixingConfig | None = None
+        self._table_lookup = "table"  # the neighbour rows' lookup_mode of _table_mixing
         self._sync_dir: tempfile.TemporaryDirectory | None = None
         self._trainer_table: torch.Tensor | None = None
         self._sender = None  # rollout.weight_transfer.WeightSender, built on the first push
@@ -252,7 +258,13 @@ class VLLMEngine(RolloutEngine):
         self._validate(prompts, params, mixing, keys)
         keys = list(range(len(prompts))) if keys is None else [int(k) for k in keys]
         if mixing is not None:
-            self._ensure_strategy(mixing)
+            positions = len(prompts) * params.n * params.max_new_tokens
+            if self.colocated:  # one mode on every rank (vLLM TP groups search together)
+                most = torch.tensor([positions])
+                dist.all_reduce(most, op=dist.ReduceOp.MAX)
+                positions = int(most)
+            self._ensure_strategy(mixing, mixing.lookup_mode(positions, self.spec.vocab_size,
+                                                              "cuda" if torch.cuda.is_available() else "cpu"))
         if self.colocated:
             return generate_on_replicas(lambda p, k: self._generate(p, params, mixing, k), prompts, keys,
                                         self.cfg.tensor_parallel)
@@ -378,11 +390,12 @@ class VLLMEngine(RolloutEngine):
             save_file({n: t.contiguous().cpu() for n, t in named}, str(tmp))
         return str(path.parent)
 
-    def _ensure_strategy(self, mixing: MixingConfig) -> None:
-        """Send the workers the table (``neighbor``) / noise spec (``stht``) of ``mixing``."""
-        key = tuple(repr(getattr(mixing, f)) for f in _TABLE_FIELDS)
+    def _ensure_strategy(self, mixing: MixingConfig, lookup: str) -> None:
+        """Send the workers the table or on-demand lookup (``neighbor``, per ``lookup``) / noise
+        spec (``stht``) of ``mixing``."""
+        key = (*(repr(getattr(mixing, f)) for f in _TABLE_FIELDS), lookup)
         if key != self._table_key:
-            self._table_mixing = mixing
+            self._table_mixing, self._table_lookup = mixing, lookup
             self._table_key = None
             self._refresh_table()
             self._table_key = key
@@ -397,6 +410,12 @@ class VLLMEngine(RolloutEngine):
         table, noise = None, None
         if mixing.strategy == "neighbor" and self._trainer_table is not None:
             table = self._trainer_table
+        elif mixing.strategy == "neighbor" and self._table_lookup == "on_demand":
+            exclude = exclusion_mask(self.spec.vocab_size, mixing, self.num_real_tokens, self.special_ids)
+            self.llm.collective_rpc("nbr_mix_set_lookup", args=(
+                mixing.k, mixing.metric, mixing.neighbor_source, exclude.nonzero().flatten().tolist(),
+                self.spec.vocab_size, mixing.chunk_size))
+            return time.perf_counter() - t0
         elif mixing.strategy == "neighbor":
             # V×V scoring: on the GPU when there is one (the checkpoint is read on the CPU)
             weight = self._source_matrix(mixing.neighbor_source).to(

@@ -37,7 +37,8 @@ Thinking-only gate (``stop_ids``, the ids of e.g. ``"</think>"``): once the emit
 Tensor parallelism (GPU, untested here): vLLM all-gathers the logits before ``_sample``, every TP
 rank runs the sampler on the same full-vocabulary logits, the gate is a stateless hash and the
 table is replicated, so every rank takes identical decisions with ``tp_group=None`` and no
-communication; ``embed_input_ids`` is vLLM's vocab-parallel embedding (one all-reduce).
+communication (an on-demand lookup, ``nbr_mix_set_lookup``, searches the new anchors' rows in each
+rank's vocab shard: one all-reduce and one all-gather over vLLM's TP group per step with new anchors); ``embed_input_ids`` is vLLM's vocab-parallel embedding (one all-reduce).
 Pipeline parallelism and speculative decoding are refused at install.
 
 GPU notes (untested here):
@@ -67,6 +68,7 @@ import torch
 from megatron_ngrpo.mixing import decision
 from megatron_ngrpo.mixing.arithmetic import mix_rows
 from megatron_ngrpo.mixing.config import MixingConfig
+from megatron_ngrpo.mixing.neighbors import NeighborLookup
 from megatron_ngrpo.mixing.perturbations import NoiseSpec, decide_for_strategy
 from megatron_ngrpo.mixing.records import MixRecord
 from megatron_ngrpo.rollout.types import response_key
@@ -259,7 +261,7 @@ class _MixState:
     def __init__(self, device, num_real_tokens: int):
         self.device = device
         self.num_real_tokens = num_real_tokens
-        self.table: torch.Tensor | None = None
+        self.table = None  # [V, k] neighbour table or an on-demand NeighborLookup
         self.noise: NoiseSpec | None = None
         self.requests: dict[str, _Request] = {}
         # req_id → (abs_pos, entry): each request's newest mix, overlaid at its next decode step
@@ -586,6 +588,31 @@ class NeighborMixExtension:
         state.table = None if table is None else table.to(device=state.device, dtype=torch.long)
         state.noise = None if noise is None else NoiseSpec(float(noise[0]), int(noise[1]))
 
+    def nbr_mix_set_lookup(self, k: int, metric: str, source: str, excluded: list[int], num_rows: int,
+                           chunk_size: int) -> None:
+        """Search neighbour rows on demand (``mixing.neighbor_lookup``): a
+        :class:`~megatron_ngrpo.mixing.neighbors.NeighborLookup` of this worker's vocab shard of
+        the input embedding / LM head (``source``) over vLLM's TP group, exact and cached until
+        the next call (one per weight version). ``excluded``: ids never neighbours among the
+        ``num_rows`` checkpoint rows; vLLM's padding rows beyond them are excluded too. Every TP
+        rank takes the same decisions, so they search the same anchors together."""
+        from vllm.distributed.parallel_state import get_tp_group
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+        want = ParallelLMHead if source == "output" else VocabParallelEmbedding
+        layer = next((m for m in self.model_runner.get_model().modules()
+                      if isinstance(m, want) and (source == "output" or not isinstance(m, ParallelLMHead))), None)
+        if layer is None:
+            raise ValueError(f"neighbour lookup: the vLLM model has no {want.__name__} ({source!r} matrix)")
+        exclude = torch.ones(layer.num_embeddings_padded, dtype=torch.bool)
+        exclude[:num_rows] = False
+        exclude[torch.as_tensor(excluded, dtype=torch.long)] = True
+        tp = get_tp_group()
+        state = self.model_runner._nm
+        state.table = NeighborLookup(layer.weight.detach(), layer.shard_indices.padded_org_vocab_start_index, k,
+                                     metric, exclude, chunk_size, tp.device_group if tp.world_size > 1 else None)
+        state.noise = None
+
     def nbr_mix_pop(self, call: str) -> dict:
         """Records of the finished requests of generate call ``call``:
         ``{req_id: {"index", "child", "mix": [[t, ids, weights, noise], ...]}}`` with ``t`` the
@@ -627,4 +654,5 @@ class NeighborMixExtension:
         """Counters since install, plus ``tracked``: requests still held (0 once every call's
         records were popped)."""
         state = self.model_runner._nm
-        return dict(state.stats, tracked=len(state.requests))
+        rows = getattr(state.table, "rows_computed", None)  # on-demand neighbour rows searched
+        return dict(state.stats, tracked=len(state.requests), **({} if rows is None else {"neighbor_rows": rows}))
