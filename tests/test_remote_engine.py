@@ -41,6 +41,26 @@ TINY = REPO / "configs" / "tiny_test.yaml"
 START_TIMEOUT_S = 600  # two vLLM starts on 2 shared cores
 
 
+@pytest.fixture(scope="module", autouse=True)
+def secret(tmp_path_factory):
+    """The job's shared secret, in a file named by the environment (servers and trainers inherit it)."""
+    from megatron_ngrpo.rollout.remote.auth import SECRET_ENV, SECRET_FILE_ENV, new_secret
+
+    path = tmp_path_factory.mktemp("secret") / "rollout_secret"
+    value = new_secret(path)
+    saved = {k: os.environ.pop(k, None) for k in (SECRET_ENV, SECRET_FILE_ENV)}
+    os.environ[SECRET_FILE_ENV] = str(path)
+    yield value
+    os.environ.pop(SECRET_FILE_ENV)
+    os.environ.update({k: v for k, v in saved.items() if v is not None})
+
+
+def _auth() -> dict:
+    from megatron_ngrpo.rollout.remote.auth import bearer, read_secret
+
+    return bearer(read_secret())
+
+
 @pytest.fixture(scope="module")
 def task(tmp_path_factory) -> Path:
     from slurm_harness import write_arithmetic_task
@@ -98,10 +118,16 @@ def _versions(url: str) -> tuple[int, int]:
     """The server's weight version and the weight version of its neighbour table."""
     import requests
 
-    weights = requests.get(f"{url}/weight_info", timeout=10).json()["weight_version"]
-    info = requests.post(f"{url}/collective_rpc", json={"method": "nbr_server_info"}, timeout=60).json()
-    table = info["results"][0]["table_version"]
+    weights = requests.get(f"{url}/weight_info", timeout=10, headers=_auth()).json()["weight_version"]
+    table = _server_info(url)["table_version"]
     return int(weights) if weights.isdigit() else -1, -1 if table is None else table
+
+
+def _server_info(url: str) -> dict:
+    import requests
+
+    answer = requests.post(f"{url}/collective_rpc", json={"method": "nbr_server_info"}, timeout=60, headers=_auth())
+    return answer.json()["results"][0]
 
 
 def _engine(task, **remote):
@@ -175,6 +201,56 @@ def test_trainer_trains_with_mixing_on_the_servers(task, servers, tmp_path, stal
         assert rows[-1]["async/generation_s"] > 0
     for url, old in zip(urls, before):  # a sync at start-up and one per generated batch, each with its table
         assert _versions(url) == (old + 4, old + 4)
+    if transfer == "http":  # each worker held one bucket of a push (1 MiB, or one larger tensor), not the model
+        held = [_server_info(url)["weight_push_held_bytes"] for url in urls]
+        biggest = _largest_tensor_bytes(task)
+        assert all(0 < h <= max(2**20, biggest) + 2**16 for h in held), (held, biggest)
+        assert max(held) < rows[0]["weight_sync/bytes"] and rows[0]["weight_sync/buckets"] > 1, (held, rows[0])
+
+
+def _largest_tensor_bytes(task) -> int:
+    """Bytes of the task model's largest exported tensor (fp32): the vocabulary matrix or an MLP one."""
+    from megatron_ngrpo.architecture import ArchSpec
+
+    spec = ArchSpec.from_hf(task / "model")
+    return 4 * spec.hidden_size * max(spec.vocab_size, 2 * spec.ffn_hidden_size)
+
+
+# ---- the trust boundary -------------------------------------------------------------------------
+
+def test_servers_refuse_requests_without_the_jobs_secret(task, servers, secret, tmp_path):
+    """Every route the client uses (vLLM's dev-mode ones included) answers 401 without the job's
+    secret or with another one; /health stays open; a client with another secret gets one line; a
+    server without any secret does not start."""
+    import requests
+
+    from megatron_ngrpo.rollout.remote.auth import SECRET_ENV, SECRET_FILE_ENV
+
+    _, urls, _ = servers
+    url = urls[0]
+    routes = [("get", "/version", None), ("get", "/weight_info", None),
+              ("post", "/collective_rpc", {"method": "nbr_server_info"}),
+              ("post", "/inference/v1/generate", {"request_id": "x", "token_ids": [5], "sampling_params": {}}),
+              ("post", "/init_weight_transfer_engine", {"init_info": {}}), ("post", "/start_weight_update", {}),
+              ("post", "/update_weights", {"update_info": {}}), ("post", "/update_weight_version", {"new_version": "9"})]
+    for headers in ({}, {"Authorization": "Bearer not-the-secret"}, {"Authorization": secret}):
+        for method, route, body in routes:
+            r = getattr(requests, method)(f"{url}{route}", json=body, headers=headers, timeout=30)
+            assert r.status_code == 401, (route, headers, r.status_code, r.text[:200])
+    assert requests.get(f"{url}/health", timeout=30).status_code == 200
+    assert requests.get(f"{url}/version", headers=_auth(), timeout=30).status_code == 200
+    assert _versions(url)[0] >= -1  # nothing above changed the weight version it had
+
+    other = tmp_path / "other_secret"
+    other.write_text("another-job")
+    _one_line_error(r"refused the job's shared secret \(HTTP 401\)", _engine, task, urls=[url],
+                    secret_file=str(other))
+    env = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, SECRET_FILE_ENV)}
+    out = subprocess.run([sys.executable, "-m", "megatron_ngrpo.rollout.remote.server", "--model", str(task / "model")],
+                         capture_output=True, text=True, timeout=300, env={**env, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 1 and out.stderr.splitlines()[-1].startswith(
+        "error: rollout server: ValueError: rollout servers need the job's shared secret: set NGRPO_ROLLOUT_SECRET"), \
+        out.stderr[-2000:]
 
 
 # ---- start-up errors -------------------------------------------------------------------------

@@ -111,6 +111,9 @@ class RemoteConfig:
     bucket_mb: int = 512
     # The servers check a SHA-256 per received tensor against the trainer's (costs hashing time).
     verify_weights: bool = False
+    # File holding the job's shared secret the servers require (rollout/remote/auth.py); empty:
+    # $NGRPO_ROLLOUT_SECRET, else the file $NGRPO_ROLLOUT_SECRET_FILE.
+    secret_file: str = ""
 
     def validate(self) -> None:
         for u in self.urls:

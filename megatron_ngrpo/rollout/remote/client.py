@@ -14,8 +14,10 @@ The routes are vLLM's: ``/health``, ``/version``, ``/weight_info``, ``/inference
 calling the worker extension's methods (rollout/remote/server_worker.py) for what vLLM has no route
 for: the server's facts, the mix records, the neighbour table, HTTP weight pushes.
 
-* Start-up (the constructor), one-line errors before training starts: a server that does not
-  answer within ``start_timeout_s``, a server that is not vLLM, a vLLM other than the minor
+* Every request carries the job's shared secret (rollout/remote/auth.py; the servers refuse
+  any other with HTTP 401).
+* Start-up (the constructor), one-line errors before training starts: no shared secret, a
+  server refusing it, a server that does not answer within ``start_timeout_s``, a server that is not vLLM, a vLLM other than the minor
   version the hook was written for, a vLLM without the rollout worker extension or without the
   hook installed, a wire protocol or model (vocabulary, hidden size, ``num_real_tokens``) other
   than the trainer's, another weight-transfer backend.
@@ -34,7 +36,8 @@ for: the server's facts, the mix records, the neighbour table, HTTP weight pushe
   safetensors bytes through ``/collective_rpc``, the last bucket loads them (``reload_weights``),
   then ``/update_weight_version``. ``gloo`` / ``nccl``: vLLM's weight-transfer API, the same
   trainer engine as the colocated route
-  (:class:`~megatron_ngrpo.rollout.vllm.weight_transfer.WeightSender`, one per server, whose client is
+  (:class:`~megatron_ngrpo.rollout.vllm.weight_transfer.WeightSender`, one per server on a thread
+  of its own, all fed by one export, whose client is
   vLLM's ``HTTPVLLMWeightSyncClient``); the tensors travel over the backend from rank 0 to the
   server's worker (``transfer_host``: where the servers reach rank 0). With ``verify_weights``
   each server checks a SHA-256 per tensor (http, gloo).
@@ -48,7 +51,9 @@ from __future__ import annotations
 import base64
 import contextlib
 import logging
+import queue
 import socket
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -62,6 +67,7 @@ from megatron_ngrpo.conversion.mapping import export_hf_tensors
 from megatron_ngrpo.mixing.records import MixRecord
 from megatron_ngrpo.parallel import broadcast_from_rank0, collective_timeout, is_rank0
 from megatron_ngrpo.rollout.config import RemoteConfig
+from megatron_ngrpo.rollout.remote.auth import bearer, read_secret
 from megatron_ngrpo.rollout.types import (
     RolloutBatch,
     RolloutEngine,
@@ -113,6 +119,7 @@ class RemoteEngine(RolloutEngine):
         self.last_sync: dict = {}
         self.servers: list[str] = []
         self._sessions: dict = {}
+        self._secret = ""  # the job's shared secret (rank 0, read at start-up)
         self._senders: dict = {}  # url → WeightSender (weight_transfer gloo / nccl)
         self._workers: dict[str, int] = {}  # url → the server's vLLM TP (workers of one transfer)
         self._noise: dict[str, tuple] = {}  # url → (weight version, STHT noise scale) it holds
@@ -140,6 +147,10 @@ class RemoteEngine(RolloutEngine):
     def _start(self) -> tuple[list[str], int, int]:
         """The checked servers' URLs, the newest weight version among them, the smallest
         ``max_model_len``."""
+        try:
+            self._secret = read_secret(self.cfg.secret_file, self.cfg.url_dir)
+        except ValueError as e:
+            raise RolloutServerError(str(e)) from None
         deadline = time.monotonic() + self.cfg.start_timeout_s
         urls = list(self.cfg.urls) or self._registered(deadline)
         infos = [self._info(url, deadline) for url in urls]
@@ -174,6 +185,9 @@ class RemoteEngine(RolloutEngine):
                                              f"{self.cfg.start_timeout_s:g} s ({_short(e)})") from None
                 time.sleep(0.5)
                 continue
+            if r.status_code == 401:
+                raise RolloutServerError(f"rollout server {url}: refused the job's shared secret (HTTP 401): "
+                                         f"the servers were started with another one")
             found = _json(r).get("version") if r.status_code == 200 else None
             if not isinstance(found, str):
                 raise RolloutServerError(f"rollout server {url}: not a vLLM server (GET /version: HTTP "
@@ -229,6 +243,7 @@ class RemoteEngine(RolloutEngine):
 
         if url not in self._sessions:
             self._sessions[url] = requests.Session()
+            self._sessions[url].headers.update(bearer(self._secret))
         return self._sessions[url]
 
     def _post(self, url: str, route: str, **kwargs) -> dict:
@@ -445,31 +460,33 @@ class RemoteEngine(RolloutEngine):
         self.last_sync = {**stats, "buckets": index + 1, "seconds": time.perf_counter() - t0}
 
     def _transfer_weights(self, model_chunks) -> None:
-        """``sync_weights`` through vLLM's weight-transfer API: rank 0 sends the export to each
-        live server in turn (every rank drives each export; after a failure rank 0 drains it,
-        then every rank raises the same one-line error)."""
+        """``sync_weights`` through vLLM's weight-transfer API: one export for all servers (every
+        rank drives it), which rank 0 fans out to one sender thread per live server
+        (:class:`_Fan`); after a failure the others finish, then every rank raises the first
+        one-line error."""
         # lazy: keeps rollout.remote.client free of vllm at import (start-up)
-        from megatron_ngrpo.rollout.vllm.weight_transfer import MegatronSource, WeightSender
+        from megatron_ngrpo.rollout.vllm.weight_transfer import MegatronSource
 
         t0 = time.perf_counter()
         layout = MegatronSource(model_chunks, self.spec).metadata()  # vLLM's engines read it
+        export = export_hf_tensors(model_chunks, self.spec, rank0_only=True)
         stats, error = {}, None
-        # self.servers is the same list on every rank: rank 0's changes are broadcast where made.
-        for url in list(self.servers):
-            export = export_hf_tensors(model_chunks, self.spec, rank0_only=True)
-            if is_rank0() and error is None:
-                if url not in self._senders:
-                    self._senders[url] = WeightSender(
-                        _server_weight_client(self, url), self.cfg.weight_transfer, self.cfg.bucket_mb * 2**20,
-                        self.cfg.verify_weights, num_workers=self._workers.get(url, 1),
-                        host=self.cfg.transfer_host or socket.gethostname(), timeout_s=self.cfg.request_timeout_s)
-                try:
-                    stats = self._senders[url].send(_Stream(export, layout))
-                except Exception as e:  # noqa: BLE001 - reported on every rank as one line
-                    self._senders.pop(url).close()
+        if is_rank0():
+            fans = [_Fan(url, self._sender(url), layout) for url in self.servers]
+            for item in export:
+                for fan in fans:
+                    fan.put(item)
+            for fan in fans:
+                fan.close()
+                if fan.error is None:
+                    stats = fan.stats
+                elif error is None:
+                    self._senders.pop(fan.url).close()
+                    e = fan.error
                     error = e if isinstance(e, RolloutServerError) else \
-                        f"rollout server {url}: weight transfer failed: {_short(e)}"
-            for _ in export:  # the other ranks' share of the collectives (rank 0: after a failure)
+                        f"rollout server {fan.url}: weight transfer failed: {_short(e)}"
+        else:
+            for _ in export:  # the other ranks' share of the collectives
                 pass
         error, stats = broadcast_from_rank0((str(error) if error else None, stats), self.group)
         if error:
@@ -478,6 +495,18 @@ class RemoteEngine(RolloutEngine):
         self.last_sync = {"num_params": stats["params"], "bytes": stats["bytes"], "tensors": stats["tensors"],
                           "verified": verified, "buckets": stats.get("buckets", 0),
                           "load_seconds": stats["seconds"], "seconds": time.perf_counter() - t0}
+
+    def _sender(self, url: str):
+        """The :class:`~megatron_ngrpo.rollout.vllm.weight_transfer.WeightSender` of server ``url``
+        (rank 0; built on its first sync)."""
+        from megatron_ngrpo.rollout.vllm.weight_transfer import WeightSender
+
+        if url not in self._senders:
+            self._senders[url] = WeightSender(
+                _server_weight_client(self, url), self.cfg.weight_transfer, self.cfg.bucket_mb * 2**20,
+                self.cfg.verify_weights, num_workers=self._workers.get(url, 1),
+                host=self.cfg.transfer_host or socket.gethostname(), timeout_s=self.cfg.request_timeout_s)
+        return self._senders[url]
 
     def set_neighbor_table(self, table: torch.Tensor) -> None:
         """Ship the trainer's ``[V, k]`` table of the current weight version to every server."""
@@ -524,6 +553,40 @@ def _server_weight_client(engine: RemoteEngine, url: str):
             super().finish_weight_update(str(engine.version))
 
     return Client(url, engine.cfg.request_timeout_s)
+
+
+class _Fan:
+    """One server's share of a fanned-out export: its sender runs on a thread of its own and
+    reads the tensors from a queue of at most ``_FAN_DEPTH`` (references to the export's own
+    tensors: the extra memory is a few tensors plus each sender's bucket, not a model per
+    server). A sender that failed stops reading; :meth:`put` then skips it."""
+
+    def __init__(self, url: str, sender, layout: list):
+        self.url, self.stats, self.error = url, {}, None
+        self.queue: queue.Queue = queue.Queue(_FAN_DEPTH)
+        self.thread = threading.Thread(target=self._run, args=(sender, layout), daemon=True)
+        self.thread.start()
+
+    def _run(self, sender, layout) -> None:
+        try:
+            self.stats = sender.send(_Stream(iter(self.queue.get, None), layout))
+        except Exception as e:  # noqa: BLE001 - reported by the caller
+            self.error = e
+
+    def put(self, item) -> None:
+        while self.thread.is_alive():
+            try:
+                self.queue.put(item, timeout=0.2)
+                return
+            except queue.Full:
+                continue
+
+    def close(self) -> None:
+        self.put(None)
+        self.thread.join()
+
+
+_FAN_DEPTH = 4
 
 
 class _Stream:

@@ -18,15 +18,19 @@ process with the settings the hook needs:
 * ``VLLM_SERVER_DEV_MODE=1`` for ``POST /collective_rpc`` (records, neighbour table, HTTP weight
   pushes, server facts) and vLLM's weight-transfer routes (``/init_weight_transfer_engine``,
   ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``, ``/weight_info``);
-  those routes are unauthenticated: run the servers on the job's private network only;
+  every route but ``/health`` requires the job's shared secret (``--middleware``
+  :class:`~megatron_ngrpo.rollout.remote.auth.SecretMiddleware`; the secret from
+  ``$NGRPO_ROLLOUT_SECRET`` or the file ``$NGRPO_ROLLOUT_SECRET_FILE`` / ``--secret-file`` or ``<url-dir>/.rollout_secret``,
+  never the command line), and the server binds this host's address, not every interface;
 * ``--weight-transfer-config {"backend": B}``: ``nccl`` on GPU, the project's ``gloo`` engine on
   CPU at TP 1 (rollout/vllm/weight_transfer.py), none otherwise (HTTP pushes only).
 
 The weight version is vLLM's own (``finish_weight_update(weight_version)``; every response says
 which versions produced its tokens). Arguments this parser does not know go to vLLM unchanged.
 
-Start-up refuses, with one line on stderr and exit code 1: a vLLM other than the minor version
-the hook patches, a hook that did not install, a TP that does not divide the visible GPUs. With
+Start-up refuses, with one line on stderr and exit code 1: a vLLM other than the release the
+hook patches, no shared secret, a hook that did not install, a TP that does not divide the
+visible GPUs. With
 ``--url-dir`` the server writes ``<url-dir>/<host>_<port>.url`` (its base URL) once the hook is
 installed, which is how the training group of a hetjob finds it.
 """
@@ -44,6 +48,7 @@ from pathlib import Path
 
 from megatron_ngrpo.architecture import ArchSpec
 from megatron_ngrpo.models.config import real_token_count
+from megatron_ngrpo.rollout.remote.auth import SECRET_ENV, SECRET_FILE_ENV, SecretMiddleware, bearer, read_secret
 
 EXTENSION = "megatron_ngrpo.rollout.remote.server_worker.RolloutServerExtension"
 
@@ -54,7 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="HF checkpoint directory (config.json, safetensors)")
     p.add_argument("--tokenizer", help="tokenizer directory (default: the model's, if it has one)")
     p.add_argument("--num-real-tokens", type=int, help="ids >= this are never sampled (default: the tokenizer's id count, else the HF vocab_size)")
-    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--host", default=_host_address(),
+                   help="address to bind (default: this host's, as its name resolves; 0.0.0.0 binds every interface)")
+    p.add_argument("--secret-file", help=f"file holding the job's shared secret (default: ${SECRET_ENV}, "
+                                         f"${SECRET_FILE_ENV}, else <url-dir>/.rollout_secret)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--advertise-host", default=socket.gethostname(),
                    help="host name written to --url-dir (default: this host's name)")
@@ -88,6 +96,8 @@ def vllm_arguments(args, extra: list[str]) -> tuple[list[str], int]:
     from megatron_ngrpo.rollout.vllm.engine import check_vllm_version, load_tokenizer
 
     check_vllm_version()
+    # The middleware and the hook's installer read it from this process's environment.
+    os.environ[SECRET_ENV] = read_secret(args.secret_file or "", args.url_dir or "")
     gpu, tp = torch.cuda.is_available(), args.tensor_parallel_size
     if gpu and torch.cuda.device_count() % tp:
         raise RuntimeError(f"--tensor-parallel-size {tp} does not divide the {torch.cuda.device_count()} "
@@ -104,7 +114,8 @@ def vllm_arguments(args, extra: list[str]) -> tuple[list[str], int]:
            "--tensor-parallel-size", str(tp), "--dtype", dtype, "--max-model-len", str(args.max_model_len),
            "--max-num-seqs", str(args.max_num_seqs), "--worker-extension-cls", EXTENSION,
            "--logprobs-mode", "raw_logits", "--no-enable-prefix-caching", "--no-async-scheduling",
-           "--enforce-eager", "--enable-scale-out", "--uvicorn-log-level", "warning"]
+           "--enforce-eager", "--enable-scale-out", "--uvicorn-log-level", "warning",
+           "--middleware", f"{SecretMiddleware.__module__}.{SecretMiddleware.__name__}"]
     out += ["--tokenizer", tokenizer.name_or_path] if tokenizer is not None else ["--skip-tokenizer-init"]
     out += (["--gpu-memory-utilization", str(args.gpu_memory_utilization)] if gpu
             else ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)])
@@ -135,7 +146,7 @@ def install_hook(base: str, num_real_tokens: int, deadline: float, stop: threadi
         if time.monotonic() > deadline:
             raise RuntimeError("vLLM did not answer on /health within --start-timeout")
         time.sleep(0.5)
-    r = requests.post(f"{base}/collective_rpc", timeout=120,
+    r = requests.post(f"{base}/collective_rpc", timeout=120, headers=bearer(read_secret()),
                       json={"method": "nbr_mix_install", "args": [str(num_real_tokens)]})
     hooks = r.json().get("results") if r.status_code == 200 else None
     if not hooks or not all(str(h).startswith("NeighborMix") for h in hooks):
@@ -166,6 +177,14 @@ def _start_hook(args, num_real_tokens: int, failed: threading.Event, stop: threa
     if args.url_dir and not stop.is_set():
         atomic_write(_url_file(args), f"http://{args.advertise_host}:{args.port}")
         print(f"rollout server registered at {_url_file(args)}", flush=True)
+
+
+def _host_address() -> str:
+    """This host's address as its name resolves (the interface the job's other nodes reach)."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
 def _url_file(args) -> Path:

@@ -22,7 +22,7 @@ import torch
 from megatron_ngrpo.mixing.perturbations import NoiseSpec
 from megatron_ngrpo.rollout.vllm import wire
 from megatron_ngrpo.rollout.vllm.hook import NeighborMixExtension, NeighborMixRunner
-from megatron_ngrpo.rollout.vllm.weight_transfer import WeightSyncError, register
+from megatron_ngrpo.rollout.vllm.weight_transfer import WeightSyncError, begin_reload, end_reload, load_bucket, register
 
 register()
 
@@ -43,7 +43,8 @@ class RolloutServerExtension(NeighborMixExtension):
                 "max_model_len": cfg.model_config.max_model_len,
                 "tensor_parallel": cfg.parallel_config.tensor_parallel_size,
                 "weight_transfer": None if cfg.weight_transfer_config is None else cfg.weight_transfer_config.backend,
-                "table_version": getattr(self, "_nbr_table_version", None)}
+                "table_version": getattr(self, "_nbr_table_version", None),
+                "weight_push_held_bytes": getattr(self, "_nbr_held_bytes", 0)}
 
     def nbr_server_set_table(self, data: str, version: str) -> str:
         """Install the trainer's ``[V, k]`` neighbour table (``data``: base64 of
@@ -80,20 +81,38 @@ class RolloutServerExtension(NeighborMixExtension):
 
     def nbr_server_receive(self, data: str, index: str, last: str) -> dict:
         """Bucket ``index`` of a weight sync: HF-named tensors (base64 ``pack_tensors`` bytes;
-        with digests, each tensor is checked); the last one (``last == "1"``) loads them all into
-        the model with vLLM's ``reload_weights``."""
-        tensors, expected = wire.unpack_tensors(base64.b64decode(data))
-        if index == "0" or not hasattr(self, "_nbr_bucket"):
-            self._nbr_bucket, self._nbr_verified = [], 0
+        with digests, each tensor is checked), loaded as it arrives inside vLLM's layerwise
+        reload (opened by bucket 0, closed by the last one, ``last == "1"``): a worker holds one
+        bucket of the push, never the whole model (``held_bytes``: the largest bucket so far)."""
+        runner = self.model_runner
+        model = runner.get_model()
+        if index == "0":
+            if getattr(self, "_nbr_reloading", False):  # an earlier sync stopped half-way
+                end_reload(model, runner.model_config)
+            begin_reload(model)
+            self._nbr_reloading, self._nbr_tensors, self._nbr_verified = True, 0, 0
+        elif not getattr(self, "_nbr_reloading", False):
+            raise WeightSyncError(f"weight sync: bucket {index} arrived without bucket 0")
+        raw = base64.b64decode(data)
+        data = None  # the base64 text is dropped before the tensors are unpacked
+        tensors, expected = wire.unpack_tensors(raw)
+        self._nbr_held_bytes = max(getattr(self, "_nbr_held_bytes", 0), len(raw))
+        raw = None
         bad = wire.first_mismatch(tensors.items(), expected)
-        if bad:
-            self._nbr_bucket, self._nbr_verified = [], 0
-            raise WeightSyncError(bad)
-        self._nbr_bucket += tensors.items()
+        try:
+            if bad:
+                raise WeightSyncError(bad)
+            load_bucket(model, list(tensors.items()))
+        except BaseException:
+            self._nbr_reloading = False
+            end_reload(model, runner.model_config)  # untouched layers keep their weights
+            raise
+        self._nbr_tensors += len(tensors)
         self._nbr_verified += len(expected)
         if last != "1":
-            return {"tensors": len(self._nbr_bucket)}
-        named, verified = self._nbr_bucket, self._nbr_verified
-        self._nbr_bucket, self._nbr_verified = [], 0
-        self.reload_weights(weights_iterator=iter(named))
-        return {"tensors": len(named), "verified": verified}
+            return {"tensors": self._nbr_tensors}
+        self._nbr_reloading = False
+        end_reload(model, runner.model_config)
+        runner.reset_encoder_cache()  # as vLLM's reload_weights does after a reload
+        runner.reset_mm_cache()
+        return {"tensors": self._nbr_tensors, "verified": self._nbr_verified}

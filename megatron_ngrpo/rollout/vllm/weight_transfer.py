@@ -168,6 +168,29 @@ def _pair_group(host: str, port: int, rank: int, timeout_s: float, store=None):
     return dist.ProcessGroupGloo(store, rank, 2, timeout)
 
 
+def begin_reload(model) -> None:
+    """Open a sync of ``model``'s weights in buckets (vLLM's layerwise reload: each layer is
+    processed once all its tensors arrived; the receiver holds a bucket, not the model)."""
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+    initialize_layerwise_reload(model)
+
+
+def load_bucket(model, named: list[tuple[str, torch.Tensor]]) -> None:
+    """Load one bucket of HF-named tensors inside :func:`begin_reload` / :func:`end_reload`."""
+    from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+    with disable_mtp_completeness_check():
+        model.load_weights(named)
+
+
+def end_reload(model, model_config) -> None:
+    """Close the sync (layers no bucket touched get their previous weights back)."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    finalize_layerwise_reload(model, model_config)
+
+
 class GlooWeightTransferEngine(base.WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
     """vLLM worker side of the ``gloo`` route (registered as ``"gloo"``)."""
 
@@ -178,16 +201,10 @@ class GlooWeightTransferEngine(base.WeightTransferEngine[GlooInitInfo, GlooUpdat
         self.group = _pair_group(init_info.host, init_info.port, 1, init_info.timeout_s)
 
     def start_weight_update(self) -> None:
-        # lazy: vLLM is an optional extra (heavy import)
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        initialize_layerwise_reload(self.model)
+        begin_reload(self.model)
 
     def finish_weight_update(self) -> None:
-        # lazy: vLLM is an optional extra (heavy import)
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        finalize_layerwise_reload(self.model, self.model_config)
+        end_reload(self.model, self.model_config)
 
     def update_weights(self, update_info: dict) -> None:
         # The base class ends with torch.accelerator.synchronize(), which raises on CPU; the gloo
@@ -212,11 +229,7 @@ class GlooWeightTransferEngine(base.WeightTransferEngine[GlooInitInfo, GlooUpdat
             bad = first_mismatch(zip(update_info.names, tensors), dict(zip(update_info.names, update_info.digests)))
             if bad:
                 raise WeightSyncError(bad)
-        # lazy: vLLM is an optional extra (heavy import)
-        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
-
-        with disable_mtp_completeness_check():
-            self.model.load_weights(list(zip(update_info.names, tensors)))
+        load_bucket(self.model, list(zip(update_info.names, tensors)))
 
     def _unpack(self, buf, dtypes, shapes, offsets) -> list[torch.Tensor]:
         return _views(buf, dtypes, shapes, offsets)
