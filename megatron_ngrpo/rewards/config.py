@@ -22,6 +22,9 @@ class RewardConfig:
     max_response_chars: int = 200_000
     # Without a \boxed{}, use "final answer is ..." / "Answer: ..." (reference: boxed only).
     fallback: bool = True
+    # Chat-model answers without a \boxed{}: "The answer is 18.", "Final Answer: 34", "#### 18",
+    # else the last math span, else the last number (docs/GRADING.md). Replaces `fallback` when on.
+    free_text: bool = False
     # Which boxes are graded: "last" (the evaluation rule: the last box, or the last run of
     # adjacent boxes as one list) or "any" (the reference's training reward: any of the last 8
     # boxed answers that matches scores 1; docs/GRADING.md).
