@@ -7,8 +7,8 @@ Every parametrised ``(gold, pred, expected)`` case of its tests is read from the
 multiple-choice ``StringExtractionConfig`` cases are left out: that is our ``mcq`` grader's job).
 Both graders run as a user runs them, one configuration for all cases: math-verify with its
 defaults (``verify(parse(gold), parse(pred))``: LaTeX and plain-expression extraction, not each
-test's own options: match types, precision, strictness), ours with ``MathGrader`` (``free_text`` on unless
-``--free-text 0``). A case counts when the grade is ``expected``. math-verify parses the gold as a text too,
+test's own options: match types, precision, strictness), ours with ``MathGrader`` (``free_text``
+"last_number" unless ``--free-text`` says otherwise). A case counts when the grade is ``expected``. math-verify parses the gold as a text too,
 so our gold is read the way a response is (boxes, ``$...$``) when it has a box or a ``$``.
 
 Two groups: **free-text** cases, whose ``pred`` has no box and is not one math span
@@ -27,7 +27,7 @@ from pathlib import Path
 from math_verify import parse, verify
 
 from megatron_ngrpo.rewards import MathGrader
-from megatron_ngrpo.rewards.extract import extract_answer
+from megatron_ngrpo.rewards.extract import FREE_TEXT_RULES, extract_answer
 
 MODULES = ("test_all", "test_boxed", "test_numina_cases", "test_open_thoughts", "test_yujianll", "test_strict")
 _ONE_MATH_SPAN = re.compile(r"\s*(?:\$\$?[^$]*\$\$?|\\\(.*\\\)|\\\[.*\\\])\s*\.?", re.S)
@@ -62,7 +62,7 @@ def is_free_text(pred: str) -> bool:
 
 def gold_answer(gold: str) -> str:
     if "\\boxed" in gold or "$" in gold:
-        return extract_answer(gold, free_text=True) or gold
+        return extract_answer(gold, free_text="phrases") or gold
     return gold
 
 
@@ -75,13 +75,14 @@ def math_verify_grade(case: dict) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("checkout", type=Path, help="a checkout of huggingface/Math-Verify (with tests/)")
-    ap.add_argument("--free-text", type=int, default=1, help="the grader's free_text option (default 1)")
+    ap.add_argument("--free-text", default="last_number", choices=FREE_TEXT_RULES,
+                    help="the grader's free_text rule (default last_number)")
     ap.add_argument("--show", action="store_true", help="print the cases we grade wrongly")
     args = ap.parse_args()
     if not (args.checkout / "tests" / "test_all.py").is_file():
         sys.exit(f"{args.checkout}: no tests/test_all.py (expected a checkout of huggingface/Math-Verify)")
     cases = load_cases(args.checkout)
-    with MathGrader(timeout_s=30.0, workers=2, free_text=bool(args.free_text)) as grader:
+    with MathGrader(timeout_s=30.0, workers=2, free_text=args.free_text) as grader:
         ours = grader.score_batch([(c["pred"], gold_answer(c["gold"])) for c in cases])
     totals: dict[str, list[int]] = {"core": [0, 0, 0], "free-text": [0, 0, 0]}
     for case, score in zip(cases, ours):

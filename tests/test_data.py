@@ -343,6 +343,6 @@ def test_chat_model_recipes_grade_free_text_and_refuse_partial_data(config, trai
         (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(raw[name]))
         sections[name] = load(cls, [tmp_path / f"{name}.yaml"])
     data, reward = sections["data"], sections["reward"]
-    assert reward.free_text and data.template.kind == "chat" and "\\boxed{}" in data.template.instruction
+    assert reward.free_text == "phrases" and data.template.kind == "chat" and "\\boxed{}" in data.template.instruction
     assert data.max_bad_fraction == 0.0 and data.long_prompts == "refuse"
     assert (data.train[0].path or data.train[0].name) == train_source and raw["validation"]["benchmarks"] == [heldout]

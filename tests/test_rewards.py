@@ -44,7 +44,7 @@ def any_grader():
 
 @pytest.fixture(scope="module")
 def free_grader():
-    with MathGrader(timeout_s=30.0, memory_mb=2048, workers=1, free_text=True) as g:
+    with MathGrader(timeout_s=30.0, memory_mb=2048, workers=1, free_text="phrases") as g:
         yield g
 
 
@@ -87,7 +87,7 @@ def test_fallback_phrases():
     ("The answer is 7. Wait, the answer is 9.", "9"),
     # 2. a whole one-line response without prose
     (r"-\frac{10}{9}", r"-\frac{10}{9}"),
-    # 3. the later of the last math span and the last number after it
+    # 3. the later of the last math span and ("last_number") the last number after it
     (r"Therefore $x \geq 5$ is the solution.", r"x \geq 5"),
     (r"We get $x=3$ and so the total is 1,250 marbles.", "1,250"),
     (r"First 12, then \(\frac{3}{4}\) remains", r"\frac{3}{4}"),
@@ -96,7 +96,12 @@ def test_fallback_phrases():
     ("no number here", None),
 ])
 def test_free_text_rule(text, answer):
-    assert extract_answer(text, free_text=True) == answer
+    assert extract_answer(text, free_text="last_number") == answer
+    # "phrases": the same, except that a number in prose is no answer.
+    number_only = answer in ("1,250", ".4")
+    assert extract_answer(text, free_text="phrases") == ("x=3" if answer == "1,250" else None if number_only else answer)
+    with pytest.raises(ValueError, match="free_text"):
+        extract_answer(text, free_text="on")
     # Off (the default): only boxes and the two fallback phrases.
     assert extract_answer("The answer is 18.") is None
     assert extract_answer("#### 18") is None
@@ -104,9 +109,9 @@ def test_free_text_rule(text, answer):
 
 def test_free_text_phrase_after_the_last_box_wins():
     text = r"interest \boxed{255}; total $10,200 + $255. Final Answer: The final answer is $10,455$."
-    assert extract_answer(text, free_text=True) == "10,455"
+    assert extract_answer(text, free_text="phrases") == "10,455"
     assert extract_answer(text) == "255"
-    assert extract_answer(r"The final answer is $\boxed{5}$.", free_text=True) == "5"
+    assert extract_answer(r"The final answer is $\boxed{5}$.", free_text="phrases") == "5"
 
 
 def test_unicode_math():
@@ -137,7 +142,7 @@ def test_unicode_free_text_and_multi_part_grading(grader, free_grader):
     assert grader.score_batch([(t, g) for t, g, _ in items]) == [e for _, _, e in items]
     chat = [("So 3 + 15 = 18. The answer is 18.", "18", 1.0), ("Final Answer: 34", "34", 1.0),
             ("#### 1,250", "1250", 1.0), ("The side is 2√3 cm, so the answer is $2\\sqrt{3}$.", "2\\sqrt{3}", 1.0),
-            ("The answer is 17.", "18", 0.0), ("The max is 52, which is bigger than 37.", "52", 0.0)]
+            ("The answer is 17.", "18", 0.0), ("The max is 37 or 52.", "52", 0.0)]  # no number guessing
     assert free_grader.score_batch([(t, g) for t, g, _ in chat]) == [e for _, _, e in chat]
     assert grader.score_batch([(t, g) for t, g, _ in chat[:3]]) == [0.0, 1.0, 0.0]  # option off
 
@@ -343,7 +348,8 @@ def test_math_reward_end_to_end():
 
 @pytest.mark.parametrize("override, field", [("name=code", "name"), ("workers=0", "workers"),
                                               ("overlong=hard", "overlong"), ("mcq_mode=x", "mcq_mode"),
-                                              ("memory_mb=10", "memory_mb"), ("box_rule=first", "box_rule")])
+                                              ("memory_mb=10", "memory_mb"), ("box_rule=first", "box_rule"),
+                                             ("free_text=true", "free_text")])
 def test_reward_config_errors(override, field):
     with pytest.raises(ConfigError, match=f"'{field}'"):
         load(RewardConfig, overrides=[override])
@@ -363,7 +369,7 @@ def test_extraction_is_linear_on_hostile_megabyte_responses(text):
 
     from megatron_ngrpo.rewards.extract import extract_answer
 
-    for free_text in (False, True):
+    for free_text in ("off", "last_number"):
         t0 = time.process_time()
         extract_answer(text, free_text=free_text)
         assert time.process_time() - t0 < 1.0, (len(text), free_text)

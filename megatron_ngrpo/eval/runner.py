@@ -156,7 +156,7 @@ def _grade(records: list[dict], grader, kind: str) -> None:
         if kind == "math":
             readable = len(r["response"]) <= 200_000
             r["extracted"] = extract_answer(r["response"], getattr(grader, "fallback", True),
-                                            getattr(grader, "free_text", False)) if readable else None
+                                            getattr(grader, "free_text", "off")) if readable else None
             r["boxed"] = readable and last_boxed(r["response"]) is not None
         else:
             r["extracted"] = grader.extract(r["response"]) if hasattr(grader, "extract") else None

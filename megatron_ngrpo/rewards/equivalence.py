@@ -172,7 +172,7 @@ def exact_rational(expr) -> Fraction | None:
 
 
 def grade_response(response: str, golds: Sequence[str], fallback: bool = True,
-                   soft_timeout_s: int = 5, box_rule: str = "last", free_text: bool = False) -> float:
+                   soft_timeout_s: int = 5, box_rule: str = "last", free_text: str = "off") -> float:
     """1.0 if the response's final answer (``box_rule`` "last": the last box; "any": any of its
     boxes, see :func:`~megatron_ngrpo.rewards.extract.candidate_answers`; ``free_text``: the
     chat-model rule when there is no box) matches any of the gold alternatives, else 0.0.

@@ -120,24 +120,29 @@ def fallback_answer(text: str) -> str | None:
     return None
 
 
-def extract_answer(text: str, fallback: bool = True, free_text: bool = False) -> str | None:
-    """The final answer of a math response: the last ``\\boxed{}``, else (``free_text``) the
-    free-text rule of :func:`free_text_answer`, else (``fallback``) the "final answer is ..." /
-    "Answer: ..." phrase; None when nothing is found. With ``free_text``, an answer phrase written
-    after the last box ("... \\boxed{255} ... The final answer is $10,455$.") is the answer."""
+def extract_answer(text: str, fallback: bool = True, free_text: str = "off") -> str | None:
+    """The final answer of a math response: the last ``\\boxed{}``, else (``free_text`` "phrases"
+    or "last_number") the free-text rule of :func:`free_text_answer`, else (``fallback``) the
+    "final answer is ..." / "Answer: ..." phrase; None when nothing is found. With ``free_text``,
+    an answer phrase written after the last box ("... \\boxed{255} ... The final answer is
+    $10,455$.") is the answer."""
+    if free_text not in FREE_TEXT_RULES:
+        raise ValueError(f"free_text {free_text!r}: expected one of {FREE_TEXT_RULES}")
     boxed = last_boxed(text)
     if boxed is not None:
-        if free_text:
+        if free_text != "off":
             last_box = max(text.rfind(c) for c in _BOX_COMMANDS)
             return _phrase_answer(text[last_box:][-FREE_TEXT_TAIL:]) or boxed
         return boxed
-    if free_text:
-        return free_text_answer(text)
+    if free_text != "off":
+        return free_text_answer(text, last_number=free_text == "last_number")
     return fallback_answer(text) if fallback else None
 
 
-# Free-text rule (chat models). Only the tail is read: the final answer comes last, and it bounds
+# Free-text rule (chat models): "off", "phrases" (answer phrases, a bare one-line response, the
+# last math span) or "last_number" (also the last number in the text). Only the tail is read: the final answer comes last, and it bounds
 # the work on a hostile response.
+FREE_TEXT_RULES = ("off", "phrases", "last_number")
 FREE_TEXT_TAIL = 4000
 # The last of these phrases (case-insensitive) introduces the answer; GSM8K's "#### 18" included.
 _ANSWER_PHRASE = re.compile(r"final answer is|final answer\s*:|the answer is|answer is|answer\s*:|####",
@@ -154,7 +159,7 @@ _PROSE_WORD = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{3,}")
 _MAX_BARE_RESPONSE = 100
 
 
-def free_text_answer(text: str) -> str | None:
+def free_text_answer(text: str, last_number: bool = True) -> str | None:
     """The final answer of a response without a box (the ``free_text`` option, for chat models),
     from the last ``FREE_TEXT_TAIL`` characters, first rule that applies:
 
@@ -163,7 +168,10 @@ def free_text_answer(text: str) -> str | None:
        line or sentence; when that text is prose ("18 apples in all") its first number;
     2. a whole response of one short line without prose ("-\\frac{10}{9}") is the answer;
     3. whichever comes last of the last math span (``$...$``, ``$$...$$``, ``\\(...\\)``,
-       ``\\[...\\]``, its content) and the last number outside it ("... increases by 100%.").
+       ``\\[...\\]``, its content) and (``last_number``) the last number after it ("...
+       increases by 100%."). Without ``last_number`` a response that only mentions numbers has no
+       answer: on a task whose answer is one of the numbers in the question (max/min) the last
+       number rewards restating the question.
     None when there is none. Linear: bounded regular expressions over a bounded tail."""
     tail = text[-FREE_TEXT_TAIL:]
     answer = _phrase_answer(tail)
@@ -175,7 +183,7 @@ def free_text_answer(text: str) -> str | None:
     span = number = None
     for span in _MATH_SPAN.finditer(tail):
         pass
-    for number in _NUMBER.finditer(tail, span.end() if span is not None else 0):
+    for number in _NUMBER.finditer(tail, span.end() if span is not None else 0) if last_number else ():
         pass
     if number is not None:
         return number.group()
@@ -209,7 +217,7 @@ MAX_ANY_BOXES = 8
 
 
 def candidate_answers(text: str, fallback: bool = True, box_rule: str = "last",
-                      free_text: bool = False) -> list[str]:
+                      free_text: str = "off") -> list[str]:
     """The answers a response is graded on: ``box_rule`` "last" (evaluation) gives the final
     answer of :func:`extract_answer`; "any" (the reference's training reward, math-verify style:
     any boxed answer that matches counts) gives up to ``MAX_ANY_BOXES`` boxed answers, last first,
@@ -220,7 +228,8 @@ def candidate_answers(text: str, fallback: bool = True, box_rule: str = "last",
     if box_rule != "any":
         raise ValueError(f"box_rule {box_rule!r}: expected one of {BOX_RULES}")
     answers = boxed_answers(text)[::-1][:MAX_ANY_BOXES]
-    if answers or not (fallback or free_text):
+    if answers or not (fallback or free_text != "off"):
         return answers
-    answer = free_text_answer(text) if free_text else fallback_answer(text)
+    answer = (free_text_answer(text, free_text == "last_number") if free_text != "off"
+              else fallback_answer(text))
     return [] if answer is None else [answer]

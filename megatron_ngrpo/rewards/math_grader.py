@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from megatron_ngrpo.rewards.equivalence import grade_response, warm_up
-from megatron_ngrpo.rewards.extract import BOX_RULES
+from megatron_ngrpo.rewards.extract import BOX_RULES, FREE_TEXT_RULES
 from megatron_ngrpo.rewards.pool import GuardedPool
 
 Gold = str | Sequence[str]
@@ -20,16 +20,19 @@ class MathGrader:
     process. ``fallback``: use "final answer is" / "Answer:" when there is no ``\\boxed{}``.
     ``box_rule``: "last" (evaluation) or "any" (the reference's training reward), see
     :func:`~megatron_ngrpo.rewards.extract.candidate_answers`. ``free_text``: without a box, the
-    chat-model rule (answer phrases, last math span, last number) of
+    chat-model rule ("phrases": answer phrases, last math span; "last_number": also the last
+    number; "off") of
     :func:`~megatron_ngrpo.rewards.extract.free_text_answer` instead of ``fallback``.
     Use as a context manager (or call :meth:`close`) to stop the workers.
     """
 
     def __init__(self, timeout_s: float = 10.0, memory_mb: int = 2048, workers: int = 4,
                  max_response_chars: int = 200_000, fallback: bool = True, box_rule: str = "last",
-                 free_text: bool = False):
+                 free_text: str = "off"):
         if box_rule not in BOX_RULES:
             raise ValueError(f"MathGrader box_rule {box_rule!r}: expected one of {BOX_RULES}")
+        if free_text not in FREE_TEXT_RULES:
+            raise ValueError(f"MathGrader free_text {free_text!r}: expected one of {FREE_TEXT_RULES}")
         self.max_response_chars = max_response_chars
         self.fallback = fallback
         self.box_rule = box_rule
