@@ -328,11 +328,11 @@ def test_prompt_batches_resume_and_epochs():
     assert [next(tail) for _ in range(4)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9], [0, 1, 2, 3]]
 
 
-@pytest.mark.parametrize("config, train_source, heldout", [
-    ("smollm2_135m_arith.yaml", "runs/arith_chat/train.jsonl", "runs/arith_chat/heldout.jsonl"),
-    ("smollm2_135m_gsm8k.yaml", "gsm8k_train", "gsm8k_heldout"),
+@pytest.mark.parametrize("config, train_source, heldout, rule", [
+    ("smollm2_135m_arith.yaml", "runs/arith_chat/train.jsonl", "runs/arith_chat/heldout.jsonl", "last_number"),
+    ("smollm2_135m_gsm8k.yaml", "gsm8k_train", "gsm8k_heldout", "phrases"),
 ])
-def test_chat_model_recipes_grade_free_text_and_refuse_partial_data(config, train_source, heldout, tmp_path):
+def test_chat_model_recipes_grade_free_text_and_refuse_partial_data(config, train_source, heldout, rule, tmp_path):
     import yaml
 
     from megatron_ngrpo.rewards import RewardConfig
@@ -343,6 +343,6 @@ def test_chat_model_recipes_grade_free_text_and_refuse_partial_data(config, trai
         (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(raw[name]))
         sections[name] = load(cls, [tmp_path / f"{name}.yaml"])
     data, reward = sections["data"], sections["reward"]
-    assert reward.free_text == "phrases" and data.template.kind == "chat" and "\\boxed{}" in data.template.instruction
+    assert reward.free_text == rule and data.template.kind == "chat" and "\\boxed{}" in data.template.instruction
     assert data.max_bad_fraction == 0.0 and data.long_prompts == "refuse"
     assert (data.train[0].path or data.train[0].name) == train_source and raw["validation"]["benchmarks"] == [heldout]
