@@ -5,6 +5,7 @@ resumable prompt batches."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -41,6 +42,7 @@ README_ROWS = {"aime24": 30, "amc22_23": 83, "math500": 500, "minerva": 272, "ol
 KNOWN_BAD = {"simplerl_math_lv3to5": [(5054, "answer is empty"), (5158, "answer is empty")],
              "deepscaler_math_train": [(886, "answer is null"), (1009, "answer is null"),
                                        (5328, "answer is empty"), (5330, "answer is empty")]}
+REPO = Path(__file__).resolve().parents[1]
 R1_PROMPT_IDS = [151646, 151644, 3838, 374, 220, 16, 10, 16, 30, 6771, 594, 1744, 3019, 553, 3019, 323, 2550,
                  279, 1590, 4226, 2878, 1124, 79075, 46391, 151645]
 
@@ -167,6 +169,74 @@ def test_overlaps_dedup_and_decontamination():
     assert dropped == 5563 and len(kept) == len(simplerl) + len(math_train) - 5563
 
 
+def test_gsm8k_sources_and_held_out_set(shared_data):
+    train, report = load_source("gsm8k_train")
+    held, _ = load_source("gsm8k_heldout")
+    assert (report.rows, len(train), report.bad) == (7473, 7473, [])
+    raw = [json.loads(line) for line in (shared_data / "gsm8k" / "test.jsonl").read_text().splitlines()]
+    assert len(held) == 256 and [p.row for p in held] == list(range(256))  # the first 256 test problems
+    assert held[0].problem == raw[0]["question"] and held[0].answers == ("18",)
+    assert held[146].answers == ("2125",) and held[201].answers == ("114200",)  # "#### 2,125", "#### 114,200"
+    # Every gold is the integer after the last "####", thousands commas dropped.
+    for p in held:
+        text = raw[p.row]["answer"].rsplit("####", 1)[1].strip()
+        assert p.answers == (str(int(text.replace(",", ""))),)
+    assert dedup(held, exclude=train)[1] == 0  # never trained on
+
+
+def test_chat_arithmetic_task_keeps_the_held_out_split(tmp_path):
+    import sys
+
+    sys.path.insert(0, str(REPO / "examples" / "arithmetic"))
+    from task import chat_phrasing, problems, split, write_chat_task
+
+    counts = write_chat_task(tmp_path, seed=0)
+    held = [json.loads(line) for line in (tmp_path / "heldout.jsonl").read_text().splitlines()]
+    train = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
+    assert counts == {"train": len(train), "heldout": 192}
+    assert held == [chat_phrasing(p) for p in split(problems(0), 64)[0]]
+    assert not {p["problem"] for p in held} & {p["problem"] for p in train}
+    assert chat_phrasing({"problem": "max(37,52,18)=", "answer": "52", "level": 2})["problem"] == (
+        "What is the largest of the numbers 37, 52 and 18?")
+    assert chat_phrasing({"problem": "min(40,11)=", "answer": "11", "level": 1})["problem"] == (
+        "What is the smallest of the numbers 40 and 11?")
+
+
+@pytest.mark.parametrize("rows, why", [
+    ([{"question": "Q0", "answer": "so 1 #### 1"}, {"question": "Q1"}], "row 1: answer is null"),
+    ([{"question": "Q0", "answer": "so 1 #### 1"}, {"question": "Q1", "answer": "so 2"}], "row 1: answer has no '####'"),
+    ([{"question": "Q0", "answer": "#### 1"}, {"question": "Q1", "answer": "#### two"}],
+     "row 1: answer 'two' is not an integer"),
+], ids=["missing-answer", "no-marker", "unparseable"])
+def test_task_file_errors_name_file_row_field(tmp_path, r1, rows, why):
+    path = tmp_path / "task.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    source = {"path": str(path), "problem_key": "question", "answer_after": "####", "integer_answers": True}
+    cfg = load(DataConfig, overrides=[f"train=[{json.dumps(source)}]", "decontaminate=[]", "max_bad_fraction=0"])
+    with pytest.raises(DataError) as err:  # the run does not start on a partial data set
+        load_train_set(cfg, r1)
+    msg = str(err.value)
+    assert "\n" not in msg and str(path) in msg and why in msg
+
+
+def test_ungradable_math_answer_and_long_prompt_refused(tmp_path, r1):
+    path = tmp_path / "task.jsonl"
+    path.write_text(json.dumps({"problem": "P0", "answer": "1"}) + "\n"
+                    + json.dumps({"problem": "P1", "answer": "{" * 30 + "}" * 30}) + "\n")
+    with pytest.raises(DataError, match=r"task.jsonl: 1 of 2 rows malformed: row 1: answer .* cannot be graded"):
+        load_source(SourceConfig(path=str(path)), max_bad_fraction=0)
+    path.write_text(json.dumps({"problem": "short", "answer": "1"}) + "\n"
+                    + json.dumps({"problem": "long " * 200, "answer": "2"}) + "\n")
+    base = [f"train=[{{path: {path}}}]", "decontaminate=[]", "max_prompt_tokens=64"]
+    assert len(load_train_set(load(DataConfig, overrides=base), r1)) == 1  # drop (the default)
+    with pytest.raises(DataError) as err:
+        load_train_set(load(DataConfig, overrides=[*base, "long_prompts=refuse"]), r1)
+    msg = str(err.value)
+    assert "\n" not in msg and str(path) in msg and "row 1: field 'problem': prompt of" in msg and "> data.max_prompt_tokens = 64" in msg
+    with pytest.raises(ConfigError, match="'long_prompts'"):
+        load(DataConfig, overrides=["long_prompts=truncate"])
+
+
 # ---- malformed rows -------------------------------------------------------------------------
 
 def test_malformed_rows_reported_and_refused(tmp_path):
@@ -256,3 +326,23 @@ def test_prompt_batches_resume_and_epochs():
         PromptBatches(list(range(11)), batch_size=3, seed=7).load_state_dict(state)
     tail = PromptBatches(items, batch_size=4, shuffle=False, drop_last=False)
     assert [next(tail) for _ in range(4)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9], [0, 1, 2, 3]]
+
+
+@pytest.mark.parametrize("config, train_source, heldout, rule", [
+    ("smollm2_135m_arith.yaml", "runs/arith_chat/train.jsonl", "runs/arith_chat/heldout.jsonl", "last_number"),
+    ("smollm2_135m_gsm8k.yaml", "gsm8k_train", "gsm8k_heldout", "phrases"),
+])
+def test_chat_model_recipes_grade_free_text_and_refuse_partial_data(config, train_source, heldout, rule, tmp_path):
+    import yaml
+
+    from megatron_ngrpo.rewards import RewardConfig
+
+    raw = yaml.safe_load((REPO / "configs" / config).read_text())
+    sections = {}
+    for name, cls in (("data", DataConfig), ("reward", RewardConfig)):  # each section as the trainer reads it
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(raw[name]))
+        sections[name] = load(cls, [tmp_path / f"{name}.yaml"])
+    data, reward = sections["data"], sections["reward"]
+    assert reward.free_text == rule and data.template.kind == "chat" and "\\boxed{}" in data.template.instruction
+    assert data.max_bad_fraction == 0.0 and data.long_prompts == "refuse"
+    assert (data.train[0].path or data.train[0].name) == train_source and raw["validation"]["benchmarks"] == [heldout]

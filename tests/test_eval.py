@@ -68,8 +68,12 @@ def test_pass_at_k_edges_and_stability():
 def test_benchmark_metrics():
     correct = np.array([[1, 1, 1, 1], [1, 0, 0, 0], [0, 0, 0, 0]])
     m = benchmark_metrics(correct)
-    assert m == pytest.approx({"mean@4": 5 / 12, "pass@1": 5 / 12, "pass@2": 0.5, "pass@4": 2 / 3})
-    assert benchmark_metrics(correct, ks=[3]) == pytest.approx({"mean@4": 5 / 12, "pass@3": (1 + 0.75) / 3})
+    # Standard error over problems (float64 reference: per-problem means 1, 1/4, 0).
+    se = np.std([1.0, 0.25, 0.0], ddof=1) / np.sqrt(3)
+    assert m == pytest.approx({"mean@4": 5 / 12, "pass@1": 5 / 12, "pass@2": 0.5, "pass@4": 2 / 3, "se(mean@4)": se})
+    assert benchmark_metrics(correct, ks=[3]) == pytest.approx({"mean@4": 5 / 12, "pass@3": (1 + 0.75) / 3,
+                                                                "se(mean@4)": se})
+    assert benchmark_metrics(np.ones((1, 2)))["se(mean@2)"] == 0.0
 
 
 # ---- runner on known generations ------------------------------------------------------------
@@ -102,8 +106,11 @@ ANSWERS = {  # benchmark → per problem, 4 responses; gold of aime24[0..2]: 204
     "math500": [[r"\boxed{(3, \frac{\pi}{2})}", r"</think> \boxed{(3,\pi/2)}", r"\boxed{(3,\pi)}", r"\boxed{3}"],
                 [r"\boxed{q-p}"] * 4],
 }
-EXPECTED = {"aime24": {"problems": 3, "mean@4": 5 / 12, "pass@1": 5 / 12, "pass@2": 0.5, "pass@4": 2 / 3},
-            "math500": {"problems": 2, "mean@4": 0.25, "pass@1": 0.25, "pass@2": 5 / 12, "pass@4": 0.5}}
+# se(mean@4): over problems; boxed: the share of responses with a box (the format rate).
+EXPECTED = {"aime24": {"problems": 3, "mean@4": 5 / 12, "pass@1": 5 / 12, "pass@2": 0.5, "pass@4": 2 / 3,
+                       "se(mean@4)": np.std([1.0, 0.25, 0.0], ddof=1) / np.sqrt(3), "boxed": 11 / 12},
+            "math500": {"problems": 2, "mean@4": 0.25, "pass@1": 0.25, "pass@2": 5 / 12, "pass@4": 0.5,
+                        "se(mean@4)": np.std([0.5, 0.0], ddof=1) / np.sqrt(2), "boxed": 1.0}}
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +136,7 @@ def test_metrics_on_known_generations(scripted_run):
     for name, expected in EXPECTED.items():
         assert result.metrics[name] == pytest.approx(expected)
     assert result.average == pytest.approx({k: (EXPECTED["aime24"][k] + EXPECTED["math500"][k]) / 2
-                                            for k in ("mean@4", "pass@1", "pass@2", "pass@4")})
+                                            for k in EXPECTED["aime24"] if k != "problems"})
     # Mixing off, calls of 2 prompts keyed by global problem index, eos as stop token.
     assert [c["keys"] for c in engine.calls][:2] == [[0, 1], [2]]
     assert sum((c["keys"] for c in engine.calls[2:]), []) == [0, 1]
@@ -191,7 +198,8 @@ def test_multiple_choice_benchmark(r1, grader, tmp_path):
     result = evaluate(ScriptedEngine(r1, script), r1, [bench], SamplingParams(n=2), {"math": grader, "mcq":
                       ChoiceGrader("paper")}, progress=False)
     assert [r["score"] for r in result.generations[bench.name]] == [1.0, 0.0, 1.0, 0.0]
-    assert result.metrics[bench.name] == pytest.approx({"problems": 2, "mean@2": 0.5, "pass@1": 0.5, "pass@2": 1.0})
+    assert result.metrics[bench.name] == pytest.approx({"problems": 2, "mean@2": 0.5, "pass@1": 0.5, "pass@2": 1.0,
+                                                        "se(mean@2)": 0.0})
 
 
 def test_instruction_none_is_the_default_and_empty_is_none_for_every_kind():

@@ -18,7 +18,7 @@ from megatron_ngrpo.config_loader import ConfigError, load
 from megatron_ngrpo.data.datasets import clean_answers
 from megatron_ngrpo.rewards import ChoiceGrader, MathGrader, RewardConfig, build_reward
 from megatron_ngrpo.rewards.extract import extract_answer, fallback_answer, last_boxed
-from megatron_ngrpo.rewards.normalize import normalize, numbers_close, to_number
+from megatron_ngrpo.rewards.normalize import normalize, numbers_close, to_number, unicode_to_latex
 from megatron_ngrpo.rewards.pool import _REIMPORT_ERROR, GuardedPool
 from megatron_ngrpo.rewards.shaping import format_reward, soft_overlong_penalty
 
@@ -39,6 +39,12 @@ def grader():
 @pytest.fixture(scope="module")
 def any_grader():
     with MathGrader(timeout_s=30.0, memory_mb=2048, workers=1, box_rule="any") as g:
+        yield g
+
+
+@pytest.fixture(scope="module")
+def free_grader():
+    with MathGrader(timeout_s=30.0, memory_mb=2048, workers=1, free_text="phrases") as g:
         yield g
 
 
@@ -68,6 +74,77 @@ def test_fallback_phrases():
     assert fallback_answer("nothing here") is None
     assert extract_answer("Answer: 4", fallback=False) is None
     assert extract_answer("Answer: 4 \\boxed{5}") == "5"
+
+
+@pytest.mark.parametrize("text, answer", [
+    # 1. the last answer phrase; prose after it gives its first number; a math span opening it
+    ("So 3 + 15 = 18. The answer is 18.", "18"),
+    ("Final Answer: 34", "34"),
+    ("She pays 3 * 6 = 18 dollars.\n#### 18", "18"),
+    ("The answer is 18 apples in all, not 20.", "18"),
+    ("Final Answer: The final answer is $(0, 1)$. I hope it is correct.", "(0, 1)"),
+    ("the answer is: **-2.5**", "-2.5"),
+    ("The answer is 7. Wait, the answer is 9.", "9"),
+    # 2. a whole one-line response without prose
+    (r"-\frac{10}{9}", r"-\frac{10}{9}"),
+    # 3. the later of the last math span and ("last_number") the last number after it
+    (r"Therefore $x \geq 5$ is the solution.", r"x \geq 5"),
+    (r"We get $x=3$ and so the total is 1,250 marbles.", "1,250"),
+    (r"First 12, then \(\frac{3}{4}\) remains", r"\frac{3}{4}"),
+    ("so 5 people, 3 cars; the ratio is .4 per car", ".4"),
+    ("AZYUK2A", None),
+    ("no number here", None),
+])
+def test_free_text_rule(text, answer):
+    assert extract_answer(text, free_text="last_number") == answer
+    # "phrases": the same, except that a number in prose is no answer.
+    number_only = answer in ("1,250", ".4")
+    assert extract_answer(text, free_text="phrases") == ("x=3" if answer == "1,250" else None if number_only else answer)
+    with pytest.raises(ValueError, match="free_text"):
+        extract_answer(text, free_text="on")
+    # Off (the default): only boxes and the two fallback phrases.
+    assert extract_answer("The answer is 18.") is None
+    assert extract_answer("#### 18") is None
+
+
+def test_free_text_phrase_after_the_last_box_wins():
+    text = r"interest \boxed{255}; total $10,200 + $255. Final Answer: The final answer is $10,455$."
+    assert extract_answer(text, free_text="phrases") == "10,455"
+    assert extract_answer(text) == "255"
+    assert extract_answer(r"The final answer is $\boxed{5}$.", free_text="phrases") == "5"
+
+
+def test_unicode_math():
+    assert unicode_to_latex("2√3") == r"2\sqrt{3}"
+    assert unicode_to_latex("√(x+1)") == r"\sqrt{x+1}"
+    assert unicode_to_latex("x²−y³") == "x^{2}-y^{3}"
+    assert unicode_to_latex("10⁻³") == "10^{-3}"
+    assert unicode_to_latex("3×4÷2") == r"3\times 4\div 2"
+    assert unicode_to_latex("x≤5, y≥1, z≠0") == r"x\le 5, y\ge 1, z\ne 0"
+    assert unicode_to_latex("2πr") == r"2\pi r"
+    assert unicode_to_latex("1½") == r"1\frac{1}{2}"
+    assert unicode_to_latex("plain") == "plain"
+
+
+def test_unicode_free_text_and_multi_part_grading(grader, free_grader):
+    items = [
+        (r"\boxed{√2}", r"\sqrt{2}", 1.0), (r"\boxed{2√3}", r"2\sqrt{3}", 1.0),
+        (r"\boxed{x²+1}", "x^2+1", 1.0), (r"\boxed{−7}", "-7", 1.0), (r"\boxed{3π}", r"3\pi", 1.0),
+        (r"\boxed{x ≤ 5}", r"x \leq 5", 1.0), (r"\boxed{√3}", r"\sqrt{2}", 0.0),
+        # several boxes against a multi-part gold: the last k boxes as one list
+        (r"x = \boxed{3}, and then y is \boxed{5}", "3, 5", 1.0),
+        (r"x = \boxed{3}, and then y is \boxed{5}", "5, 3", 1.0),
+        (r"\boxed{1} so \boxed{3} then \boxed{5}", "3, 5", 1.0),
+        (r"\boxed{1} then \boxed{3}", "3, 5", 0.0),
+        (r"x = \boxed{3}, and then y is \boxed{5}", "5", 1.0),
+        (r"x = \boxed{3}, and then y is \boxed{5}", "3", 0.0),
+    ]
+    assert grader.score_batch([(t, g) for t, g, _ in items]) == [e for _, _, e in items]
+    chat = [("So 3 + 15 = 18. The answer is 18.", "18", 1.0), ("Final Answer: 34", "34", 1.0),
+            ("#### 1,250", "1250", 1.0), ("The side is 2√3 cm, so the answer is $2\\sqrt{3}$.", "2\\sqrt{3}", 1.0),
+            ("The answer is 17.", "18", 0.0), ("The max is 37 or 52.", "52", 0.0)]  # no number guessing
+    assert free_grader.score_batch([(t, g) for t, g, _ in chat]) == [e for _, _, e in chat]
+    assert grader.score_batch([(t, g) for t, g, _ in chat[:3]]) == [0.0, 1.0, 0.0]  # option off
 
 
 def test_normalize_and_numbers():
@@ -271,7 +348,8 @@ def test_math_reward_end_to_end():
 
 @pytest.mark.parametrize("override, field", [("name=code", "name"), ("workers=0", "workers"),
                                               ("overlong=hard", "overlong"), ("mcq_mode=x", "mcq_mode"),
-                                              ("memory_mb=10", "memory_mb"), ("box_rule=first", "box_rule")])
+                                              ("memory_mb=10", "memory_mb"), ("box_rule=first", "box_rule"),
+                                             ("free_text=true", "free_text")])
 def test_reward_config_errors(override, field):
     with pytest.raises(ConfigError, match=f"'{field}'"):
         load(RewardConfig, overrides=[override])
@@ -282,12 +360,16 @@ def test_reward_config_errors(override, field):
     "\\boxed{7} " + "\\boxed{{" * 100_000,
     "{" * 500_000 + "\\boxed{7}" + "}" * 500_000,
     "\\boxed\\fbox" * 90_000,
-], ids=["unclosed", "answer-then-unclosed", "deep-nesting", "commands"])
+    "$" * 1_000_000, "\\(" * 300_000, "$$" + "x" * 1_000_000, "1," * 500_000, "the answer is " * 70_000,
+    "\\boxed{1} the answer is " * 40_000,
+], ids=["unclosed", "answer-then-unclosed", "deep-nesting", "commands", "dollars", "open-parens",
+        "open-display", "commas", "phrases", "box-then-phrases"])
 def test_extraction_is_linear_on_hostile_megabyte_responses(text):
     import time
 
     from megatron_ngrpo.rewards.extract import extract_answer
 
-    t0 = time.process_time()
-    extract_answer(text)
-    assert time.process_time() - t0 < 1.0, len(text)
+    for free_text in ("off", "last_number"):
+        t0 = time.process_time()
+        extract_answer(text, free_text=free_text)
+        assert time.process_time() - t0 < 1.0, (len(text), free_text)

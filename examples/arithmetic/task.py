@@ -10,6 +10,10 @@ Writes, into a directory:
 - ``sft.jsonl``: worked solutions ``{"problem": ..., "response": "\\boxed{52}"}`` for the brief
   supervised warm-start (stated as such in the README).
 The answers are graded by the project's own math grader, exactly as real runs are.
+
+``--chat`` writes only ``train.jsonl`` / ``heldout.jsonl``, the same problems and the same held-out
+split phrased for a pretrained chat model ("What is the largest of the numbers 37, 52 and 18?"),
+for the real-model recipe (configs/smollm2_135m_arith.yaml), whose instruction asks for the box.
 """
 
 from __future__ import annotations
@@ -78,12 +82,7 @@ def write_task(out: Path, seed: int = 0, heldout_per_level: int = 64, hidden_siz
                          pad_token_id=tok.pad_token_id)
     (out / "model").mkdir(exist_ok=True)
     (out / "model" / "config.json").write_text(json.dumps(cfg, indent=1))
-    probs = problems(seed)
-    # Held out: a fixed number per level (none of them trained on), so held-out accuracy measures
-    # the rule at every difficulty rather than the memorised one-digit table.
-    held = [p for level in LEVELS for p in [q for q in probs if q["level"] == level][:heldout_per_level]]
-    seen = {p["problem"] for p in held}
-    rest = [p for p in probs if p["problem"] not in seen]
+    held, rest = split(problems(seed), heldout_per_level)
     # The warm-start's worked solutions and the GRPO prompts are disjoint halves: every training
     # reward is then earned on a problem the model never saw solved, as on the held-out set.
     sft, train = rest[: len(rest) // 2], rest[len(rest) // 2:]
@@ -94,6 +93,31 @@ def write_task(out: Path, seed: int = 0, heldout_per_level: int = 64, hidden_siz
     return {"train": len(train), "sft": len(sft), "heldout": len(held), "vocab": len(tok)}
 
 
+def split(probs: list[dict], heldout_per_level: int) -> tuple[list[dict], list[dict]]:
+    """(held-out, rest). Held out: a fixed number per level (none of them trained on), so held-out
+    accuracy measures the rule at every difficulty rather than the memorised one-digit table."""
+    held = [p for level in LEVELS for p in [q for q in probs if q["level"] == level][:heldout_per_level]]
+    seen = {p["problem"] for p in held}
+    return held, [p for p in probs if p["problem"] not in seen]
+
+
+def chat_phrasing(problem: dict) -> dict:
+    """``max(37,52,18)=`` as a question: "What is the largest of the numbers 37, 52 and 18?"."""
+    op, xs = problem["problem"][:3], problem["problem"][4:-2].split(",")
+    numbers = f"{', '.join(xs[:-1])} and {xs[-1]}"
+    word = "largest" if op == "max" else "smallest"
+    return {**problem, "problem": f"What is the {word} of the numbers {numbers}?"}
+
+
+def write_chat_task(out: Path, seed: int = 0, heldout_per_level: int = 64) -> dict:
+    """The task's problems and held-out split (as :func:`write_task`) phrased for a chat model."""
+    out.mkdir(parents=True, exist_ok=True)
+    held, rest = split(problems(seed), heldout_per_level)
+    _jsonl(out / "train.jsonl", [chat_phrasing(p) for p in rest])
+    _jsonl(out / "heldout.jsonl", [chat_phrasing(p) for p in held])
+    return {"train": len(rest), "heldout": len(held)}
+
+
 def _jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
@@ -102,8 +126,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("out", type=Path)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--chat", action="store_true", help="only the problems, phrased for a chat model")
     args = ap.parse_args()
-    print(json.dumps(write_task(args.out, args.seed)))
+    print(json.dumps((write_chat_task if args.chat else write_task)(args.out, args.seed)))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from megatron_ngrpo.config_loader import ConfigError, fail
 from megatron_ngrpo.data.templates import TemplateConfig
 
 ANSWER_LISTS = ("alternatives", "first", "join")
+LONG_PROMPTS = ("drop", "refuse")
 
 
 @dataclass
@@ -30,6 +31,9 @@ class SourceConfig:
     answer_list: str = ""
     # AIME/AMC: answers are integers ("025" → "25", 142.0 → "142", "336^\circ" → "336").
     integer_answers: bool | None = None
+    # The gold is the text after the last occurrence of this marker in the answer field, thousands
+    # commas dropped (GSM8K: "####"); "" = the whole field.
+    answer_after: str = ""
     # Grader of the source's answers: "math" or "mcq".
     kind: str = ""
     # Keep only the first `limit` rows (0 = all).
@@ -72,8 +76,12 @@ class DataConfig:
     # Drop train problems that appear in these benchmarks (same normalisation).
     decontaminate: list[str] = field(default_factory=lambda: ["aime24", "aime25", "amc23",
                                                               "amc22_23", "math500"])
-    # Refuse a file when more than this fraction of its rows is malformed.
+    # Refuse a file when more than this fraction of its rows is malformed (0: any bad row stops
+    # the run before it starts).
     max_bad_fraction: float = 0.01
+    # Prompts over max_prompt_tokens: "drop" them (logged) or "refuse" the data set (one line:
+    # file, row, field, length).
+    long_prompts: str = "drop"
     template: TemplateConfig = field(default_factory=TemplateConfig)
     # Shuffling of the prompt batches (per epoch, reproducible from seed and epoch).
     shuffle: bool = True
@@ -89,3 +97,5 @@ class DataConfig:
             fail("max_prompt_tokens", self.max_prompt_tokens, "must be >= 1")
         if not 0 <= self.max_bad_fraction <= 1:
             fail("max_bad_fraction", self.max_bad_fraction, "must be in [0, 1]")
+        if self.long_prompts not in LONG_PROMPTS:
+            fail("long_prompts", self.long_prompts, f"expected one of {LONG_PROMPTS}")

@@ -26,6 +26,7 @@ from megatron_ngrpo.data.templates import (
     encode_prompt,
     math_message,
 )
+from megatron_ngrpo.rewards.equivalence import is_parseable
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +57,16 @@ REGISTRY: dict[str, SourceConfig] = {
     "simplerl_math_lv3to5": SourceConfig(path="train/simplerl_math_lv3to5_8523.parquet", problem_key="question"),
     "deepscaler_math_train": SourceConfig(path="train/deepscaler_math_train.json"),
     "deepscaler_aime": SourceConfig(path="train/deepscaler_aime_1983_2023.json", integer_answers=True),
+    # --- GSM8K (openai/grade-school-math, MIT): the solution ends in "#### <integer>" ---
+    "gsm8k_train": SourceConfig(path="gsm8k/train.jsonl", problem_key="question", answer_after="####",
+                                integer_answers=True),
+    # The fixed held-out set: the first 256 test problems (never trained on: training uses gsm8k_train).
+    "gsm8k_heldout": SourceConfig(path="gsm8k/test.jsonl", problem_key="question", answer_after="####",
+                                  integer_answers=True, limit=256),
 }
 _DEFAULTS = SourceConfig(problem_key="problem", answer_key="answer", answer_list="alternatives",
                          integer_answers=False, kind="math")
+_THOUSANDS_COMMA = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 _DEGREES = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|°")
 
 
@@ -208,6 +216,13 @@ def _scalar_answer(value, integer: bool) -> str:
     return text
 
 
+def _answer_after(value, marker: str) -> str:
+    """The text after the last ``marker`` of an answer field (GSM8K "... #### 1,250" → "1250")."""
+    if not isinstance(value, str) or marker not in value:
+        raise ValueError(f"answer has no {marker!r}")
+    return _THOUSANDS_COMMA.sub("", value.rsplit(marker, 1)[1].strip())
+
+
 def clean_answers(value, answer_list: str = "alternatives", integer: bool = False) -> tuple[str, ...]:
     """Gold answer(s) of a row as strings: floats 142.0 → "142", whitespace/newlines stripped,
     lists kept as alternatives / first / joined; integer sets: "025" → "25", "336^\\circ" → "336".
@@ -245,7 +260,14 @@ def load_source(source: SourceConfig | str, max_bad_fraction: float = 0.01,
                 raw_answer = _lookup(row, source.answer_key)
             except KeyError:
                 raise ValueError(f"no field {source.answer_key!r}") from None
+            if source.answer_after and raw_answer is not None:
+                raw_answer = _answer_after(raw_answer, source.answer_after)
             answers = clean_answers(raw_answer, source.answer_list, bool(source.integer_answers))
+            if source.kind == "math":
+                for answer in answers:
+                    if not is_parseable(answer):
+                        raise ValueError(f"answer {answer[:40]!r} cannot be graded (over 1000 characters, "
+                                         f"nested too deep or control characters)")
         except ValueError as e:
             bad.append((i, str(e)))
             continue
@@ -289,14 +311,21 @@ class PromptExample:
 
 
 def build_prompts(problems: Sequence[Problem], tokenizer, template: TemplateConfig, instruction: str,
-                  max_prompt_tokens: int | None = None) -> tuple[list[PromptExample], int]:
+                  max_prompt_tokens: int | None = None, long_prompts: str = "drop",
+                  paths: dict[str, str] | None = None) -> tuple[list[PromptExample], int]:
     """Tokenised prompts (``problem + " " + instruction`` in the template); prompts longer than
-    ``max_prompt_tokens`` are dropped; returns the examples and the number dropped."""
+    ``max_prompt_tokens`` are dropped (``long_prompts`` "drop") or raise a one-line
+    :class:`DataError` naming the file (``paths``: source name → file), row and field ("refuse");
+    returns the examples and the number dropped."""
     examples = []
     for p in problems:
         ids = encode_prompt(math_message(p.problem, instruction), tokenizer, template)
         if max_prompt_tokens is None or len(ids) <= max_prompt_tokens:
             examples.append(PromptExample(p, ids))
+        elif long_prompts == "refuse":
+            raise DataError(f"data source {p.source!r}: {(paths or {}).get(p.source, p.source)}: row {p.row}: "
+                            f"field 'problem': prompt of {len(ids)} tokens (templated) > data.max_prompt_tokens "
+                            f"= {max_prompt_tokens} (data.long_prompts = refuse)")
     return examples, len(problems) - len(examples)
 
 
@@ -304,10 +333,11 @@ def load_train_set(cfg: DataConfig, tokenizer) -> list[PromptExample]:
     """The training prompts: every ``cfg.train`` source, deduplicated and decontaminated against
     ``cfg.decontaminate`` benchmarks, templated with the training instruction, long prompts
     dropped. Counts are logged."""
-    problems = []
+    problems, paths = [], {}
     for source in cfg.train:
-        loaded, _ = load_source(source, cfg.max_bad_fraction, cfg.cache_dir)
+        loaded, report = load_source(source, cfg.max_bad_fraction, cfg.cache_dir)
         problems.extend(loaded)
+        paths[report.source] = report.path
     if cfg.dedup or cfg.decontaminate:
         held_out = [p for name in cfg.decontaminate
                     for p in load_source(name, cfg.max_bad_fraction, cfg.cache_dir)[0]]
@@ -321,7 +351,8 @@ def load_train_set(cfg: DataConfig, tokenizer) -> list[PromptExample]:
         logger.info("train data: %d problems after dropping %d duplicates/benchmark overlaps",
                     len(problems), dropped)
     instruction = cfg.template.instruction_or(TRAIN_INSTRUCTION)
-    examples, too_long = build_prompts(problems, tokenizer, cfg.template, instruction, cfg.max_prompt_tokens)
+    examples, too_long = build_prompts(problems, tokenizer, cfg.template, instruction, cfg.max_prompt_tokens,
+                                       cfg.long_prompts, paths)
     logger.info("train data: %d prompts, %d dropped as longer than %d tokens",
                 len(examples), too_long, cfg.max_prompt_tokens)
     if not examples:

@@ -30,7 +30,9 @@ def default_ks(n: int) -> list[int]:
 
 
 def benchmark_metrics(correct: np.ndarray, ks: Sequence[int] | None = None) -> dict[str, float]:
-    """``correct`` [problems, n] of 0/1 → ``mean@n`` and ``pass@k`` averaged over problems."""
+    """``correct`` [problems, n] of 0/1 → ``mean@n``, its standard error ``se(mean@n)`` (over
+    problems: the samples of one problem are not independent) and ``pass@k``, averaged over
+    problems."""
     correct = np.asarray(correct, dtype=np.float64)
     if correct.ndim != 2 or correct.size == 0:
         raise ValueError(f"correct must be [problems, n] and non-empty, got shape {correct.shape}")
@@ -39,4 +41,5 @@ def benchmark_metrics(correct: np.ndarray, ks: Sequence[int] | None = None) -> d
     out = {f"mean@{n}": float(correct.mean())}
     for k in ks or default_ks(n):
         out[f"pass@{k}"] = float(np.mean([pass_at_k(n, int(c), k) for c in counts]))
+    out[f"se(mean@{n})"] = float(correct.mean(axis=1).std(ddof=1) / np.sqrt(problems)) if problems > 1 else 0.0
     return out

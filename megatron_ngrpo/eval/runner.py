@@ -43,7 +43,7 @@ from megatron_ngrpo.eval.report import write_report
 from megatron_ngrpo.eval.result import EvalResult, read_generations
 from megatron_ngrpo.mixing.config import MixingConfig
 from megatron_ngrpo.mixing.neighbors import neighbor_table_for_model
-from megatron_ngrpo.rewards.extract import extract_answer
+from megatron_ngrpo.rewards.extract import extract_answer, last_boxed
 from megatron_ngrpo.rollout.types import RolloutEngine, SamplingParams
 
 # Paper defaults (§4.1).
@@ -149,7 +149,8 @@ def _records(bench: Benchmark, samples: dict[int, list[tuple]]) -> list[dict]:
 
 
 def _grade(records: list[dict], grader, kind: str) -> None:
-    """Adds ``score`` (0/1) and ``extracted`` (the parsed final answer, for reading) to each."""
+    """Adds ``score`` (0/1), ``extracted`` (the parsed final answer, for reading, by the grader's
+    own rules) and, for math, ``boxed`` (the response boxes an answer: the format rate) to each."""
     if not records:
         return
     grader = _grader_for(grader, kind)
@@ -158,7 +159,10 @@ def _grade(records: list[dict], grader, kind: str) -> None:
     for r, s in zip(records, scores):
         r["score"] = float(s)
         if kind == "math":
-            r["extracted"] = extract_answer(r["response"]) if len(r["response"]) <= 200_000 else None
+            readable = len(r["response"]) <= 200_000
+            r["extracted"] = extract_answer(r["response"], getattr(grader, "fallback", True),
+                                            getattr(grader, "free_text", "off")) if readable else None
+            r["boxed"] = readable and last_boxed(r["response"]) is not None
         else:
             r["extracted"] = grader.extract(r["response"]) if hasattr(grader, "extract") else None
 
@@ -169,7 +173,8 @@ def _metrics(records: list[dict], ks: Sequence[int] | None) -> tuple[int, dict[s
     correct = np.zeros((problems, n))
     for r in records:
         correct[r["problem"], r["sample"]] = r["score"]
-    return n, {"problems": float(problems), **benchmark_metrics(correct, ks)}
+    boxed = {"boxed": float(np.mean([r["boxed"] for r in records]))} if "boxed" in records[0] else {}
+    return n, {"problems": float(problems), **benchmark_metrics(correct, ks), **boxed}
 
 
 def _result(generations: dict[str, list[dict]], ks, settings: dict) -> EvalResult:

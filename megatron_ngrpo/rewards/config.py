@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_ngrpo.config_loader import fail
-from megatron_ngrpo.rewards.extract import BOX_RULES
+from megatron_ngrpo.rewards.extract import BOX_RULES, FREE_TEXT_RULES
 from megatron_ngrpo.rewards.graders import GRADERS
 
 OVERLONG_MODES = ("none", "soft", "zero")
@@ -22,6 +22,10 @@ class RewardConfig:
     max_response_chars: int = 200_000
     # Without a \boxed{}, use "final answer is ..." / "Answer: ..." (reference: boxed only).
     fallback: bool = True
+    # Chat-model answers without a \boxed{} (docs/GRADING.md): "phrases" ("The answer is 18.",
+    # "Final Answer: 34", "#### 18", else a bare one-line answer or the last math span),
+    # "last_number" (also the last number in the text) or "off". Replaces `fallback` when on.
+    free_text: str = "off"
     # Which boxes are graded: "last" (the evaluation rule: the last box, or the last run of
     # adjacent boxes as one list) or "any" (the reference's training reward: any of the last 8
     # boxed answers that matches scores 1; docs/GRADING.md).
@@ -52,6 +56,8 @@ class RewardConfig:
             fail("workers", self.workers, "must be >= 1")
         if self.box_rule not in BOX_RULES:
             fail("box_rule", self.box_rule, f"expected one of {BOX_RULES}")
+        if self.free_text not in FREE_TEXT_RULES:
+            fail("free_text", self.free_text, f"expected one of {FREE_TEXT_RULES}")
         if self.mcq_mode not in ("paper", "reference"):
             fail("mcq_mode", self.mcq_mode, "expected 'paper' or 'reference'")
         if self.overlong not in OVERLONG_MODES:

@@ -28,7 +28,7 @@ import math
 from collections.abc import Sequence
 from fractions import Fraction
 
-from megatron_ngrpo.rewards.extract import candidate_answers
+from megatron_ngrpo.rewards.extract import MAX_ANY_BOXES, boxed_answers, candidate_answers
 from megatron_ngrpo.rewards.normalize import (
     BASE_NUMERAL,
     as_list,
@@ -36,6 +36,7 @@ from megatron_ngrpo.rewards.normalize import (
     numbers_close,
     strip_math_delimiters,
     to_number,
+    unicode_to_latex,
     written_as_decimal,
 )
 
@@ -66,6 +67,7 @@ def answers_match(pred: str, gold: str, soft_timeout_s: int = 5) -> bool:
     """True if the predicted answer equals the gold one (both LaTeX/plain answer strings)."""
     if not is_parseable(pred) or not gold:
         return False
+    pred, gold = unicode_to_latex(pred), unicode_to_latex(gold)
     pred_norm, gold_norm = normalize(pred), normalize(gold)
     if pred_norm and pred_norm == gold_norm:
         return True
@@ -173,12 +175,39 @@ def exact_rational(expr) -> Fraction | None:
 
 
 def grade_response(response: str, golds: Sequence[str], fallback: bool = True,
-                   soft_timeout_s: int = 5, box_rule: str = "last") -> float:
+                   soft_timeout_s: int = 5, box_rule: str = "last", free_text: str = "off") -> float:
     """1.0 if the response's final answer (``box_rule`` "last": the last box; "any": any of its
-    boxes, see :func:`~megatron_ngrpo.rewards.extract.candidate_answers`) matches any of the gold
-    alternatives, else 0.0."""
-    return float(any(answers_match(pred, g, soft_timeout_s)
-                     for pred in candidate_answers(response, fallback, box_rule) for g in golds))
+    boxes, see :func:`~megatron_ngrpo.rewards.extract.candidate_answers`; ``free_text``: the
+    chat-model rule when there is no box) matches any of the gold alternatives, else 0.0.
+
+    A gold of k > 1 top-level parts ("3, 5", "x=1, y=2") is also matched by the last k boxes
+    read as one list ("\\boxed{3} ... \\boxed{5}"), with any box rule."""
+    candidates = candidate_answers(response, fallback, box_rule, free_text)
+    for gold in golds:
+        parts = top_level_parts(gold)
+        preds = candidates
+        if 1 < parts <= MAX_ANY_BOXES:
+            boxes = boxed_answers(response)
+            if len(boxes) >= parts:
+                preds = [*candidates, ", ".join(boxes[-parts:])]
+        if any(answers_match(pred, gold, soft_timeout_s) for pred in preds):
+            return 1.0
+    return 0.0
+
+
+def top_level_parts(answer: str) -> int:
+    """How many comma-separated parts ``answer`` has outside brackets (thousands separators, as
+    :func:`~megatron_ngrpo.rewards.normalize.normalize` reads them, are not commas here)."""
+    s = normalize(answer)
+    depth, parts = 0, 1
+    for ch in s:
+        if ch in "{[(":
+            depth += 1
+        elif ch in "}])":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts += 1
+    return parts
 
 
 def warm_up() -> None:

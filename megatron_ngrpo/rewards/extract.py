@@ -53,7 +53,8 @@ def last_boxed(text: str) -> str | None:
 
 _BOX_RE = re.compile("|".join(re.escape(c) for c in _BOX_COMMANDS))
 # What may stand between two boxes of one list answer.
-_JOINER = re.compile(r"[\s$,]*(?:(?:and|or|\\text\{\s*(?:and|or)\s*\})[\s$,]*)?")
+_JOINER = re.compile(r"(?:[\s$,]|\\[()\[\]]|\\q?quad)*(?:(?:and|or|\\text\{\s*(?:and|or)\s*\})"
+                     r"(?:[\s$,]|\\[()\[\]]|\\q?quad)*)?")
 _MAX_JOINER = 40
 # A brace-less box argument is one short token ("\boxed 5").
 _MAX_BARE_ARGUMENT = 64
@@ -119,13 +120,95 @@ def fallback_answer(text: str) -> str | None:
     return None
 
 
-def extract_answer(text: str, fallback: bool = True) -> str | None:
-    """The final answer of a math response: the last ``\\boxed{}``, else (``fallback``) the
-    "final answer is ..." / "Answer: ..." phrase; None when nothing is found."""
+def extract_answer(text: str, fallback: bool = True, free_text: str = "off") -> str | None:
+    """The final answer of a math response: the last ``\\boxed{}``, else (``free_text`` "phrases"
+    or "last_number") the free-text rule of :func:`free_text_answer`, else (``fallback``) the
+    "final answer is ..." / "Answer: ..." phrase; None when nothing is found. With ``free_text``,
+    an answer phrase written after the last box ("... \\boxed{255} ... The final answer is
+    $10,455$.") is the answer."""
+    if free_text not in FREE_TEXT_RULES:
+        raise ValueError(f"free_text {free_text!r}: expected one of {FREE_TEXT_RULES}")
     boxed = last_boxed(text)
-    if boxed is not None or not fallback:
+    if boxed is not None:
+        if free_text != "off":
+            last_box = max(text.rfind(c) for c in _BOX_COMMANDS)
+            return _phrase_answer(text[last_box:][-FREE_TEXT_TAIL:]) or boxed
         return boxed
-    return fallback_answer(text)
+    if free_text != "off":
+        return free_text_answer(text, last_number=free_text == "last_number")
+    return fallback_answer(text) if fallback else None
+
+
+# Free-text rule (chat models): "off", "phrases" (answer phrases, a bare one-line response, the
+# last math span) or "last_number" (also the last number in the text). Only the tail is read: the final answer comes last, and it bounds
+# the work on a hostile response.
+FREE_TEXT_RULES = ("off", "phrases", "last_number")
+FREE_TEXT_TAIL = 4000
+# The last of these phrases (case-insensitive) introduces the answer; GSM8K's "#### 18" included.
+_ANSWER_PHRASE = re.compile(r"final answer is|final answer\s*:|the answer is|answer is|answer\s*:|####",
+                            re.IGNORECASE)
+# Math spans, inline ones on one line (math-verify's reading); bounded length keeps the scan linear.
+_MATH_SPAN = re.compile(r"\$\$(?P<a>[^$]{1,500}?)\$\$|(?<!\\)\$(?P<b>(?:[^$\n\\]|\\.){1,500}?)\$"
+                        r"|\\\((?P<c>[^\n]{1,500}?)\\\)|\\\[(?P<d>.{1,500}?)\\\]", re.S)
+# A number in prose: thousands groups, decimals, a/b fractions, a unicode minus; not the end of a word.
+_NUMBER = re.compile(r"(?<![A-Za-z\d.])[-\u2212]?(?:\d{1,3}(?:,\d{3})+|\d+|(?=\.\d))(?:\.\d+)?(?:/\d+)?"
+                     r"(?![\d.]?\d|,\d)")
+# A word of prose (not a LaTeX command): the phrase's text is a sentence, its number is the answer.
+_PROSE_WORD = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{3,}")
+# A whole response this short, on one line and without prose, is the answer itself ("\frac{10}{9}").
+_MAX_BARE_RESPONSE = 100
+
+
+def free_text_answer(text: str, last_number: bool = True) -> str | None:
+    """The final answer of a response without a box (the ``free_text`` option, for chat models),
+    from the last ``FREE_TEXT_TAIL`` characters, first rule that applies:
+
+    1. after the last answer phrase ("The answer is 18.", "Final Answer: 34", "#### 18",
+       "the final answer is $x$"): a math span that opens it, else its text up to the end of the
+       line or sentence; when that text is prose ("18 apples in all") its first number;
+    2. a whole response of one short line without prose ("-\\frac{10}{9}") is the answer;
+    3. whichever comes last of the last math span (``$...$``, ``$$...$$``, ``\\(...\\)``,
+       ``\\[...\\]``, its content) and (``last_number``) the last number after it ("...
+       increases by 100%."). Without ``last_number`` a response that only mentions numbers has no
+       answer: on a task whose answer is one of the numbers in the question (max/min) the last
+       number rewards restating the question.
+    None when there is none. Linear: bounded regular expressions over a bounded tail."""
+    tail = text[-FREE_TEXT_TAIL:]
+    answer = _phrase_answer(tail)
+    if answer:
+        return answer
+    bare = tail.strip().strip("$").strip().rstrip(".")
+    if 0 < len(bare) <= _MAX_BARE_RESPONSE and "\n" not in bare and not _PROSE_WORD.search(bare):
+        return bare
+    span = number = None
+    for span in _MATH_SPAN.finditer(tail):
+        pass
+    for number in _NUMBER.finditer(tail, span.end() if span is not None else 0) if last_number else ():
+        pass
+    if number is not None:
+        return number.group()
+    if span is not None:
+        return next(g for g in span.groups() if g is not None).strip() or None
+    return None
+
+
+def _phrase_answer(text: str) -> str | None:
+    """The answer after the last answer phrase of ``text`` (rule 1 of :func:`free_text_answer`)."""
+    phrase = None
+    for phrase in _ANSWER_PHRASE.finditer(text):
+        pass
+    if phrase is None:
+        return None
+    after = text[phrase.end():].lstrip(" :*\t")
+    span = _MATH_SPAN.match(after)
+    if span is not None:
+        return next(g for g in span.groups() if g is not None).strip() or None
+    stop = _FALLBACK_STOP.search(after)
+    answer = (after[: stop.start()] if stop else after).strip().strip("*").strip().rstrip(".").strip()
+    if _PROSE_WORD.search(answer):  # a sentence without a number is no answer: the next rule
+        number = _NUMBER.search(answer)
+        return number.group() if number is not None else None
+    return answer.strip("$ ") or None
 
 
 BOX_RULES = ("last", "any")
@@ -133,18 +216,20 @@ BOX_RULES = ("last", "any")
 MAX_ANY_BOXES = 8
 
 
-def candidate_answers(text: str, fallback: bool = True, box_rule: str = "last") -> list[str]:
+def candidate_answers(text: str, fallback: bool = True, box_rule: str = "last",
+                      free_text: str = "off") -> list[str]:
     """The answers a response is graded on: ``box_rule`` "last" (evaluation) gives the final
     answer of :func:`extract_answer`; "any" (the reference's training reward, math-verify style:
     any boxed answer that matches counts) gives up to ``MAX_ANY_BOXES`` boxed answers, last first,
     and the fallback phrase when there is no box."""
     if box_rule == "last":
-        answer = extract_answer(text, fallback)
+        answer = extract_answer(text, fallback, free_text)
         return [] if answer is None else [answer]
     if box_rule != "any":
         raise ValueError(f"box_rule {box_rule!r}: expected one of {BOX_RULES}")
     answers = boxed_answers(text)[::-1][:MAX_ANY_BOXES]
-    if answers or not fallback:
+    if answers or not (fallback or free_text != "off"):
         return answers
-    answer = fallback_answer(text)
+    answer = (free_text_answer(text, free_text == "last_number") if free_text != "off"
+              else fallback_answer(text))
     return [] if answer is None else [answer]

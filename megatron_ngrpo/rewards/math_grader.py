@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from megatron_ngrpo.rewards.closing import Closing
 from megatron_ngrpo.rewards.equivalence import grade_response, warm_up
-from megatron_ngrpo.rewards.extract import BOX_RULES
+from megatron_ngrpo.rewards.extract import BOX_RULES, FREE_TEXT_RULES
 from megatron_ngrpo.rewards.pool import GuardedPool
 
 Gold = str | Sequence[str]
@@ -20,17 +20,24 @@ class MathGrader(Closing):
     ``max_response_chars`` (no real 8k-token response is) scores 0 without leaving this
     process. ``fallback``: use "final answer is" / "Answer:" when there is no ``\\boxed{}``.
     ``box_rule``: "last" (evaluation) or "any" (the reference's training reward), see
-    :func:`~megatron_ngrpo.rewards.extract.candidate_answers`.
+    :func:`~megatron_ngrpo.rewards.extract.candidate_answers`. ``free_text``: without a box, the
+    chat-model rule ("phrases": answer phrases, last math span; "last_number": also the last
+    number; "off") of
+    :func:`~megatron_ngrpo.rewards.extract.free_text_answer` instead of ``fallback``.
     Use as a context manager (or call :meth:`close`) to stop the workers.
     """
 
     def __init__(self, timeout_s: float = 10.0, memory_mb: int = 2048, workers: int = 4,
-                 max_response_chars: int = 200_000, fallback: bool = True, box_rule: str = "last"):
+                 max_response_chars: int = 200_000, fallback: bool = True, box_rule: str = "last",
+                 free_text: str = "off"):
         if box_rule not in BOX_RULES:
             raise ValueError(f"MathGrader box_rule {box_rule!r}: expected one of {BOX_RULES}")
+        if free_text not in FREE_TEXT_RULES:
+            raise ValueError(f"MathGrader free_text {free_text!r}: expected one of {FREE_TEXT_RULES}")
         self.max_response_chars = max_response_chars
         self.fallback = fallback
         self.box_rule = box_rule
+        self.free_text = free_text
         # math-verify's signal timeouts (whole seconds) stop the common slow cases gently,
         # before the pool has to kill and replace the worker.
         self._soft_timeout_s = max(1, int(timeout_s / 3))
@@ -51,7 +58,7 @@ class MathGrader(Closing):
                     or not all(isinstance(g, str) for g in golds)):
                 continue
             todo.append(i)
-            args.append((text, golds, self.fallback, self._soft_timeout_s, self.box_rule))
+            args.append((text, golds, self.fallback, self._soft_timeout_s, self.box_rule, self.free_text))
         for i, score in zip(todo, self._pool.map(grade_response, args, default=0.0)):
             scores[i] = score
         return scores

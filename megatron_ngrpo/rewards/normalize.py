@@ -70,6 +70,42 @@ _SLASH = re.compile(rf"^(?P<a>[+-]?{_NUM})/(?P<b>{_NUM})$")
 _MIXED = re.compile(r"^(?P<s>[+-]?)(?P<w>\d+)\\frac\{(?P<a>\d+)\}\{(?P<b>\d+)\}$")
 
 
+# Unicode math as plain-text answers write it, in LaTeX (a space ends a command before a letter).
+_UNICODE_SYMBOLS = str.maketrans({
+    "\u2212": "-", "\u2013": "-", "\u00d7": r"\times ", "\u22c5": r"\cdot ", "\u00b7": r"\cdot ",
+    "\u00f7": r"\div ", "\u03c0": r"\pi ", "\u221e": r"\infty ", "\u2264": r"\le ", "\u2265": r"\ge ",
+    "\u2260": r"\ne ", "\u00b1": r"\pm ", "\u2213": r"\mp ", "\u2248": r"\approx ", "\u2208": r"\in ",
+    "\u222a": r"\cup ", "\u2229": r"\cap ", "\u2205": r"\emptyset ", "\u03b8": r"\theta ",
+    "\u00bd": r"\frac{1}{2}", "\u2153": r"\frac{1}{3}", "\u2154": r"\frac{2}{3}", "\u00bc": r"\frac{1}{4}",
+    "\u00be": r"\frac{3}{4}",
+})
+_SUPERSCRIPTS = str.maketrans("\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077\u2078\u2079\u207b",
+                              "0123456789-")
+_SUBSCRIPTS = str.maketrans("\u2080\u2081\u2082\u2083\u2084\u2085\u2086\u2087\u2088\u2089", "0123456789")
+_SUPERSCRIPT_RUN = re.compile("[\u2070\u00b9\u00b2\u00b3\u2074-\u2079\u207b]+")
+_SUBSCRIPT_RUN = re.compile("[\u2080-\u2089]+")
+# √2, √x, √(x+1), √{..}; ∛ likewise. The argument is one number, letter or bracket group (no nesting).
+_UNICODE_ROOT = re.compile(r"([\u221a\u221b])\s*(\d+(?:\.\d+)?|[A-Za-z]|\([^()]{0,200}\)|\{[^{}]{0,200}\})")
+
+
+def unicode_to_latex(s: str) -> str:
+    """Unicode math in LaTeX: ``√2`` → ``\\sqrt{2}``, ``x²`` → ``x^{2}``, ``×``/``÷``/``·``, ``π``,
+    ``≤``/``≥``/``≠``, ``∞``, ``−`` (minus), ``½`` ... One pass per rule: linear in ``len(s)``."""
+    if s.isascii():
+        return s
+    s = _UNICODE_ROOT.sub(_root, s)
+    s = _SUPERSCRIPT_RUN.sub(lambda m: "^{" + m.group().translate(_SUPERSCRIPTS) + "}", s)
+    s = _SUBSCRIPT_RUN.sub(lambda m: "_{" + m.group().translate(_SUBSCRIPTS) + "}", s)
+    return s.translate(_UNICODE_SYMBOLS)
+
+
+def _root(m: re.Match) -> str:
+    arg = m.group(2)
+    if arg[0] in "({":
+        arg = arg[1:-1]
+    return (r"\sqrt{" if m.group(1) == "\u221a" else r"\sqrt[3]{") + arg + "}"
+
+
 def strip_math_delimiters(s: str) -> str:
     """Drops unescaped ``$`` (OlympiadBench golds are wrapped in them)."""
     return _UNESCAPED_DOLLAR.sub("", s)
