@@ -187,6 +187,9 @@ def test_torchrun_gets_one_rank_per_gpu():
     assert "--nnodes 4 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $het_group_host_1:" in het
     assert "#SBATCH hetjob" in het and "python -m megatron_ngrpo.rollout.remote.server" in het
     assert "rollout.engine=remote rollout.remote.url_dir=<NEMORUN_HOME>/experiments/" in het
+    # GPU disaggregated defaults: weights over NCCL, rollout-only GPUs at 0.9 (not the colocated 0.4)
+    assert "rollout.remote.num_servers=4 rollout.remote.weight_transfer=nccl" in het
+    assert "--gpu-memory-utilization 0.9 " in het
 
 
 # ---- a real job through NeMo-Run's LocalExecutor --------------------------------------------
