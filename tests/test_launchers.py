@@ -194,6 +194,9 @@ def test_torchrun_gets_one_rank_per_gpu():
     assert "--nnodes 4 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $het_group_host_1:" in het
     assert "#SBATCH hetjob" in het and "python -m megatron_ngrpo.rollout.remote.server" in het
     assert "rollout.engine=remote rollout.remote.url_dir=<NEMORUN_HOME>/experiments/" in het
+    # GPU disaggregated defaults: weights over NCCL, rollout-only GPUs at 0.9 (not the colocated 0.4)
+    assert "rollout.remote.num_servers=4 rollout.remote.weight_transfer=nccl" in het
+    assert "--gpu-memory-utilization 0.9 " in het
 
 
 # ---- a real job through NeMo-Run's LocalExecutor --------------------------------------------
@@ -325,3 +328,31 @@ def test_git_packaged_job_finds_what_the_recipes_need(tmp_path):
                        timeout=300, env={**env, "PYTHONPATH": str(code)})
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.strip() == str(code / "megatron_ngrpo" / "launch" / "plan.py")  # the archive's code ran
+
+
+def test_image_pins_every_package_within_setup_py():
+    """launchers/image/Dockerfile: every pip package pinned exactly, each inside setup.py's range
+    (base requirements and the vllm-gpu / launch extras)."""
+    from packaging.requirements import Requirement
+
+    text = (REPO / "launchers" / "image" / "Dockerfile").read_text()
+    install = text[text.index("RUN python -m pip install"):].split("\n\n")[0]
+    pins = [Requirement(r) for r in re.findall(r'"([^"]+)"', install)]
+    import setuptools
+
+    found = {}
+    with pytest.MonkeyPatch.context() as mp:  # setup.py's arguments, as scripts/setup.sh reads them
+        mp.setattr(setuptools, "setup", lambda **kw: found.update(kw))
+        exec(compile((REPO / "setup.py").read_text(), "setup.py", "exec"), {"__name__": "setup"})
+    ranges = {}
+    for text in [*found["install_requires"], *found["extras_require"]["vllm-gpu"], *found["extras_require"]["launch"]]:
+        req = Requirement(text)
+        ranges[req.name.lower().replace("_", "-")] = req
+    assert len(pins) >= 15
+    for pin in pins:
+        if pin.name == "leptonai":  # an upper bound only, as in setup.py's launch extra
+            continue
+        (version,) = [s.version for s in pin.specifier if s.operator == "=="]
+        req = ranges.get(pin.name.lower().replace("_", "-"))
+        assert req is not None, f"{pin.name}: not a setup.py requirement"
+        assert req.specifier.contains(version, prereleases=True), f"{pin} outside setup.py's {req}"

@@ -26,6 +26,9 @@ CONVERT_MODULE = "megatron_ngrpo.conversion"  # hf-to-megatron | megatron-to-hf 
 ROLLOUT_SERVER = "megatron_ngrpo.rollout.remote.server"
 ROLLOUT_PORT = 8000
 ROLLOUT_URL_DIR = "/nemo_run/rollout_servers"
+# A rollout-only GPU holds nothing but its vLLM engine: its KV cache takes what the node has
+# (the colocated recipes' 0.35-0.4 would leave ~2.7x less KV cache there).
+ROLLOUT_NODE_GPU_MEMORY_UTILIZATION = 0.9
 
 TASKS = ("train", "eval", "convert-hf", "convert-megatron")
 
@@ -137,8 +140,11 @@ class Recipe:
 
     def rollout_overrides(self, disaggregated: bool = False) -> list[str]:
         if disaggregated:  # the trainer finds the rollout group's servers by their registrations
+            # GPU servers: weights go from global rank 0 to every server over NCCL, not as HTTP pushes
+            # (base64 of the whole model per server per step, buffered by each worker).
+            route = ["rollout.remote.weight_transfer=nccl"] if self.gpus_per_node else []
             return ["rollout.engine=remote", f"rollout.remote.url_dir={ROLLOUT_URL_DIR}",
-                    f"rollout.remote.num_servers={self.rollout_nodes * self.rollout_servers_per_node()}"]
+                    f"rollout.remote.num_servers={self.rollout_nodes * self.rollout_servers_per_node()}", *route]
         out = [f"rollout.engine={self.rollout_engine}"]
         if self.rollout_engine == "vllm":
             out += [f"rollout.vllm.tensor_parallel={self.vllm_tensor_parallel}",
@@ -265,7 +271,8 @@ def rollout_server(recipe: Recipe, hf_path: str, extra: tuple[str, ...] = ()) ->
     argv = ("python", "-m", ROLLOUT_SERVER, "--model", hf_path, "--port", str(ROLLOUT_PORT),
             "--tensor-parallel-size", str(recipe.vllm_tensor_parallel),
             "--data-parallel-size", str(recipe.rollout_servers_per_node()),
-            "--gpu-memory-utilization", str(recipe.vllm_gpu_memory_utilization),
+            "--gpu-memory-utilization", str(ROLLOUT_NODE_GPU_MEMORY_UTILIZATION if recipe.gpus_per_node
+                                            else recipe.vllm_gpu_memory_utilization),
             "--max-model-len", str(recipe.seq_len), "--url-dir", ROLLOUT_URL_DIR, *extra)
     return TaskSpec("rollout", Command(argv, per_node=True),
                     recipe.rollout_nodes, 1, recipe.gpus_per_node)
