@@ -41,7 +41,7 @@ setup(
         "launch": ["nemo-run==0.11.1", "leptonai<0.47"],
         "te": ["transformer-engine[pytorch]"],
         # Experiment trackers (train.trackers): W&B, and MLflow (its skinny build has the client
-        # and the local file store, training/trackers.py).
+        # and the local file store, grpo/trackers.py).
         "trackers": ["wandb>=0.19", "mlflow-skinny>=2.10"],
         # ruff: .ci/run's lint and format check (ruff.toml); its formatting style changes
         # between minor versions.

@@ -1,6 +1,6 @@
 """A GRPO step on the real model with N-GRPO mixing, per neighbour lookup mode, vs plain GRPO.
 
-    OMP_NUM_THREADS=1 python bench/bench_neighbor_lookup.py [--max-seconds 600] [--modes on_demand,table]
+    OMP_NUM_THREADS=1 python -m bench.bench_neighbor_lookup [--max-seconds 600] [--modes on_demand,table]
 
 One process, built-in Megatron engine, SmolLM2-135M-Instruct (HF folder ``--model``, V = 49,152,
 d = 576, fp32), the arithmetic prompts of examples/arithmetic, 4 prompts × 4 samples, 48 new
@@ -14,7 +14,7 @@ inside the rollout), each over that step's wall time. Also the inputs of ``auto`
 (``MixingConfig.lookup_mode``) measured here: seconds per table row and per on-demand row.
 Results → bench/results/neighbor_lookup.md.
 
-    python bench/bench_neighbor_lookup.py --row-cost [--shape 152064x3584] [--device cuda]
+    python -m bench.bench_neighbor_lookup --row-cost [--shape 152064x3584] [--device cuda]
 
 The rule's constant alone: seconds per row of the whole table (``build_neighbor_table``) and per
 on-demand row at 1, 4 and 16 new anchors per search (``NeighborLookup.ensure``; the median of
@@ -31,11 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from _timing import compare  # noqa: E402
+from bench._timing import compare
 
 DEFAULT_MODEL = "/root/.cache/megatron_ngrpo/models/SmolLM2-135M-Instruct"
 
@@ -58,7 +54,7 @@ def main() -> None:
     from megatron_ngrpo.mixing.neighbors import NeighborLookup
     from megatron_ngrpo.training.job_config import load_config
     from megatron_ngrpo.training.trainer import Trainer
-    from slurm_harness import write_arithmetic_task
+    from tests.slurm_harness import write_arithmetic_task
 
     repo = Path(__file__).resolve().parents[1]
     root = Path(tempfile.mkdtemp(prefix="bench_neighbor_lookup_"))

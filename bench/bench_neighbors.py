@@ -1,6 +1,6 @@
 """Neighbour-table build vs faiss-cpu exact search (IndexFlatIP on normalised rows = cosine).
 
-    OMP_NUM_THREADS=1 python bench/bench_neighbors.py [--vocab 16384 --slice-vocab 32768 --dim 512]
+    OMP_NUM_THREADS=1 python -m bench.bench_neighbors [--vocab 16384 --slice-vocab 32768 --dim 512]
 
 Both run single-threaded on the same random fp32 matrix, timed in interleaved pairs by
 ``bench/_timing.py`` (process CPU time, median ratio over A B / B A blocks with its 95% interval,

@@ -1,7 +1,9 @@
 """Our math grader against math-verify on math-verify's own test suite (its ``tests/``, not shipped
 in its wheel and not committed here: pass the path of a checkout of huggingface/Math-Verify).
 
-    python bench/grader_vs_math_verify.py /path/to/Math-Verify [--free-text 0|1] [--show]
+    PYTHONPATH=/path/to/Math-Verify:. python -m bench.grader_vs_math_verify /path/to/Math-Verify [--free-text RULE] [--show]
+
+(its test modules are imported as ``tests.<name>`` from the checkout, hence its place on PYTHONPATH.)
 
 Every parametrised ``(gold, pred, expected)`` case of its tests is read from the test modules (the
 multiple-choice ``StringExtractionConfig`` cases are left out: that is our ``mcq`` grader's job).
@@ -35,7 +37,8 @@ _ONE_MATH_SPAN = re.compile(r"\s*(?:\$\$?[^$]*\$\$?|\\\(.*\\\)|\\\[.*\\\])\s*\.?
 
 def load_cases(checkout: Path) -> list[dict]:
     """``{"test", "gold", "pred", "expected"}`` per parametrised case of the test modules."""
-    sys.path.insert(0, str(checkout))
+    if not any(Path(p).resolve() == checkout.resolve() for p in sys.path if p):
+        raise SystemExit(f"put {checkout} first on PYTHONPATH (its tests/ are imported from there)")
     cases = []
     for name in MODULES:
         module = importlib.import_module(f"tests.{name}")

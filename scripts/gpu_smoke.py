@@ -85,8 +85,7 @@ def stage_env(args) -> list[dict]:
 def stage_task(args) -> list[dict]:
     from megatron_ngrpo.testing.tiny import write_tiny_hf
 
-    sys.path.insert(0, str(REPO / "examples" / "arithmetic"))
-    from task import write_task
+    from examples.arithmetic.task import write_task
 
     root = args.work / "task"
     shape = TASK_MODEL["cpu" if args.cpu else "gpu"]
@@ -140,7 +139,7 @@ def _train(args, engine: str) -> dict:
 
     import torch
 
-    from megatron_ngrpo.models.provider import use_te
+    from megatron_ngrpo.models.config import use_te
     from megatron_ngrpo.training.job_config import load_config
     from megatron_ngrpo.training.trainer import Trainer
 

@@ -185,10 +185,7 @@ def test_gsm8k_sources_and_held_out_set(shared_data):
 
 
 def test_chat_arithmetic_task_keeps_the_held_out_split(tmp_path):
-    import sys
-
-    sys.path.insert(0, str(REPO / "examples" / "arithmetic"))
-    from task import chat_phrasing, problems, split, write_chat_task
+    from examples.arithmetic.task import chat_phrasing, problems, split, write_chat_task
 
     counts = write_chat_task(tmp_path, seed=0)
     held = [json.loads(line) for line in (tmp_path / "heldout.jsonl").read_text().splitlines()]

@@ -1,4 +1,4 @@
-"""Experiment trackers (training/trackers.py): W&B in offline mode and MLflow with a local file store
+"""Experiment trackers (grpo/trackers.py): W&B in offline mode and MLflow with a local file store
 get the scalars metrics.jsonl gets, and a resumed run continues the same tracker runs."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 from megatron_ngrpo.config_loader import ConfigError, load
 from megatron_ngrpo.grpo.metrics import MetricsWriter
-from megatron_ngrpo.training.trackers import STEP_KEY, TrackersConfig, mlflow_key
+from megatron_ngrpo.grpo.trackers import STEP_KEY, TrackersConfig, mlflow_key
 
 pytest.importorskip("wandb")
 pytest.importorskip("mlflow")

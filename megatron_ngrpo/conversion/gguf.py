@@ -29,6 +29,7 @@ STAMP = "ngrpo_gguf.json"
 
 def dequantizable_types() -> frozenset[str]:
     """GGML tensor types ``gguf.quants.dequantize`` implements (F32, F16 and its quant traits)."""
+    # lazy: gguf is an optional dependency (the gguf extra)
     from gguf import quants  # optional dependency: only GGUF import needs it
 
     return frozenset({"F32", "F16", *(t.name for t in quants._type_traits)})
@@ -38,6 +39,7 @@ def check_gguf(path: str | Path) -> str:
     """One-line :class:`ConfigError` for a GGUF this project cannot import (unreadable,
     unsupported ``general.architecture``, a tensor type that does not dequantise); returns the
     architecture. Reads the metadata only (the file is memory-mapped; no tensor is dequantised)."""
+    # lazy: gguf is an optional dependency (the gguf extra)
     from gguf import GGUFReader  # optional dependency
 
     path = Path(path)
@@ -85,11 +87,12 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, overwrite: bool = Fa
     check_gguf(gguf_path)
     if out_dir.exists() and not overwrite:
         raise ConfigError(f"{out_dir}: exists and was not imported from {gguf_path} (pass --overwrite)")
-    # Heavy (torch, transformers): imported only when a folder is built, so a cached call is instant.
+    # lazy: torch/transformers take seconds to import; a cached folder is returned without them
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    # lazy: hf_io imports torch (same reason); this block serves only a build
     from megatron_ngrpo.architecture import ArchSpec
     from megatron_ngrpo.atomic import atomic_directory
     from megatron_ngrpo.conversion.hf_io import check_hf_folder

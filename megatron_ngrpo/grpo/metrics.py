@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.tensorboard import SummaryWriter
 
-from megatron_ngrpo.training.trackers import Trackers, TrackersConfig
+from megatron_ngrpo.grpo.trackers import Trackers, TrackersConfig
 
 
 class PhaseTimer:
@@ -72,7 +72,7 @@ def dp_max(values: dict[str, float], group=None) -> dict[str, float]:
 
 class MetricsWriter:
     """``metrics.jsonl`` (one object per step), TensorBoard scalars under ``run_dir`` and the
-    configured experiment trackers (training/trackers.py: W&B, MLflow), the same scalars in each."""
+    configured experiment trackers (grpo/trackers.py: W&B, MLflow), the same scalars in each."""
 
     def __init__(self, run_dir: str | Path, tensorboard: bool = True, trackers: TrackersConfig | None = None,
                  config: dict | None = None):

@@ -56,6 +56,7 @@ def pack(tokens: torch.Tensor, lengths: torch.Tensor, mix: MixBatch | None, mult
         kwargs["attention_mask"] = (~allowed).view(1, 1, total, total)
     elif mode == "thd":
         # Imported here: megatron-core's TE packing parameters, the GPU path only.
+        # lazy: keeps grpo.packing free of megatron-core at import (start-up); THD path only
         from megatron.core.packed_seq_params import PackedSeqParams
 
         cu = torch.zeros(len(seg_lengths) + 1, dtype=torch.int32, device=tokens.device)

@@ -29,6 +29,7 @@ class JobFiles:
 
 def train_files(configs: list[str], overrides: list[str]) -> JobFiles:
     """The training config's paths (files composed, not validated: they live on the cluster)."""
+    # lazy: training.job_config imports torch; `ngrpo-launch` stays quick for other tasks
     from megatron_ngrpo.config_loader import compose
     from megatron_ngrpo.training.job_config import NGRPOConfig
 

@@ -81,6 +81,7 @@ def needed_modules(cfg, gpus: int) -> dict[str, str]:
 
 def preflight(configs: list[str], overrides: list[str], gpus: int, world_size: int) -> str:
     """The one-line report; raises PreflightError or ConfigError."""
+    # lazy: pre-flight names a missing dependency itself before importing what needs it
     from megatron_ngrpo.training.job_config import load_config
 
     if sys.version_info < (3, 11):
@@ -88,6 +89,7 @@ def preflight(configs: list[str], overrides: list[str], gpus: int, world_size: i
     os.environ["WORLD_SIZE"] = str(world_size)  # validation at the job's world size
     cfg = load_config(configs, overrides)
     found = check_imports(needed_modules(cfg, gpus), requirements())
+    # lazy: as above (checked by check_imports first)
     import torch
 
     have = torch.cuda.device_count()

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from megatron_ngrpo.architecture import ArchSpec
-from megatron_ngrpo.config_loader import fail
+from megatron_ngrpo.config_loader import ConfigError, fail
 
 
 @dataclass
@@ -50,10 +50,8 @@ class ModelConfig:
         if self.layer_spec not in ("auto", "local", "te"):
             fail("layer_spec", self.layer_spec, "expected auto, local or te")
         if self.layer_spec != "local" and torch.cuda.is_available():
-            # provider imports this module. On a GPU it refuses auto / te without TE; a CPU host
-            # (a launcher validating a GPU job) cannot tell, the job's own validation does.
-            from megatron_ngrpo.models.provider import use_te
-
+            # On a GPU auto / te without TE is refused here; a CPU host (a launcher validating a
+            # GPU job) cannot tell, the job's own validation does.
             use_te(self)
         if self.make_vocab_size_divisible_by < 1:
             fail("make_vocab_size_divisible_by", self.make_vocab_size_divisible_by, "must be >= 1")
@@ -81,3 +79,30 @@ def real_token_count(num_real_tokens: int | None, vocab_size: int, tokenizer=Non
         fail("tokenizer", getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__,
              f"has {count} token ids, more than the model's vocab_size = {vocab_size}")
     return count
+
+
+def transformer_engine_error() -> str | None:
+    """Why Transformer Engine's PyTorch API does not import here (None: it does)."""
+    try:
+        # lazy: optional dependency probe (GPU only)
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as e:  # TE absent, its empty meta package, or its CUDA libraries missing
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
+
+
+def use_te(cfg: ModelConfig) -> bool:
+    """Whether to build with TE's layer spec. ``auto`` is TE on a GPU and the local spec on CPU; on
+    a GPU where TE does not import, ``auto`` and ``te`` stop with one line rather than fall back
+    to the (slower, unfused-attention) local spec unseen."""
+    if cfg.layer_spec == "local":
+        return False
+    if not torch.cuda.is_available():
+        if cfg.layer_spec == "te":
+            raise ConfigError("model.layer_spec = 'te': Transformer Engine's spec needs a GPU")
+        return False
+    why = transformer_engine_error()
+    if why:
+        raise ConfigError(f"model.layer_spec = {cfg.layer_spec!r}: Transformer Engine does not import on this "
+                          f"GPU machine ({why}); install it, or set model.layer_spec=local for megatron's local spec")
+    return True

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from megatron_ngrpo.architecture import ArchSpec, padded_vocab_size
 from megatron_ngrpo.config_loader import ConfigError
-from megatron_ngrpo.models.config import ModelConfig
+from megatron_ngrpo.models.config import ModelConfig, use_te
 
 
 def check_layout(spec: ArchSpec, cfg: ModelConfig) -> None:
@@ -39,33 +39,6 @@ def params_dtype(cfg: ModelConfig) -> torch.dtype:
     if cfg.dtype == "auto":
         return torch.bfloat16 if torch.cuda.is_available() else torch.float32
     return getattr(torch, cfg.dtype)
-
-
-def transformer_engine_error() -> str | None:
-    """Why Transformer Engine's PyTorch API does not import here (None: it does)."""
-    try:
-        # lazy: optional dependency probe (GPU only)
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception as e:  # TE absent, its empty meta package, or its CUDA libraries missing
-        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    return None
-
-
-def use_te(cfg: ModelConfig) -> bool:
-    """Whether to build with TE's layer spec. ``auto`` is TE on a GPU and the local spec on CPU; on
-    a GPU where TE does not import, ``auto`` and ``te`` stop with one line rather than fall back
-    to the (slower, unfused-attention) local spec unseen."""
-    if cfg.layer_spec == "local":
-        return False
-    if not torch.cuda.is_available():
-        if cfg.layer_spec == "te":
-            raise ConfigError("model.layer_spec = 'te': Transformer Engine's spec needs a GPU")
-        return False
-    why = transformer_engine_error()
-    if why:
-        raise ConfigError(f"model.layer_spec = {cfg.layer_spec!r}: Transformer Engine does not import on this "
-                          f"GPU machine ({why}); install it, or set model.layer_spec=local for megatron's local spec")
-    return True
 
 
 def transformer_config(spec: ArchSpec, cfg: ModelConfig, init_weights: bool = True):

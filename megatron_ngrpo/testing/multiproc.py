@@ -110,8 +110,6 @@ def check(results: dict[str, dict], name: str):
 def group_timeouts() -> dict[str, float]:
     """``{group description: timeout in seconds}`` of every process group of this process (every
     backend of each; a description shared by several groups names the largest timeout)."""
-    import torch.distributed as dist
-
     out: dict[str, float] = {}
     for i, group in enumerate(dist.distributed_c10d._world.pg_map):
         name = group.group_desc or f"group{i}"

@@ -12,7 +12,7 @@ from pathlib import Path
 from megatron_ngrpo.config_loader import fail
 from megatron_ngrpo.eval.config import EvalSamplingConfig
 from megatron_ngrpo.grpo.dynamic_sampling import DynamicSamplingConfig
-from megatron_ngrpo.training.trackers import TrackersConfig
+from megatron_ngrpo.grpo.trackers import TrackersConfig
 
 
 @dataclass
@@ -120,7 +120,7 @@ class TrainConfig:
     resume: bool = True
     log_every: int = 1
     tensorboard: bool = True
-    # Weights & Biases / MLflow beside metrics.jsonl and TensorBoard (training/trackers.py).
+    # Weights & Biases / MLflow beside metrics.jsonl and TensorBoard (grpo/trackers.py).
     trackers: TrackersConfig = field(default_factory=TrackersConfig)
     progress: bool = True
     # Save generations (text, reward, mixes) of every step as JSONL.

@@ -109,8 +109,6 @@ def check_device(cfg: NGRPOConfig, gpu: bool | None = None) -> None:
     or this trainer cannot run; called by the training entry point before any process group.
     Kept out of :meth:`NGRPOConfig.validate` so that ``ngrpo-launch plan`` checks GPU configs on
     a machine without GPUs."""
-    import torch
-
     gpu = torch.cuda.is_available() if gpu is None else gpu
     if cfg.model.context_parallel > 1:
         fail("model.context_parallel", cfg.model.context_parallel,

@@ -67,8 +67,8 @@ from megatron_ngrpo.grpo.mismatch import correction, mismatch_metrics, mismatch_
 from megatron_ngrpo.grpo.update import UpdateSettings, loss_and_grads, wrap_for_training
 from megatron_ngrpo.mixing.embedding import mixing_embedding
 from megatron_ngrpo.mixing.neighbors import neighbor_table_for_model
-from megatron_ngrpo.models.config import real_token_count
-from megatron_ngrpo.models.provider import build_model, params_dtype, use_te
+from megatron_ngrpo.models.config import real_token_count, use_te
+from megatron_ngrpo.models.provider import build_model, params_dtype
 from megatron_ngrpo.parallel import (
     broadcast_from_rank0,
     init_distributed,
@@ -161,6 +161,7 @@ class Trainer:
         self.metrics = MetricsWriter(self.run_dir, cfg.train.tensorboard, cfg.train.trackers,
                                      dataclasses.asdict(cfg))
         if cfg.train.async_save:
+            # lazy: megatron's async-save machinery, only with train.async_save
             from megatron.core.dist_checkpointing.strategies.async_utils import (
                 AsyncCallsQueue,
             )

@@ -499,6 +499,7 @@ class RemoteEngine(RolloutEngine):
     def _sender(self, url: str):
         """The :class:`~megatron_ngrpo.rollout.vllm.weight_transfer.WeightSender` of server ``url``
         (rank 0; built on its first sync)."""
+        # lazy: weight_transfer imports vllm (heavy), only for the gloo / nccl routes
         from megatron_ngrpo.rollout.vllm.weight_transfer import WeightSender
 
         if url not in self._senders:

@@ -564,6 +564,7 @@ class NeighborMixExtension:
                              f"{cfg.model_config.logprobs_mode!r} (the hook converts raw logits)")
         if getattr(runner, "use_async_scheduling", False):
             raise ValueError("neighbour mixing in vLLM: async scheduling must be off")
+        # lazy: vLLM's runner is imported inside vLLM's worker process (heavy)
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1Runner
 
         if not isinstance(runner, V1Runner):  # Model Runner V2 has none of the patched methods
@@ -596,6 +597,7 @@ class NeighborMixExtension:
         the next call (one per weight version). ``excluded``: ids never neighbours among the
         ``num_rows`` checkpoint rows; vLLM's padding rows beyond them are excluded too. Every TP
         rank takes the same decisions, so they search the same anchors together."""
+        # lazy: vLLM internals, resolved inside the worker
         from vllm.distributed.parallel_state import get_tp_group
         from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 

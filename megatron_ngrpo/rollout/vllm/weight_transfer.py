@@ -171,6 +171,7 @@ def _pair_group(host: str, port: int, rank: int, timeout_s: float, store=None):
 def begin_reload(model) -> None:
     """Open a sync of ``model``'s weights in buckets (vLLM's layerwise reload: each layer is
     processed once all its tensors arrived; the receiver holds a bucket, not the model)."""
+    # lazy: vLLM internals, resolved inside the worker
     from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
     initialize_layerwise_reload(model)
@@ -178,6 +179,7 @@ def begin_reload(model) -> None:
 
 def load_bucket(model, named: list[tuple[str, torch.Tensor]]) -> None:
     """Load one bucket of HF-named tensors inside :func:`begin_reload` / :func:`end_reload`."""
+    # lazy: vLLM internals, resolved inside the worker
     from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
     with disable_mtp_completeness_check():
@@ -186,6 +188,7 @@ def load_bucket(model, named: list[tuple[str, torch.Tensor]]) -> None:
 
 def end_reload(model, model_config) -> None:
     """Close the sync (layers no bucket touched get their previous weights back)."""
+    # lazy: vLLM internals, resolved inside the worker
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
     finalize_layerwise_reload(model, model_config)

@@ -67,6 +67,7 @@ class Trackers:
         name = cfg.run_name or self.run_dir.resolve().name
         self._wandb = self._mlflow = None
         if cfg.wandb:
+            # lazy: wandb is optional (the trackers extra)
             import wandb  # optional dependency (the trackers extra)
 
             self._wandb = wandb.init(project=cfg.project, name=name, dir=str(self.run_dir), mode=cfg.wandb_mode,
@@ -80,6 +81,7 @@ class Trackers:
                 # MLflow 3 keeps the file store but refuses it unless asked (maintenance mode).
                 os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
             # Optional dependency (the trackers extra).
+            # lazy: mlflow is optional (the trackers extra)
             from mlflow.tracking import MlflowClient
 
             self._mlflow = MlflowClient(uri)
@@ -96,6 +98,7 @@ class Trackers:
         if self._wandb is not None:
             self._wandb.log({STEP_KEY: step, **metrics})
         if self._mlflow is not None:
+            # lazy: mlflow is optional (the trackers extra)
             from mlflow.entities import Metric  # optional (the trackers extra)
 
             now = int(time.time() * 1000)
