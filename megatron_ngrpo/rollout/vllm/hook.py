@@ -599,7 +599,10 @@ class NeighborMixExtension:
         rank takes the same decisions, so they search the same anchors together."""
         # lazy: vLLM internals, resolved inside the worker
         from vllm.distributed.parallel_state import get_tp_group
-        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+        from vllm.model_executor.layers.vocab_parallel_embedding import (
+            ParallelLMHead,
+            VocabParallelEmbedding,
+        )
 
         want = ParallelLMHead if source == "output" else VocabParallelEmbedding
         layer = next((m for m in self.model_runner.get_model().modules()
