@@ -79,7 +79,8 @@ def test_qwen2_tokenizer():
 
 
 def test_unknown_tokenizer():
-    with pytest.raises(FileNotFoundError, match="not a known name"):
+    with pytest.raises(ConfigError, match=r"^config field 'tokenizer' = 'no-such-tokenizer': neither a known "
+                       r"tokenizer name .* nor a folder \(looked for /"):
         load_tokenizer("no-such-tokenizer")
 
 

@@ -63,7 +63,7 @@ from megatron_ngrpo.atomic import atomic_file
 from megatron_ngrpo.data.tokenizer import special_token_ids
 from megatron_ngrpo.mixing.config import MixingConfig
 from megatron_ngrpo.models.config import real_token_count
-from megatron_ngrpo.rollout.config import VLLMConfig
+from megatron_ngrpo.rollout.config import VLLMConfig, vllm_max_model_len
 from megatron_ngrpo.rollout.vllm.replicas import generate_on_replicas
 from megatron_ngrpo.rollout.types import (
     RolloutBatch,
@@ -108,7 +108,7 @@ class VLLMEngine(RolloutEngine):
         self.tokenizer = load_tokenizer(tokenizer, self.hf_path)
         self.num_real_tokens = real_token_count(num_real_tokens, self.spec.vocab_size, self.tokenizer)
         self.special_ids = special_token_ids(self.tokenizer)
-        self.max_model_len = self.cfg.max_model_len
+        self.max_model_len = vllm_max_model_len(self.cfg, self.spec.max_position_embeddings, "max_model_len")
         self.last_sync: dict = {}
         self._sources: dict[str, torch.Tensor] = {}  # HF name → current matrix for the table
         self._table_key = None
@@ -152,7 +152,7 @@ class VLLMEngine(RolloutEngine):
             skip_tokenizer_init=self.tokenizer is None,
             dtype=dtype,
             tensor_parallel_size=self.cfg.tensor_parallel,
-            max_model_len=self.cfg.max_model_len,
+            max_model_len=self.max_model_len,
             max_num_seqs=self.cfg.max_num_seqs,
             enforce_eager=self.cfg.enforce_eager,
             seed=seed,
