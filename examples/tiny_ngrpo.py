@@ -7,9 +7,9 @@
    k=3, rewards from the project's math grader (``configs/tiny_cpu.yaml``). The run starts with a
    brief supervised warm-start on the worked solutions (a model created from scratch never writes
    a gradeable answer), then N-GRPO. Metrics: ``metrics.jsonl`` + TensorBoard; checkpoints
-   resumable (re-running this script resumes the run). The launcher itself only waits for the
-   job; this script streams the job's log (progress bar with reward and KL, validation lines) to
-   the terminal while it runs; the log file stays under ``$NEMORUN_HOME/experiments``.
+   resumable (re-running this script resumes the run). The launcher shows the job's output
+   (progress bar with reward and KL, validation lines) while it runs, without torchrun's start-up
+   INFO lines; the full log stays under ``$NEMORUN_HOME/experiments``.
 3. Exports the final checkpoint to Hugging Face format (``tools/convert_megatron_to_hf.py``).
 4. Plots reward and accuracy per step (``metrics.png``) and prints the mean reward of the first
    and last 10 steps and the held-out validation scores.
@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import yaml
@@ -38,40 +36,6 @@ REPO = Path(__file__).resolve().parents[1]
 def run(cmd: list[str]) -> None:
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=REPO, check=True)
-
-
-def run_streaming_job_log(cmd: list[str], poll_s: float = 0.5) -> None:
-    """``run(cmd)`` for the NeMo-Run local launcher, echoing the new job's combined log files
-    (torchx's ``<job>/nemo_run/<app>/<role>/0/std{out,err}.log``, created after the launch) to
-    this terminal as they grow, until the launcher exits."""
-    print("+", " ".join(cmd), flush=True)
-    experiments = Path(os.environ.get("NEMORUN_HOME", Path.home() / ".nemo_run")) / "experiments"
-    start = time.time()
-    offsets: dict[Path, int] = {}
-    out = sys.stdout.buffer
-
-    def pump() -> None:
-        for log in experiments.glob("*/*/*/nemo_run/*/*/0/std*.log"):
-            try:
-                if log not in offsets and log.stat().st_mtime < start:
-                    continue  # an earlier run's log
-                with open(log, "rb") as f:
-                    f.seek(offsets.get(log, 0))
-                    chunk = f.read()
-            except OSError:
-                continue
-            offsets[log] = offsets.get(log, 0) + len(chunk)
-            if chunk:
-                out.write(chunk)
-                out.flush()
-
-    proc = subprocess.Popen(cmd, cwd=REPO)
-    while proc.poll() is None:
-        pump()
-        time.sleep(poll_s)
-    pump()
-    if proc.returncode:
-        raise subprocess.CalledProcessError(proc.returncode, cmd)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,9 +59,9 @@ def main(argv: list[str] | None = None) -> int:
         "data": {"train": [{"path": str(task_dir / "train.jsonl")}]},
         "validation": {"benchmarks": [str(task_dir / "heldout.jsonl")]},
     }))
-    run_streaming_job_log([sys.executable, "-m", "megatron_ngrpo.launch", "run", "tiny", "--executor", "local",
-                           "--config", "configs/tiny_cpu.yaml", "--config", str(paths),
-                           "--hf-path", str(task_dir / "model"), *args.overrides])
+    run([sys.executable, "-m", "megatron_ngrpo.launch", "run", "tiny", "--executor", "local",
+         "--config", "configs/tiny_cpu.yaml", "--config", str(paths),
+         "--hf-path", str(task_dir / "model"), *args.overrides])
 
     hf_out = out / "hf"
     run([sys.executable, "tools/convert_megatron_to_hf.py", "--input", str(run_dir), "--output", str(hf_out),

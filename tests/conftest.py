@@ -1,4 +1,4 @@
-"""Shared pytest fixtures: paths to the shared data and per-session tiny models."""
+"""Shared pytest fixtures: the repository's data folder and a clean process-group state."""
 
 from __future__ import annotations
 
@@ -7,9 +7,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("NGRPO_SHARED", REPO.parent / "shared"))
-DATA = SHARED / "data"
+from megatron_ngrpo.data.paths import REPO_DATA
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -17,9 +15,10 @@ _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_POR
 
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
-    if not DATA.is_dir():
-        pytest.fail(f"shared data not found at {DATA} (set NGRPO_SHARED)")
-    return DATA
+    """The data the tests read: the repository's own ``data/`` (never a folder beside it)."""
+    if not REPO_DATA.is_dir():
+        pytest.fail(f"data folder {REPO_DATA} missing from the checkout")
+    return REPO_DATA
 
 
 @pytest.fixture(scope="session")

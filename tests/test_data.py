@@ -5,9 +5,11 @@ resumable prompt batches."""
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pandas as pd
+import yaml
 import pytest
 
 from megatron_ngrpo.config_loader import ConfigError, load
@@ -26,7 +28,11 @@ from megatron_ngrpo.data import (
     load_tokenizer,
     load_train_set,
 )
-from megatron_ngrpo.data.datasets import clean_answers, dedup
+from megatron_ngrpo.data.datasets import as_source, clean_answers, dedup, resolve_source
+from megatron_ngrpo.data.paths import REPO_DATA, data_dirs, find_data
+from megatron_ngrpo.data.tokenizer import QWEN2, R1_DISTILL, tokenizer_folder
+from megatron_ngrpo.eval.config import EvalConfig
+from megatron_ngrpo.grpo.config import ValidationConfig
 from megatron_ngrpo.data.templates import (
     encode_prompt,
     math_message,
@@ -81,8 +87,66 @@ def test_qwen2_tokenizer():
 
 
 def test_unknown_tokenizer():
-    with pytest.raises(FileNotFoundError, match="not a known name"):
+    with pytest.raises(ConfigError, match=r"^config field 'tokenizer' = 'no-such-tokenizer': neither a known "
+                       r"tokenizer name .* nor a folder \(looked for /"):
         load_tokenizer("no-such-tokenizer")
+
+
+# ---- the repository's data folder ------------------------------------------------------------
+
+REPO = REPO_DATA.parent
+
+
+def _config_sources(path: Path) -> list:
+    """Data sources and benchmarks a shipped config names (training, validation or evaluation)."""
+    cfg = yaml.safe_load(path.read_text()) or {}
+    sources = list(cfg.get("data", {}).get("train", [])) + list(cfg.get("data", {}).get("decontaminate", []))
+    sources += list((cfg.get("validation") or cfg.get("eval") or {}).get("benchmarks", []))
+    sources += list(cfg.get("benchmarks", [])) + list(cfg.get("extra_benchmarks", []))
+    return [s if isinstance(s, str) else SourceConfig(**s) for s in sources]
+
+
+def test_every_data_path_lies_inside_the_repository(monkeypatch):
+    """A fresh clone needs nothing beside it: without NGRPO_SHARED, every registry file, shipped
+    tokenizer, default source and every source of the shipped configs resolves inside the
+    repository (the configs' runs/ paths are written by the project), and git ignores none of data/."""
+    monkeypatch.delenv("NGRPO_SHARED", raising=False)
+    monkeypatch.chdir(REPO)
+    assert data_dirs() == [REPO_DATA]
+    names = (list(REGISTRY) + [s.name for s in DataConfig().train] + DataConfig().decontaminate
+             + ValidationConfig().benchmarks + EvalConfig().benchmarks)
+    for name in names:
+        path = Path(resolve_source(name).path)
+        assert path.is_file() and path.is_relative_to(REPO_DATA), (name, path)
+    for name in (R1_DISTILL, QWEN2):
+        assert tokenizer_folder(name).is_relative_to(REPO_DATA)
+    assert (REPO_DATA / "gsm8k" / "train.jsonl").is_file() and (REPO_DATA / "gsm8k" / "test.jsonl").is_file()
+    configs = sorted((REPO / "configs").rglob("*.yaml"))
+    assert len(configs) >= 7
+    seen = 0
+    for config in configs:
+        for source in _config_sources(config):
+            path = Path(resolve_source(as_source(source)).path)
+            assert path.resolve().is_relative_to(REPO), (config.name, source, path)
+            seen += 1
+        tokenizer = (yaml.safe_load(config.read_text()) or {}).get("tokenizer")
+        if tokenizer in (R1_DISTILL, QWEN2):
+            assert tokenizer_folder(tokenizer).is_relative_to(REPO_DATA)
+    assert seen >= 10
+    ignored = subprocess.run(["git", "status", "--porcelain", "--ignored", "data"], cwd=REPO, capture_output=True,
+                             text=True, check=True).stdout
+    assert "!!" not in ignored, ignored
+
+
+def test_shared_folder_is_an_optional_extra(monkeypatch, tmp_path):
+    extra = tmp_path / "data" / "eval" / "mine.jsonl"
+    extra.parent.mkdir(parents=True)
+    extra.write_text('{"problem": "1+1", "answer": "2"}\n')
+    monkeypatch.setenv("NGRPO_SHARED", str(tmp_path))
+    assert data_dirs() == [REPO_DATA, tmp_path / "data"]
+    assert find_data("eval/mine.jsonl") == extra
+    assert find_data("eval/amc23/amc23.jsonl") == REPO_DATA / "eval/amc23/amc23.jsonl"  # the repository's first
+    assert load_source(SourceConfig(path="eval/mine.jsonl"))[0][0].answers == ("2",)
 
 
 # ---- templates ------------------------------------------------------------------------------

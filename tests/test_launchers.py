@@ -27,6 +27,7 @@ from slurm_harness import (
 
 from megatron_ngrpo.config_loader import ConfigError
 from megatron_ngrpo.launch import cli, job_files, memory, recipes
+from megatron_ngrpo.launch.experiment import TORCHRUN_INFO, QuietLog
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -228,6 +229,32 @@ def test_local_torchrun_job(local_runs):
     spec = recipes.get("tiny").spec
     assert result["params"] == memory.stage_params(spec, 2, 1, 0)
     assert abs(result["loss"] - math.log(spec.vocab_size)) < 0.5  # random init: ≈ ln V
+    # The job's output follows in the terminal, torchrun's INFO lines only in its log file.
+    assert "SMOKE loss=" in out
+    assert not [line for line in out.splitlines() if TORCHRUN_INFO.match(line.encode())]
+    stderr_log = next(f for f in tmp.rglob("nemo_run/*/*/0/stderr.log") if "local-ok" in str(f))
+    assert sum(bool(TORCHRUN_INFO.match(line)) for line in stderr_log.read_bytes().splitlines()) > 10
+
+
+def test_quiet_log_drops_torchrun_info_lines_in_any_chunking():
+    """QuietLog on a torchrun log fed in chunks split at every offset: INFO lines (glog format,
+    torch.distributed.elastic) go, the rest comes through whole, a progress bar's partial line at
+    once."""
+    info = [b"I1126 17:29:15.097000 9791 site-packages/torch/distributed/launcher/api.py:254] "
+            b"Starting elastic_operator with launch configs:",
+            b"I1126 17:29:15.097000 9791 site-packages/torch/distributed/launcher/api.py:254]   nproc_per_node : 2",
+            b"I1126 17:29:15.174000 9791 site-packages/torch/distributed/elastic/agent/server/api.py:553] "]
+    kept = [b"W1126 17:29:15.000000 9791 site-packages/torch/distributed/run.py:803] a warning stays",
+            b"[default0]:train:  10%|#   | 1/10 [00:01<00:09, reward=0.31 kl=0.00]",
+            b"Iteration 5 ] not torchrun", b"I like lines that start with I"]
+    log = b"\n".join([info[0], kept[0], info[1], kept[1], info[2], kept[2], kept[3]]) + b"\n"
+    expected = b"\n".join(kept) + b"\n"
+    for cut in range(len(log)):
+        quiet = QuietLog()
+        assert quiet.feed(log[:cut]) + quiet.feed(log[cut:]) + quiet.flush() == expected, cut
+    quiet = QuietLog()  # a progress bar redraw (no newline) is not held back
+    assert quiet.feed(b"\rtrain:  20%|##  | 2/10") == b"\rtrain:  20%|##  | 2/10"
+    assert quiet.feed(info[1][:30]) == b"" and quiet.feed(info[1][30:] + b"\n") == b""
 
 
 def test_local_failure_exits_nonzero(local_runs):

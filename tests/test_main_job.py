@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from megatron_ngrpo.launch.experiment import TORCHRUN_INFO
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -52,6 +54,8 @@ def test_writes_metrics_checkpoint_export_and_plot(demo):
     assert summary["validation"] == {"2": rows[-1]["val/mean@4"]}
     # The job's progress bar is streamed to the terminal while it runs (not just "Waiting ...").
     assert "train:" in first.stdout and "reward=" in first.stdout
+    # ... without torchrun's start-up INFO lines (they stay in the job's log file).
+    assert not [line for line in first.stdout.splitlines() if TORCHRUN_INFO.match(line.encode())]
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert (run_dir / "latest").read_text().strip() == "iter_0000002"
     assert (run_dir / "iter_0000002" / "megatron_ngrpo.json").is_file()

@@ -51,7 +51,18 @@ ERRORS = [
     (["train.load=''"], 1, "has no *.safetensors"),
     (["tokenizer=/nonexistent/tok"], 1, "'tokenizer' = '/nonexistent/tok'"),
     (["data.train=[{path: /nonexistent/x.jsonl}]"], 1, "'data.train[0].path' = '/nonexistent/x.jsonl': file not found"),
-    (["model.hf_path=/nonexistent"], 1, "'model.hf_path' = '/nonexistent': no config.json"),
+    (["model.hf_path=/nonexistent"], 1, "'model.hf_path' = '/nonexistent': no config.json in this directory "
+     "(looked for /nonexistent/config.json)"),
+    (["tokenizer=no-such-name"], 1, "'tokenizer' = 'no-such-name': neither a known tokenizer name "
+     "(deepseek-r1-distill-qwen, qwen2) nor a folder (looked for /"),
+    (["tokenizer=''"], 1, "'tokenizer' = '': empty means the tokenizer of the model folder, but "),
+    (["data.train=[{path: no/such.jsonl}]"], 1, "'data.train[0].path' = 'no/such.jsonl': file not found (looked for "
+     f"{REPO / 'no/such.jsonl'}, {REPO / 'data/no/such.jsonl'})"),
+    (["validation.every=5", "validation.benchmarks=[/no/such.jsonl]"], 1,
+     "'validation.benchmarks[0]' = '/no/such.jsonl': file not found (looked for /no/such.jsonl)"),
+    # The arithmetic model's positions: 64 (vLLM's own error is a pydantic traceback on every rank).
+    (["rollout.engine=vllm", "rollout.vllm.max_model_len=4096"], 1,
+     "'rollout.vllm.max_model_len' = 4096: above the model's max_position_embeddings 64"),
     (["grpo.loss_agg=mean"], 1, "'grpo.loss_agg' = 'mean'"),
     (["train.pack_sequences=true", "model.pipeline_parallel=2"], 2, "'train.pack_sequences' = True: needs model.pipeline_parallel = 1"),
     (["train.async_save=true", "train.async.max_staleness=1"], 1, "'train.async_save' = True: forks a writer"),
@@ -114,6 +125,42 @@ def test_tiny_config_is_valid_and_main_exits_2_on_errors(task, monkeypatch, caps
     assert main(["--config", str(TINY), "--config", str(task / "paths.yaml"), "grpo.kl_estimator=k9"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: config field 'grpo.kl_estimator' = 'k9'") and "\n" not in err
+
+
+def test_vllm_max_model_len_defaults_to_the_models_limit(task, monkeypatch):
+    from megatron_ngrpo.rollout.config import vllm_max_model_len
+
+    cfg = _cfg(task, "rollout.engine=vllm", monkeypatch=monkeypatch)
+    assert cfg.rollout.vllm.max_model_len == 0
+    assert vllm_max_model_len(cfg.rollout.vllm, 64) == 64 and vllm_max_model_len(cfg.rollout.vllm, 10**5) == 4096
+
+
+def test_model_folder_tokenizer_is_the_default(task, monkeypatch, tmp_path):
+    """tokenizer '' (the default) = the model folder's own tokenizer and chat template; a model
+    folder holding only the R1-Distill parts gets the recipe's rebuild."""
+    import shutil
+
+    from megatron_ngrpo.data.paths import REPO_DATA
+    from megatron_ngrpo.data.tokenizer import load_tokenizer
+    from megatron_ngrpo.training.job_config import NGRPOConfig
+
+    assert NGRPOConfig.tokenizer == ""
+    model = shutil.copytree(task / "model", tmp_path / "model")
+    template = "{% for m in messages %}Q: {{ m['content'] }}\n{% endfor %}A:"
+    own = load_tokenizer(task / "tokenizer")
+    own.chat_template = template
+    own.save_pretrained(model)
+    cfg = _cfg(task, "tokenizer=''", f"model.hf_path={model}", monkeypatch=monkeypatch)
+    tok = load_tokenizer(cfg.tokenizer, cfg.model.hf_path)
+    assert len(tok) == len(own) < 100 and tok("max(1,2)=").input_ids == own("max(1,2)=").input_ids
+    assert tok.apply_chat_template([{"role": "user", "content": "max(1,2)="}], tokenize=False) == "Q: max(1,2)=\nA:"
+    # A named tokenizer still wins over the folder's.
+    assert len(load_tokenizer("qwen2", model)) == 151646
+    r1_model = shutil.copytree(REPO_DATA / "tokenizers" / "deepseek-r1-distill-qwen", tmp_path / "r1")
+    r1 = load_tokenizer("", r1_model)
+    assert len(r1) == 151665 and r1.bos_token_id == 151646
+    assert r1.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True,
+                                  tokenize=False) == "<｜begin▁of▁sentence｜><｜User｜>x<｜Assistant｜>"
 
 
 def test_old_eval_section_is_read_as_validation(task, monkeypatch, capsys, tmp_path):

@@ -1,5 +1,5 @@
 """Data: tokenizers (offline R1-Distill rebuild), prompt templates, problem sources with answer
-clean-up and row validation, the registry of shared/data files, resumable prompt batches."""
+clean-up and row validation, the registry of data/ files, resumable prompt batches."""
 
 from megatron_ngrpo.data.batches import PromptBatches
 from megatron_ngrpo.data.config import DataConfig, SourceConfig

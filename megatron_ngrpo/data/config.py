@@ -20,7 +20,7 @@ class SourceConfig:
     """
 
     name: str = ""
-    # Local .json/.jsonl/.parquet (relative: to the working directory, else the shared data folder), else a hub
+    # Local .json/.jsonl/.parquet (relative: to the working directory, else the data folder, megatron_ngrpo/data/paths.py), else a hub
     # dataset name loaded with `datasets.load_dataset(path, split=split)`.
     path: str = ""
     split: str = "train"
@@ -61,7 +61,7 @@ def validate_sources(sources: list[SourceConfig], name: str) -> None:
 
 def _default_train() -> list[SourceConfig]:
     # DeepScaleR-Preview is not obtainable here; its AIME part + MATH levels 3-5 + MATH train
-    # are the best stand-ins (shared/data/README.md), deduplicated.
+    # are the best stand-ins (data/README.md), deduplicated.
     return [SourceConfig(name="deepscaler_aime"), SourceConfig(name="simplerl_math_lv3to5"),
             SourceConfig(name="deepscaler_math_train")]
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from megatron_ngrpo.config_loader import ConfigError
 from megatron_ngrpo.data.config import DataConfig, SourceConfig
-from megatron_ngrpo.data.paths import shared_data_dir
+from megatron_ngrpo.data.paths import find_data, searched
 from megatron_ngrpo.data.templates import (
     TRAIN_INSTRUCTION,
     TemplateConfig,
@@ -35,7 +35,7 @@ class DataError(ConfigError):
     """Unusable data (one line: file, rows, reason)."""
 
 
-# Every file in shared/data (README tables). Paths are relative to the shared data folder.
+# Every file of the repository's data/ (data/README.md tables). Paths are relative to the data folder.
 REGISTRY: dict[str, SourceConfig] = {
     # --- evaluation ---
     "aime24": SourceConfig(path="eval/deepscaler/aime24.json", integer_answers=True),
@@ -119,11 +119,32 @@ def resolve_source(source: SourceConfig | str) -> SourceConfig:
     resolved = SourceConfig(**merged)
     resolved.name = resolved.name or Path(resolved.path).stem
     local = Path(resolved.path)
-    if not local.exists() and not local.is_absolute() and (shared_data_dir() / local).exists():
-        local = shared_data_dir() / local
+    if not local.exists() and not local.is_absolute():
+        local = find_data(local) or local
     if local.exists():
         resolved.path = str(local.resolve())
     return resolved
+
+
+def as_source(name: SourceConfig | str) -> SourceConfig:
+    """A benchmark entry as a source: a string with a file suffix is a path, else a registry name."""
+    if isinstance(name, SourceConfig):
+        return name
+    return SourceConfig(path=name) if Path(name).suffix else SourceConfig(name=name)
+
+
+def require_local_files(sources: Sequence[SourceConfig | str], field: str) -> None:
+    """Each source that names a local file (.json/.jsonl/.parquet) has it; hub datasets are
+    checked when they load. A one-line ConfigError names ``field[i]``, the value and where it was
+    looked for."""
+    for i, source in enumerate(sources):
+        resolved = resolve_source(as_source(source))
+        path = Path(resolved.path)
+        if path.suffix in (".json", ".jsonl", ".parquet") and not path.is_file():
+            name = f"{field}[{i}]" + ("" if isinstance(source, str) or not source.path else ".path")
+            value = source if isinstance(source, str) else source.path or source.name
+            where = str(path) if path.is_absolute() else f"{Path.cwd() / path}, {searched(path)}"
+            raise ConfigError(f"config field '{name}' = {value!r}: file not found (looked for {where})")
 
 
 def _unset(value) -> bool:

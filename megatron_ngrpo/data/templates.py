@@ -7,7 +7,7 @@ User message = problem, a space, the instruction; no system prompt. Kinds:
   makes the prompt end in ``<｜Assistant｜><think>\\n``, as the later revision of the template on
   the model hub does, as DeepSeek recommends, and as the paper's App. A shows (``<think>``
   appended "consistent with the model's default settings"). ``think = "original"`` keeps the
-  early-2025 revision in shared/data (prompt ends at ``<｜Assistant｜>``; the model usually opens
+  early-2025 revision in data/tokenizers (prompt ends at ``<｜Assistant｜>``; the model usually opens
   ``<think>`` itself, but may skip thinking).
 - ``chat``: the tokenizer's own chat template, unchanged (instruct models other than R1).
 - ``plain``: no chat template: the message and a newline (base models without one).

@@ -2,7 +2,7 @@
 
 The R1-Distill ``tokenizer.json`` is not available here, and its ``tokenizer_config.json`` names
 ``LlamaTokenizerFast``, so ``AutoTokenizer`` on that folder silently builds a broken 3-token
-tokenizer. :func:`build_r1_distill_tokenizer` follows shared/data/README.md's tested recipe
+tokenizer. :func:`build_r1_distill_tokenizer` follows data/README.md's tested recipe
 instead (Qwen2 byte-level BPE + the 22 added tokens + bos post-processor + the chat template).
 """
 
@@ -12,7 +12,8 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from megatron_ngrpo.data.paths import shared_data_dir
+from megatron_ngrpo.config_loader import ConfigError
+from megatron_ngrpo.data.paths import find_data, searched
 
 R1_DISTILL = "deepseek-r1-distill-qwen"
 QWEN2 = "qwen2"
@@ -33,6 +34,8 @@ R1_ADDED_TOKENS = (
     ("<|repo_name|>", False), ("<|file_sep|>", False),
 )
 FIRST_ADDED_ID = 151643
+# Any of these makes a folder a tokenizer folder (AutoTokenizer or the BPE-parts recipes).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
 BOS_ID = 151646
 
 
@@ -125,24 +128,40 @@ def _parts_kind(folder: Path) -> str | None:
     return "qwen2" if config.get("tokenizer_class") == "Qwen2Tokenizer" else None
 
 
-def load_tokenizer(name_or_path: str | Path):
-    """A tokenizer by name or folder.
-
-    Names: ``deepseek-r1-distill-qwen`` and ``qwen2`` (the shared data's tokenizers folder).
-    Folders: R1-Distill parts without ``tokenizer.json`` are rebuilt by the recipe; anything
-    else goes to ``AutoTokenizer`` (a full HF model or tokenizer folder).
-    """
-    name = str(name_or_path)
-    shared = shared_data_dir() / "tokenizers"
+def tokenizer_folder(name_or_path: str | Path, model_path: str | Path | None = None,
+                     field: str = "tokenizer") -> Path:
+    """The folder a tokenizer setting names: empty = the model folder's own tokenizer
+    (``model_path``); ``deepseek-r1-distill-qwen`` / ``qwen2`` = the repository's data/tokenizers
+    copies; else a folder. Raises a one-line :class:`ConfigError` naming ``field``, the value and
+    where it was looked for."""
+    name = str(name_or_path or "")
+    if not name:
+        folder = Path(model_path or "")
+        if not model_path or not any((folder / f).is_file() for f in TOKENIZER_FILES):
+            raise ConfigError(f"config field {field!r} = '': empty means the tokenizer of the model folder, "
+                              f"but {folder} has none of {', '.join(TOKENIZER_FILES)}; name a tokenizer "
+                              f"({R1_DISTILL}, {QWEN2}) or a folder")
+        return folder
     if name in (R1_DISTILL, QWEN2):
-        folder = shared / name
-        if not folder.is_dir():
-            raise FileNotFoundError(f"tokenizer {name!r}: folder {folder} not found (set NGRPO_SHARED)")
-        return build_r1_distill_tokenizer(folder) if name == R1_DISTILL else load_qwen2_tokenizer(folder)
-    folder = Path(name)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"tokenizer {name!r}: not a known name ({R1_DISTILL}, {QWEN2}) "
-                                f"nor a folder")
+        folder = find_data(Path("tokenizers") / name)
+        if folder is None:
+            raise ConfigError(f"config field {field!r} = {name!r}: tokenizer folder not found "
+                              f"(looked in {searched(Path('tokenizers') / name)})")
+        return folder
+    if not Path(name).is_dir():
+        raise ConfigError(f"config field {field!r} = {name!r}: neither a known tokenizer name "
+                          f"({R1_DISTILL}, {QWEN2}) nor a folder (looked for {Path(name).resolve()})")
+    return Path(name)
+
+
+def load_tokenizer(name_or_path: str | Path, model_path: str | Path | None = None):
+    """A tokenizer by name or folder (:func:`tokenizer_folder`; empty = ``model_path``'s own).
+
+    R1-Distill parts without ``tokenizer.json`` (the shipped copy, or a model folder carrying only
+    those) are rebuilt by the recipe, the shipped Qwen2 parts likewise; anything else goes to
+    ``AutoTokenizer`` (a full HF model or tokenizer folder, its chat template included).
+    """
+    folder = tokenizer_folder(name_or_path, model_path)
     kind = _parts_kind(folder)
     if kind == "r1":
         return build_r1_distill_tokenizer(folder)

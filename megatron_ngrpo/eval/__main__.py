@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             # lazy: optional dependency probe
             from megatron_ngrpo.rollout.types import SamplingParams
 
-            tokenizer = load_tokenizer(cfg.tokenizer)
+            tokenizer = load_tokenizer(cfg.tokenizer, cfg.model.hf_path)
             benchmarks = load_benchmarks(list(cfg.benchmarks) + list(cfg.extra_benchmarks), cfg.limit)
             init_distributed(cfg.dist_timeout_s)
             chunks = build_policy(cfg.model, cfg.checkpoint)

@@ -5,12 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron_ngrpo.config_loader import fail, launch_world_size
+from megatron_ngrpo.architecture import ArchSpec
 from megatron_ngrpo.data.config import SourceConfig, validate_sources
+from megatron_ngrpo.data.datasets import require_local_files
 from megatron_ngrpo.data.templates import TemplateConfig
+from megatron_ngrpo.data.tokenizer import tokenizer_folder
 from megatron_ngrpo.mixing.config import MixingConfig
 from megatron_ngrpo.models.config import ModelConfig
 from megatron_ngrpo.rewards.config import RewardConfig
-from megatron_ngrpo.rollout.config import RolloutConfig, check_vllm_layout
+from megatron_ngrpo.rollout.config import RolloutConfig, check_vllm_layout, vllm_max_model_len
 from megatron_ngrpo.rollout.types import SamplingFields, SamplingParams
 
 
@@ -38,7 +41,8 @@ class EvalConfig:
     extra_benchmarks: list[SourceConfig] = field(default_factory=list)
     # First `limit` problems of each benchmark (0 = all), for smoke runs.
     limit: int = 0
-    tokenizer: str = "deepseek-r1-distill-qwen"
+    # "" = the model folder's own tokenizer (model.hf_path); else a name or folder (as in training).
+    tokenizer: str = ""
     # Policy architecture (HF config dir) and layout; required unless `regrade` is set.
     model: ModelConfig | None = None
     # Megatron checkpoint directory (engine megatron); "" = the HF weights in model.hf_path.
@@ -79,3 +83,9 @@ class EvalConfig:
             if getattr(self, name) < 1:
                 fail(name, getattr(self, name), "must be >= 1")
         check_vllm_layout(self.rollout, launch_world_size())
+        require_local_files(self.benchmarks, "benchmarks")
+        require_local_files(self.extra_benchmarks, "extra_benchmarks")
+        if self.model is not None and not self.regrade:
+            tokenizer_folder(self.tokenizer, self.model.hf_path)
+            if self.rollout.engine == "vllm":
+                vllm_max_model_len(self.rollout.vllm, ArchSpec.from_hf(self.model.hf_path).max_position_embeddings)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from megatron_ngrpo.data.config import SourceConfig
-from megatron_ngrpo.data.datasets import Problem, load_source
+from megatron_ngrpo.data.datasets import Problem, as_source, load_source
 from megatron_ngrpo.data.templates import (
     EVAL_INSTRUCTION,
     MCQ_INSTRUCTION,
@@ -68,9 +68,7 @@ def load_benchmarks(names: Sequence[str | SourceConfig], limit: int = 0, cache_d
     Evaluation files must be clean (``max_bad_fraction`` 0 by default)."""
     benchmarks = []
     for name in names:
-        source = name if isinstance(name, SourceConfig) else (
-            SourceConfig(path=name) if Path(name).suffix else SourceConfig(name=name))
-        problems, _ = load_source(source, max_bad_fraction=max_bad_fraction, cache_dir=cache_dir)
+        problems, _ = load_source(as_source(name), max_bad_fraction=max_bad_fraction, cache_dir=cache_dir)
         benchmarks.append(Benchmark(problems[0].source if problems else str(name),
                                     problems[:limit] if limit else problems))
     return benchmarks

@@ -9,7 +9,8 @@
     ngrpo-launch logs EXPERIMENT [--job NAME]
     ngrpo-launch cancel EXPERIMENT
 
-``run`` waits for the jobs (unless ``--detach``) and exits 1 when one did not succeed; ``status``
+``run`` waits for the jobs (unless ``--detach``) and exits 1 when one did not succeed; a local
+job's output follows in the terminal meanwhile (torchrun's INFO lines stay in its log files); ``status``
 exits 1 when a job failed (or, with ``--wait``, did not succeed); ``plan`` exits 1 with a
 one-line reason when the layout cannot be built or does not fit an 80 GB H100. Bad input exits 2
 with a one-line error. Experiments live under $NEMORUN_HOME (default ~/.nemo_run).
@@ -232,7 +233,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         for name, script in experiment.dryrun(plan).items():
             print(f"# ---- {name} ----\n{script}")
         return 0
-    exp_id, status = experiment.submit(plan, wait=not args.detach)
+    # Local jobs: their output (progress bar, summary) follows in this terminal, quietly.
+    exp_id, status = experiment.submit(plan, wait=not args.detach, follow=sys.stdout.buffer)
     _print_status(exp_id, status)
     if args.detach:
         print(f"submitted; follow with: ngrpo-launch status {exp_id} --wait")

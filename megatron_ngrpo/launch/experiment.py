@@ -6,10 +6,13 @@ check :func:`failed` on the statuses returned here.
 
 from __future__ import annotations
 
+import re
 import shutil
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import BinaryIO
 
 import nemo_run as run
 
@@ -145,15 +148,23 @@ def dryrun(plan: Plan) -> dict[str, str]:
     return out
 
 
-def submit(plan: Plan, wait: bool = True) -> tuple[str, dict[str, JobStatus]]:
+def submit(plan: Plan, wait: bool = True, follow: BinaryIO | None = None) -> tuple[str, dict[str, JobStatus]]:
     """Submit the plan; with ``wait`` block until every job ends. Returns the experiment id and
-    each job's status."""
+    each job's status. ``follow``: local jobs' logs are copied there as they grow, without
+    torchrun's INFO lines (:class:`QuietLog`; the files keep them)."""
     plan, _ = stage_configs(plan)
-    with run.Experiment(plan.title, log_level="WARN", enable_goodbye_message=False) as exp:
-        _add(exp, plan)
-        # Slurm: submit only, then poll below (NeMo-Run's own wait leaves a job group's status
-        # UNKNOWN in this process). Local jobs cannot detach: this blocks until they end.
-        exp.run(detach=True)
+    follower = None
+    try:
+        with run.Experiment(plan.title, log_level="WARN", enable_goodbye_message=False) as exp:
+            _add(exp, plan)
+            if follow and plan.executor == "local":
+                follower = LogFollower(Path(exp._exp_dir), follow)
+            # Slurm: submit only, then poll below (NeMo-Run's own wait leaves a job group's status
+            # UNKNOWN in this process). Local jobs cannot detach: leaving the block waits for them.
+            exp.run(detach=True)
+    finally:
+        if follower:
+            follower.stop()
     if plan.executor == "local":  # only the launching process knows local jobs' status
         return exp._id, statuses(exp)
     exp = load(exp._id)
@@ -212,3 +223,71 @@ def log_files(exp: run.Experiment, job: str | None = None) -> list[Path]:
         files += sorted(job_dir.glob("nemo_run/*/*/*/stdout.log"))
         files += sorted(job_dir.glob("nemo_run/*/*/*/stderr.log"))
     return files
+
+
+# torchrun's own INFO lines (torch.distributed.elastic, glog format), e.g.
+# "I1126 17:29:15.097000 9791 site-packages/torch/distributed/launcher/api.py:254] Starting ...".
+TORCHRUN_INFO = re.compile(rb"I\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\] ")
+
+
+class QuietLog:
+    """A growing log, fed in arbitrary chunks, less torchrun's INFO lines. Everything else passes
+    at once, partial lines included (progress bars redraw with carriage returns, no newline); a
+    partial line that may still become an INFO line waits for its end."""
+
+    def __init__(self) -> None:
+        self._pending = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        *lines, last = (self._pending + chunk).split(b"\n")
+        out = [line + b"\n" for line in lines if not TORCHRUN_INFO.match(line)]
+        self._pending = last if self._may_be_info(last) else b""
+        return b"".join(out) + (b"" if self._pending else last)
+
+    def flush(self) -> bytes:
+        rest, self._pending = self._pending, b""
+        return b"" if TORCHRUN_INFO.match(rest) else rest
+
+    @staticmethod
+    def _may_be_info(partial: bytes) -> bool:
+        if TORCHRUN_INFO.match(partial):
+            return True
+        # A prefix of the pattern: its header is at most a few hundred bytes, without "] ".
+        return partial[:1] == b"I" and b"] " not in partial and len(partial) < 512
+
+
+class LogFollower:
+    """Copies a local experiment's job logs (torchx's ``<job>/nemo_run/<app>/<role>/0/std*.log``,
+    created after the launch) to ``out`` as they grow, through :class:`QuietLog`, on a thread
+    until :meth:`stop`."""
+
+    def __init__(self, exp_dir: Path, out: BinaryIO, poll_s: float = 0.5):
+        self.exp_dir, self.out, self.poll_s = exp_dir, out, poll_s
+        self._files: dict[Path, tuple[int, QuietLog]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="log-follower", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self.pump()
+
+    def pump(self, final: bool = False) -> None:
+        for log in sorted(self.exp_dir.glob("*/nemo_run/*/*/0/std*.log")):
+            offset, quiet = self._files.get(log, (0, QuietLog()))
+            try:
+                with open(log, "rb") as f:
+                    f.seek(offset)
+                    chunk = f.read()
+            except OSError:
+                continue
+            self._files[log] = (offset + len(chunk), quiet)
+            text = quiet.feed(chunk) + (quiet.flush() if final else b"")
+            if text:
+                self.out.write(text)
+                self.out.flush()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.pump(final=True)

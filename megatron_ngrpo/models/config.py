@@ -40,7 +40,8 @@ class ModelConfig:
         if not self.hf_path:
             fail("hf_path", self.hf_path, "required: a directory with a Hugging Face config.json")
         if not (Path(self.hf_path) / "config.json").is_file():
-            fail("hf_path", self.hf_path, "no config.json in this directory")
+            fail("hf_path", self.hf_path, f"no config.json in this directory (looked for "
+                 f"{(Path(self.hf_path) / 'config.json').resolve()})")
         if self.context_parallel < 1:
             fail("context_parallel", self.context_parallel, "must be >= 1")
         if self.tensor_parallel < 1 or self.pipeline_parallel < 1:

@@ -8,6 +8,8 @@ from enum import StrEnum
 from megatron_ngrpo.config_loader import fail
 from megatron_ngrpo.rollout.types import SamplingParams
 
+DEFAULT_MAX_MODEL_LEN = 4096
+
 
 class EngineName(StrEnum):
     """The rollout engines (``rollout.engine``; rollout/factory.py builds each)."""
@@ -23,7 +25,9 @@ class VLLMConfig:
 
     tensor_parallel: int = 1
     dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
-    max_model_len: int = 4096
+    # Longest prompt + response (tokens); 0 = the model's max_position_embeddings, at most
+    # DEFAULT_MAX_MODEL_LEN (vllm_max_model_len).
+    max_model_len: int = 0
     gpu_memory_utilization: float = 0.6
     # On CPU the memory fraction is applied to node RAM: give the KV cache in bytes instead.
     kv_cache_memory_bytes: int = 512 * 2**20
@@ -55,8 +59,9 @@ class VLLMConfig:
             fail("tensor_parallel", self.tensor_parallel, "must be >= 1")
         if not 0 < self.gpu_memory_utilization <= 1:
             fail("gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")
-        if self.max_model_len < 1:
-            fail("max_model_len", self.max_model_len, "must be >= 1")
+        if self.max_model_len < 0:
+            fail("max_model_len", self.max_model_len, "must be >= 0 (0 = the model's limit, at most "
+                 f"{DEFAULT_MAX_MODEL_LEN})")
         if self.sleep_level not in (0, 1, 2):
             fail("sleep_level", self.sleep_level, "expected 0, 1 or 2")
         if self.weight_transfer == "nccl_m2n":
@@ -174,3 +179,15 @@ def check_vllm_layout(rollout: RolloutConfig, world_size: int) -> None:
     if world_size > 1 and not rollout.vllm.in_process:
         fail("rollout.vllm.in_process", rollout.vllm.in_process,
              "colocated vLLM in a multi-rank job runs in-process (one worker per rank)")
+
+
+def vllm_max_model_len(cfg: VLLMConfig, max_positions: int, field: str = "rollout.vllm.max_model_len") -> int:
+    """The engine's max_model_len: ``cfg.max_model_len``, or for 0 the model's
+    ``max_position_embeddings`` capped at :data:`DEFAULT_MAX_MODEL_LEN`. A length beyond the
+    model's positions is a one-line ConfigError here, not vLLM's pydantic traceback on every rank."""
+    if not cfg.max_model_len:
+        return min(DEFAULT_MAX_MODEL_LEN, max_positions)
+    if cfg.max_model_len > max_positions:
+        fail(field, cfg.max_model_len, f"above the model's max_position_embeddings {max_positions} "
+             f"(config.json); set at most {max_positions}, or 0 for that")
+    return cfg.max_model_len

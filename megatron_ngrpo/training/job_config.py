@@ -16,14 +16,14 @@ from megatron_ngrpo.architecture import ArchSpec
 from megatron_ngrpo.config_loader import ConfigError, fail, launch_world_size, load
 from megatron_ngrpo.conversion.hf_io import check_hf_folder
 from megatron_ngrpo.data.config import DataConfig
-from megatron_ngrpo.data.datasets import resolve_source
-from megatron_ngrpo.data.paths import shared_data_dir
+from megatron_ngrpo.data.datasets import require_local_files
+from megatron_ngrpo.data.tokenizer import tokenizer_folder
 from megatron_ngrpo.grpo.config import GRPOConfig
 from megatron_ngrpo.mixing.config import MixingConfig
 from megatron_ngrpo.models.config import ModelConfig
 from megatron_ngrpo.models.provider import check_layout
 from megatron_ngrpo.rewards.config import RewardConfig
-from megatron_ngrpo.rollout.config import RolloutConfig, check_vllm_layout
+from megatron_ngrpo.rollout.config import RolloutConfig, check_vllm_layout, vllm_max_model_len
 from megatron_ngrpo.training.config import OptimConfig, TrainConfig, ValidationConfig
 
 
@@ -39,8 +39,9 @@ class NGRPOConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     # In-training validation (benchmarks every few steps), not the evaluation CLI's config.
     validation: ValidationConfig = field(default_factory=ValidationConfig)
-    # Tokenizer name (megatron_ngrpo.data.tokenizer: deepseek-r1-distill-qwen, qwen2) or folder.
-    tokenizer: str = "deepseek-r1-distill-qwen"
+    # "" = the model folder's own tokenizer and chat template (model.hf_path); else a name
+    # (megatron_ngrpo.data.tokenizer: deepseek-r1-distill-qwen, qwen2: data/tokenizers) or a folder.
+    tokenizer: str = ""
 
     # Old section names still read (with a one-line deprecation message), new name.
     RENAMED = {"eval": "validation"}
@@ -53,6 +54,8 @@ class NGRPOConfig:
         if self.mixing.enabled and self.mixing.k > (self.model.num_real_tokens or spec.vocab_size):
             fail("mixing.k", self.mixing.k, "larger than the vocabulary")
         check_vllm_layout(self.rollout, launch_world_size())
+        if self.rollout.engine == "vllm":
+            vllm_max_model_len(self.rollout.vllm, spec.max_position_embeddings)
         if self.train.async_.max_staleness and self.rollout.engine == "vllm":
             fail("train.async.max_staleness", self.train.async_.max_staleness,
                  "one-step-off rollouts need an engine beside the trainer's groups: rollout.engine = "
@@ -88,10 +91,11 @@ class NGRPOConfig:
         elif not t.load and not any(Path(self.model.hf_path).glob("*.safetensors")):
             fail("train.load", t.load, f"empty means the HF weights of model.hf_path, but "
                  f"{self.model.hf_path} has no *.safetensors (use a checkpoint or 'random')")
-        _require_tokenizer(self.tokenizer)
-        check_hf_folder(self.model.hf_path, tokenizer_dir=self.tokenizer if Path(self.tokenizer).is_dir() else None,
-                        weights=not t.load)
-        _require_data_files(self.data)
+        tokenizer_dir = tokenizer_folder(self.tokenizer, self.model.hf_path)
+        check_hf_folder(self.model.hf_path, tokenizer_dir=tokenizer_dir, weights=not t.load)
+        require_local_files(self.data.train, "data.train")
+        if self.validation.every:
+            require_local_files(self.validation.benchmarks, "validation.benchmarks")
 
 
 def data_parallel_size(model: ModelConfig) -> int:
@@ -132,19 +136,3 @@ def _require_checkpoint(field_name: str, path: str) -> None:
     p = Path(path)
     if not ((p / "megatron_ngrpo.json").is_file() or (p / "latest").is_file()):
         fail(field_name, path, "not a megatron_ngrpo checkpoint or run directory")
-
-
-def _require_tokenizer(name: str) -> None:
-    if (shared_data_dir() / "tokenizers" / name).is_dir() or Path(name).is_dir():
-        return
-    raise ConfigError(f"config field 'tokenizer' = {name!r}: neither a shared tokenizer name nor a folder")
-
-
-def _require_data_files(data: DataConfig) -> None:
-    """Local training files (registry entries resolved against the shared data folder) exist;
-    hub datasets are checked when they load."""
-
-    for i, source in enumerate(data.train):
-        path = Path(resolve_source(source).path)
-        if path.suffix in (".json", ".jsonl", ".parquet") and not path.is_file():
-            fail(f"data.train[{i}].path", source.path or str(path), "file not found")

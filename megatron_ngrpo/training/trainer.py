@@ -127,7 +127,7 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
 
             (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
-        self.tokenizer = load_tokenizer(cfg.tokenizer)
+        self.tokenizer = load_tokenizer(cfg.tokenizer, cfg.model.hf_path)
         self.num_real_tokens = real_token_count(cfg.model.num_real_tokens, self.spec.vocab_size, self.tokenizer)
         self.examples = load_train_set(cfg.data, self.tokenizer)
         self.prompts = PromptBatches(self.examples, cfg.train.prompts_per_step, seed=cfg.data.seed,

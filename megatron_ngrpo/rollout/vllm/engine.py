@@ -73,7 +73,7 @@ from megatron_ngrpo.mixing.neighbors import build_neighbor_table, exclusion_mask
 from megatron_ngrpo.mixing.perturbations import NoiseSpec
 from megatron_ngrpo.models.config import real_token_count
 from megatron_ngrpo.parallel import adopt_timeout
-from megatron_ngrpo.rollout.config import VLLMConfig
+from megatron_ngrpo.rollout.config import VLLMConfig, vllm_max_model_len
 from megatron_ngrpo.rollout.types import (
     RolloutBatch,
     RolloutEngine,
@@ -126,7 +126,7 @@ class VLLMEngine(RolloutEngine):
         self.tokenizer = load_tokenizer(tokenizer, self.hf_path)
         self.num_real_tokens = real_token_count(num_real_tokens, self.spec.vocab_size, self.tokenizer)
         self.special_ids = special_token_ids(self.tokenizer)
-        self.max_model_len = self.cfg.max_model_len
+        self.max_model_len = vllm_max_model_len(self.cfg, self.spec.max_position_embeddings, "max_model_len")
         self.last_sync: dict = {}
         self._sources: dict[str, torch.Tensor] = {}  # HF name → current matrix for the table
         self._table_key = None
@@ -172,7 +172,7 @@ class VLLMEngine(RolloutEngine):
             skip_tokenizer_init=self.tokenizer is None,
             dtype=dtype,
             tensor_parallel_size=self.cfg.tensor_parallel,
-            max_model_len=self.cfg.max_model_len,
+            max_model_len=self.max_model_len,
             max_num_seqs=self.cfg.max_num_seqs,
             enforce_eager=self.cfg.enforce_eager,
             seed=seed,
