@@ -51,6 +51,8 @@ setup(
     entry_points={
         "console_scripts": [
             "ngrpo-train=megatron_ngrpo.train:main",
+            "ngrpo-eval=megatron_ngrpo.eval.__main__:main",
+            "ngrpo-convert=megatron_ngrpo.conversion.cli:main",
             "ngrpo-launch=megatron_ngrpo.launch.cli:main",
             "ngrpo-import-gguf=megatron_ngrpo.conversion.gguf:main",
         ]

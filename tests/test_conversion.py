@@ -80,17 +80,20 @@ def test_bad_input_names_every_tensor_and_writes_nothing(results):
 
 
 def test_cli_roundtrip_relaunches_under_torchrun(models, tmp_path):
-    """The command lines: TP2 output relaunches itself under torchrun; back to bf16 HF in one
-    process; bad input is one line on stderr (exit 2) before any process group starts."""
+    """The command lines: ``ngrpo-convert hf-to-megatron`` (as ``python -m
+    megatron_ngrpo.conversion``) with TP2 output relaunches itself under torchrun; back to bf16 HF
+    in one process through the tools/ wrapper; bad input is one line on stderr (exit 2) before any
+    process group starts."""
     from megatron_ngrpo.conversion.hf_io import HFCheckpoint
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     src, mdir, hdir = models / "qwen3", tmp_path / "m", tmp_path / "hf"
     run = lambda tool, *args: subprocess.run(  # noqa: E731
-        [sys.executable, str(TOOLS / tool), *map(str, args), "--no-progress"],
-        env=env, capture_output=True, text=True, timeout=300)
-    r = run("convert_hf_to_megatron.py", "--input", src, "--output", mdir, "--tp", 2)
+        [sys.executable, *(["-m", "megatron_ngrpo.conversion", tool] if "-" in tool else [str(TOOLS / tool)]),
+         *map(str, args), "--no-progress"], env=env, capture_output=True, text=True, timeout=300)
+    r = run("hf-to-megatron", "--input", src, "--output", mdir, "--tp", 2)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "wrote" in r.stdout and (mdir / "megatron_ngrpo.json").is_file()
     r = run("convert_megatron_to_hf.py", "--input", mdir, "--output", hdir, "--dtype", "bfloat16")
     assert r.returncode == 0, r.stderr[-3000:]
     got, want = HFCheckpoint(hdir), HFCheckpoint(src)
@@ -100,3 +103,19 @@ def test_cli_roundtrip_relaunches_under_torchrun(models, tmp_path):
     assert r.returncode == 2 and "exists" in r.stderr.strip().splitlines()[-1], r.stderr
     r = run("convert_hf_to_megatron.py", "--input", tmp_path / "nope", "--output", tmp_path / "x", "--tp", 3)
     assert r.returncode == 2 and "not a directory" in r.stderr and not (tmp_path / "x").exists()
+    r = subprocess.run([sys.executable, "-m", "megatron_ngrpo.conversion", "hf-to-mcore"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr == ("error: ngrpo-convert: expected a command (hf-to-megatron, "
+                                              "megatron-to-hf), got 'hf-to-mcore'\n")
+
+
+def test_console_scripts_name_importable_entry_points():
+    """setup.py's console scripts (ngrpo-train, -eval, -convert, -launch) each name a function."""
+    import importlib
+    import re
+
+    scripts = dict(re.findall(r'"(ngrpo-[a-z]+)=([\w.]+:\w+)"', (REPO / "setup.py").read_text()))
+    assert set(scripts) == {"ngrpo-train", "ngrpo-eval", "ngrpo-convert", "ngrpo-launch"}
+    for target in scripts.values():
+        module, name = target.split(":")
+        assert callable(getattr(importlib.import_module(module), name)), target

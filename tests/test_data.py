@@ -9,8 +9,8 @@ import subprocess
 from pathlib import Path
 
 import pandas as pd
-import yaml
 import pytest
+import yaml
 
 from megatron_ngrpo.config_loader import ConfigError, load
 from megatron_ngrpo.data import (
@@ -30,15 +30,15 @@ from megatron_ngrpo.data import (
 )
 from megatron_ngrpo.data.datasets import as_source, clean_answers, dedup, resolve_source
 from megatron_ngrpo.data.paths import REPO_DATA, data_dirs, find_data
-from megatron_ngrpo.data.tokenizer import QWEN2, R1_DISTILL, tokenizer_folder
-from megatron_ngrpo.eval.config import EvalConfig
-from megatron_ngrpo.grpo.config import ValidationConfig
 from megatron_ngrpo.data.templates import (
     encode_prompt,
     math_message,
     mcq_message,
     render,
 )
+from megatron_ngrpo.data.tokenizer import QWEN2, R1_DISTILL, tokenizer_folder
+from megatron_ngrpo.eval.config import EvalConfig
+from megatron_ngrpo.training.config import ValidationConfig
 
 README_ROWS = {"aime24": 30, "amc22_23": 83, "math500": 500, "minerva": 272, "olympiad_bench": 675,
                "aime25": 30, "aime25_areal": 30, "amc23": 40,

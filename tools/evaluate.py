@@ -1,4 +1,4 @@
-"""Evaluate a policy (or re-grade saved generations): same as `python -m megatron_ngrpo.eval`."""
+"""Evaluate a policy (or re-grade saved generations): ``ngrpo-eval`` / ``python -m megatron_ngrpo.eval``."""
 
 import sys
 
