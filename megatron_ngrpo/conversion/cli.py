@@ -93,6 +93,7 @@ def _main(command: str, argv: list[str] | None, p: argparse.ArgumentParser, fn, 
 
 
 def hf_to_megatron(argv: list[str] | None = None) -> int:
+    # lazy: convert imports torch and megatron-core; a usage error answers before them
     from megatron_ngrpo.conversion.convert import convert_hf_to_megatron
 
     p = parser("hf-to-megatron", HF_TO_MEGATRON, "HF directory, Megatron checkpoint or run directory (with latest)",
@@ -105,6 +106,7 @@ def hf_to_megatron(argv: list[str] | None = None) -> int:
 
 
 def megatron_to_hf(argv: list[str] | None = None) -> int:
+    # lazy: convert imports torch and megatron-core; a usage error answers before them
     from megatron_ngrpo.conversion.convert import convert_megatron_to_hf
 
     p = parser("megatron-to-hf", MEGATRON_TO_HF, "Megatron checkpoint or run directory (with latest)",
