@@ -1,8 +1,11 @@
 """megatron_ngrpo: N-GRPO (semantic neighbour mixing) on megatron-core."""
+
 from setuptools import find_packages, setup
 
 # Reads GGUF files (ngrpo-import-gguf, scripts/setup_real_model.sh); the tests import one.
 GGUF = "gguf==0.19.0"
+# transformers' GGUF loader (conversion/gguf.py) refuses to run without accelerate.
+ACCELERATE = "accelerate==1.15.0"
 
 setup(
     name="megatron_ngrpo",
@@ -45,8 +48,16 @@ setup(
         "trackers": ["wandb>=0.19", "mlflow-skinny>=2.10"],
         # ruff: .ci/run's lint and format check (ruff.toml); its formatting style changes
         # between minor versions.
-        "dev": ["pytest", "pytest-timeout", "faiss-cpu", "scipy>=1.11", "ruff>=0.17,<0.18", GGUF],
-        "gguf": [GGUF],
+        "dev": [
+            "pytest",
+            "pytest-timeout",
+            "faiss-cpu",
+            "scipy>=1.11",
+            "ruff>=0.17,<0.18",
+            GGUF,
+            ACCELERATE,
+        ],
+        "gguf": [GGUF, ACCELERATE],
     },
     entry_points={
         "console_scripts": [

