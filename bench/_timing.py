@@ -72,7 +72,11 @@ class Ratio:
 
     def half_width(self) -> float:
         """Largest relative distance of an interval end from the ratio."""
-        return max(self.hi / self.value - 1.0, 1.0 - self.lo / self.value) if self.value > 0 else math.inf
+        return (
+            max(self.hi / self.value - 1.0, 1.0 - self.lo / self.value)
+            if self.value > 0
+            else math.inf
+        )
 
 
 @dataclass
@@ -96,11 +100,16 @@ class Comparison:
 
     def __str__(self) -> str:
         stop = f"{100 * STOP_LEVEL:.0f}% CI"
-        status = (f"{stop} within ±{100 * self.precision:.1f}%" if self.converged
-                  else f"{stop} did not reach ±{100 * self.precision:.1f}% in {self.seconds:.0f} s "
-                       f"(±{100 * self.stop_half_width:.1f}%)")
-        return (f"{self.label}: {self.kind} ratio {self.cpu} (cpu time; 95% CI of the median of "
-                f"{self.pairs // 2} blocks of 2 pairs, {status}); wall {self.wall}")
+        status = (
+            f"{stop} within ±{100 * self.precision:.1f}%"
+            if self.converged
+            else f"{stop} did not reach ±{100 * self.precision:.1f}% in {self.seconds:.0f} s "
+            f"(±{100 * self.stop_half_width:.1f}%)"
+        )
+        return (
+            f"{self.label}: {self.kind} ratio {self.cpu} (cpu time; 95% CI of the median of "
+            f"{self.pairs // 2} blocks of 2 pairs, {status}); wall {self.wall}"
+        )
 
     def row(self) -> str:
         """Markdown table cells: ratio [lo, hi] | pairs | precision reached."""
@@ -182,11 +191,20 @@ def compare(
             stop = stop or done
         if _joint_continue(not stop, group) is False:
             break  # only after a look of this rank's: stop_ratio is of the final n
-    return Comparison(label=label, kind=kind, cpu=_ratio(per, 0, kind), wall=_ratio(per, 1, kind), pairs=n,
-                      converged=done, precision=precision,
-                      stop_half_width=stop_ratio.half_width(), seconds=elapsed,
-                      a_cpu=float(np.median(per["a"][0])), b_cpu=float(np.median(per["b"][0])),
-                      samples={k: (list(c), list(w)) for k, (c, w) in per.items()})
+    return Comparison(
+        label=label,
+        kind=kind,
+        cpu=_ratio(per, 0, kind),
+        wall=_ratio(per, 1, kind),
+        pairs=n,
+        converged=done,
+        precision=precision,
+        stop_half_width=stop_ratio.half_width(),
+        seconds=elapsed,
+        a_cpu=float(np.median(per["a"][0])),
+        b_cpu=float(np.median(per["b"][0])),
+        samples={k: (list(c), list(w)) for k, (c, w) in per.items()},
+    )
 
 
 def _ratio(per: dict, clock: int, kind: str, level: float = 0.95) -> Ratio:

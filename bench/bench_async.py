@@ -43,8 +43,14 @@ def main() -> None:
     repo = Path(__file__).resolve().parents[1]
     root = Path(tempfile.mkdtemp(prefix="bench_async_"))
     write_arithmetic_task(root)
-    overrides = [f"train.run_dir={root / 'run'}", "model.tensor_parallel=2", "train.async.max_staleness=1",
-                 f"rollout.max_new_tokens={args.max_new_tokens}", "train.max_steps=100000", "train.save_every=0"]
+    overrides = [
+        f"train.run_dir={root / 'run'}",
+        "model.tensor_parallel=2",
+        "train.async.max_staleness=1",
+        f"rollout.max_new_tokens={args.max_new_tokens}",
+        "train.max_steps=100000",
+        "train.save_every=0",
+    ]
     cfg = load_config([repo / "configs" / "tiny_test.yaml", root / "paths.yaml"], overrides)
     trainer = Trainer(cfg)
     trainer.setup()
@@ -54,39 +60,61 @@ def main() -> None:
     def block(mode: str):
         def run():
             trainer.rollouts = producer if mode == "async" else None
-            trainer.total_steps = trainer.step + args.block  # the block's last step launches nothing
+            trainer.total_steps = (
+                trainer.step + args.block
+            )  # the block's last step launches nothing
             for _ in range(args.block):
                 t0 = time.perf_counter()
                 out = trainer.train_step()
                 seen[mode].append((time.perf_counter() - t0, out))
                 trainer.step += 1
             return args.block
+
         return run
 
-    result = compare(block("async"), block("sync"), kind="rate", label="steps/s, one-step-off / synchronous",
-                     max_seconds=args.max_seconds, group=dist.group.WORLD)
+    result = compare(
+        block("async"),
+        block("sync"),
+        kind="rate",
+        label="steps/s, one-step-off / synchronous",
+        max_seconds=args.max_seconds,
+        group=dist.group.WORLD,
+    )
     if dist.get_rank() == 0:
-        print(f"{cfg.rollout.n} x {cfg.train.prompts_per_step} responses per step, {args.max_new_tokens} new "
-              f"tokens max, blocks of {args.block} steps")
+        print(
+            f"{cfg.rollout.n} x {cfg.train.prompts_per_step} responses per step, {args.max_new_tokens} new "
+            f"tokens max, blocks of {args.block} steps"
+        )
         print(result)
-        per_step = {m: statistics.median(result.samples[k][1]) for m, k in (("one-step-off", "a"), ("synchronous", "b"))}
-        print("wall steps/hour (median over blocks, each block's pipeline-filling first step included): "
-              + ", ".join(f"{m} {3600 / s:.0f}" for m, s in per_step.items()))
+        per_step = {
+            m: statistics.median(result.samples[k][1])
+            for m, k in (("one-step-off", "a"), ("synchronous", "b"))
+        }
+        print(
+            "wall steps/hour (median over blocks, each block's pipeline-filling first step included): "
+            + ", ".join(f"{m} {3600 / s:.0f}" for m, s in per_step.items())
+        )
         # Overlapped steps only: every async step but each block's first, which generates in line.
         steady = [m for _, m in seen["async"] if m["async/staleness"] == 1]
         gen = sum(m["async/generation_s"] for m in steady)
         waited = sum(m["async/training_waits_generation_s"] for m in steady)
         idle = sum(m["async/generation_waits_training_s"] for m in steady)
-        print(f"one-step-off, {len(steady)} overlapped steps: background generation {gen / len(steady):.3f} s/step, "
-              f"trainer waited {waited / len(steady):.3f} s/step, engine idle {idle / len(steady):.3f} s/step; "
-              f"overlap achieved {1 - waited / gen:.1%} of generation time")
+        print(
+            f"one-step-off, {len(steady)} overlapped steps: background generation {gen / len(steady):.3f} s/step, "
+            f"trainer waited {waited / len(steady):.3f} s/step, engine idle {idle / len(steady):.3f} s/step; "
+            f"overlap achieved {1 - waited / gen:.1%} of generation time"
+        )
         g = statistics.median(m["time/rollout"] for _, m in seen["sync"])
         step = statistics.median(s for s, _ in seen["sync"])
         t = step - g
-        print(f"synchronous step: median {step:.3f} s = generation {g:.3f} s + rest {t:.3f} s "
-              f"(generation {g / step:.0%})")
-        print(f"computed, not measured: with ideal overlap a step takes max(G, T) instead of G + T, "
-              f"a {step / max(g, t):.2f}x speedup at this split")
+        print(
+            f"synchronous step: median {step:.3f} s = generation {g:.3f} s + rest {t:.3f} s "
+            f"(generation {g / step:.0%})"
+        )
+        print(
+            f"computed, not measured: with ideal overlap a step takes max(G, T) instead of G + T, "
+            f"a {step / max(g, t):.2f}x speedup at this split"
+        )
     producer.close()
 
 

@@ -26,8 +26,15 @@ import tempfile
 import time
 from pathlib import Path
 
-SHAPE = dict(hidden_size=1536, intermediate_size=8960, num_heads=12, num_kv_heads=2,
-             vocab_size=151936, tied=True, max_pos=32768)
+SHAPE = dict(
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_heads=12,
+    num_kv_heads=2,
+    vocab_size=151936,
+    tied=True,
+    max_pos=32768,
+)
 FULL_LAYERS = 28
 
 
@@ -104,17 +111,36 @@ def run_slice(layers: int, dtype: str, keep: Path | None) -> dict:
         nbytes = write_synthetic_hf(work / "hf", layers, dtype)
         out = {"layers": layers, "bytes": nbytes, "write_synthetic_s": time.perf_counter() - t0}
         for ph in ("hf2m", "m2hf", "export"):
-            cmd = [sys.executable, "-m", "bench.bench_conversion", "--phase", ph, "--work", str(work), "--dtype", dtype,
-                   "--nbytes", str(nbytes)]
-            r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            cmd = [
+                sys.executable,
+                "-m",
+                "bench.bench_conversion",
+                "--phase",
+                ph,
+                "--work",
+                str(work),
+                "--dtype",
+                dtype,
+                "--nbytes",
+                str(nbytes),
+            ]
+            r = subprocess.run(
+                cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
+            )
             lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
             if r.returncode or not lines:
                 raise RuntimeError(f"phase {ph} failed:\n{r.stderr[-3000:]}")
             res = json.loads(lines[-1])
-            out[ph] = {"seconds": res["seconds"], "peak_rss_gib": res["peak_rss_gib"],
-                       "gb_per_s": nbytes / 1e9 / res["seconds"]}
-            print(f"  layers={layers} {ph:6s} {res['seconds']:7.2f} s  {nbytes / 1e9 / res['seconds']:6.3f} GB/s"
-                  f"  peak RSS {res['peak_rss_gib']:.2f} GiB", flush=True)
+            out[ph] = {
+                "seconds": res["seconds"],
+                "peak_rss_gib": res["peak_rss_gib"],
+                "gb_per_s": nbytes / 1e9 / res["seconds"],
+            }
+            print(
+                f"  layers={layers} {ph:6s} {res['seconds']:7.2f} s  {nbytes / 1e9 / res['seconds']:6.3f} GB/s"
+                f"  peak RSS {res['peak_rss_gib']:.2f} GiB",
+                flush=True,
+            )
         return out
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -129,8 +155,11 @@ def extrapolate(a: dict, b: dict, layers: int = FULL_LAYERS) -> dict:
     out["bytes"] = nbytes
     for ph in ("hf2m", "m2hf", "export"):
         sec = lin(a[ph]["seconds"], b[ph]["seconds"])
-        out[ph] = {"seconds": sec, "gb_per_s": nbytes / 1e9 / sec,
-                   "peak_rss_gib": lin(a[ph]["peak_rss_gib"], b[ph]["peak_rss_gib"])}
+        out[ph] = {
+            "seconds": sec,
+            "gb_per_s": nbytes / 1e9 / sec,
+            "peak_rss_gib": lin(a[ph]["peak_rss_gib"], b[ph]["peak_rss_gib"]),
+        }
     return out
 
 
@@ -146,7 +175,9 @@ def main() -> None:
     if args.phase:
         print(json.dumps(phase(args)))
         return
-    print(f"synthetic Qwen2.5-1.5B shape, dtype {args.dtype}, slices {args.layers} of {FULL_LAYERS} layers")
+    print(
+        f"synthetic Qwen2.5-1.5B shape, dtype {args.dtype}, slices {args.layers} of {FULL_LAYERS} layers"
+    )
     slices = [run_slice(n, args.dtype, Path(args.tmp) if args.tmp else None) for n in args.layers]
     result = {"dtype": args.dtype, "slices": slices}
     if len(slices) >= 2 and slices[-1]["layers"] != FULL_LAYERS:
@@ -155,7 +186,9 @@ def main() -> None:
         print(f"extrapolated to {FULL_LAYERS} layers ({est['bytes'] / 1e9:.2f} GB):")
         for ph in ("hf2m", "m2hf", "export"):
             e = est[ph]
-            print(f"  {ph:6s} {e['seconds']:7.1f} s  {e['gb_per_s']:6.3f} GB/s  peak RSS ≈ {e['peak_rss_gib']:.1f} GiB")
+            print(
+                f"  {ph:6s} {e['seconds']:7.1f} s  {e['gb_per_s']:6.3f} GB/s  peak RSS ≈ {e['peak_rss_gib']:.1f} GiB"
+            )
     print(json.dumps(result))
 
 

@@ -42,26 +42,46 @@ def main() -> None:
     from megatron_ngrpo.testing.tiny import write_tiny_hf
 
     tmp = tempfile.TemporaryDirectory()
-    hf = write_tiny_hf(tmp.name, vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
-                       num_heads=8, num_kv_heads=4, intermediate_size=4 * args.hidden)
+    hf = write_tiny_hf(
+        tmp.name,
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_heads=8,
+        num_kv_heads=4,
+        intermediate_size=4 * args.hidden,
+    )
     chunks = build_policy(ModelConfig(hf_path=str(hf), dtype="float32"))
     engines = {
         "megatron": MegatronEngine(chunks, args.vocab),
         "vllm": VLLMEngine(hf, VLLMConfig(max_model_len=256, kv_cache_memory_bytes=256 * 2**20)),
     }
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, args.vocab, (int(torch.randint(16, 49, (1,), generator=gen)),),
-                             generator=gen).tolist() for _ in range(args.prompts)]
+    prompts = [
+        torch.randint(
+            0, args.vocab, (int(torch.randint(16, 49, (1,), generator=gen)),), generator=gen
+        ).tolist()
+        for _ in range(args.prompts)
+    ]
     params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.new_tokens, seed=0)
     modes = {"plain": None, "mixed rho=0.1": MixingConfig(rate=0.1)}
+
     def run(e, m):
         return lambda: sum(engines[e].generate(prompts, params, modes[m]).response_lengths)
 
-    print(f"model: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; {args.prompts} prompts "
-          f"x n={args.n}, {args.new_tokens} new tokens", flush=True)
+    print(
+        f"model: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; {args.prompts} prompts "
+        f"x n={args.n}, {args.new_tokens} new tokens",
+        flush=True,
+    )
     for m in modes:
-        r = compare(run("vllm", m), run("megatron", m), kind="rate", label=f"tokens/s vLLM / built-in, {m}",
-                    max_seconds=args.max_seconds)
+        r = compare(
+            run("vllm", m),
+            run("megatron", m),
+            kind="rate",
+            label=f"tokens/s vLLM / built-in, {m}",
+            max_seconds=args.max_seconds,
+        )
         print(f"{r} | {1 / r.a_cpu:.0f} vs {1 / r.b_cpu:.0f} tok/s", flush=True)
 
     syncs = []
@@ -70,9 +90,11 @@ def main() -> None:
         syncs.append(engines["vllm"].last_sync)
     params_m = syncs[-1]["num_params"] / 1e6
     total = statistics.median(s["seconds"] for s in syncs)
-    print(f"vLLM weight sync: {params_m:.2f} M params, {total:.3f} s median "
-          f"({total / params_m:.4f} s per M params; load {statistics.median(s['load_seconds'] for s in syncs):.3f} s, "
-          f"neighbour table {statistics.median(s['table_seconds'] for s in syncs):.3f} s)")
+    print(
+        f"vLLM weight sync: {params_m:.2f} M params, {total:.3f} s median "
+        f"({total / params_m:.4f} s per M params; load {statistics.median(s['load_seconds'] for s in syncs):.3f} s, "
+        f"neighbour table {statistics.median(s['table_seconds'] for s in syncs):.3f} s)"
+    )
     engines["vllm"].close()
     tmp.cleanup()
 

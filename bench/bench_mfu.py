@@ -26,8 +26,15 @@ from pathlib import Path
 
 import torch
 
-SHAPE = dict(num_layers=28, hidden_size=1536, intermediate_size=8960, num_heads=12, num_kv_heads=2,
-             vocab_size=151936, tied=True)
+SHAPE = dict(
+    num_layers=28,
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_heads=12,
+    num_kv_heads=2,
+    vocab_size=151936,
+    tied=True,
+)
 
 
 def _args(argv=None):
@@ -43,10 +50,17 @@ def _args(argv=None):
 
 def flops_per_token(seq: int) -> float:
     """Training FLOPs per token (3 × forward) of the SHAPE at sequence length ``seq``."""
-    h, f, L, v = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["num_layers"], SHAPE["vocab_size"]
+    h, f, L, v = (
+        SHAPE["hidden_size"],
+        SHAPE["intermediate_size"],
+        SHAPE["num_layers"],
+        SHAPE["vocab_size"],
+    )
     d = h // SHAPE["num_heads"]
     kv = SHAPE["num_kv_heads"] * d
-    per_layer = 2 * h * (h + 2 * kv) + 2 * h * h + 2 * seq * h + 2 * 3 * h * f  # causal: half of 4·s·h
+    per_layer = (
+        2 * h * (h + 2 * kv) + 2 * h * h + 2 * seq * h + 2 * 3 * h * f
+    )  # causal: half of 4·s·h
     return 3.0 * (L * per_layer + 2 * h * v)
 
 
@@ -74,9 +88,15 @@ def main(argv=None) -> dict:
     init_distributed()
     initialize_model_parallel(1, 1, None, seed=0)
     hf = write_tiny_hf(tempfile.mkdtemp(), weights=False, max_pos=args.seq, **SHAPE)
-    chunks = wrap_for_training(build_model(ModelConfig(hf_path=str(hf), dtype="bfloat16", max_seq_len=args.seq)))
-    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-6, bf16=True,
-                                                       params_dtype=torch.bfloat16, clip_grad=1.0), chunks)
+    chunks = wrap_for_training(
+        build_model(ModelConfig(hf_path=str(hf), dtype="bfloat16", max_seq_len=args.seq))
+    )
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam", lr=1e-6, bf16=True, params_dtype=torch.bfloat16, clip_grad=1.0
+        ),
+        chunks,
+    )
     unwrap(chunks[0]).config.grad_scale_func = optimizer.scale_loss
 
     n = args.micro_batch * args.micro_batches
@@ -85,20 +105,36 @@ def main(argv=None) -> dict:
     v = SHAPE["vocab_size"]
     prompts = [torch.randint(0, v, (plen,), generator=g).tolist() for _ in range(n)]
     responses = [torch.randint(0, v, (rlen,), generator=g).tolist() for _ in range(n)]
-    mixes = [[(p, torch.randint(0, v, (3,), generator=g).tolist(), [0.6, 0.3, 0.1])
-              for p in torch.nonzero(torch.rand(rlen, generator=g) < 0.1).flatten().tolist()] for _ in range(n)]
-    rb = RolloutBatch(prompts, responses, [[0.0] * rlen] * n, ["stop"] * n, MixRecord.from_lists(mixes, 3),
-                      [i // 4 for i in range(n)])
+    mixes = [
+        [
+            (p, torch.randint(0, v, (3,), generator=g).tolist(), [0.6, 0.3, 0.1])
+            for p in torch.nonzero(torch.rand(rlen, generator=g) < 0.1).flatten().tolist()
+        ]
+        for _ in range(n)
+    ]
+    rb = RolloutBatch(
+        prompts,
+        responses,
+        [[0.0] * rlen] * n,
+        ["stop"] * n,
+        MixRecord.from_lists(mixes, 3),
+        [i // 4 for i in range(n)],
+    )
     dev = torch.device("cuda")
     mixed = TokenBatch.from_rollout(rb, device=dev)
     lp = (torch.randn(mixed.tokens.shape, generator=g) * 0.1 - 3.0).to(dev) * mixed.mask
-    mixed = mixed.with_extras(old_logprobs=lp, ref_logprobs=lp + 0.01,
-                              advantages=torch.randn(n, generator=g).to(dev),
-                              active=torch.ones(n, dtype=torch.bool, device=dev))
+    mixed = mixed.with_extras(
+        old_logprobs=lp,
+        ref_logprobs=lp + 0.01,
+        advantages=torch.randn(n, generator=g).to(dev),
+        active=torch.ones(n, dtype=torch.bool, device=dev),
+    )
     from dataclasses import replace
 
     plain = replace(mixed, mix=None)
-    settings = UpdateSettings(temperature=1.0, micro_batch_size=args.micro_batch, max_response_len=rlen)
+    settings = UpdateSettings(
+        temperature=1.0, micro_batch_size=args.micro_batch, max_response_len=rlen
+    )
     cfg = GRPOConfig()
 
     def step(tb):
@@ -118,9 +154,15 @@ def main(argv=None) -> dict:
             times.append(time.perf_counter() - t0)
         t = statistics.median(times)
         mfu = flops_per_token(args.seq) * tokens / t / (args.peak_tflops * 1e12)
-        out[name] = {"step_s": t, "tokens_per_s": tokens / t, "mfu": mfu,
-                     "max_memory_gib": torch.cuda.max_memory_allocated() / 2**30}
-        print(f"{name}: {t:.3f} s/step, {tokens / t:,.0f} tokens/s, MFU {100 * mfu:.1f}%", flush=True)
+        out[name] = {
+            "step_s": t,
+            "tokens_per_s": tokens / t,
+            "mfu": mfu,
+            "max_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+        }
+        print(
+            f"{name}: {t:.3f} s/step, {tokens / t:,.0f} tokens/s, MFU {100 * mfu:.1f}%", flush=True
+        )
     out["mixed_over_plain"] = out["mixed"]["step_s"] / out["plain"]["step_s"]
     print(f"mixed / plain step time: {out['mixed_over_plain']:.4f}")
     if args.out:

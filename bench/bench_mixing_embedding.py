@@ -48,9 +48,14 @@ def _args(argv=None):
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--max-seconds", type=float, default=120.0)
     p.add_argument("--processes", type=int, default=1, help="fresh processes per TP=1 measurement")
-    p.add_argument("--ddp", action="store_true",
-                   help="both embeddings in megatron DDP, as the trainer runs them (gradients into main_grad)")
-    p.add_argument("--json-out", help=argparse.SUPPRESS)  # a child of --processes writes its rows here
+    p.add_argument(
+        "--ddp",
+        action="store_true",
+        help="both embeddings in megatron DDP, as the trainer runs them (gradients into main_grad)",
+    )
+    p.add_argument(
+        "--json-out", help=argparse.SUPPRESS
+    )  # a child of --processes writes its rows here
     return p.parse_args(argv)
 
 
@@ -65,8 +70,12 @@ def measure(args, vocab: int, tp: int) -> dict:
 
     initialize_model_parallel(tp=tp)
     cfg = ModelParallelConfig(tensor_model_parallel_size=tp, use_cpu_initialization=True)
-    plain = VocabParallelEmbedding(vocab, args.hidden, init_method=torch.nn.init.normal_, config=cfg)
-    mixing = VocabParallelEmbedding(vocab, args.hidden, init_method=torch.nn.init.normal_, config=cfg)
+    plain = VocabParallelEmbedding(
+        vocab, args.hidden, init_method=torch.nn.init.normal_, config=cfg
+    )
+    mixing = VocabParallelEmbedding(
+        vocab, args.hidden, init_method=torch.nn.init.normal_, config=cfg
+    )
     mixing.__class__ = MixingVocabParallelEmbedding
     if args.ddp:  # each its own DDP buffer: equal weights, not one Parameter
         mixing.weight.data.copy_(plain.weight.data)
@@ -79,20 +88,35 @@ def measure(args, vocab: int, tp: int) -> dict:
     tokens = torch.randint(0, vocab, (b, s), generator=g)
     ids = torch.randint(0, vocab, (b, s, k), generator=g)
     weights = torch.rand(b, s, k, generator=g)
-    mix = MixBatch(ids, weights / weights.sum(-1, keepdim=True), torch.rand(b, s, generator=g) < args.rate)
+    mix = MixBatch(
+        ids, weights / weights.sum(-1, keepdim=True), torch.rand(b, s, generator=g) < args.rate
+    )
     grad = torch.randn(b, s, args.hidden, generator=g)
 
     def step(module, fn):
         def run():
             module.zero_grad(set_to_none=True)  # without DDP; under it the hook leaves no grad
             fn().backward(grad)
+
         return run
 
     label = f"V={vocab} TP={tp}" + (" DDP" if args.ddp else "")
-    r = compare(step(mixing, lambda: mixing(tokens, mix)), step(plain, lambda: plain(tokens)), label=label,
-                max_seconds=args.max_seconds, group=ps.get_tensor_model_parallel_group() if tp > 1 else None)
-    return dict(vocab=vocab, tp=tp, plain_ms=1e3 * r.b_cpu, mixing_ms=1e3 * r.a_cpu, text=str(r), row=r.row(),
-                ratio=r.cpu.value)
+    r = compare(
+        step(mixing, lambda: mixing(tokens, mix)),
+        step(plain, lambda: plain(tokens)),
+        label=label,
+        max_seconds=args.max_seconds,
+        group=ps.get_tensor_model_parallel_group() if tp > 1 else None,
+    )
+    return dict(
+        vocab=vocab,
+        tp=tp,
+        plain_ms=1e3 * r.b_cpu,
+        mixing_ms=1e3 * r.a_cpu,
+        text=str(r),
+        row=r.row(),
+        ratio=r.cpu.value,
+    )
 
 
 def in_fresh_processes(count: int) -> list[dict]:
@@ -108,8 +132,21 @@ def in_fresh_processes(count: int) -> list[dict]:
     for i in range(count):
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
             # this command's own arguments, the later flags overriding
-            argv = [sys.executable, "-m", "bench.bench_mixing_embedding", *sys.argv[1:], "--tp", "1", "--processes", "1", "--json-out", out.name]
-            done = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            argv = [
+                sys.executable,
+                "-m",
+                "bench.bench_mixing_embedding",
+                *sys.argv[1:],
+                "--tp",
+                "1",
+                "--processes",
+                "1",
+                "--json-out",
+                out.name,
+            ]
+            done = subprocess.run(
+                argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+            )
             if done.returncode:
                 raise SystemExit(f"process {i + 1} failed:\n{done.stderr[-3000:]}")
             runs.append(json.loads(Path(out.name).read_text()))
@@ -117,8 +154,10 @@ def in_fresh_processes(count: int) -> list[dict]:
     rows = runs[0]
     for j, row in enumerate(rows):
         values = [run[j]["ratio"] for run in runs]
-        row["across"] = (f"{paired_median_ratio(values, [1.0] * count)} over {count} processes "
-                         f"(each: {', '.join(f'{v:.3f}' for v in values)})")
+        row["across"] = (
+            f"{paired_median_ratio(values, [1.0] * count)} over {count} processes "
+            f"(each: {', '.join(f'{v:.3f}' for v in values)})"
+        )
     return rows
 
 
@@ -140,8 +179,11 @@ def main() -> None:
     _ARGS = args = _args()
     from megatron_ngrpo.parallel import init_distributed
 
-    print(f"shape: vocab {args.vocab}, hidden {args.hidden}, tokens {args.batch}x{args.seq}, "
-          f"rate {args.rate}, k {args.k}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}", flush=True)
+    print(
+        f"shape: vocab {args.vocab}, hidden {args.hidden}, tokens {args.batch}x{args.seq}, "
+        f"rate {args.rate}, k {args.k}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}",
+        flush=True,
+    )
     rows = []
     for tp in args.tp:
         if tp == 1 and args.processes > 1:
@@ -153,19 +195,31 @@ def main() -> None:
                 Path(args.json_out).write_text(json.dumps(got))
                 return
         else:
-            res = launch(Path(__file__).resolve(), tp, timeout=3600, env={_WORKER_ENV: json.dumps(sys.argv[1:])})
+            res = launch(
+                Path(__file__).resolve(),
+                tp,
+                timeout=3600,
+                env={_WORKER_ENV: json.dumps(sys.argv[1:])},
+            )
             if not res["tp_runs"]["ok"]:
                 raise SystemExit(f"TP={tp} run failed: {res['tp_runs']['errors']}")
             got = res["tp_runs"]["value"]
         for r in got:
-            print(r["text"] + (f"; across processes {r['across']}" if "across" in r else ""), flush=True)
+            print(
+                r["text"] + (f"; across processes {r['across']}" if "across" in r else ""),
+                flush=True,
+            )
         rows += got
-    print("| V | TP | plain fwd+bwd (cpu ms) | mixing fwd+bwd (cpu ms) | ratio [95% CI] | pairs | ±1.5% reached | "
-          "across processes | goal |")
+    print(
+        "| V | TP | plain fwd+bwd (cpu ms) | mixing fwd+bwd (cpu ms) | ratio [95% CI] | pairs | ±1.5% reached | "
+        "across processes | goal |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in sorted(rows, key=lambda r: (r["vocab"], r["tp"])):
-        print(f"| {r['vocab']} | {r['tp']} | {r['plain_ms']:.1f} | {r['mixing_ms']:.1f} | {r['row']} | "
-              f"{r.get('across', '-')} | <= 1.05x |")
+        print(
+            f"| {r['vocab']} | {r['tp']} | {r['plain_ms']:.1f} | {r['mixing_ms']:.1f} | {r['row']} | "
+            f"{r.get('across', '-')} | <= 1.05x |"
+        )
 
 
 if __name__ == "__main__":

@@ -58,13 +58,25 @@ def main() -> None:
     repo = Path(__file__).resolve().parents[1]
     root = Path(tempfile.mkdtemp(prefix="bench_neighbor_lookup_"))
     write_arithmetic_task(root)
-    overrides = [f"tokenizer={args.model}", f"model.hf_path={args.model}", "train.load=''",
-                 "model.make_vocab_size_divisible_by=128", f"train.run_dir={root / 'run'}",
-                 f"data.train=[{{path: {root / 'train.jsonl'}}}]", "data.template.kind=plain",
-                 "mixing.rate=0.1", "mixing.refresh_every=1", "rollout.n=4",
-                 f"rollout.max_new_tokens={args.max_new_tokens}", "train.prompts_per_step=4",
-                 "train.mini_batch_prompts=4", "train.micro_batch_size=4", "train.max_steps=100000",
-                 "train.save_every=0", "optim.lr=1e-6"]
+    overrides = [
+        f"tokenizer={args.model}",
+        f"model.hf_path={args.model}",
+        "train.load=''",
+        "model.make_vocab_size_divisible_by=128",
+        f"train.run_dir={root / 'run'}",
+        f"data.train=[{{path: {root / 'train.jsonl'}}}]",
+        "data.template.kind=plain",
+        "mixing.rate=0.1",
+        "mixing.refresh_every=1",
+        "rollout.n=4",
+        f"rollout.max_new_tokens={args.max_new_tokens}",
+        "train.prompts_per_step=4",
+        "train.mini_batch_prompts=4",
+        "train.micro_batch_size=4",
+        "train.max_steps=100000",
+        "train.save_every=0",
+        "optim.lr=1e-6",
+    ]
     cfg = load_config([repo / "configs" / "tiny_test.yaml"], overrides)
     trainer = Trainer(cfg)
     trainer.setup()
@@ -79,30 +91,45 @@ def main() -> None:
             wall = time.perf_counter() - t0
             trainer.step += 1
             if strategy == "neighbor":
-                found = [v for v in trainer.engine._derived.values() if isinstance(v, NeighborLookup)]
+                found = [
+                    v for v in trainer.engine._derived.values() if isinstance(v, NeighborLookup)
+                ]
                 search = found[0].seconds if found else out.get("time/neighbor_table", 0.0)
                 shares.setdefault(lookup, []).append(search / wall)
                 if found:
                     searched.setdefault(lookup, []).append(found[0].rows_computed)
             return None
+
         return run
 
     lines = []
     for mode in args.modes.split(","):
-        r = compare(step("neighbor", mode), step("none", "auto"), label=f"GRPO step, mixing ({mode}) / plain",
-                    max_seconds=args.max_seconds, min_pairs=12)
+        r = compare(
+            step("neighbor", mode),
+            step("none", "auto"),
+            label=f"GRPO step, mixing ({mode}) / plain",
+            max_seconds=args.max_seconds,
+            min_pairs=12,
+        )
         share = shares[mode]
         lines.append(str(r))
-        lines.append(f"  {mode}: neighbour search share of the mixed step: median {statistics.median(share):.3f} "
-                     f"(min {min(share):.3f}, max {max(share):.3f}, {len(share)} steps)"
-                     + (f"; rows searched per step: median {statistics.median(searched[mode])}"
-                        if mode in searched else ""))
+        lines.append(
+            f"  {mode}: neighbour search share of the mixed step: median {statistics.median(share):.3f} "
+            f"(min {min(share):.3f}, max {max(share):.3f}, {len(share)} steps)"
+            + (
+                f"; rows searched per step: median {statistics.median(searched[mode])}"
+                if mode in searched
+                else ""
+            )
+        )
         print(lines[-2], lines[-1], sep="\n", flush=True)
     cost = ON_DEMAND_ROW_COST["cpu"]
-    print(f"auto's rule on CPU: on_demand when rate · positions · {cost} < V; here "
-          f"{cfg.mixing.rate} · {4 * 4 * args.max_new_tokens} · {cost} = "
-          f"{cfg.mixing.rate * 16 * args.max_new_tokens * cost:.0f} vs V = 49152 → "
-          f"{cfg.mixing.lookup_mode(16 * args.max_new_tokens, 49152)}")
+    print(
+        f"auto's rule on CPU: on_demand when rate · positions · {cost} < V; here "
+        f"{cfg.mixing.rate} · {4 * 4 * args.max_new_tokens} · {cost} = "
+        f"{cfg.mixing.rate * 16 * args.max_new_tokens * cost:.0f} vs V = 49152 → "
+        f"{cfg.mixing.lookup_mode(16 * args.max_new_tokens, 49152)}"
+    )
 
 
 def row_cost(model: str, shape: str, device: str) -> str:
@@ -132,7 +159,7 @@ def row_cost(model: str, shape: str, device: str) -> str:
         for _ in range(max(3, 48 // batch)):
             sync()
             t0 = time.perf_counter()
-            lookup.ensure(order[used:used + batch])
+            lookup.ensure(order[used : used + batch])
             sync()
             times.append((time.perf_counter() - t0) / batch)
             used += batch
@@ -143,7 +170,10 @@ def row_cost(model: str, shape: str, device: str) -> str:
     build_neighbor_table(weight, 0, 3)
     sync()
     table_row = (time.perf_counter() - t0) / v
-    rows = ", ".join(f"{b} per search {t * 1e3:.3f} ms = {t / table_row:.1f} table rows" for b, t in per_row.items())
+    rows = ", ".join(
+        f"{b} per search {t * 1e3:.3f} ms = {t / table_row:.1f} table rows"
+        for b, t in per_row.items()
+    )
     return f"{what} on {device}: table {table_row * 1e3:.4f} ms per row ({table_row * v:.2f} s); on-demand rows: {rows}"
 
 

@@ -49,9 +49,15 @@ def blas_cores() -> dict[str, str]:
     import ctypes
 
     cores = {}
-    for path in sorted({line.split()[-1] for line in open("/proc/self/maps") if "openblas" in line.lower()}):
+    for path in sorted(
+        {line.split()[-1] for line in open("/proc/self/maps") if "openblas" in line.lower()}
+    ):
         lib = ctypes.CDLL(path)
-        for name in ("openblas_get_corename", "scipy_openblas_get_corename64_", "openblas_get_corename64_"):
+        for name in (
+            "openblas_get_corename",
+            "scipy_openblas_get_corename64_",
+            "openblas_get_corename64_",
+        ):
             fn = getattr(lib, name, None)
             if fn is not None:
                 fn.restype = ctypes.c_char_p
@@ -72,7 +78,9 @@ def same_blas_kernels() -> None:
     if len(set(cores.values())) > 1 and "OPENBLAS_CORETYPE" not in os.environ:
         core = next(c for lib, c in cores.items() if "scipy" in lib or "numpy" in lib)
         print(f"re-running with OPENBLAS_CORETYPE={core}", flush=True)
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "OPENBLAS_CORETYPE": core})
+        os.execve(
+            sys.executable, [sys.executable, *sys.argv], {**os.environ, "OPENBLAS_CORETYPE": core}
+        )
 
 
 def faiss_ids(w: torch.Tensor, k: int, queries: int) -> torch.Tensor:
@@ -102,34 +110,52 @@ def main() -> None:
     torch.set_num_threads(threads)
     faiss.omp_set_num_threads(threads)
     screen = screen_dtype(torch.device("cpu"), "cosine")
-    print(f"threads {torch.get_num_threads()}, d={args.dim}, k={args.k}, chunk {args.chunk}, "
-          f"scoring screen {screen} (faiss: fp32)", flush=True)
+    print(
+        f"threads {torch.get_num_threads()}, d={args.dim}, k={args.k}, chunk {args.chunk}, "
+        f"scoring screen {screen} (faiss: fp32)",
+        flush=True,
+    )
 
     w = torch.randn(args.vocab, args.dim, generator=torch.Generator().manual_seed(0))
     base = rss_mb()
     table = build_neighbor_table(w, 0, args.k, "cosine", chunk_size=args.chunk)
     extra = peak_rss_mb() - base
     same = torch.equal(table, faiss_ids(w, args.k, args.vocab))
-    print(f"full table V={args.vocab}: identical to faiss: {same}; peak RSS growth {extra:.0f} MiB "
-          f"(bound: scores {screen.itemsize * args.chunk * args.vocab / 2**20:.0f} + normalised copy "
-          f"{screen.itemsize * args.vocab * args.dim / 2**20:.0f} MiB + small buffers)", flush=True)
-    r = compare(lambda: build_neighbor_table(w, 0, args.k, "cosine", chunk_size=args.chunk),
-                lambda: faiss_ids(w, args.k, args.vocab), kind="rate",
-                label=f"full table V={args.vocab}, throughput ours / faiss", max_seconds=args.max_seconds)
+    print(
+        f"full table V={args.vocab}: identical to faiss: {same}; peak RSS growth {extra:.0f} MiB "
+        f"(bound: scores {screen.itemsize * args.chunk * args.vocab / 2**20:.0f} + normalised copy "
+        f"{screen.itemsize * args.vocab * args.dim / 2**20:.0f} MiB + small buffers)",
+        flush=True,
+    )
+    r = compare(
+        lambda: build_neighbor_table(w, 0, args.k, "cosine", chunk_size=args.chunk),
+        lambda: faiss_ids(w, args.k, args.vocab),
+        kind="rate",
+        label=f"full table V={args.vocab}, throughput ours / faiss",
+        max_seconds=args.max_seconds,
+    )
     print(r, f"| ours {r.a_cpu:.2f} s, faiss {r.b_cpu:.2f} s (goal >= 1.0)", flush=True)
     x = torch.nn.functional.normalize(w, dim=1).numpy()
     c0 = time.process_time()
     np.matmul(x, x.T)
-    print(f"for scale: one bare sgemm of all V x V scores (numpy) {time.process_time() - c0:.2f} s cpu", flush=True)
+    print(
+        f"for scale: one bare sgemm of all V x V scores (numpy) {time.process_time() - c0:.2f} s cpu",
+        flush=True,
+    )
 
     ws = torch.randn(args.slice_vocab, args.dim, generator=torch.Generator().manual_seed(1))
     q = args.queries
     sl = build_neighbor_table(ws, 0, args.k, "cosine", chunk_size=args.chunk, rows=(0, q))
-    print(f"query slice {q} of V={args.slice_vocab}: identical to faiss: {torch.equal(sl, faiss_ids(ws, args.k, q))}")
-    r = compare(lambda: build_neighbor_table(ws, 0, args.k, "cosine", chunk_size=args.chunk, rows=(0, q)),
-                lambda: faiss_ids(ws, args.k, q), kind="rate",
-                label=f"query slice {q} of V={args.slice_vocab}, throughput ours / faiss",
-                max_seconds=args.max_seconds)
+    print(
+        f"query slice {q} of V={args.slice_vocab}: identical to faiss: {torch.equal(sl, faiss_ids(ws, args.k, q))}"
+    )
+    r = compare(
+        lambda: build_neighbor_table(ws, 0, args.k, "cosine", chunk_size=args.chunk, rows=(0, q)),
+        lambda: faiss_ids(ws, args.k, q),
+        kind="rate",
+        label=f"query slice {q} of V={args.slice_vocab}, throughput ours / faiss",
+        max_seconds=args.max_seconds,
+    )
     print(r, f"| ours {r.a_cpu:.2f} s, faiss {r.b_cpu:.2f} s", flush=True)
 
     v, d, q = 151936, 1536, args.qwen_queries
@@ -138,10 +164,12 @@ def main() -> None:
     c0, w0 = time.process_time(), time.perf_counter()
     build_neighbor_table(wq, 0, args.k, "cosine", chunk_size=args.chunk, rows=(0, q))
     t, wall = time.process_time() - c0, time.perf_counter() - w0
-    print(f"Qwen2-1.5B shape V={v}, d={d}: {q} query rows (general path) in cpu {t:.1f} s (wall {wall:.1f} s), "
-          f"peak RSS growth {peak_rss_mb() - base:.0f} MiB -> full table, extrapolated: general path "
-          f"≈ {t * v / q / 60:.1f} cpu-min on one core, single-rank symmetric path ≈ {t * v / q / 120:.1f} "
-          f"cpu-min (half the matmul work; not measured at this shape)")
+    print(
+        f"Qwen2-1.5B shape V={v}, d={d}: {q} query rows (general path) in cpu {t:.1f} s (wall {wall:.1f} s), "
+        f"peak RSS growth {peak_rss_mb() - base:.0f} MiB -> full table, extrapolated: general path "
+        f"≈ {t * v / q / 60:.1f} cpu-min on one core, single-rank symmetric path ≈ {t * v / q / 120:.1f} "
+        f"cpu-min (half the matmul work; not measured at this shape)"
+    )
 
 
 if __name__ == "__main__":

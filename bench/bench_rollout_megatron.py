@@ -42,14 +42,26 @@ def main() -> None:
     init_distributed()
     initialize_model_parallel(1, 1)
     with tempfile.TemporaryDirectory() as tmp:
-        hf = write_tiny_hf(tmp, weights=False, vocab_size=args.vocab, hidden_size=args.hidden,
-                           num_layers=args.layers, num_heads=8, num_kv_heads=4,
-                           intermediate_size=4 * args.hidden, initializer_range=0.05)
+        hf = write_tiny_hf(
+            tmp,
+            weights=False,
+            vocab_size=args.vocab,
+            hidden_size=args.hidden,
+            num_layers=args.layers,
+            num_heads=8,
+            num_kv_heads=4,
+            intermediate_size=4 * args.hidden,
+            initializer_range=0.05,
+        )
         chunks = build_model(ModelConfig(hf_path=str(hf), dtype="float32"))
     engine = MegatronEngine(chunks, args.vocab)
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, args.vocab, (int(torch.randint(16, 49, (1,), generator=gen)),),
-                             generator=gen).tolist() for _ in range(args.prompts)]
+    prompts = [
+        torch.randint(
+            0, args.vocab, (int(torch.randint(16, 49, (1,), generator=gen)),), generator=gen
+        ).tolist()
+        for _ in range(args.prompts)
+    ]
     params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.new_tokens, seed=0)
     modes = {"plain": None, f"mixed rho={args.rate}": MixingConfig(rate=args.rate)}
 
@@ -64,15 +76,25 @@ def main() -> None:
             if mix is not None:
                 frac.append(len(out.mixes) / tokens)
             return tokens
+
         return go
 
     mixed = f"mixed rho={args.rate}"
-    r = compare(run(modes[mixed]), run(None), kind="rate", label=f"tokens/s {mixed} / plain",
-                max_seconds=args.max_seconds)
-    print(f"model: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; "
-          f"{args.prompts} prompts x n={args.n}, {args.new_tokens} new tokens")
-    print(f"mixed positions: {sum(frac) / len(frac):.3f} of tokens; plain {1 / r.b_cpu:.0f} tok/s, "
-          f"mixed {1 / r.a_cpu:.0f} tok/s (CPU time, medians)")
+    r = compare(
+        run(modes[mixed]),
+        run(None),
+        kind="rate",
+        label=f"tokens/s {mixed} / plain",
+        max_seconds=args.max_seconds,
+    )
+    print(
+        f"model: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; "
+        f"{args.prompts} prompts x n={args.n}, {args.new_tokens} new tokens"
+    )
+    print(
+        f"mixed positions: {sum(frac) / len(frac):.3f} of tokens; plain {1 / r.b_cpu:.0f} tok/s, "
+        f"mixed {1 / r.a_cpu:.0f} tok/s (CPU time, medians)"
+    )
     print(r, "(goal: ratio >= 0.97, lower bound >= 0.95)")
 
 

@@ -37,9 +37,16 @@ def model_dir(vocab: int, hidden: int, layers: int):
 
     path = tempfile.mkdtemp(prefix="bench_vllm_")
     atexit.register(shutil.rmtree, path, True)
-    return write_tiny_hf(path, vocab_size=vocab, hidden_size=hidden,
-                         num_layers=layers, num_heads=hidden // 32, num_kv_heads=hidden // 64,
-                         intermediate_size=4 * hidden, initializer_range=0.05)
+    return write_tiny_hf(
+        path,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=hidden // 32,
+        num_kv_heads=hidden // 64,
+        intermediate_size=4 * hidden,
+        initializer_range=0.05,
+    )
 
 
 def throughput(args) -> None:
@@ -54,12 +61,24 @@ def throughput(args) -> None:
     path = model_dir(args.vocab, args.hidden, args.layers)
     cfg = VLLMConfig(max_model_len=512, kv_cache_memory_bytes=512 * 2**20, max_num_seqs=64)
     engine = VLLMEngine(path, cfg)
-    raw = LLM(model=str(path), skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-              max_model_len=512, max_num_seqs=64, seed=0, enable_prefix_caching=False,
-              kv_cache_memory_bytes=512 * 2**20)
+    raw = LLM(
+        model=str(path),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=512,
+        max_num_seqs=64,
+        seed=0,
+        enable_prefix_caching=False,
+        kv_cache_memory_bytes=512 * 2**20,
+    )
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, args.vocab, (int(torch.randint(16, 49, (1,), generator=gen)),),
-                             generator=gen).tolist() for _ in range(args.prompts)]
+    prompts = [
+        torch.randint(
+            3, args.vocab, (int(torch.randint(16, 49, (1,), generator=gen)),), generator=gen
+        ).tolist()
+        for _ in range(args.prompts)
+    ]
     params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.new_tokens, seed=0)
     raw_params = VSamplingParams(n=args.n, temperature=1.0, max_tokens=args.new_tokens, logprobs=0)
     mixed = f"mixed rho={args.rate}"
@@ -76,16 +95,25 @@ def throughput(args) -> None:
             tokens = sum(out.response_lengths)
             frac[name] = len(out.mixes) / tokens
             return tokens
+
         return run
 
     plain = run_engine(None, "plain")
-    print(f"throughput model: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; "
-          f"{args.prompts} prompts x n={args.n}, {args.new_tokens} new tokens", flush=True)
+    print(
+        f"throughput model: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; "
+        f"{args.prompts} prompts x n={args.n}, {args.new_tokens} new tokens",
+        flush=True,
+    )
     comparisons = (
-        (run_engine(MixingConfig(rate=args.rate), mixed), plain, f"{mixed} / plain",
-         " (goal: ratio >= 0.97, lower bound >= 0.95)"),
+        (
+            run_engine(MixingConfig(rate=args.rate), mixed),
+            plain,
+            f"{mixed} / plain",
+            " (goal: ratio >= 0.97, lower bound >= 0.95)",
+        ),
         (run_engine(MixingConfig(rate=1.0), "mixed rho=1.0"), plain, "mixed rho=1.0 / plain", ""),
-        (plain, run_raw, "plain (hook, no request opted in) / vLLM without hook", ""))
+        (plain, run_raw, "plain (hook, no request opted in) / vLLM without hook", ""),
+    )
     for num, den, label, goal in comparisons[:1] if args.goal_only else comparisons:
         r = compare(num, den, kind="rate", label=f"tokens/s {label}", max_seconds=args.max_seconds)
         print(f"{r} | {1 / r.a_cpu:.0f} vs {1 / r.b_cpu:.0f} tok/s{goal}", flush=True)
@@ -109,7 +137,9 @@ def weight_sync(args) -> None:
     for vocab, hidden, layers in ((args.vocab, args.hidden, args.layers), (8192, 512, 8)):
         path = model_dir(vocab, hidden, layers)
         engine = VLLMEngine(path, VLLMConfig(max_model_len=256, kv_cache_memory_bytes=64 * 2**20))
-        engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2), MixingConfig())  # builds the table
+        engine.generate(
+            [[5, 6, 7]], SamplingParams(max_new_tokens=2), MixingConfig()
+        )  # builds the table
         init_distributed()
         initialize_model_parallel(1, 1)
         chunks = build_model(ModelConfig(hf_path=str(path), dtype="float32"))
@@ -120,11 +150,13 @@ def weight_sync(args) -> None:
             runs.append(dict(engine.last_sync))
         n = runs[0]["num_params"]
         best = min(runs, key=lambda r: r["seconds"])
-        print(f"sync {n / 1e6:6.2f} M params (hidden {hidden}, {layers} layers, vocab {vocab}): "
-              f"best {best['seconds']:.3f} s = {best['seconds'] / n * 1e6:.3f} s per M params "
-              f"(export + reload {best['load_seconds']:.3f}, "
-              f"table {best['table_seconds']:.3f}); median "
-              f"{statistics.median(r['seconds'] for r in runs):.3f} s")
+        print(
+            f"sync {n / 1e6:6.2f} M params (hidden {hidden}, {layers} layers, vocab {vocab}): "
+            f"best {best['seconds']:.3f} s = {best['seconds'] / n * 1e6:.3f} s per M params "
+            f"(export + reload {best['load_seconds']:.3f}, "
+            f"table {best['table_seconds']:.3f}); median "
+            f"{statistics.median(r['seconds'] for r in runs):.3f} s"
+        )
         engine.close()
 
 
@@ -139,8 +171,11 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=4096)
-    ap.add_argument("--goal-only", action="store_true",
-                    help="only the mixed (--rate) / plain ratio, no weight sync (for iterating)")
+    ap.add_argument(
+        "--goal-only",
+        action="store_true",
+        help="only the mixed (--rate) / plain ratio, no weight sync (for iterating)",
+    )
     args = ap.parse_args()
     throughput(args)
     if not args.goal_only:

@@ -50,15 +50,26 @@ def main() -> None:
     repo = Path(__file__).resolve().parents[1]
     root = Path(tempfile.mkdtemp(prefix="bench_step_engines_"))
     write_arithmetic_task(root, hidden_size=args.hidden, num_layers=args.layers)
-    common = [f"train.run_dir={root / 'run'}", "model.tensor_parallel=2", "rollout.vllm.tensor_parallel=2",
-              "rollout.vllm.max_model_len=64", "train.max_steps=1000", "train.save_every=0",
-              "rollout.vllm.weight_transfer=gloo", f"rollout.vllm.sync_bucket_mb={args.bucket_mb}"]
+    common = [
+        f"train.run_dir={root / 'run'}",
+        "model.tensor_parallel=2",
+        "rollout.vllm.tensor_parallel=2",
+        "rollout.vllm.max_model_len=64",
+        "train.max_steps=1000",
+        "train.save_every=0",
+        "rollout.vllm.weight_transfer=gloo",
+        f"rollout.vllm.sync_bucket_mb={args.bucket_mb}",
+    ]
     cfg = load_config([repo / "configs" / "tiny_test.yaml", root / "paths.yaml"], common)
     trainer = Trainer(cfg)
     trainer.setup()
     vllm_cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, engine="vllm"))
-    engines = {"megatron": trainer.engine,
-               "vllm": build_engine(vllm_cfg, trainer.chunks, tokenizer=trainer.tokenizer, seed=cfg.train.seed)}
+    engines = {
+        "megatron": trainer.engine,
+        "vllm": build_engine(
+            vllm_cfg, trainer.chunks, tokenizer=trainer.tokenizer, seed=cfg.train.seed
+        ),
+    }
     sync = weight_sync_comparison(engines["vllm"], trainer.chunks, args.max_seconds)
     if args.sync_only:
         if dist.get_rank() == 0:
@@ -75,10 +86,16 @@ def main() -> None:
             if name == "vllm":  # per M parameters of the model (a rank loads fewer shard-to-shard)
                 syncs.append((out["weight_sync/load_seconds"], n_model))
             return None
+
         return run
 
-    result = compare(step("vllm"), step("megatron"), label="train step, vLLM / Megatron engine",
-                     max_seconds=args.max_seconds, group=dist.group.WORLD)
+    result = compare(
+        step("vllm"),
+        step("megatron"),
+        label="train step, vLLM / Megatron engine",
+        max_seconds=args.max_seconds,
+        group=dist.group.WORLD,
+    )
     trainer.table = None  # force a rebuild: its time, separately from the weight sync
     t0 = time.perf_counter()
     trainer._refresh_table()
@@ -86,9 +103,11 @@ def main() -> None:
     if dist.get_rank() == 0:
         print(result)
         per_m = sorted(s / (n / 1e6) for s, n in syncs)
-        print(f"vLLM weight sync in train steps (excluding the table): median {per_m[len(per_m) // 2]:.4f} s "
-              f"per M params ({len(per_m)} syncs, {syncs[0][1] / 1e6:.2f} M params); neighbour table build "
-              f"{table_s:.4f} s")
+        print(
+            f"vLLM weight sync in train steps (excluding the table): median {per_m[len(per_m) // 2]:.4f} s "
+            f"per M params ({len(per_m)} syncs, {syncs[0][1] / 1e6:.2f} M params); neighbour table build "
+            f"{table_s:.4f} s"
+        )
         print(sync)
     engines["vllm"].close()
 
@@ -120,18 +139,27 @@ def weight_sync_comparison(engine, chunks, max_seconds: float) -> str:
         return num_params / 1e6
 
     def reload():
-        engine.llm.collective_rpc("reload_weights", kwargs={
-            "weights_iterator": export_hf_tensors(chunks, engine.spec, tp_shards=shards)})
+        engine.llm.collective_rpc(
+            "reload_weights",
+            kwargs={"weights_iterator": export_hf_tensors(chunks, engine.spec, tp_shards=shards)},
+        )
         return num_params / 1e6
 
-    r = compare(gloo, reload, label="weight sync, gloo / reload route", max_seconds=max_seconds / 2,
-                group=dist.group.WORLD)
+    r = compare(
+        gloo,
+        reload,
+        label="weight sync, gloo / reload route",
+        max_seconds=max_seconds / 2,
+        group=dist.group.WORLD,
+    )
     lines = [str(r)]
     for name, key in (("gloo", "a"), ("reload", "b")):
         c, w = (median_interval(r.samples[key][clock]) for clock in (0, 1))
-        lines.append(f"{name} route: {c} CPU s per M params, wall {w} s per M params "
-                     f"({num_params / 1e6:.2f} M params, median [95% CI], {r.pairs} syncs, bucket "
-                     f"{engine.cfg.sync_bucket_mb:g} MiB, shard-to-shard: {'yes' if shards else 'no'})")
+        lines.append(
+            f"{name} route: {c} CPU s per M params, wall {w} s per M params "
+            f"({num_params / 1e6:.2f} M params, median [95% CI], {r.pairs} syncs, bucket "
+            f"{engine.cfg.sync_bucket_mb:g} MiB, shard-to-shard: {'yes' if shards else 'no'})"
+        )
     return "\n".join(lines)
 
 

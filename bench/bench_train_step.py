@@ -49,10 +49,20 @@ def build(args):
 
     init_distributed()
     initialize_model_parallel(1, 1, None, seed=0)
-    hf = write_tiny_hf(tempfile.mkdtemp(), weights=False, vocab_size=args.vocab, hidden_size=args.hidden,
-                       num_layers=args.layers, num_heads=4, num_kv_heads=2, intermediate_size=2 * args.hidden,
-                       max_pos=args.prompt + args.response)
-    return wrap_for_training(build_model(ModelConfig(hf_path=str(hf), dtype="float32", layer_spec="local")))
+    hf = write_tiny_hf(
+        tempfile.mkdtemp(),
+        weights=False,
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=2 * args.hidden,
+        max_pos=args.prompt + args.response,
+    )
+    return wrap_for_training(
+        build_model(ModelConfig(hf_path=str(hf), dtype="float32", layer_spec="local"))
+    )
 
 
 def batch(args):
@@ -66,18 +76,38 @@ def batch(args):
     g = torch.Generator().manual_seed(0)
     b, k = args.batch, args.k
     prompts = [torch.randint(0, args.vocab, (args.prompt,), generator=g).tolist() for _ in range(b)]
-    responses = [torch.randint(0, args.vocab, (args.response,), generator=g).tolist() for _ in range(b)]
+    responses = [
+        torch.randint(0, args.vocab, (args.response,), generator=g).tolist() for _ in range(b)
+    ]
     per_seq = []
     for _ in range(b):
         pos = torch.nonzero(torch.rand(args.response, generator=g) < args.rate).flatten().tolist()
-        per_seq.append([(p, torch.randint(0, args.vocab, (k,), generator=g).tolist(),
-                         torch.softmax(torch.randn(k, generator=g), 0).tolist()) for p in pos])
-    rb = RolloutBatch(prompts, responses, [[0.0] * args.response] * b, ["stop"] * b,
-                      MixRecord.from_lists(per_seq, k), [i // 4 for i in range(b)])
+        per_seq.append(
+            [
+                (
+                    p,
+                    torch.randint(0, args.vocab, (k,), generator=g).tolist(),
+                    torch.softmax(torch.randn(k, generator=g), 0).tolist(),
+                )
+                for p in pos
+            ]
+        )
+    rb = RolloutBatch(
+        prompts,
+        responses,
+        [[0.0] * args.response] * b,
+        ["stop"] * b,
+        MixRecord.from_lists(per_seq, k),
+        [i // 4 for i in range(b)],
+    )
     mixed = TokenBatch.from_rollout(rb)
     lp = torch.randn(mixed.tokens.shape, generator=g) * 0.1 - 3.0
-    mixed = mixed.with_extras(old_logprobs=lp * mixed.mask, ref_logprobs=(lp + 0.01) * mixed.mask,
-                              advantages=torch.randn(b, generator=g), active=torch.ones(b, dtype=torch.bool))
+    mixed = mixed.with_extras(
+        old_logprobs=lp * mixed.mask,
+        ref_logprobs=(lp + 0.01) * mixed.mask,
+        advantages=torch.randn(b, generator=g),
+        active=torch.ones(b, dtype=torch.bool),
+    )
     return mixed, replace(mixed, mix=None), len(rb.mixes) / (b * args.response)
 
 
@@ -90,17 +120,30 @@ def main(argv=None) -> dict:
     chunks = build(args)
     mixed, plain, frac = batch(args)
     cfg = GRPOConfig()
-    settings = UpdateSettings(temperature=1.0, micro_batch_size=args.micro_batch, max_response_len=args.response)
+    settings = UpdateSettings(
+        temperature=1.0, micro_batch_size=args.micro_batch, max_response_len=args.response
+    )
     steps = {
         "train_step": lambda tb: loss_and_grads(chunks, tb, cfg, settings),
         "logprobs": lambda tb: batch_logprobs(chunks, tb, 1.0, args.micro_batch),
     }
     out = {"shape": vars(args), "mixed_fraction": frac}
     for name, fn in steps.items():
-        r = compare(lambda: fn(mixed), lambda: fn(plain), label=f"{name} with mixes / without",
-                    max_seconds=args.max_seconds)
-        out[name] = {"mixed_s": r.a_cpu, "plain_s": r.b_cpu, "ratio": r.cpu.value, "lo": r.cpu.lo,
-                     "hi": r.cpu.hi, "pairs": r.pairs, "converged": r.converged}
+        r = compare(
+            lambda: fn(mixed),
+            lambda: fn(plain),
+            label=f"{name} with mixes / without",
+            max_seconds=args.max_seconds,
+        )
+        out[name] = {
+            "mixed_s": r.a_cpu,
+            "plain_s": r.b_cpu,
+            "ratio": r.cpu.value,
+            "lo": r.cpu.lo,
+            "hi": r.cpu.hi,
+            "pairs": r.pairs,
+            "converged": r.converged,
+        }
         print(f"{r} | mixed {r.a_cpu:.4f} s, plain {r.b_cpu:.4f} s (goal <= 1.01)", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))

@@ -31,7 +31,14 @@ from math_verify import parse, verify
 from megatron_ngrpo.rewards import MathGrader
 from megatron_ngrpo.rewards.extract import FREE_TEXT_RULES, extract_answer
 
-MODULES = ("test_all", "test_boxed", "test_numina_cases", "test_open_thoughts", "test_yujianll", "test_strict")
+MODULES = (
+    "test_all",
+    "test_boxed",
+    "test_numina_cases",
+    "test_open_thoughts",
+    "test_yujianll",
+    "test_strict",
+)
 _ONE_MATH_SPAN = re.compile(r"\s*(?:\$\$?[^$]*\$\$?|\\\(.*\\\)|\\\[.*\\\])\s*\.?", re.S)
 
 
@@ -54,8 +61,14 @@ def load_cases(checkout: Path) -> list[dict]:
                     params = dict(zip(names, values))
                     params["expected"] = params.get("expected", params.get("result"))
                     if {"gold", "pred"} <= params.keys():
-                        cases.append({"test": f"{name}::{attr}", "gold": params["gold"],
-                                      "pred": params["pred"], "expected": float(params["expected"])})
+                        cases.append(
+                            {
+                                "test": f"{name}::{attr}",
+                                "gold": params["gold"],
+                                "pred": params["pred"],
+                                "expected": float(params["expected"]),
+                            }
+                        )
     return cases
 
 
@@ -77,13 +90,21 @@ def math_verify_grade(case: dict) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("checkout", type=Path, help="a checkout of huggingface/Math-Verify (with tests/)")
-    ap.add_argument("--free-text", default="last_number", choices=FREE_TEXT_RULES,
-                    help="the grader's free_text rule (default last_number)")
+    ap.add_argument(
+        "checkout", type=Path, help="a checkout of huggingface/Math-Verify (with tests/)"
+    )
+    ap.add_argument(
+        "--free-text",
+        default="last_number",
+        choices=FREE_TEXT_RULES,
+        help="the grader's free_text rule (default last_number)",
+    )
     ap.add_argument("--show", action="store_true", help="print the cases we grade wrongly")
     args = ap.parse_args()
     if not (args.checkout / "tests" / "test_all.py").is_file():
-        sys.exit(f"{args.checkout}: no tests/test_all.py (expected a checkout of huggingface/Math-Verify)")
+        sys.exit(
+            f"{args.checkout}: no tests/test_all.py (expected a checkout of huggingface/Math-Verify)"
+        )
     cases = load_cases(args.checkout)
     with MathGrader(timeout_s=30.0, workers=2, free_text=args.free_text) as grader:
         ours = grader.score_batch([(c["pred"], gold_answer(c["gold"])) for c in cases])
@@ -96,8 +117,10 @@ def main() -> None:
         row[1] += math_verify_grade(case) == case["expected"]
         row[2] += 1
         if args.show and not ok:
-            print(f"WRONG {group} {case['test']}: gold {case['gold'][-60:]!r} pred {case['pred'][-80:]!r} "
-                  f"expected {case['expected']:.0f}")
+            print(
+                f"WRONG {group} {case['test']}: gold {case['gold'][-60:]!r} pred {case['pred'][-80:]!r} "
+                f"expected {case['expected']:.0f}"
+            )
     for group, (mine, mv, n) in totals.items():
         print(f"{group:9s} ours {mine}/{n}  math-verify {mv}/{n}")
 

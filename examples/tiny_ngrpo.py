@@ -39,7 +39,9 @@ def run(cmd: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "demo")
     ap.add_argument("--steps", type=int, default=None, help="GRPO steps (default: the config's)")
     ap.add_argument("overrides", nargs="*", help="extra config overrides a.b=c")
@@ -51,24 +53,68 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"task": write_task(task_dir)}))
     # The task's paths as a config layer over configs/tiny_cpu.yaml.
     paths = out / "task_paths.yaml"
-    paths.write_text(yaml.safe_dump({
-        "tokenizer": str(task_dir / "tokenizer"),
-        "model": {"hf_path": str(task_dir / "model")},
-        "train": {"run_dir": str(run_dir), "warmstart": {"path": str(task_dir / "sft.jsonl")},
-                  **({"max_steps": args.steps} if args.steps else {})},
-        "data": {"train": [{"path": str(task_dir / "train.jsonl")}]},
-        "validation": {"benchmarks": [str(task_dir / "heldout.jsonl")]},
-    }))
-    run([sys.executable, "-m", "megatron_ngrpo.launch", "run", "tiny", "--executor", "local",
-         "--config", "configs/tiny_cpu.yaml", "--config", str(paths),
-         "--hf-path", str(task_dir / "model"), *args.overrides])
+    paths.write_text(
+        yaml.safe_dump(
+            {
+                "tokenizer": str(task_dir / "tokenizer"),
+                "model": {"hf_path": str(task_dir / "model")},
+                "train": {
+                    "run_dir": str(run_dir),
+                    "warmstart": {"path": str(task_dir / "sft.jsonl")},
+                    **({"max_steps": args.steps} if args.steps else {}),
+                },
+                "data": {"train": [{"path": str(task_dir / "train.jsonl")}]},
+                "validation": {"benchmarks": [str(task_dir / "heldout.jsonl")]},
+            }
+        )
+    )
+    run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_ngrpo.launch",
+            "run",
+            "tiny",
+            "--executor",
+            "local",
+            "--config",
+            "configs/tiny_cpu.yaml",
+            "--config",
+            str(paths),
+            "--hf-path",
+            str(task_dir / "model"),
+            *args.overrides,
+        ]
+    )
 
     hf_out = out / "hf"
-    run([sys.executable, "tools/convert_megatron_to_hf.py", "--input", str(run_dir), "--output", str(hf_out),
-         "--hf-source", str(task_dir / "tokenizer"), "--overwrite", "--no-progress"])
-    run([sys.executable, "tools/plot_metrics.py", str(run_dir), "--title", "tiny N-GRPO (CPU, TP=2)"])
+    run(
+        [
+            sys.executable,
+            "tools/convert_megatron_to_hf.py",
+            "--input",
+            str(run_dir),
+            "--output",
+            str(hf_out),
+            "--hf-source",
+            str(task_dir / "tokenizer"),
+            "--overwrite",
+            "--no-progress",
+        ]
+    )
+    run(
+        [
+            sys.executable,
+            "tools/plot_metrics.py",
+            str(run_dir),
+            "--title",
+            "tiny N-GRPO (CPU, TP=2)",
+        ]
+    )
 
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    rows = [
+        json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line
+    ]
     window = max(1, min(10, len(rows) // 2))  # per-step rewards are noisy (16 prompts a step)
     mean = lambda part, key: sum(r[key] for r in part) / len(part)  # noqa: E731
     summary = {
@@ -76,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         f"reward_first_{window}_steps": mean(rows[:window], "reward/mean"),
         f"reward_last_{window}_steps": mean(rows[-window:], "reward/mean"),
         "validation": {r["step"]: r["val/mean@4"] for r in rows if "val/mean@4" in r},
-        "run_dir": str(run_dir), "hf_export": str(hf_out), "plot": str(run_dir / "metrics.png"),
+        "run_dir": str(run_dir),
+        "hf_export": str(hf_out),
+        "plot": str(run_dir / "metrics.png"),
     }
     print(json.dumps(summary, indent=1))
     return 0

@@ -51,7 +51,9 @@ class ArchSpec:
     def from_dict(cls, cfg: dict, source: str = "config.json") -> ArchSpec:
         arch = cfg.get("model_type")
         if arch not in SUPPORTED:
-            raise ConfigError(f"{source}: model_type {arch!r} is not supported (expected one of {SUPPORTED})")
+            raise ConfigError(
+                f"{source}: model_type {arch!r} is not supported (expected one of {SUPPORTED})"
+            )
         heads = cfg["num_attention_heads"]
         # transformers 5 writes rope_scaling into rope_parameters (with rope_type "default" if none).
         scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or None
@@ -61,13 +63,20 @@ class ArchSpec:
         if scaling:
             kind = scaling.get("rope_type", scaling.get("type"))
             if kind != "llama3":
-                raise ConfigError(f"{source}: rope_scaling type {kind!r} is not supported (only llama3)")
+                raise ConfigError(
+                    f"{source}: rope_scaling type {kind!r} is not supported (only llama3)"
+                )
             # megatron's RotaryEmbedding takes only the factor; the rest are its fixed defaults.
-            for key, fixed in (("low_freq_factor", 1.0), ("high_freq_factor", 4.0),
-                               ("original_max_position_embeddings", 8192)):
+            for key, fixed in (
+                ("low_freq_factor", 1.0),
+                ("high_freq_factor", 4.0),
+                ("original_max_position_embeddings", 8192),
+            ):
                 if key in scaling and float(scaling[key]) != fixed:
-                    raise ConfigError(f"{source}: rope_scaling.{key} = {scaling[key]} is not supported "
-                                      f"(megatron's llama3 rope scaling fixes it to {fixed})")
+                    raise ConfigError(
+                        f"{source}: rope_scaling.{key} = {scaling[key]} is not supported "
+                        f"(megatron's llama3 rope scaling fixes it to {fixed})"
+                    )
             factor = float(scaling["factor"])
         rope_theta = cfg.get("rope_theta")
         if rope_theta is None:  # transformers 5 nests it under rope_parameters

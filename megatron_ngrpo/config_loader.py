@@ -38,8 +38,11 @@ def fail(field: str, value, why: str) -> None:
     raise ConfigError(f"config field '{field}' = {value!r}: {why}")
 
 
-def load(cls: type[T], yaml_paths: list[str | Path] | str | Path | None = None,
-         overrides: list[str] | None = None) -> T:
+def load(
+    cls: type[T],
+    yaml_paths: list[str | Path] | str | Path | None = None,
+    overrides: list[str] | None = None,
+) -> T:
     """Defaults of ``cls`` ← each YAML file in order ← ``key.sub=value`` overrides; validated.
 
     Raises :class:`ConfigError` (one line) on unknown keys, wrong types or invalid values.
@@ -51,8 +54,11 @@ def load(cls: type[T], yaml_paths: list[str | Path] | str | Path | None = None,
     return obj
 
 
-def compose(cls: type[T], yaml_paths: list[str | Path] | str | Path | None = None,
-            overrides: list[str] | None = None) -> T:
+def compose(
+    cls: type[T],
+    yaml_paths: list[str | Path] | str | Path | None = None,
+    overrides: list[str] | None = None,
+) -> T:
     """:func:`load` without the ``validate()`` calls (types and keys are still checked): for a
     launcher reading a job's fields where the files the config names live on the cluster."""
     renamed = getattr(cls, "RENAMED", {})
@@ -77,13 +83,15 @@ def compose(cls: type[T], yaml_paths: list[str | Path] | str | Path | None = Non
         head = item.split("=", 1)[0].split(".", 1)[0]
         if head in renamed:
             _deprecated(head, renamed[head], f"override {item!r}")
-            item = renamed[head] + item[len(head):]
+            item = renamed[head] + item[len(head) :]
         key, value = item.split("=", 1)
         item = ".".join(_field_name(k) for k in key.split(".")) + "=" + value
         try:
             parsed = OmegaConf.from_dotlist([item])
         except (yaml.YAMLError, OmegaConfBaseException) as e:
-            raise ConfigError(f"override {item!r}: cannot parse the value: {_one_line(e)}") from None
+            raise ConfigError(
+                f"override {item!r}: cannot parse the value: {_one_line(e)}"
+            ) from None
         merged = _merge(merged, parsed, f"override {item!r}")
     return OmegaConf.to_object(merged)
 
@@ -121,7 +129,10 @@ def _key_name(name: str) -> str:
 def _keyword_fields(data, rename=_field_name):
     """Nested mapping with every key renamed by ``rename`` (YAML keys -> field names or back)."""
     if isinstance(data, dict):
-        return {rename(k) if isinstance(k, str) else k: _keyword_fields(v, rename) for k, v in data.items()}
+        return {
+            rename(k) if isinstance(k, str) else k: _keyword_fields(v, rename)
+            for k, v in data.items()
+        }
     return data
 
 
@@ -129,7 +140,9 @@ def _rename_sections(data: dict, renamed: dict[str, str], source: str) -> dict:
     for old, new in renamed.items():
         if old in data:
             if new in data:
-                raise ConfigError(f"{source}: both {old!r} (the old name) and {new!r}; keep {new!r}")
+                raise ConfigError(
+                    f"{source}: both {old!r} (the old name) and {new!r}; keep {new!r}"
+                )
             _deprecated(old, new, source)
             data = {(new if k == old else k): v for k, v in data.items()}
     return data
@@ -144,7 +157,9 @@ def _merge(base, other, source: str):
         return OmegaConf.merge(base, other)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or ""
-        raise ConfigError(f"{source}: field {key!r}: {_one_line(e).split(' full_key:')[0]}") from None
+        raise ConfigError(
+            f"{source}: field {key!r}: {_one_line(e).split(' full_key:')[0]}"
+        ) from None
 
 
 def _one_line(e: Exception) -> str:

@@ -66,9 +66,7 @@ def init_distributed(timeout_s: int = DEFAULT_TIMEOUT_S, trace_dir: str | None =
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     if on_gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(
-        backend="nccl" if on_gpu else "gloo", timeout=collective_timeout()
-    )
+    dist.init_process_group(backend="nccl" if on_gpu else "gloo", timeout=collective_timeout())
 
 
 def collective_timeout() -> datetime.timedelta:
@@ -135,7 +133,9 @@ def duplicate_model_parallel_groups():
     for n in names:
         # Every rank creates every distinct group of this kind, in one order, and keeps its own.
         kinds = sorted({tuple(m[n]) for m in everyone if m[n] is not None})
-        groups = {ranks: dist.new_group(list(ranks), timeout=collective_timeout()) for ranks in kinds}
+        groups = {
+            ranks: dist.new_group(list(ranks), timeout=collective_timeout()) for ranks in kinds
+        }
         if mine[n] is not None:
             setattr(pgs, n, groups[tuple(mine[n])])
     return pgs

@@ -17,9 +17,16 @@ from megatron_ngrpo.grpo.dynamic_sampling import DynamicSamplingExhausted
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_ngrpo.train", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", action="append", default=[], metavar="FILE",
-                        help="YAML file (repeatable; later files override earlier ones)")
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_ngrpo.train", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="YAML file (repeatable; later files override earlier ones)",
+    )
     parser.add_argument("overrides", nargs="*", metavar="a.b=c", help="dotted config overrides")
     args = parser.parse_args(argv)
     # lazy: keeps train free of torch at import (start-up)
@@ -31,7 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     # lazy: keeps train free of megatron-core, torch at import (start-up)
     from megatron_ngrpo.training.trainer import Trainer
 

@@ -52,8 +52,14 @@ class Launch:
 def start_cli(args: list[str], env: dict[str, str], log: Path) -> Launch:
     """``python -m megatron_ngrpo.launch ARGS`` in the background, stdout and stderr to ``log``."""
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "megatron_ngrpo.launch", *args], cwd=REPO, env=env,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "megatron_ngrpo.launch", *args],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     return Launch(proc, log)
 
 
@@ -85,7 +91,8 @@ def write_arithmetic_task(directory: Path, **task_kwargs) -> Path:
         f"tokenizer: {directory / 'tokenizer'}\n"
         f"model:\n  hf_path: {directory / 'model'}\n"
         f"data:\n  train:\n    - path: {directory / 'train.jsonl'}\n  template:\n    kind: plain\n"
-        f"    instruction: ''\n")
+        f"    instruction: ''\n"
+    )
     return overlay
 
 
@@ -112,14 +119,26 @@ class SlurmCluster:
 
     def __init__(self, state: Path):
         self.state = state
-        base = next(b for b in (random.randrange(20000, 40000, 5) for _ in range(100)) if _ports_free(b, 5))
+        base = next(
+            b for b in (random.randrange(20000, 40000, 5) for _ in range(100)) if _ports_free(b, 5)
+        )
         self.script_env = {**os.environ, "NGRPO_SLURM_PORT_BASE": str(base)}
         self.env = {**os.environ, "SLURM_CONF": str(state / "etc" / "slurm.conf")}
 
     def start(self) -> subprocess.CompletedProcess:
-        return subprocess.run(["bash", str(SLURM_SCRIPTS / "start.sh"), str(self.state)],
-                              env=self.script_env, capture_output=True, text=True, timeout=240)
+        return subprocess.run(
+            ["bash", str(SLURM_SCRIPTS / "start.sh"), str(self.state)],
+            env=self.script_env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
 
     def stop(self) -> subprocess.CompletedProcess:
-        return subprocess.run(["bash", str(SLURM_SCRIPTS / "stop.sh"), str(self.state)],
-                              env=self.script_env, capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            ["bash", str(SLURM_SCRIPTS / "stop.sh"), str(self.state)],
+            env=self.script_env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )

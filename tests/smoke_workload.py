@@ -60,7 +60,9 @@ def forward(cfg: SmokeConfig) -> dict:
     spec = ArchSpec.from_hf(cfg.model.hf_path)
     ids = tokens(cfg, spec.vocab_size)
     init_distributed()
-    initialize_model_parallel(cfg.model.tensor_parallel, cfg.model.pipeline_parallel, seed=cfg.smoke.seed)
+    initialize_model_parallel(
+        cfg.model.tensor_parallel, cfg.model.pipeline_parallel, seed=cfg.smoke.seed
+    )
     torch.manual_seed(cfg.smoke.seed)
     (model,) = build_model(cfg.model)
     model.eval()
@@ -71,9 +73,14 @@ def forward(cfg: SmokeConfig) -> dict:
         loss = model(x, torch.arange(s).expand(b, s), mask, labels=x.roll(-1, dims=1))
     nodes = [None] * dist.get_world_size()
     dist.all_gather_object(nodes, os.environ.get("SLURMD_NODENAME", socket.gethostname()))
-    return {"loss": loss.float().mean().item(), "world_size": dist.get_world_size(),
-            "tp": cfg.model.tensor_parallel, "nodes": nodes,
-            "rank": dist.get_rank(), "params": sum(p.numel() for p in model.parameters())}
+    return {
+        "loss": loss.float().mean().item(),
+        "world_size": dist.get_world_size(),
+        "tp": cfg.model.tensor_parallel,
+        "nodes": nodes,
+        "rank": dist.get_rank(),
+        "params": sum(p.numel() for p in model.parameters()),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,14 +91,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load(SmokeConfig, argv[1], argv[2:])
         if cfg.model.pipeline_parallel != 1:
-            fail("model.pipeline_parallel", cfg.model.pipeline_parallel, "the smoke forward runs PP = 1 only")
+            fail(
+                "model.pipeline_parallel",
+                cfg.model.pipeline_parallel,
+                "the smoke forward runs PP = 1 only",
+            )
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     result = forward(cfg)
     if result["rank"] == 0:
-        print(f"SMOKE loss={result['loss']:.6f} world_size={result['world_size']} nodes={result['nodes']}",
-              flush=True)
+        print(
+            f"SMOKE loss={result['loss']:.6f} world_size={result['world_size']} nodes={result['nodes']}",
+            flush=True,
+        )
         if cfg.smoke.out:
             Path(cfg.smoke.out).write_text(json.dumps(result))
     import torch.distributed as dist

@@ -28,26 +28,33 @@ def test_staleness_is_refused_in_one_line_or_dropped():
     assert check_staleness(5, 3, 1, "drop") is False
     with pytest.raises(StaleRolloutError) as err:
         check_staleness(5, 3, 1, "error")
-    assert str(err.value) == ("rollout of policy version 3 at step 5: staleness 2 > "
-                              "train.async.max_staleness = 1")
+    assert str(err.value) == (
+        "rollout of policy version 3 at step 5: staleness 2 > train.async.max_staleness = 1"
+    )
 
 
 @pytest.mark.parametrize("on_stale", ["drop", "error"])
 def test_producer_drops_and_counts_or_refuses_a_stale_batch(on_stale):
     producer = RolloutProducer(engine=None, max_staleness=1, on_stale=on_stale, keep_weights=False)
-    producer._job = InFlight(version=3, examples=["p"], keys=[7], data_before={}, snapshot=None,
-                             rollout=_batch(3))
+    producer._job = InFlight(
+        version=3, examples=["p"], keys=[7], data_before={}, snapshot=None, rollout=_batch(3)
+    )
     if on_stale == "error":
         with pytest.raises(StaleRolloutError, match="staleness 2"):
             producer.take(5)
         return
     job = producer.take(5)
-    assert job.rollout is None and (job.examples, job.keys) == (["p"], [7])  # the trainer regenerates these
+    assert job.rollout is None and (job.examples, job.keys) == (
+        ["p"],
+        [7],
+    )  # the trainer regenerates these
     assert producer.metrics(5, 5)["async/dropped"] == 1 and producer.take(6) is None
 
 
 def _batch(version) -> RolloutBatch:
-    return RolloutBatch([[1, 2]], [[3]], [[-0.5]], ["stop"], MixRecord.empty(1, 2), [0], policy_version=version)
+    return RolloutBatch(
+        [[1, 2]], [[3]], [[-0.5]], ["stop"], MixRecord.empty(1, 2), [0], policy_version=version
+    )
 
 
 def test_policy_version_is_validated_and_kept():

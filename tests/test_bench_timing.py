@@ -32,16 +32,19 @@ def _times(k: int, units: int | None = None):
         for _ in range(k):
             _kernel()
         return units
+
     return run
 
 
 def _first_doubles(k: int, calls: list[int]):
     """k kernels, 2k when this call opens its pair (calls alternate: even count = first)."""
+
     def run():
         first = calls[0] % 2 == 0
         calls[0] += 1
         for _ in range(k * (2 if first else 1)):
             _kernel()
+
     return run
 
 

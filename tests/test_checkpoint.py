@@ -30,8 +30,12 @@ PARAM_ATOL = LR / 100
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("distopt")
-    saved = launch(WORKER, 2, timeout=600, env={"NGRPO_CKPT_DIR": str(root), "NGRPO_CKPT_PHASE": "save"})
-    resumed = launch(WORKER, 4, timeout=600, env={"NGRPO_CKPT_DIR": str(root), "NGRPO_CKPT_PHASE": "resume"})
+    saved = launch(
+        WORKER, 2, timeout=600, env={"NGRPO_CKPT_DIR": str(root), "NGRPO_CKPT_PHASE": "save"}
+    )
+    resumed = launch(
+        WORKER, 4, timeout=600, env={"NGRPO_CKPT_DIR": str(root), "NGRPO_CKPT_PHASE": "resume"}
+    )
     return {**saved, **resumed}
 
 
@@ -46,11 +50,14 @@ def test_same_layout_resume_is_bit_identical(results):
     assert check(results, "dp2_resume_dp2") == check(results, "dp2_save")
 
 
-@pytest.mark.parametrize("saved,resumed", [
-    ("dp2_save", "dp2_resume_dp4"),
-    ("dp2_save", "dp2_resume_tp2_dp2"),
-    ("tp2_save", "tp2_resume_tp1_dp2"),
-])
+@pytest.mark.parametrize(
+    "saved,resumed",
+    [
+        ("dp2_save", "dp2_resume_dp4"),
+        ("dp2_save", "dp2_resume_tp2_dp2"),
+        ("tp2_save", "tp2_resume_tp1_dp2"),
+    ],
+)
 def test_resharded_resume_continues_the_run(results, saved, resumed):
     want, got = check(results, saved), check(results, resumed)
     assert got["steps"] == want["steps"] == [3.0]  # Adam's step counts came back

@@ -43,8 +43,17 @@ def results(models):
     return launch(WORKER, 4, timeout=600, env={"NGRPO_CONV_DIR": str(models)})
 
 
-@pytest.mark.parametrize("layout", ["mapping_tp1pp1", "mapping_tp2pp1", "mapping_tp4pp1",
-                                    "mapping_tp1pp2", "mapping_tp2pp2", "mapping_tp1pp2vpp2"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        "mapping_tp1pp1",
+        "mapping_tp2pp1",
+        "mapping_tp4pp1",
+        "mapping_tp1pp2",
+        "mapping_tp2pp2",
+        "mapping_tp1pp2vpp2",
+    ],
+)
 def test_mapping_every_model(results, layout):
     """Every model loaded from HF in this layout (TP4 > KV heads: megatron's KV replication):
     logits = HF transformers (fp32) within 1e-5 and zero on padded vocab rows; export_hf_tensors
@@ -53,9 +62,16 @@ def test_mapping_every_model(results, layout):
     assert set(errors) == set(MODELS) and max(errors.values()) < 1e-5, errors
 
 
-@pytest.mark.parametrize("case", ["roundtrip_qwen2_tp2pp2", "roundtrip_llama_tp2pp1",
-                                  "roundtrip_qwen3_tp1pp2", "roundtrip_qwen2_tied_tp1pp1",
-                                  "roundtrip_llama_tied_tp1pp2vpp2"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "roundtrip_qwen2_tp2pp2",
+        "roundtrip_llama_tp2pp1",
+        "roundtrip_qwen3_tp1pp2",
+        "roundtrip_qwen2_tied_tp1pp1",
+        "roundtrip_llama_tied_tp1pp2vpp2",
+    ],
+)
 def test_roundtrip_files(results, case):
     """HF → Megatron checkpoint → HF through the conversion functions: identical tensors,
     index, carried-over files, same logits from the reloaded HF model and the Megatron model."""
@@ -89,8 +105,17 @@ def test_cli_roundtrip_relaunches_under_torchrun(models, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     src, mdir, hdir = models / "qwen3", tmp_path / "m", tmp_path / "hf"
     run = lambda tool, *args: subprocess.run(  # noqa: E731
-        [sys.executable, *(["-m", "megatron_ngrpo.conversion", tool] if "-" in tool else [str(TOOLS / tool)]),
-         *map(str, args), "--no-progress"], env=env, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            *(["-m", "megatron_ngrpo.conversion", tool] if "-" in tool else [str(TOOLS / tool)]),
+            *map(str, args),
+            "--no-progress",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     r = run("hf-to-megatron", "--input", src, "--output", mdir, "--tp", 2)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "wrote" in r.stdout and (mdir / "megatron_ngrpo.json").is_file()
@@ -101,12 +126,27 @@ def test_cli_roundtrip_relaunches_under_torchrun(models, tmp_path):
     assert all(torch.equal(got[n], want[n].to(torch.bfloat16)) for n in want)
     r = run("convert_megatron_to_hf.py", "--input", mdir, "--output", hdir)
     assert r.returncode == 2 and "exists" in r.stderr.strip().splitlines()[-1], r.stderr
-    r = run("convert_hf_to_megatron.py", "--input", tmp_path / "nope", "--output", tmp_path / "x", "--tp", 3)
+    r = run(
+        "convert_hf_to_megatron.py",
+        "--input",
+        tmp_path / "nope",
+        "--output",
+        tmp_path / "x",
+        "--tp",
+        3,
+    )
     assert r.returncode == 2 and "not a directory" in r.stderr and not (tmp_path / "x").exists()
-    r = subprocess.run([sys.executable, "-m", "megatron_ngrpo.conversion", "hf-to-mcore"], env=env,
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and r.stderr == ("error: ngrpo-convert: expected a command (hf-to-megatron, "
-                                              "megatron-to-hf), got 'hf-to-mcore'\n")
+    r = subprocess.run(
+        [sys.executable, "-m", "megatron_ngrpo.conversion", "hf-to-mcore"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and r.stderr == (
+        "error: ngrpo-convert: expected a command (hf-to-megatron, "
+        "megatron-to-hf), got 'hf-to-mcore'\n"
+    )
 
 
 def test_console_scripts_name_importable_entry_points():

@@ -40,17 +40,58 @@ from megatron_ngrpo.data.tokenizer import QWEN2, R1_DISTILL, tokenizer_folder
 from megatron_ngrpo.eval.config import EvalConfig
 from megatron_ngrpo.training.config import ValidationConfig
 
-README_ROWS = {"aime24": 30, "amc22_23": 83, "math500": 500, "minerva": 272, "olympiad_bench": 675,
-               "aime25": 30, "aime25_areal": 30, "amc23": 40,
-               "simplerl_math_lv3to5": 8523, "deepscaler_math_train": 7474, "deepscaler_aime": 975}
+README_ROWS = {
+    "aime24": 30,
+    "amc22_23": 83,
+    "math500": 500,
+    "minerva": 272,
+    "olympiad_bench": 675,
+    "aime25": 30,
+    "aime25_areal": 30,
+    "amc23": 40,
+    "simplerl_math_lv3to5": 8523,
+    "deepscaler_math_train": 7474,
+    "deepscaler_aime": 975,
+}
 # (row, why) of the known bad rows (README: 2 empty simpleRL answers, 2 null MATH answers; the
 # MATH file also has 2 empty strings).
-KNOWN_BAD = {"simplerl_math_lv3to5": [(5054, "answer is empty"), (5158, "answer is empty")],
-             "deepscaler_math_train": [(886, "answer is null"), (1009, "answer is null"),
-                                       (5328, "answer is empty"), (5330, "answer is empty")]}
+KNOWN_BAD = {
+    "simplerl_math_lv3to5": [(5054, "answer is empty"), (5158, "answer is empty")],
+    "deepscaler_math_train": [
+        (886, "answer is null"),
+        (1009, "answer is null"),
+        (5328, "answer is empty"),
+        (5330, "answer is empty"),
+    ],
+}
 REPO = Path(__file__).resolve().parents[1]
-R1_PROMPT_IDS = [151646, 151644, 3838, 374, 220, 16, 10, 16, 30, 6771, 594, 1744, 3019, 553, 3019, 323, 2550,
-                 279, 1590, 4226, 2878, 1124, 79075, 46391, 151645]
+R1_PROMPT_IDS = [
+    151646,
+    151644,
+    3838,
+    374,
+    220,
+    16,
+    10,
+    16,
+    30,
+    6771,
+    594,
+    1744,
+    3019,
+    553,
+    3019,
+    323,
+    2550,
+    279,
+    1590,
+    4226,
+    2878,
+    1124,
+    79075,
+    46391,
+    151645,
+]
 
 
 @pytest.fixture(scope="module")
@@ -60,22 +101,31 @@ def r1():
 
 # ---- tokenizers -----------------------------------------------------------------------------
 
+
 def test_r1_tokenizer_recipe(r1, shared_data):
     assert len(r1) == 151665
     assert r1("Hello, world!").input_ids == [151646, 9707, 11, 1879, 0]
     assert r1("你好").input_ids == [151646, 108386]
     assert (r1.bos_token_id, r1.eos_token_id, r1.pad_token_id) == (151646, 151643, 151643)
-    assert r1.convert_tokens_to_ids(["<｜User｜>", "<｜Assistant｜>", "<think>", "</think>", "<|file_sep|>"]) == \
-        [151644, 151645, 151648, 151649, 151664]
+    assert r1.convert_tokens_to_ids(
+        ["<｜User｜>", "<｜Assistant｜>", "<think>", "</think>", "<|file_sep|>"]
+    ) == [151644, 151645, 151648, 151649, 151664]
     # Special tokens are dropped by skip_special_tokens, plain added ones survive.
-    assert r1.decode([151646, 9707, 151648, 151650, 151643], skip_special_tokens=True) == "Hello<think>"
+    assert (
+        r1.decode([151646, 9707, 151648, 151650, 151643], skip_special_tokens=True)
+        == "Hello<think>"
+    )
     message = "What is 1+1? " + EVAL_INSTRUCTION
-    text = r1.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True,
-                                  tokenize=False)
+    text = r1.apply_chat_template(
+        [{"role": "user", "content": message}], add_generation_prompt=True, tokenize=False
+    )
     assert text == f"<｜begin▁of▁sentence｜><｜User｜>{message}<｜Assistant｜>"
     assert r1(text, add_special_tokens=False).input_ids == R1_PROMPT_IDS
     # A folder with the parts is rebuilt the same way.
-    assert load_tokenizer(shared_data / "tokenizers" / "deepseek-r1-distill-qwen")("Hi").input_ids == r1("Hi").input_ids
+    assert (
+        load_tokenizer(shared_data / "tokenizers" / "deepseek-r1-distill-qwen")("Hi").input_ids
+        == r1("Hi").input_ids
+    )
 
 
 def test_qwen2_tokenizer():
@@ -87,8 +137,11 @@ def test_qwen2_tokenizer():
 
 
 def test_unknown_tokenizer():
-    with pytest.raises(ConfigError, match=r"^config field 'tokenizer' = 'no-such-tokenizer': neither a known "
-                       r"tokenizer name .* nor a folder \(looked for /"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^config field 'tokenizer' = 'no-such-tokenizer': neither a known "
+        r"tokenizer name .* nor a folder \(looked for /",
+    ):
         load_tokenizer("no-such-tokenizer")
 
 
@@ -100,7 +153,9 @@ REPO = REPO_DATA.parent
 def _config_sources(path: Path) -> list:
     """Data sources and benchmarks a shipped config names (training, validation or evaluation)."""
     cfg = yaml.safe_load(path.read_text()) or {}
-    sources = list(cfg.get("data", {}).get("train", [])) + list(cfg.get("data", {}).get("decontaminate", []))
+    sources = list(cfg.get("data", {}).get("train", [])) + list(
+        cfg.get("data", {}).get("decontaminate", [])
+    )
     sources += list((cfg.get("validation") or cfg.get("eval") or {}).get("benchmarks", []))
     sources += list(cfg.get("benchmarks", [])) + list(cfg.get("extra_benchmarks", []))
     return [s if isinstance(s, str) else SourceConfig(**s) for s in sources]
@@ -113,14 +168,21 @@ def test_every_data_path_lies_inside_the_repository(monkeypatch):
     monkeypatch.delenv("NGRPO_SHARED", raising=False)
     monkeypatch.chdir(REPO)
     assert data_dirs() == [REPO_DATA]
-    names = (list(REGISTRY) + [s.name for s in DataConfig().train] + DataConfig().decontaminate
-             + ValidationConfig().benchmarks + EvalConfig().benchmarks)
+    names = (
+        list(REGISTRY)
+        + [s.name for s in DataConfig().train]
+        + DataConfig().decontaminate
+        + ValidationConfig().benchmarks
+        + EvalConfig().benchmarks
+    )
     for name in names:
         path = Path(resolve_source(name).path)
         assert path.is_file() and path.is_relative_to(REPO_DATA), (name, path)
     for name in (R1_DISTILL, QWEN2):
         assert tokenizer_folder(name).is_relative_to(REPO_DATA)
-    assert (REPO_DATA / "gsm8k" / "train.jsonl").is_file() and (REPO_DATA / "gsm8k" / "test.jsonl").is_file()
+    assert (REPO_DATA / "gsm8k" / "train.jsonl").is_file() and (
+        REPO_DATA / "gsm8k" / "test.jsonl"
+    ).is_file()
     configs = sorted((REPO / "configs").rglob("*.yaml"))
     assert len(configs) >= 7
     seen = 0
@@ -133,8 +195,13 @@ def test_every_data_path_lies_inside_the_repository(monkeypatch):
         if tokenizer in (R1_DISTILL, QWEN2):
             assert tokenizer_folder(tokenizer).is_relative_to(REPO_DATA)
     assert seen >= 10
-    ignored = subprocess.run(["git", "status", "--porcelain", "--ignored", "data"], cwd=REPO, capture_output=True,
-                             text=True, check=True).stdout
+    ignored = subprocess.run(
+        ["git", "status", "--porcelain", "--ignored", "data"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "!!" not in ignored, ignored
 
 
@@ -145,14 +212,19 @@ def test_shared_folder_is_an_optional_extra(monkeypatch, tmp_path):
     monkeypatch.setenv("NGRPO_SHARED", str(tmp_path))
     assert data_dirs() == [REPO_DATA, tmp_path / "data"]
     assert find_data("eval/mine.jsonl") == extra
-    assert find_data("eval/amc23/amc23.jsonl") == REPO_DATA / "eval/amc23/amc23.jsonl"  # the repository's first
+    assert (
+        find_data("eval/amc23/amc23.jsonl") == REPO_DATA / "eval/amc23/amc23.jsonl"
+    )  # the repository's first
     assert load_source(SourceConfig(path="eval/mine.jsonl"))[0][0].answers == ("2",)
 
 
 # ---- templates ------------------------------------------------------------------------------
 
+
 def test_templates(r1):
-    assert TRAIN_INSTRUCTION == "Let's think step by step and output the final answer within \\boxed{}"
+    assert (
+        TRAIN_INSTRUCTION == "Let's think step by step and output the final answer within \\boxed{}"
+    )
     assert EVAL_INSTRUCTION == TRAIN_INSTRUCTION + "."
     message = math_message("What is 1+1?", EVAL_INSTRUCTION)
     assert message == "What is 1+1? " + EVAL_INSTRUCTION
@@ -161,7 +233,7 @@ def test_templates(r1):
     original = render(message, r1, TemplateConfig(think="original"))
     assert original.endswith("<｜Assistant｜>") and forced == original + "<think>\n"
     ids = encode_prompt(message, r1, TemplateConfig())
-    assert ids[:len(R1_PROMPT_IDS)] == R1_PROMPT_IDS and ids[len(R1_PROMPT_IDS):] == [151648, 198]
+    assert ids[: len(R1_PROMPT_IDS)] == R1_PROMPT_IDS and ids[len(R1_PROMPT_IDS) :] == [151648, 198]
     assert ids.count(151646) == 1  # bos once
     plain = encode_prompt("Q", r1, TemplateConfig(kind="plain"))
     assert plain == [151646] + r1("Q\n", add_special_tokens=False).input_ids
@@ -173,12 +245,15 @@ def test_templates(r1):
 
 # ---- the shared files -----------------------------------------------------------------------
 
+
 def _raw_answers(shared_data, name):
     path = shared_data / REGISTRY[name].path
     if path.suffix == ".parquet":
         return [r["ground_truth"] for r in pd.read_parquet(path).reward_model]
     if path.suffix == ".jsonl":
-        return [json.loads(line)["answer"] for line in path.read_text().splitlines() if line.strip()]
+        return [
+            json.loads(line)["answer"] for line in path.read_text().splitlines() if line.strip()
+        ]
     return [r["answer"] for r in json.loads(path.read_text())]
 
 
@@ -195,7 +270,9 @@ def test_every_file_loads_with_readme_row_count(name, shared_data):
             expected = str(int(float(str(value).replace("^\\circ", ""))))
             assert p.answers == (expected,), (name, p.row, value)
         elif isinstance(value, list):  # every alternative kept, newlines stripped
-            assert set(p.answers) == {v.strip() for v in value} or p.answers == (", ".join(v.strip() for v in value),)
+            assert set(p.answers) == {v.strip() for v in value} or p.answers == (
+                ", ".join(v.strip() for v in value),
+            )
         else:
             assert p.answers == (str(value).strip(),)
         assert p.problem and not p.problem[0].isspace()
@@ -237,10 +314,16 @@ def test_gsm8k_sources_and_held_out_set(shared_data):
     train, report = load_source("gsm8k_train")
     held, _ = load_source("gsm8k_heldout")
     assert (report.rows, len(train), report.bad) == (7473, 7473, [])
-    raw = [json.loads(line) for line in (shared_data / "gsm8k" / "test.jsonl").read_text().splitlines()]
-    assert len(held) == 256 and [p.row for p in held] == list(range(256))  # the first 256 test problems
+    raw = [
+        json.loads(line) for line in (shared_data / "gsm8k" / "test.jsonl").read_text().splitlines()
+    ]
+    assert len(held) == 256 and [p.row for p in held] == list(
+        range(256)
+    )  # the first 256 test problems
     assert held[0].problem == raw[0]["question"] and held[0].answers == ("18",)
-    assert held[146].answers == ("2125",) and held[201].answers == ("114200",)  # "#### 2,125", "#### 114,200"
+    assert held[146].answers == ("2125",) and held[201].answers == (
+        "114200",
+    )  # "#### 2,125", "#### 114,200"
     # Every gold is the integer after the last "####", thousands commas dropped.
     for p in held:
         text = raw[p.row]["answer"].rsplit("####", 1)[1].strip()
@@ -258,22 +341,44 @@ def test_chat_arithmetic_task_keeps_the_held_out_split(tmp_path):
     assert held == [chat_phrasing(p) for p in split(problems(0), 64)[0]]
     assert not {p["problem"] for p in held} & {p["problem"] for p in train}
     assert chat_phrasing({"problem": "max(37,52,18)=", "answer": "52", "level": 2})["problem"] == (
-        "What is the largest of the numbers 37, 52 and 18?")
+        "What is the largest of the numbers 37, 52 and 18?"
+    )
     assert chat_phrasing({"problem": "min(40,11)=", "answer": "11", "level": 1})["problem"] == (
-        "What is the smallest of the numbers 40 and 11?")
+        "What is the smallest of the numbers 40 and 11?"
+    )
 
 
-@pytest.mark.parametrize("rows, why", [
-    ([{"question": "Q0", "answer": "so 1 #### 1"}, {"question": "Q1"}], "row 1: answer is null"),
-    ([{"question": "Q0", "answer": "so 1 #### 1"}, {"question": "Q1", "answer": "so 2"}], "row 1: answer has no '####'"),
-    ([{"question": "Q0", "answer": "#### 1"}, {"question": "Q1", "answer": "#### two"}],
-     "row 1: answer 'two' is not an integer"),
-], ids=["missing-answer", "no-marker", "unparseable"])
+@pytest.mark.parametrize(
+    "rows, why",
+    [
+        (
+            [{"question": "Q0", "answer": "so 1 #### 1"}, {"question": "Q1"}],
+            "row 1: answer is null",
+        ),
+        (
+            [{"question": "Q0", "answer": "so 1 #### 1"}, {"question": "Q1", "answer": "so 2"}],
+            "row 1: answer has no '####'",
+        ),
+        (
+            [{"question": "Q0", "answer": "#### 1"}, {"question": "Q1", "answer": "#### two"}],
+            "row 1: answer 'two' is not an integer",
+        ),
+    ],
+    ids=["missing-answer", "no-marker", "unparseable"],
+)
 def test_task_file_errors_name_file_row_field(tmp_path, r1, rows, why):
     path = tmp_path / "task.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    source = {"path": str(path), "problem_key": "question", "answer_after": "####", "integer_answers": True}
-    cfg = load(DataConfig, overrides=[f"train=[{json.dumps(source)}]", "decontaminate=[]", "max_bad_fraction=0"])
+    source = {
+        "path": str(path),
+        "problem_key": "question",
+        "answer_after": "####",
+        "integer_answers": True,
+    }
+    cfg = load(
+        DataConfig,
+        overrides=[f"train=[{json.dumps(source)}]", "decontaminate=[]", "max_bad_fraction=0"],
+    )
     with pytest.raises(DataError) as err:  # the run does not start on a partial data set
         load_train_set(cfg, r1)
     msg = str(err.value)
@@ -282,31 +387,54 @@ def test_task_file_errors_name_file_row_field(tmp_path, r1, rows, why):
 
 def test_ungradable_math_answer_and_long_prompt_refused(tmp_path, r1):
     path = tmp_path / "task.jsonl"
-    path.write_text(json.dumps({"problem": "P0", "answer": "1"}) + "\n"
-                    + json.dumps({"problem": "P1", "answer": "{" * 30 + "}" * 30}) + "\n")
-    with pytest.raises(DataError, match=r"task.jsonl: 1 of 2 rows malformed: row 1: answer .* cannot be graded"):
+    path.write_text(
+        json.dumps({"problem": "P0", "answer": "1"})
+        + "\n"
+        + json.dumps({"problem": "P1", "answer": "{" * 30 + "}" * 30})
+        + "\n"
+    )
+    with pytest.raises(
+        DataError, match=r"task.jsonl: 1 of 2 rows malformed: row 1: answer .* cannot be graded"
+    ):
         load_source(SourceConfig(path=str(path)), max_bad_fraction=0)
-    path.write_text(json.dumps({"problem": "short", "answer": "1"}) + "\n"
-                    + json.dumps({"problem": "long " * 200, "answer": "2"}) + "\n")
+    path.write_text(
+        json.dumps({"problem": "short", "answer": "1"})
+        + "\n"
+        + json.dumps({"problem": "long " * 200, "answer": "2"})
+        + "\n"
+    )
     base = [f"train=[{{path: {path}}}]", "decontaminate=[]", "max_prompt_tokens=64"]
     assert len(load_train_set(load(DataConfig, overrides=base), r1)) == 1  # drop (the default)
     with pytest.raises(DataError) as err:
         load_train_set(load(DataConfig, overrides=[*base, "long_prompts=refuse"]), r1)
     msg = str(err.value)
-    assert "\n" not in msg and str(path) in msg and "row 1: field 'problem': prompt of" in msg and "> data.max_prompt_tokens = 64" in msg
+    assert (
+        "\n" not in msg
+        and str(path) in msg
+        and "row 1: field 'problem': prompt of" in msg
+        and "> data.max_prompt_tokens = 64" in msg
+    )
     with pytest.raises(ConfigError, match="'long_prompts'"):
         load(DataConfig, overrides=["long_prompts=truncate"])
 
 
 # ---- malformed rows -------------------------------------------------------------------------
 
+
 def test_malformed_rows_reported_and_refused(tmp_path):
     # Mixed types: the rows are judged as written (not as `datasets` decodes a mixed column).
-    rows = [{"problem": "ok 1", "answer": "1"}, {"problem": "null", "answer": None},
-            {"problem": "no answer"}, {"problem": "dict", "answer": {"x": 1}},
-            {"problem": "", "answer": "2"}, {"problem": "list", "answer": ["1", True]},
-            {"problem": "nan", "answer": float("nan")}, {"problem": "ok 2", "answer": 3.0},
-            {"problem": 5, "answer": "5"}, {"problem": "ok 3", "answer": ["4\n", 4.0]}]
+    rows = [
+        {"problem": "ok 1", "answer": "1"},
+        {"problem": "null", "answer": None},
+        {"problem": "no answer"},
+        {"problem": "dict", "answer": {"x": 1}},
+        {"problem": "", "answer": "2"},
+        {"problem": "list", "answer": ["1", True]},
+        {"problem": "nan", "answer": float("nan")},
+        {"problem": "ok 2", "answer": 3.0},
+        {"problem": 5, "answer": "5"},
+        {"problem": "ok 3", "answer": ["4\n", 4.0]},
+    ]
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(rows))
     with pytest.raises(DataError) as err:
@@ -318,21 +446,45 @@ def test_malformed_rows_reported_and_refused(tmp_path):
     assert [p.answers for p in problems] == [("1",), ("3",), ("4",)]
     # A string answer that looks like JSON stays a string.
     mixed = tmp_path / "mixed.jsonl"
-    mixed.write_text('{"problem": "a", "answer": "[1, 2]"}\n{"problem": "b", "answer": 5}\n'
-                     '{"problem": "c", "answer": "null"}\n')
-    assert [p.answers for p in load_source(SourceConfig(path=str(mixed)))[0]] == [("[1, 2]",), ("5",), ("null",)]
-    assert report.bad == [(1, "answer is null"), (2, "no field 'answer'"), (3, "answer has type dict"),
-                          (4, "problem is empty"), (5, "answer has type bool"), (6, "answer is nan"),
-                          (8, "problem is int")]
+    mixed.write_text(
+        '{"problem": "a", "answer": "[1, 2]"}\n{"problem": "b", "answer": 5}\n'
+        '{"problem": "c", "answer": "null"}\n'
+    )
+    assert [p.answers for p in load_source(SourceConfig(path=str(mixed)))[0]] == [
+        ("[1, 2]",),
+        ("5",),
+        ("null",),
+    ]
+    assert report.bad == [
+        (1, "answer is null"),
+        (2, "no field 'answer'"),
+        (3, "answer has type dict"),
+        (4, "problem is empty"),
+        (5, "answer has type bool"),
+        (6, "answer is nan"),
+        (8, "problem is int"),
+    ]
 
 
 def test_nested_keys_and_missing_fields(tmp_path):
-    table = pd.DataFrame({"prompt": [[{"role": "user", "content": "P0"}], [{"role": "user", "content": "P1"}], []],
-                          "reward_model": [{"ground_truth": "7"}, {"ground_truth": "8\n"}, {"ground_truth": "9"}]})
+    table = pd.DataFrame(
+        {
+            "prompt": [
+                [{"role": "user", "content": "P0"}],
+                [{"role": "user", "content": "P1"}],
+                [],
+            ],
+            "reward_model": [{"ground_truth": "7"}, {"ground_truth": "8\n"}, {"ground_truth": "9"}],
+        }
+    )
     path = tmp_path / "verl.parquet"
     table.to_parquet(path)
-    problems, report = load_source(SourceConfig(path=str(path), problem_key="prompt.0.content",
-                                                answer_key="reward_model.ground_truth"), max_bad_fraction=0.5)
+    problems, report = load_source(
+        SourceConfig(
+            path=str(path), problem_key="prompt.0.content", answer_key="reward_model.ground_truth"
+        ),
+        max_bad_fraction=0.5,
+    )
     assert [(p.problem, p.answer) for p in problems] == [("P0", "7"), ("P1", "8")]
     assert report.bad == [(2, "no field 'prompt.0.content'")]
     jsonl = tmp_path / "q.jsonl"
@@ -347,17 +499,30 @@ def test_nested_keys_and_missing_fields(tmp_path):
 
 # ---- prompts and config ---------------------------------------------------------------------
 
+
 def test_train_set_filters_long_prompts(r1):
-    cfg = load(DataConfig, overrides=["train=[{name: deepscaler_aime, limit: 200}]", "decontaminate=[math500]",
-                                      "max_prompt_tokens=120"])
+    cfg = load(
+        DataConfig,
+        overrides=[
+            "train=[{name: deepscaler_aime, limit: 200}]",
+            "decontaminate=[math500]",
+            "max_prompt_tokens=120",
+        ],
+    )
     examples = load_train_set(cfg, r1)
     problems, _ = load_source(SourceConfig(name="deepscaler_aime", limit=200))
-    lengths = {e.problem.row: len(e.prompt_ids) for e in build_prompts(problems, r1, cfg.template,
-                                                                        TRAIN_INSTRUCTION)[0]}
-    expected = [p for p in dedup(problems, exclude=load_source("math500")[0])[0] if lengths[p.row] <= 120]
+    lengths = {
+        e.problem.row: len(e.prompt_ids)
+        for e in build_prompts(problems, r1, cfg.template, TRAIN_INSTRUCTION)[0]
+    }
+    expected = [
+        p for p in dedup(problems, exclude=load_source("math500")[0])[0] if lengths[p.row] <= 120
+    ]
     assert 0 < len(expected) < 200
     assert [e.problem for e in examples] == expected
-    assert r1.decode(examples[0].prompt_ids).endswith(TRAIN_INSTRUCTION + "<｜Assistant｜><think>\n")
+    assert r1.decode(examples[0].prompt_ids).endswith(
+        TRAIN_INSTRUCTION + "<｜Assistant｜><think>\n"
+    )
 
 
 def test_data_config_errors():
@@ -368,6 +533,7 @@ def test_data_config_errors():
 
 
 # ---- resumable batches ----------------------------------------------------------------------
+
 
 def test_prompt_batches_resume_and_epochs():
     items = list(range(10))
@@ -389,21 +555,40 @@ def test_prompt_batches_resume_and_epochs():
     assert [next(tail) for _ in range(4)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9], [0, 1, 2, 3]]
 
 
-@pytest.mark.parametrize("config, train_source, heldout, rule", [
-    ("smollm2_135m_arith.yaml", "runs/arith_chat/train.jsonl", "runs/arith_chat/heldout.jsonl", "last_number"),
-    ("smollm2_135m_gsm8k.yaml", "gsm8k_train", "gsm8k_heldout", "phrases"),
-])
-def test_chat_model_recipes_grade_free_text_and_refuse_partial_data(config, train_source, heldout, rule, tmp_path):
+@pytest.mark.parametrize(
+    "config, train_source, heldout, rule",
+    [
+        (
+            "smollm2_135m_arith.yaml",
+            "runs/arith_chat/train.jsonl",
+            "runs/arith_chat/heldout.jsonl",
+            "last_number",
+        ),
+        ("smollm2_135m_gsm8k.yaml", "gsm8k_train", "gsm8k_heldout", "phrases"),
+    ],
+)
+def test_chat_model_recipes_grade_free_text_and_refuse_partial_data(
+    config, train_source, heldout, rule, tmp_path
+):
     import yaml
 
     from megatron_ngrpo.rewards import RewardConfig
 
     raw = yaml.safe_load((REPO / "configs" / config).read_text())
     sections = {}
-    for name, cls in (("data", DataConfig), ("reward", RewardConfig)):  # each section as the trainer reads it
+    for name, cls in (
+        ("data", DataConfig),
+        ("reward", RewardConfig),
+    ):  # each section as the trainer reads it
         (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(raw[name]))
         sections[name] = load(cls, [tmp_path / f"{name}.yaml"])
     data, reward = sections["data"], sections["reward"]
-    assert reward.free_text == rule and data.template.kind == "chat" and "\\boxed{}" in data.template.instruction
+    assert (
+        reward.free_text == rule
+        and data.template.kind == "chat"
+        and "\\boxed{}" in data.template.instruction
+    )
     assert data.max_bad_fraction == 0.0 and data.long_prompts == "refuse"
-    assert (data.train[0].path or data.train[0].name) == train_source and raw["validation"]["benchmarks"] == [heldout]
+    assert (data.train[0].path or data.train[0].name) == train_source and raw["validation"][
+        "benchmarks"
+    ] == [heldout]

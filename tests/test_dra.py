@@ -15,8 +15,12 @@ from megatron_ngrpo.grpo.dra import LocalModelEmbedder, dra_rewards, similarity,
 from megatron_ngrpo.testing.multiproc import check, launch
 
 WORKER = Path(__file__).parent / "dist" / "dra_worker.py"
-CASES = ["hidden_means_tp2", "hidden_means_tp2_sequence_parallel", "hidden_means_pp2",
-         "hidden_means_own_pass_without_replay"]
+CASES = [
+    "hidden_means_tp2",
+    "hidden_means_tp2_sequence_parallel",
+    "hidden_means_pp2",
+    "hidden_means_own_pass_without_replay",
+]
 
 
 @pytest.fixture(scope="module")
@@ -52,11 +56,19 @@ def _tiny_bert(path: Path) -> Path:
 
     words = "the answer is four five x y z so we get a b c".split()
     (path).mkdir(parents=True, exist_ok=True)
-    (path / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + words) + "\n")
+    (path / "vocab.txt").write_text(
+        "\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + words) + "\n"
+    )
     BertTokenizerFast(vocab_file=str(path / "vocab.txt")).save_pretrained(path)
     torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=5 + len(words), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                     intermediate_size=64, max_position_embeddings=64)
+    cfg = BertConfig(
+        vocab_size=5 + len(words),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
     BertModel(cfg).save_pretrained(path)
     return path
 

@@ -32,8 +32,18 @@ def test_refills_batches_with_informative_groups(task, tmp_path):
     run = tmp_path / "ds"
     run.mkdir()
     # Also on: a mismatch correction (its keep mask through real micro-batches) and both trackers.
-    _finish(_launch(task, run, *DS, "train.dynamic_sampling.max_gen_batches=8", "grpo.mismatch.mode=icepop",
-                    "train.trackers.wandb=true", "train.trackers.mlflow=true"), run)
+    _finish(
+        _launch(
+            task,
+            run,
+            *DS,
+            "train.dynamic_sampling.max_gen_batches=8",
+            "grpo.mismatch.mode=icepop",
+            "train.trackers.wandb=true",
+            "train.trackers.mlflow=true",
+        ),
+        run,
+    )
     rows = _rows(run)
     assert len(rows) == 3
     assert set(json.loads((run / "trackers.json").read_text())) == {"wandb", "mlflow"}
@@ -52,13 +62,26 @@ def test_exhausted_rounds_error_or_partial(task, tmp_path):
     proc = _launch(task, err, *DS, *flat, "train.dynamic_sampling.max_gen_batches=2")
     assert proc.wait(timeout=300) != 0
     log = (tmp_path / "err.log").read_text()
-    assert "error: dynamic sampling: 0 groups with differing rewards after 2 generation rounds" in log, log[-3000:]
+    assert (
+        "error: dynamic sampling: 0 groups with differing rewards after 2 generation rounds" in log
+    ), log[-3000:]
 
     part = tmp_path / "part"
     part.mkdir()
-    _finish(_launch(task, part, *DS, *flat, "train.dynamic_sampling.max_gen_batches=2",
-                    "train.dynamic_sampling.on_exhausted=partial"), part)
+    _finish(
+        _launch(
+            task,
+            part,
+            *DS,
+            *flat,
+            "train.dynamic_sampling.max_gen_batches=2",
+            "train.dynamic_sampling.on_exhausted=partial",
+        ),
+        part,
+    )
     rows = _rows(part)
     assert [r["dynamic_sampling/partial"] for r in rows] == [1, 1, 1]
-    assert all(r["dynamic_sampling/gen_batches"] == 2 and r["filtered_frac"] == 1 for r in rows), rows
+    assert all(r["dynamic_sampling/gen_batches"] == 2 and r["filtered_frac"] == 1 for r in rows), (
+        rows
+    )
     assert "partial batch, 0 of 2 groups per rank" in (tmp_path / "part.log").read_text()

@@ -13,8 +13,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def smoke(tmp_path: Path, *args: str) -> tuple[int, list[dict], str]:
-    p = subprocess.run(["bash", str(REPO / "scripts" / "gpu_smoke.sh"), "--cpu", "--work", str(tmp_path), *args],
-                       capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
+    p = subprocess.run(
+        ["bash", str(REPO / "scripts" / "gpu_smoke.sh"), "--cpu", "--work", str(tmp_path), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     rows = json.loads((tmp_path / "summary.json").read_text())
     return p.returncode, rows, p.stdout
 
@@ -22,8 +27,15 @@ def smoke(tmp_path: Path, *args: str) -> tuple[int, list[dict], str]:
 def test_cpu_mode_runs_two_mixing_grpo_steps(tmp_path):
     code, rows, out = smoke(tmp_path, "--skip", "preflight", "vllm", "refused")
     status = {r["stage"]: r["status"] for r in rows}
-    assert status == {"env": "PASS", "task": "PASS", "preflight": "SKIP", "grpo": "PASS", "memory": "INFO",
-                      "vllm": "SKIP", "refused": "SKIP"}, out
+    assert status == {
+        "env": "PASS",
+        "task": "PASS",
+        "preflight": "SKIP",
+        "grpo": "PASS",
+        "memory": "INFO",
+        "vllm": "SKIP",
+        "refused": "SKIP",
+    }, out
     grpo = next(r for r in rows if r["stage"] == "grpo")
     assert "2 steps" in grpo["detail"] and "local layer spec" in grpo["detail"], grpo
     assert code == 0 and "all stages passed" in out

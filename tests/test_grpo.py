@@ -29,9 +29,18 @@ from megatron_ngrpo.rollout.types import RolloutBatch
 from megatron_ngrpo.testing.multiproc import check, launch
 
 WORKER = Path(__file__).parent / "dist" / "grpo_worker.py"
-CASES = ["layout_tp1_dp4", "layout_tp2_dp2", "layout_pp2_dp2", "layout_tp2_pp2", "layout_pp2_vpp2_dp2",
-         "layout_tp2_token_budget", "layout_tp2_sequence_parallel", "layout_tp2_pp2_sequence_parallel_recompute",
-         "layout_pp2_recompute", "layout_pp2_vpp2_token_budget"]
+CASES = [
+    "layout_tp1_dp4",
+    "layout_tp2_dp2",
+    "layout_pp2_dp2",
+    "layout_tp2_pp2",
+    "layout_pp2_vpp2_dp2",
+    "layout_tp2_token_budget",
+    "layout_tp2_sequence_parallel",
+    "layout_tp2_pp2_sequence_parallel_recompute",
+    "layout_pp2_recompute",
+    "layout_pp2_vpp2_token_budget",
+]
 CASES_8 = ["layout_dp2_tp2_pp2", "layout_dp2_tp2_pp2_vpp2_sequence_parallel"]
 
 
@@ -49,7 +58,14 @@ def dist_results_8():
 def test_loss_and_gradients_match_float64_reference(request, name):
     results = request.getfixturevalue("dist_results_8" if name in CASES_8 else "dist_results")
     value = check(results, name)
-    for variant in ("mix_token", "plain_token", "gspo", "drgrpo", "tokmean_tis_filter", "all_masked"):
+    for variant in (
+        "mix_token",
+        "plain_token",
+        "gspo",
+        "drgrpo",
+        "tokmean_tis_filter",
+        "all_masked",
+    ):
         assert variant in value, f"{name}: variant {variant} not run"
         assert value[variant]["grad_rel_err"] < 1e-5
 
@@ -66,7 +82,9 @@ def test_grpo_advantages_are_group_normalised_with_unbiased_std():
     adv = compute_advantages(r, groups, "grpo", 1e-6)
     for g in (slice(0, 4), slice(4, 8)):
         x = r[g].double()
-        assert torch.allclose(adv[g].double(), (x - x.mean()) / (x.std(unbiased=True) + 1e-6), atol=1e-6)
+        assert torch.allclose(
+            adv[g].double(), (x - x.mean()) / (x.std(unbiased=True) + 1e-6), atol=1e-6
+        )
     drg = compute_advantages(r, groups, "dr_grpo")
     assert torch.allclose(drg[:4], torch.tensor([0.5, -0.5, -0.5, 0.5]))
 
@@ -113,11 +131,14 @@ def test_kl_estimators():
     assert float(kl_estimate(torch.tensor([0.0]), torch.tensor([50.0]), "k3")) == 10.0
 
 
-@pytest.mark.parametrize("mode,expected", [
-    ("token-mean", [[1 / 5, 1 / 5, 1 / 5, 0], [1 / 5, 1 / 5, 0, 0]]),
-    ("seq-mean-token-mean", [[1 / 6, 1 / 6, 1 / 6, 0], [1 / 4, 1 / 4, 0, 0]]),
-    ("seq-mean-token-sum-norm", [[1 / 16, 1 / 16, 1 / 16, 0], [1 / 16, 1 / 16, 0, 0]]),
-])
+@pytest.mark.parametrize(
+    "mode,expected",
+    [
+        ("token-mean", [[1 / 5, 1 / 5, 1 / 5, 0], [1 / 5, 1 / 5, 0, 0]]),
+        ("seq-mean-token-mean", [[1 / 6, 1 / 6, 1 / 6, 0], [1 / 4, 1 / 4, 0, 0]]),
+        ("seq-mean-token-sum-norm", [[1 / 16, 1 / 16, 1 / 16, 0], [1 / 16, 1 / 16, 0, 0]]),
+    ],
+)
 def test_aggregation_weights(mode, expected):
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
     active = torch.tensor([True, True, False])  # the third sequence is filtered out
@@ -130,8 +151,14 @@ def test_aggregation_weights(mode, expected):
 # ---- replay batch ------------------------------------------------------------------------------
 def test_token_batch_labels_mask_and_mixes_are_aligned():
     mixes = MixRecord.from_lists([[(0, [5, 6], [0.5, 0.5])], [(2, [7, 8], [0.9, 0.1])]], k=2)
-    batch = RolloutBatch([[10, 11], [12]], [[20, 21, 22], [23, 24, 25]], [[-1.0, -2.0, -3.0], [-4.0, -5.0, -6.0]],
-                         ["stop", "length"], mixes, [0, 1])
+    batch = RolloutBatch(
+        [[10, 11], [12]],
+        [[20, 21, 22], [23, 24, 25]],
+        [[-1.0, -2.0, -3.0], [-4.0, -5.0, -6.0]],
+        ["stop", "length"],
+        mixes,
+        [0, 1],
+    )
     tb = TokenBatch.from_rollout(batch)
     assert tb.tokens.tolist() == [[10, 11, 20, 21, 22], [12, 23, 24, 25, 0]]
     # column j predicts token j+1: response tokens are predicted from columns prompt_len-1 ...
@@ -164,7 +191,9 @@ def test_dra_divides_by_one_plus_similarity_within_the_group():
     r = torch.ones(4)
     groups = torch.tensor([0, 0, 1, 1])
     out = dra_rewards(r, sim, groups)
-    assert out[:2].tolist() == pytest.approx([0.5, 0.5]) and out[2:].tolist() == pytest.approx([1.0, 1.0])
+    assert out[:2].tolist() == pytest.approx([0.5, 0.5]) and out[2:].tolist() == pytest.approx(
+        [1.0, 1.0]
+    )
     batch_scope = dra_rewards(r, sim, None)
     assert float(batch_scope[0]) == pytest.approx(1 / (1 + 1 + float(sim[0, 2]) + float(sim[0, 3])))
 
@@ -188,16 +217,35 @@ def test_gradient_after_an_optimizer_step_is_not_added_twice(tmp_path):
 
     init_distributed()
     initialize_model_parallel(1, 1, None, seed=0)
-    hf = write_tiny_hf(tmp_path / "hf", weights=False, vocab_size=64, hidden_size=64, num_layers=2,
-                       intermediate_size=128)
-    chunks = wrap_for_training(build_model(ModelConfig(hf_path=str(hf), make_vocab_size_divisible_by=8)))
-    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1.0), chunks)
+    hf = write_tiny_hf(
+        tmp_path / "hf",
+        weights=False,
+        vocab_size=64,
+        hidden_size=64,
+        num_layers=2,
+        intermediate_size=128,
+    )
+    chunks = wrap_for_training(
+        build_model(ModelConfig(hf_path=str(hf), make_vocab_size_divisible_by=8))
+    )
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1.0), chunks
+    )
     g = torch.Generator().manual_seed(0)
-    rb = RolloutBatch([[1, 2, 3]] * 4, [torch.randint(0, 64, (5,), generator=g).tolist() for _ in range(4)],
-                      [[0.0] * 5] * 4, ["stop"] * 4, MixRecord.empty(4, 2), [0, 0, 1, 1])
+    rb = RolloutBatch(
+        [[1, 2, 3]] * 4,
+        [torch.randint(0, 64, (5,), generator=g).tolist() for _ in range(4)],
+        [[0.0] * 5] * 4,
+        ["stop"] * 4,
+        MixRecord.empty(4, 2),
+        [0, 0, 1, 1],
+    )
     tb = TokenBatch.from_rollout(rb)
-    tb = tb.with_extras(old_logprobs=-3.0 * tb.mask, advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]),
-                        active=torch.ones(4, dtype=torch.bool))
+    tb = tb.with_extras(
+        old_logprobs=-3.0 * tb.mask,
+        advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]),
+        active=torch.ones(4, dtype=torch.bool),
+    )
     settings = UpdateSettings(temperature=1.0, micro_batch_size=2)
     cfg = GRPOConfig(kl_mode="off")
     params = list(unwrap(chunks[0]).parameters())

@@ -34,8 +34,11 @@ GOLDEN = Path(__file__).parent / "golden"
 
 # ---- recipes and the memory model -----------------------------------------------------------
 
-@pytest.mark.parametrize("name,params", [("r1-1.5b", 1_777_088_000), ("r1-7b", 7_615_616_512),
-                                         ("r1-14b", 14_770_033_664)])
+
+@pytest.mark.parametrize(
+    "name,params",
+    [("r1-1.5b", 1_777_088_000), ("r1-7b", 7_615_616_512), ("r1-14b", 14_770_033_664)],
+)
 def test_parameter_count_matches_the_published_models(name, params):
     # R1-Distill-Qwen-1.5B (untied: Qwen2.5-1.5B's 1,543,714,304 + its own output matrix),
     # Qwen2.5-7B and Qwen2.5-14B parameter counts.
@@ -49,8 +52,12 @@ def test_parameter_count_matches_transformers():
 
     cfg = {k: v for k, v in tiny_hf_config().items() if k != "architectures"}
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg))
-    assert memory.model_params(recipes.get("tiny").spec) == sum(p.numel() for p in model.parameters())
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.for_model(**cfg)
+        )
+    assert memory.model_params(recipes.get("tiny").spec) == sum(
+        p.numel() for p in model.parameters()
+    )
 
 
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (4, 2), (8, 4)])
@@ -101,35 +108,66 @@ def test_recipes_fit_an_h100(name):
             continue
         r.validate(nodes)
         t, v = r.train_memory(nodes), r.vllm_memory()
-        assert t.total + v.reserved < memory.H100_USABLE_BYTES, (name, nodes, t.total / 2**30, v.reserved / 2**30)
+        assert t.total + v.reserved < memory.H100_USABLE_BYTES, (
+            name,
+            nodes,
+            t.total / 2**30,
+            v.reserved / 2**30,
+        )
         assert v.kv_tokens >= 16 * r.seq_len  # at least 16 full-length sequences per engine
 
 
 def test_docs_show_the_computed_tables():
     docs = (REPO / "docs" / "LAUNCHING.md").read_text()
     for name in ("r1-1.5b", "r1-7b", "r1-14b"):
-        assert cli.memory_table(recipes.get(name)) in docs, f"docs/LAUNCHING.md: refresh the {name} table"
+        assert cli.memory_table(recipes.get(name)) in docs, (
+            f"docs/LAUNCHING.md: refresh the {name} table"
+        )
 
 
 # ---- CLI input errors (one line, exit 2, nothing submitted) ---------------------------------
 
-@pytest.mark.parametrize("argv,message", [
-    (["run", "r1-70b"], "recipe 'r1-70b': unknown"),
-    (["run", "r1-7b", "--nodes", "9", "--config", "setup.py"], "nodes = 9: expected 2..4"),
-    (["run", "r1-7b", "--executor", "slurm"], "--config FILE.yaml is required"),
-    (["run", "r1-7b", "--config", "nope.yaml"], "--config 'nope.yaml': no such file"),
-    (["run", "r1-7b", "--task", "convert-hf"], "--output DIR is required"),
-    (["run", "tiny", "--procs-per-node", "3", "--config", "setup.py"], "not divisible by TP×PP = 2"),
-    (["run", "r1-7b", "--config", "setup.py", "--disaggregated"], "--disaggregated: only for"),
-    # Slurm: checkpoints on shared storage, visible in the container
-    (["run", "r1-7b", "--executor", "slurm", "--config", "configs/ngrpo_r1_7b.yaml"],
-     "train.run_dir = 'runs/ngrpo_r1_7b': relative, so a Slurm job would write it inside its own job folder"),
-    (["run", "r1-7b", "--executor", "slurm", "--config", "configs/ngrpo_r1_7b.yaml", "--container-image", "img",
-      "--mount", "/lustre:/lustre", "train.run_dir=/scratch/run"],
-     "train.run_dir = '/scratch/run': not under any --mount of the container"),
-    (["run", "r1-7b", "--executor", "slurm", "--task", "convert-hf", "--output", "out"],
-     "--output = 'out': relative"),
-])
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["run", "r1-70b"], "recipe 'r1-70b': unknown"),
+        (["run", "r1-7b", "--nodes", "9", "--config", "setup.py"], "nodes = 9: expected 2..4"),
+        (["run", "r1-7b", "--executor", "slurm"], "--config FILE.yaml is required"),
+        (["run", "r1-7b", "--config", "nope.yaml"], "--config 'nope.yaml': no such file"),
+        (["run", "r1-7b", "--task", "convert-hf"], "--output DIR is required"),
+        (
+            ["run", "tiny", "--procs-per-node", "3", "--config", "setup.py"],
+            "not divisible by TP×PP = 2",
+        ),
+        (["run", "r1-7b", "--config", "setup.py", "--disaggregated"], "--disaggregated: only for"),
+        # Slurm: checkpoints on shared storage, visible in the container
+        (
+            ["run", "r1-7b", "--executor", "slurm", "--config", "configs/ngrpo_r1_7b.yaml"],
+            "train.run_dir = 'runs/ngrpo_r1_7b': relative, so a Slurm job would write it inside its own job folder",
+        ),
+        (
+            [
+                "run",
+                "r1-7b",
+                "--executor",
+                "slurm",
+                "--config",
+                "configs/ngrpo_r1_7b.yaml",
+                "--container-image",
+                "img",
+                "--mount",
+                "/lustre:/lustre",
+                "train.run_dir=/scratch/run",
+            ],
+            "train.run_dir = '/scratch/run': not under any --mount of the container",
+        ),
+        (
+            ["run", "r1-7b", "--executor", "slurm", "--task", "convert-hf", "--output", "out"],
+            "--output = 'out': relative",
+        ),
+    ],
+)
 def test_cli_rejects_bad_input(argv, message, capsys):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip()
@@ -140,16 +178,44 @@ def test_cli_rejects_bad_input(argv, message, capsys):
 
 GOLDEN_CASES = {
     # one node, 8 ranks per node under one torchrun (the nproc trap), git-packaged code
-    "r1-1.5b": ["run", "r1-1.5b", "--executor", "slurm", "train.run_dir=/lustre/ngrpo/runs/r1-1.5b"],
+    "r1-1.5b": [
+        "run",
+        "r1-1.5b",
+        "--executor",
+        "slurm",
+        "train.run_dir=/lustre/ngrpo/runs/r1-1.5b",
+    ],
     # four nodes, c10d rendezvous on the head node, pyxis container + mounts (the model folder
     # mounted because the config names it), NCCL env
-    "r1-7b": ["run", "r1-7b", "--executor", "slurm", "--nodes", "4", "--container-image",
-              "nvcr.io/nvidia/pytorch:25.01-py3", "--mount", "/lustre:/lustre",
-              "--env", "NCCL_SOCKET_IFNAME=ib0", "--env", "NCCL_IB_HCA=mlx5", "grpo.kl_coef=0.01",
-              "train.run_dir=/lustre/ngrpo/runs/r1-7b"],
+    "r1-7b": [
+        "run",
+        "r1-7b",
+        "--executor",
+        "slurm",
+        "--nodes",
+        "4",
+        "--container-image",
+        "nvcr.io/nvidia/pytorch:25.01-py3",
+        "--mount",
+        "/lustre:/lustre",
+        "--env",
+        "NCCL_SOCKET_IFNAME=ib0",
+        "--env",
+        "NCCL_IB_HCA=mlx5",
+        "grpo.kl_coef=0.01",
+        "train.run_dir=/lustre/ngrpo/runs/r1-7b",
+    ],
     # heterogeneous job: vLLM rollout servers + the training group with its own rendezvous
-    "r1-14b": ["run", "r1-14b", "--executor", "slurm", "--disaggregated", "--rollout-nodes", "2",
-               "train.run_dir=/lustre/ngrpo/runs/r1-14b"],
+    "r1-14b": [
+        "run",
+        "r1-14b",
+        "--executor",
+        "slurm",
+        "--disaggregated",
+        "--rollout-nodes",
+        "2",
+        "train.run_dir=/lustre/ngrpo/runs/r1-14b",
+    ],
 }
 
 
@@ -164,9 +230,22 @@ def dryruns(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dryrun")
     env = {**os.environ, "NEMORUN_HOME": str(tmp / "nemorun_home")}
     runs = {
-        name: start_cli([*argv, "--config", str(REPO / "configs" / f"ngrpo_{name.replace('-', '_')}.yaml"),
-                         "--account", "acct", "--partition", "gpu", "--dryrun"], env, tmp / f"{name}.log")
-        for name, argv in GOLDEN_CASES.items()}
+        name: start_cli(
+            [
+                *argv,
+                "--config",
+                str(REPO / "configs" / f"ngrpo_{name.replace('-', '_')}.yaml"),
+                "--account",
+                "acct",
+                "--partition",
+                "gpu",
+                "--dryrun",
+            ],
+            env,
+            tmp / f"{name}.log",
+        )
+        for name, argv in GOLDEN_CASES.items()
+    }
     yield tmp / "nemorun_home", runs
     for launch in runs.values():
         launch.kill()
@@ -178,7 +257,7 @@ def test_golden_sbatch(name, dryruns):
     rc, out = runs[name].finish()
     assert rc == 0, out[-4000:]
     marker = "# ---- "  # the CLI prints each script after a header line; NeMo-Run's logs precede it
-    script = out[out.index(marker):].split("\n", 1)[1]
+    script = out[out.index(marker) :].split("\n", 1)[1]
     got = normalise(script, home)
     path = GOLDEN / f"{name}.sbatch"
     if os.environ.get("NGRPO_UPDATE_GOLDEN"):
@@ -192,7 +271,10 @@ def test_torchrun_gets_one_rank_per_gpu():
     assert "#SBATCH --ntasks-per-node=1" in text and "#SBATCH --gpus-per-node=8" in text
     assert "--nproc-per-node 8" in text
     het = (GOLDEN / "r1-14b.sbatch").read_text()
-    assert "--nnodes 4 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $het_group_host_1:" in het
+    assert (
+        "--nnodes 4 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $het_group_host_1:"
+        in het
+    )
     assert "#SBATCH hetjob" in het and "python -m megatron_ngrpo.rollout.remote.server" in het
     assert "rollout.engine=remote rollout.remote.url_dir=<NEMORUN_HOME>/experiments/" in het
     # GPU disaggregated defaults: weights over NCCL, rollout-only GPUs at 0.9 (not the colocated 0.4)
@@ -202,6 +284,7 @@ def test_torchrun_gets_one_rank_per_gpu():
 
 # ---- a real job through NeMo-Run's LocalExecutor --------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def local_runs(tmp_path_factory):
     """Two CLI runs at once: the smoke forward (tests/smoke_workload.py) under torchrun (2 gloo
@@ -209,10 +292,24 @@ def local_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("local")
     hf, config = write_smoke_inputs(tmp)
     env = {**smoke_env(), "NEMORUN_HOME": str(tmp / "nemorun_home"), "OMP_NUM_THREADS": "1"}
-    base = ["run", "tiny", "--executor", "local", "--config", str(config), "--module", SMOKE_MODULE,
-            "--hf-path", str(hf)]
-    ok = start_cli([*base, f"smoke.out={tmp / 'out.json'}", "--title", "local-ok"], env, tmp / "ok.log")
-    bad = start_cli([*base, "model.pipeline_parallel=2", "--title", "local-bad"], env, tmp / "bad.log")
+    base = [
+        "run",
+        "tiny",
+        "--executor",
+        "local",
+        "--config",
+        str(config),
+        "--module",
+        SMOKE_MODULE,
+        "--hf-path",
+        str(hf),
+    ]
+    ok = start_cli(
+        [*base, f"smoke.out={tmp / 'out.json'}", "--title", "local-ok"], env, tmp / "ok.log"
+    )
+    bad = start_cli(
+        [*base, "model.pipeline_parallel=2", "--title", "local-bad"], env, tmp / "bad.log"
+    )
     yield tmp, ok, bad
     ok.kill()
     bad.kill()
@@ -233,20 +330,27 @@ def test_local_torchrun_job(local_runs):
     assert "SMOKE loss=" in out
     assert not [line for line in out.splitlines() if TORCHRUN_INFO.match(line.encode())]
     stderr_log = next(f for f in tmp.rglob("nemo_run/*/*/0/stderr.log") if "local-ok" in str(f))
-    assert sum(bool(TORCHRUN_INFO.match(line)) for line in stderr_log.read_bytes().splitlines()) > 10
+    assert (
+        sum(bool(TORCHRUN_INFO.match(line)) for line in stderr_log.read_bytes().splitlines()) > 10
+    )
 
 
 def test_quiet_log_drops_torchrun_info_lines_in_any_chunking():
     """QuietLog on a torchrun log fed in chunks split at every offset: INFO lines (glog format,
     torch.distributed.elastic) go, the rest comes through whole, a progress bar's partial line at
     once."""
-    info = [b"I1126 17:29:15.097000 9791 site-packages/torch/distributed/launcher/api.py:254] "
-            b"Starting elastic_operator with launch configs:",
-            b"I1126 17:29:15.097000 9791 site-packages/torch/distributed/launcher/api.py:254]   nproc_per_node : 2",
-            b"I1126 17:29:15.174000 9791 site-packages/torch/distributed/elastic/agent/server/api.py:553] "]
-    kept = [b"W1126 17:29:15.000000 9791 site-packages/torch/distributed/run.py:803] a warning stays",
-            b"[default0]:train:  10%|#   | 1/10 [00:01<00:09, reward=0.31 kl=0.00]",
-            b"Iteration 5 ] not torchrun", b"I like lines that start with I"]
+    info = [
+        b"I1126 17:29:15.097000 9791 site-packages/torch/distributed/launcher/api.py:254] "
+        b"Starting elastic_operator with launch configs:",
+        b"I1126 17:29:15.097000 9791 site-packages/torch/distributed/launcher/api.py:254]   nproc_per_node : 2",
+        b"I1126 17:29:15.174000 9791 site-packages/torch/distributed/elastic/agent/server/api.py:553] ",
+    ]
+    kept = [
+        b"W1126 17:29:15.000000 9791 site-packages/torch/distributed/run.py:803] a warning stays",
+        b"[default0]:train:  10%|#   | 1/10 [00:01<00:09, reward=0.31 kl=0.00]",
+        b"Iteration 5 ] not torchrun",
+        b"I like lines that start with I",
+    ]
     log = b"\n".join([info[0], kept[0], info[1], kept[1], info[2], kept[2], kept[3]]) + b"\n"
     expected = b"\n".join(kept) + b"\n"
     for cut in range(len(log)):
@@ -266,25 +370,42 @@ def test_local_failure_exits_nonzero(local_runs):
 
 # ---- what a Slurm job reads and writes (launch/job_files.py), conversions' command line --------
 
+
 def test_container_mounts_what_the_job_reads_and_refuses_uncovered_writes():
-    files = job_files.JobFiles(reads={"model.hf_path": "/models/m", "train.load": "/lustre/ckpt/iter_10"},
-                               writes={"train.run_dir": "/lustre/runs/a"})
-    assert job_files.container_mounts(["/lustre:/lustre"], files) == ["/lustre:/lustre", "/models/m:/models/m"]
+    files = job_files.JobFiles(
+        reads={"model.hf_path": "/models/m", "train.load": "/lustre/ckpt/iter_10"},
+        writes={"train.run_dir": "/lustre/runs/a"},
+    )
+    assert job_files.container_mounts(["/lustre:/lustre"], files) == [
+        "/lustre:/lustre",
+        "/models/m:/models/m",
+    ]
     assert job_files.container_mounts(["/data/models:/models:ro", "/lustre:/lustre"], files) == [
-        "/data/models:/models:ro", "/lustre:/lustre"]
-    with pytest.raises(ConfigError, match=r"^train.run_dir = '/lustre/runs/a': not under any --mount"):
-        job_files.container_mounts(["/lustre2:/lustre2", "/lus:/lus"], files)  # a prefix is not a parent
+        "/data/models:/models:ro",
+        "/lustre:/lustre",
+    ]
+    with pytest.raises(
+        ConfigError, match=r"^train.run_dir = '/lustre/runs/a': not under any --mount"
+    ):
+        job_files.container_mounts(
+            ["/lustre2:/lustre2", "/lus:/lus"], files
+        )  # a prefix is not a parent
     with pytest.raises(ConfigError, match=r"^train.run_dir = 'runs/a': relative"):
         job_files.require_absolute(job_files.JobFiles(writes={"train.run_dir": "runs/a"}))
 
 
 def test_train_files_are_the_configs_absolute_paths(tmp_path):
     config = tmp_path / "c.yaml"
-    config.write_text("tokenizer: deepseek-r1-distill-qwen\ndata:\n  train:\n    - path: /lustre/d.jsonl\n"
-                      "    - path: rel.jsonl\ntrain:\n  run_dir: /lustre/run\n  load: /ckpt/iter_1\n")
+    config.write_text(
+        "tokenizer: deepseek-r1-distill-qwen\ndata:\n  train:\n    - path: /lustre/d.jsonl\n"
+        "    - path: rel.jsonl\ntrain:\n  run_dir: /lustre/run\n  load: /ckpt/iter_1\n"
+    )
     files = job_files.train_files([str(config)], ["model.hf_path=/models/m"])
-    assert files.reads == {"model.hf_path": "/models/m", "data.train[0].path": "/lustre/d.jsonl",
-                           "train.load": "/ckpt/iter_1"}
+    assert files.reads == {
+        "model.hf_path": "/models/m",
+        "data.train[0].path": "/lustre/d.jsonl",
+        "train.load": "/ckpt/iter_1",
+    }
     assert files.writes == {"train.run_dir": "/lustre/run"}
 
 
@@ -296,8 +417,20 @@ def test_conversions_run_the_installed_package():
     assert (executors.REPO / "setup.py").is_file()
     tiny = recipes.get("tiny")
     hf = recipes.render(tiny, "convert-hf", hf_path="/m", output="/o")
-    assert hf.command.argv == ("python", "-m", "megatron_ngrpo.conversion", "hf-to-megatron", "--input", "/m",
-                               "--output", "/o", "--tp", "2", "--pp", "1")
+    assert hf.command.argv == (
+        "python",
+        "-m",
+        "megatron_ngrpo.conversion",
+        "hf-to-megatron",
+        "--input",
+        "/m",
+        "--output",
+        "/o",
+        "--tp",
+        "2",
+        "--pp",
+        "1",
+    )
     back = recipes.render(tiny, "convert-megatron", hf_path="/m", output="/o", checkpoint="/c")
     assert back.command.argv[:4] == ("python", "-m", "megatron_ngrpo.conversion", "megatron-to-hf")
     assert not any(a.endswith(".py") for t in (hf, back) for a in t.command.argv)
@@ -306,8 +439,10 @@ def test_conversions_run_the_installed_package():
 CONVERSION_MODULE = importlib.util.find_spec("megatron_ngrpo.conversion.__main__") is not None
 
 
-@pytest.mark.skipif(not CONVERSION_MODULE, reason="python -m megatron_ngrpo.conversion comes with branch "
-                                                   "'standalone' (ngrpo-convert)")
+@pytest.mark.skipif(
+    not CONVERSION_MODULE,
+    reason="python -m megatron_ngrpo.conversion comes with branch 'standalone' (ngrpo-convert)",
+)
 def test_local_conversion_job_with_packager_none(tmp_path):
     """A real conversion job through the launcher (local torchrun, 2 ranks = the tiny recipe's TP 2,
     the checkout in place): the HF model becomes a Megatron checkpoint."""
@@ -315,9 +450,26 @@ def test_local_conversion_job_with_packager_none(tmp_path):
 
     hf = write_tiny_hf(tmp_path / "hf")
     env = {**smoke_env(), "NEMORUN_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
-    rc, out = start_cli(["run", "tiny", "--task", "convert-hf", "--executor", "local", "--packager", "none",
-                         "--hf-path", str(hf), "--output", str(tmp_path / "ckpt"), "--title", "convert"],
-                        env, tmp_path / "convert.log").finish()
+    rc, out = start_cli(
+        [
+            "run",
+            "tiny",
+            "--task",
+            "convert-hf",
+            "--executor",
+            "local",
+            "--packager",
+            "none",
+            "--hf-path",
+            str(hf),
+            "--output",
+            str(tmp_path / "ckpt"),
+            "--title",
+            "convert",
+        ],
+        env,
+        tmp_path / "convert.log",
+    ).finish()
     assert rc == 0 and "convert-hf: SUCCEEDED" in out, out[-4000:]
     meta = json.loads((tmp_path / "ckpt" / "megatron_ngrpo.json").read_text())
     assert meta["tensor_parallel"] == 2
@@ -332,13 +484,25 @@ def test_git_packaged_job_finds_what_the_recipes_need(tmp_path):
     import subprocess
     import tarfile
 
-    git = lambda *a: subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()  # noqa: E731
+    def git(*a):
+        return subprocess.run(
+            ["git", *a], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
+
     ref = git("stash", "create") or "HEAD"
     # In its own process: NeMo-Run's shell runner reads stdin, which pytest captures.
-    pack = ("import sys; from pathlib import Path; import nemo_run as run\n"
-            "print(run.GitArchivePackager(ref=sys.argv[1]).package(Path(sys.argv[2]), sys.argv[3], 'code'))")
-    out = subprocess.run([sys.executable, "-c", pack, ref, str(REPO), str(tmp_path)], stdin=subprocess.DEVNULL,
-                         capture_output=True, text=True, timeout=300, check=True).stdout
+    pack = (
+        "import sys; from pathlib import Path; import nemo_run as run\n"
+        "print(run.GitArchivePackager(ref=sys.argv[1]).package(Path(sys.argv[2]), sys.argv[3], 'code'))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", pack, ref, str(REPO), str(tmp_path)],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
     archive = out.strip().splitlines()[-1]
     code = tmp_path / "job" / "code"
     code.mkdir(parents=True)
@@ -346,15 +510,25 @@ def test_git_packaged_job_finds_what_the_recipes_need(tmp_path):
         tar.extractall(code, filter="data")
     names = ["r1-1.5b", "r1-7b", "r1-14b"]
     # The R1 tokenizer by name (the repository's copy), not the model folder's (a config.json only).
-    check = ("import sys\nfrom megatron_ngrpo.launch import plan, recipes\n"
-             "for name in sys.argv[1:]:\n"
-             "    plan.recipe_config(recipes.get(name), recipes.get(name).nodes, ('tokenizer=deepseek-r1-distill-qwen',))\n"
-             "print(plan.__file__)")
+    check = (
+        "import sys\nfrom megatron_ngrpo.launch import plan, recipes\n"
+        "for name in sys.argv[1:]:\n"
+        "    plan.recipe_config(recipes.get(name), recipes.get(name).nodes, ('tokenizer=deepseek-r1-distill-qwen',))\n"
+        "print(plan.__file__)"
+    )
     env = {k: v for k, v in os.environ.items() if k != "NGRPO_SHARED"}
-    p = subprocess.run([sys.executable, "-c", check, *names], cwd=code, capture_output=True, text=True,
-                       timeout=300, env={**env, "PYTHONPATH": str(code)})
+    p = subprocess.run(
+        [sys.executable, "-c", check, *names],
+        cwd=code,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**env, "PYTHONPATH": str(code)},
+    )
     assert p.returncode == 0, p.stderr[-3000:]
-    assert p.stdout.strip() == str(code / "megatron_ngrpo" / "launch" / "plan.py")  # the archive's code ran
+    assert p.stdout.strip() == str(
+        code / "megatron_ngrpo" / "launch" / "plan.py"
+    )  # the archive's code ran
 
 
 def test_image_pins_every_package_within_setup_py():
@@ -363,7 +537,7 @@ def test_image_pins_every_package_within_setup_py():
     from packaging.requirements import Requirement
 
     text = (REPO / "launchers" / "image" / "Dockerfile").read_text()
-    install = text[text.index("RUN python -m pip install"):].split("\n\n")[0]
+    install = text[text.index("RUN python -m pip install") :].split("\n\n")[0]
     pins = [Requirement(r) for r in re.findall(r'"([^"]+)"', install)]
     import setuptools
 
@@ -372,7 +546,11 @@ def test_image_pins_every_package_within_setup_py():
         mp.setattr(setuptools, "setup", lambda **kw: found.update(kw))
         exec(compile((REPO / "setup.py").read_text(), "setup.py", "exec"), {"__name__": "setup"})
     ranges = {}
-    for text in [*found["install_requires"], *found["extras_require"]["vllm-gpu"], *found["extras_require"]["launch"]]:
+    for text in [
+        *found["install_requires"],
+        *found["extras_require"]["vllm-gpu"],
+        *found["extras_require"]["launch"],
+    ]:
         req = Requirement(text)
         ranges[req.name.lower().replace("_", "-")] = req
     assert len(pins) >= 15

@@ -17,19 +17,40 @@ from megatron_ngrpo.launch.experiment import TORCHRUN_INFO
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _run_demo(out: Path, steps: int, tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "examples.tiny_ngrpo", "--out", str(out), "--steps", str(steps),
-           "train.warmstart.steps=4", "train.save_every=1", "train.prompts_per_step=8",
-           "train.mini_batch_prompts=8", *(overrides or ["validation.every=0"])]
-    env = {"NEMORUN_HOME": str(tmp_path / "nemorun"), "OMP_NUM_THREADS": "1", "PATH": __import__("os").environ["PATH"],
-           "HOME": __import__("os").environ.get("HOME", "/root")}
+def _run_demo(
+    out: Path, steps: int, tmp_path: Path, *overrides: str
+) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable,
+        "-m",
+        "examples.tiny_ngrpo",
+        "--out",
+        str(out),
+        "--steps",
+        str(steps),
+        "train.warmstart.steps=4",
+        "train.save_every=1",
+        "train.prompts_per_step=8",
+        "train.mini_batch_prompts=8",
+        *(overrides or ["validation.every=0"]),
+    ]
+    env = {
+        "NEMORUN_HOME": str(tmp_path / "nemorun"),
+        "OMP_NUM_THREADS": "1",
+        "PATH": __import__("os").environ["PATH"],
+        "HOME": __import__("os").environ.get("HOME", "/root"),
+    }
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"main job failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
     return proc
 
 
 def _steps(run_dir: Path) -> list[int]:
-    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    return [
+        json.loads(line)["step"]
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if line
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +71,7 @@ def test_writes_metrics_checkpoint_export_and_plot(demo):
         assert key in rows[-1], key
     # Held-out accuracy is logged and reported in the summary.
     assert 0.0 <= rows[-1]["val/mean@4"] <= 1.0
-    summary = json.loads(first.stdout[first.stdout.rindex("\n{\n"):])
+    summary = json.loads(first.stdout[first.stdout.rindex("\n{\n") :])
     assert summary["validation"] == {"2": rows[-1]["val/mean@4"]}
     # The job's progress bar is streamed to the terminal while it runs (not just "Waiting ...").
     assert "train:" in first.stdout and "reward=" in first.stdout

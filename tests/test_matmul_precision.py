@@ -12,20 +12,23 @@ import pytest
 
 CASES = [
     ("", 0.0),
-    ("torch.backends.cuda.matmul.allow_tf32 = True", 2.0 ** -11),
-    ("torch.set_float32_matmul_precision('high')", 2.0 ** -11),
-    ("torch.set_float32_matmul_precision('medium')", 2.0 ** -8),
-    ("torch.backends.cuda.matmul.fp32_precision = 'tf32'", 2.0 ** -11),
-    ("torch.backends.fp32_precision = 'tf32'", 2.0 ** -11),
-    ("torch.backends.fp32_precision = 'bf16'", 2.0 ** -8),
+    ("torch.backends.cuda.matmul.allow_tf32 = True", 2.0**-11),
+    ("torch.set_float32_matmul_precision('high')", 2.0**-11),
+    ("torch.set_float32_matmul_precision('medium')", 2.0**-8),
+    ("torch.backends.cuda.matmul.fp32_precision = 'tf32'", 2.0**-11),
+    ("torch.backends.fp32_precision = 'tf32'", 2.0**-11),
+    ("torch.backends.fp32_precision = 'bf16'", 2.0**-8),
     ("torch.backends.cuda.matmul.fp32_precision = 'ieee'", 0.0),
 ]
 
 
 @pytest.mark.parametrize("setting,roundoff", CASES, ids=[c[0] or "default" for c in CASES])
 def test_input_roundoff_under_every_precision_api(setting, roundoff):
-    code = ("import torch\nfrom megatron_ngrpo.mixing.neighbors import _input_roundoff\n" + setting +
-            "\nprint(repr(_input_roundoff(torch.device('cuda'))), repr(_input_roundoff(torch.device('cpu'))))")
+    code = (
+        "import torch\nfrom megatron_ngrpo.mixing.neighbors import _input_roundoff\n"
+        + setting
+        + "\nprint(repr(_input_roundoff(torch.device('cuda'))), repr(_input_roundoff(torch.device('cpu'))))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == [repr(roundoff), "0.0"]

@@ -30,25 +30,51 @@ def measured():
 
 def cpu_model(shape, dp: int, overhead: int) -> memory.TrainMemory:
     layers, hidden, ffn, heads, kv_heads, vocab, rows, seq_len = shape
-    spec = ArchSpec.from_dict(tiny_hf_config(vocab_size=vocab, hidden_size=hidden, num_layers=layers,
-                                             num_heads=heads, num_kv_heads=kv_heads, intermediate_size=ffn))
-    layout = memory.TrainLayout(tp=1, pp=1, dp=dp, tokens=rows * seq_len, sequence_parallel=False,
-                                recompute=True, param_bytes=memory.FP32, unfused_seq_len=seq_len,
-                                overhead=overhead)
+    spec = ArchSpec.from_dict(
+        tiny_hf_config(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            intermediate_size=ffn,
+        )
+    )
+    layout = memory.TrainLayout(
+        tp=1,
+        pp=1,
+        dp=dp,
+        tokens=rows * seq_len,
+        sequence_parallel=False,
+        recompute=True,
+        param_bytes=memory.FP32,
+        unfused_seq_len=seq_len,
+        overhead=overhead,
+    )
     return memory.train_memory(spec, layout)
 
 
-@pytest.mark.parametrize("name,dominant", [("static_dominant", "static"), ("logits_dominant", "logits"),
-                                           ("attention_dominant", "working")])
+@pytest.mark.parametrize(
+    "name,dominant",
+    [
+        ("static_dominant", "static"),
+        ("logits_dominant", "logits"),
+        ("attention_dominant", "working"),
+    ],
+)
 def test_memory_model_matches_measured_peak(measured, name, dominant):
     fixed = check(measured, "fixed_overhead")
     got = check(measured, name)
     model = cpu_model(SHAPES[name], got["dp"], fixed["peak"])
-    terms = {"static": model.weights + model.grads + model.optimizer, "logits": model.logits,
-             "working": model.working}
+    terms = {
+        "static": model.weights + model.grads + model.optimizer,
+        "logits": model.logits,
+        "working": model.working,
+    }
     assert max(terms, key=terms.get) == dominant, terms  # each shape tests a different term
     assert model.total == pytest.approx(got["peak"], rel=0.2), (
-        f"{name}: model {model.total / 2**20:.0f} MiB, measured {got['peak'] / 2**20:.0f} MiB")
+        f"{name}: model {model.total / 2**20:.0f} MiB, measured {got['peak'] / 2**20:.0f} MiB"
+    )
 
 
 def test_logits_pass_peak_within_one_and_a_half_fp32_logits(measured):

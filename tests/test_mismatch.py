@@ -26,11 +26,12 @@ def _batch(seed: int = 0):
     b, length = 6, 9
     mask = torch.zeros(b, length, dtype=torch.bool)
     for i, (start, n) in enumerate([(1, 7), (2, 5), (0, 9), (3, 2), (1, 6), (2, 4)]):
-        mask[i, start:start + n] = True
+        mask[i, start : start + n] = True
     rollout = -torch.rand(b, length, generator=g, dtype=torch.float64) * 3
     # Gaps of up to ±1.2 nats: every band and cap is crossed by some tokens and some sequences.
     old = rollout + (torch.rand(b, length, generator=g, dtype=torch.float64) - 0.5) * 2.4 * (
-        torch.rand(b, length, generator=g) < 0.4)
+        torch.rand(b, length, generator=g) < 0.4
+    )
     old[3, 3:5] = rollout[3, 3:5] + 1.0  # one sequence far off as a whole (geometric mean e)
     new = old + (torch.rand(b, length, generator=g, dtype=torch.float64) - 0.5) * 0.6
     adv = torch.randn(b, generator=g, dtype=torch.float64)
@@ -84,41 +85,61 @@ def test_loss_of_every_mode_matches_float64_reference(mode, agg):
     weight, keep = correction(old.to(f), rollout.to(f), mask, cfg.correction)
     # The mode must act on this batch: some weight differs from 1 or some token is rejected.
     assert (weight[keep] != 1).any() or (mask & ~keep).any(), mode
-    token_weight, norm = aggregation_weights(mask & keep, torch.ones(len(adv), dtype=torch.bool), agg, 9)
-    extras = {"token_weight": token_weight, "old_logprobs": old.to(f), "advantages": adv.to(f),
-              "tis_weight": weight}
+    token_weight, norm = aggregation_weights(
+        mask & keep, torch.ones(len(adv), dtype=torch.bool), agg, 9
+    )
+    extras = {
+        "token_weight": token_weight,
+        "old_logprobs": old.to(f),
+        "advantages": adv.to(f),
+        "tis_weight": weight,
+    }
     loss, _ = micro_batch_loss(new.to(f), None, extras, mask, cfg)
     ref = _reference(new, old, rollout, adv, mask, cfg, mc)
-    assert norm > 0 and abs(float(loss) - ref) <= 1e-5 * max(1.0, abs(ref)), (mode, agg, float(loss), ref)
+    assert norm > 0 and abs(float(loss) - ref) <= 1e-5 * max(1.0, abs(ref)), (
+        mode,
+        agg,
+        float(loss),
+        ref,
+    )
 
 
 def test_tis_cap_is_token_tis():
     _, old, rollout, _, mask = _batch(1)
     a = correction(old, rollout, mask, GRPOConfig(tis_cap=1.3).correction)
     b = correction(old, rollout, mask, MismatchConfig(mode="token-tis", cap=1.3))
-    assert torch.equal(a[0], b[0]) and torch.equal(a[0], torch.exp(old - rollout).clamp(max=1.3) * mask)
+    assert torch.equal(a[0], b[0]) and torch.equal(
+        a[0], torch.exp(old - rollout).clamp(max=1.3) * mask
+    )
 
 
 def test_metrics_split_mixed_and_plain_positions():
     _, old, rollout, _, mask = _batch(2)
     mixed = torch.zeros_like(mask)
     mixed[:, 3] = True
-    _, keep = correction(old, rollout, mask, MismatchConfig(mode="token-mask", lower=0.8, upper=1.25))
+    _, keep = correction(
+        old, rollout, mask, MismatchConfig(mode="token-mask", lower=0.8, upper=1.25)
+    )
     m = mismatch_metrics(mismatch_sums(old, rollout, mask, mixed, keep))
     for name, sel in (("mixed", mixed & mask), ("plain", mask & ~mixed), ("all", mask)):
         d = (old - rollout)[sel]
         assert m[f"mismatch/{name}/logprob_gap"] == pytest.approx(float(d.abs().mean()), rel=1e-12)
         assert m[f"mismatch/{name}/kl"] == pytest.approx(float((d.exp() - 1 - d).mean()), rel=1e-12)
-        assert m[f"mismatch/{name}/masked_frac"] == pytest.approx(float((~keep[sel]).double().mean()), rel=1e-12)
+        assert m[f"mismatch/{name}/masked_frac"] == pytest.approx(
+            float((~keep[sel]).double().mean()), rel=1e-12
+        )
     assert 0 < m["mismatch/all/masked_frac"] < 1
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["mismatch.mode=tis"], "'mismatch.mode' = 'tis'"),
-    (["mismatch.mode=icepop", "mismatch.lower=3"], "'mismatch.lower' = 3"),
-    (["mismatch.mode=icepop", "tis_cap=2"], "'tis_cap' = 2"),
-    (["mismatch.mode=mis", "old_logprobs=rollout"], "needs grpo.old_logprobs = recompute"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["mismatch.mode=tis"], "'mismatch.mode' = 'tis'"),
+        (["mismatch.mode=icepop", "mismatch.lower=3"], "'mismatch.lower' = 3"),
+        (["mismatch.mode=icepop", "tis_cap=2"], "'tis_cap' = 2"),
+        (["mismatch.mode=mis", "old_logprobs=rollout"], "needs grpo.old_logprobs = recompute"),
+    ],
+)
 def test_config_errors(overrides, message):
     with pytest.raises(ConfigError) as e:
         load(GRPOConfig, None, overrides)

@@ -88,8 +88,11 @@ def test_table_bad_inputs_raise():
 def screen(request, monkeypatch):
     """Both scoring screens whatever this CPU has (bf16 applies to the matmul metrics cosine,
     dot; the others keep fp32)."""
-    monkeypatch.setattr(G, "screen_dtype", lambda device, metric: request.param if metric in ("cosine", "dot")
-                        else torch.float32)
+    monkeypatch.setattr(
+        G,
+        "screen_dtype",
+        lambda device, metric: request.param if metric in ("cosine", "dot") else torch.float32,
+    )
     return request.param
 
 
@@ -110,9 +113,9 @@ def test_table_all_ties_and_chunking(metric, screen):
 
 def test_table_orders_fp32_indistinguishable_scores_by_float64(screen):
     """Dot scores 1 + i·2^-25 collapse in fp32; the certificate falls back to float64."""
-    x = torch.arange(40, dtype=torch.float64) * 2.0 ** -13
+    x = torch.arange(40, dtype=torch.float64) * 2.0**-13
     w = torch.stack([torch.ones(40, dtype=torch.float64), x], 1).float()
-    w[0] = torch.tensor([1.0, 2.0 ** -12])  # the query row
+    w[0] = torch.tensor([1.0, 2.0**-12])  # the query row
     ref = neighbor_table64(w, 8, "dot")
     assert ref[0, 1:].tolist() == list(range(39, 32, -1))
     assert torch.equal(build_neighbor_table(w, 0, 8, "dot", chunk_size=16), ref)
@@ -122,7 +125,9 @@ def test_table_orders_fp32_indistinguishable_scores_by_float64(screen):
 def test_table_two_stage_topk_path(metric, screen):
     """V large enough for the blocked top-k (several key blocks), with heavy ties and exclusions."""
     g = torch.Generator().manual_seed(0)
-    w = torch.cat([torch.randint(-1, 2, (2500, 3), generator=g).float(), torch.randn(2500, 3, generator=g)])
+    w = torch.cat(
+        [torch.randint(-1, 2, (2500, 3), generator=g).float(), torch.randn(2500, 3, generator=g)]
+    )
     exclude = torch.rand(5000, generator=g) < 0.1
     rows = list(range(0, 5000, 125)) + [2499, 2500]
     got = build_neighbor_table(w, 0, 4, metric, exclude, chunk_size=700)
@@ -140,7 +145,10 @@ def test_screen_score_bounds_contain_float64_scores(metric, own, screen):
     """Every screen score's [lower, upper] interval contains the float64 score, on rows of
     mixed magnitudes (dot) and with a near-parallel pair; the cosine bf16 interval is a few u_bf16."""
     g = torch.Generator().manual_seed(3)
-    w = torch.randn(2000, 96, generator=g) * torch.logspace(-2, 2, 2000).unsqueeze(1)[torch.randperm(2000, generator=g)]
+    w = (
+        torch.randn(2000, 96, generator=g)
+        * torch.logspace(-2, 2, 2000).unsqueeze(1)[torch.randperm(2000, generator=g)]
+    )
     w[1] = w[0] * (1 + 1e-3)
     keys = T.Keys(w, 0, metric, torch.zeros(2000, dtype=torch.bool))
     ids = torch.arange(0, 300)
@@ -151,10 +159,14 @@ def test_screen_score_bounds_contain_float64_scores(metric, own, screen):
     finite = torch.isfinite(s)
     assert int((~finite).sum()) == 300  # self only
     t = tol.unsqueeze(1)
-    assert bool((T._lower(s, t) <= true)[finite].all()) and bool((true <= T._upper(s, t))[finite].all())
-    if metric == "cosine":  # (dot's bound scales with the largest key norm, 10^4 × the smallest here)
+    assert bool((T._lower(s, t) <= true)[finite].all()) and bool(
+        (true <= T._upper(s, t))[finite].all()
+    )
+    if (
+        metric == "cosine"
+    ):  # (dot's bound scales with the largest key norm, 10^4 × the smallest here)
         width = (T._upper(s, t) - T._lower(s, t))[finite]
-        assert float(width.max()) < (8 * 2.0 ** -8 if screen == torch.bfloat16 else 1e-3)
+        assert float(width.max()) < (8 * 2.0**-8 if screen == torch.bfloat16 else 1e-3)
 
 
 def test_bf16_screen_rescores_only_near_ties(monkeypatch):
@@ -163,11 +175,17 @@ def test_bf16_screen_rescores_only_near_ties(monkeypatch):
     monkeypatch.setattr(G, "screen_dtype", lambda device, metric: torch.bfloat16)
     retried = []
     rescore = T._rescore_above
-    monkeypatch.setattr(T, "_rescore_above", lambda keys, q32, *a: retried.append(len(q32)) or rescore(keys, q32, *a))
+    monkeypatch.setattr(
+        T,
+        "_rescore_above",
+        lambda keys, q32, *a: retried.append(len(q32)) or rescore(keys, q32, *a),
+    )
     w = torch.randn(3000, 128, generator=torch.Generator().manual_seed(0))
     ref = neighbor_table64(w, 3, "cosine")
     assert torch.equal(build_neighbor_table(w, 0, 3, "cosine", chunk_size=1024), ref)
-    assert torch.equal(build_neighbor_table(w, 0, 3, "cosine", rows=(0, 1500), chunk_size=1024), ref[:1500])
+    assert torch.equal(
+        build_neighbor_table(w, 0, 3, "cosine", rows=(0, 1500), chunk_size=1024), ref[:1500]
+    )
     assert sum(retried) < 0.03 * 4500, retried
 
 
@@ -194,7 +212,7 @@ def test_exclusion_mask_from_config():
 
 # ---- gate and counter-based draws -----------------------------------------------------------
 def test_gate_uniform_matches_splitmix_spec_and_is_deterministic():
-    key = torch.randint(-2**40, 2**62, (500,))
+    key = torch.randint(-(2**40), 2**62, (500,))
     pos = torch.randint(0, 10**6, (500,))
     for seed in (0, 7, 2**63 + 5, -3):
         u = gate_uniform(seed, key, pos)
@@ -222,13 +240,17 @@ def test_stht_noise_sigma_and_statistics():
     w[30:] = 100.0  # padded rows do not count
     spec = P.NoiseSpec.from_embedding(w, 30, 0.33)
     assert spec.dim == 64
-    assert spec.sigma == pytest.approx(0.33 * float(w[:30].double().pow(2).mean().sqrt()), rel=1e-12)
+    assert spec.sigma == pytest.approx(
+        0.33 * float(w[:30].double().pow(2).mean().sqrt()), rel=1e-12
+    )
     n = P.gaussian_noise(5, torch.arange(400), torch.zeros(400, dtype=torch.long), spec).double()
     assert n.shape == (400, 64)
     assert abs(float(n.mean())) < 5 * spec.sigma / n.numel() ** 0.5
     assert float(n.std()) == pytest.approx(spec.sigma, rel=5 * (0.5 / n.numel()) ** 0.5)
     assert float((n.abs() < spec.sigma).double().mean()) == pytest.approx(0.6827, abs=0.01)
-    assert torch.equal(n, P.gaussian_noise(5, torch.arange(400), torch.zeros(400, dtype=torch.long), spec))
+    assert torch.equal(
+        n, P.gaussian_noise(5, torch.arange(400), torch.zeros(400, dtype=torch.long), spec)
+    )
 
 
 def test_gumbel_first_candidate_samples_softmax():
@@ -236,8 +258,16 @@ def test_gumbel_first_candidate_samples_softmax():
     z = torch.tensor([2.0, 1.5, 1.0, 0.0, -1.0, 3.0])
     rows = 20000
     logits = z.expand(rows, 6)
-    dec = P.gumbel(logits, 3, 1.0, torch.ones(rows, dtype=torch.bool), 6, 9, torch.arange(rows),
-                   torch.zeros(rows, dtype=torch.long))
+    dec = P.gumbel(
+        logits,
+        3,
+        1.0,
+        torch.ones(rows, dtype=torch.bool),
+        6,
+        9,
+        torch.arange(rows),
+        torch.zeros(rows, dtype=torch.long),
+    )
     p = torch.softmax(z.double(), 0)
     freq = torch.bincount(dec.ids[:, 0], minlength=6).double() / rows
     assert ((freq - p).abs() <= 5 * (p * (1 - p) / rows).sqrt() + 1e-12).all(), (freq, p)
@@ -252,7 +282,9 @@ def test_decide_for_strategy_dispatch():
     key, pos = torch.arange(rows), torch.zeros(rows, dtype=torch.long)
     table = neighbor_table64(torch.randn(v, 4), 3)
     spec = P.NoiseSpec(0.1, 4)
-    kw = dict(temperature=0.7, num_real_tokens=v, table=table, noise=spec, seed=1, key=key, position=pos)
+    kw = dict(
+        temperature=0.7, num_real_tokens=v, table=table, noise=spec, seed=1, key=key, position=pos
+    )
     for strategy in ("neighbor", "soft_thinking", "stht", "gumbel"):
         dec = P.decide_for_strategy(MixingConfig(strategy=strategy, k=3), z, mixed, **kw)
         assert dec.ids.shape == (rows, 3) and torch.equal(dec.mixed, mixed)
@@ -263,13 +295,21 @@ def test_decide_for_strategy_dispatch():
     none = P.decide_for_strategy(MixingConfig(strategy="none"), z, mixed, **kw)
     assert not none.mixed.any() and torch.equal(none.anchor, z.argmax(-1))
     with pytest.raises(ValueError, match="table"):
-        P.decide_for_strategy(MixingConfig(strategy="neighbor"), z, mixed, temperature=1.0, num_real_tokens=v)
+        P.decide_for_strategy(
+            MixingConfig(strategy="neighbor"), z, mixed, temperature=1.0, num_real_tokens=v
+        )
     with pytest.raises(ValueError, match="NoiseSpec"):
-        P.decide_for_strategy(MixingConfig(strategy="stht"), z, mixed, temperature=1.0, num_real_tokens=v,
-                              key=key, position=pos)
+        P.decide_for_strategy(
+            MixingConfig(strategy="stht"),
+            z,
+            mixed,
+            temperature=1.0,
+            num_real_tokens=v,
+            key=key,
+            position=pos,
+        )
     with pytest.raises(ValueError, match="k = "):
         P.soft_thinking(z, v + 1, 1.0, mixed, v)
-
 
 
 def _tf32(x: torch.Tensor) -> torch.Tensor:
@@ -283,15 +323,21 @@ def test_table_exact_under_tf32_matmul(monkeypatch, rows):
     input rounding, the table is still exact, and only near-tie rows are re-scored (the bound
     used to exceed the cosine range at large d, re-scoring every pair)."""
     monkeypatch.setattr(G, "screen_dtype", lambda device, metric: torch.float32)
-    monkeypatch.setattr(G, "input_roundoff", lambda device: 2.0 ** -11)
-    monkeypatch.setattr(G, "mm_into", lambda a, b, out: torch.mm(_tf32(a), _tf32(b.contiguous()), out=out))
+    monkeypatch.setattr(G, "input_roundoff", lambda device: 2.0**-11)
+    monkeypatch.setattr(
+        G, "mm_into", lambda a, b, out: torch.mm(_tf32(a), _tf32(b.contiguous()), out=out)
+    )
     retried = []
     rescore = T._rescore_above
-    monkeypatch.setattr(T, "_rescore_above", lambda keys, q32, *a: retried.append(len(q32)) or rescore(keys, q32, *a))
+    monkeypatch.setattr(
+        T,
+        "_rescore_above",
+        lambda keys, q32, *a: retried.append(len(q32)) or rescore(keys, q32, *a),
+    )
     w = torch.randn(3000, 64, generator=torch.Generator().manual_seed(0))
     got = build_neighbor_table(w, 0, 3, "cosine", rows=rows, chunk_size=1024)
     ref = neighbor_table64(w, 3, "cosine")
-    assert torch.equal(got, ref if rows is None else ref[rows[0]:rows[1]])
+    assert torch.equal(got, ref if rows is None else ref[rows[0] : rows[1]])
     assert sum(retried) < 0.05 * got.shape[0], retried
     tol = T.Keys(w, 0, "cosine", torch.zeros(3000, dtype=torch.bool)).bound(w[:1])[2]
     assert float(tol) < 1.1e-3

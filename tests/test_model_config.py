@@ -21,7 +21,9 @@ def test_num_real_tokens_defaults_to_the_tokenizer(shared_data, name, ids):
     assert real_token_count(None, QWEN2_ROWS, tok) == ids
     assert real_token_count(151700, QWEN2_ROWS, tok) == 151700  # explicit override
     assert real_token_count(None, QWEN2_ROWS) == QWEN2_ROWS  # no tokenizer: the HF rows
-    with pytest.raises(ConfigError, match=f"has {ids} token ids, more than the model's vocab_size = 1000"):
+    with pytest.raises(
+        ConfigError, match=f"has {ids} token ids, more than the model's vocab_size = 1000"
+    ):
         real_token_count(None, 1000, tok)
 
 
@@ -29,5 +31,7 @@ def test_num_real_tokens_beyond_the_vocabulary_is_refused(tmp_path):
     hf = write_tiny_hf(tmp_path / "hf", weights=False, vocab_size=300)
     ModelConfig(hf_path=str(hf), num_real_tokens=300).validate()
     for bad in (301, 0):
-        with pytest.raises(ConfigError, match=rf"'num_real_tokens' = {bad}: must be in \[1, vocab_size = 300\]"):
+        with pytest.raises(
+            ConfigError, match=rf"'num_real_tokens' = {bad}: must be in \[1, vocab_size = 300\]"
+        ):
             ModelConfig(hf_path=str(hf), num_real_tokens=bad).validate()

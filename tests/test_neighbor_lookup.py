@@ -17,7 +17,10 @@ from megatron_ngrpo.mixing.neighbors import NeighborLookup, build_neighbor_table
 from megatron_ngrpo.testing.multiproc import check, launch
 from megatron_ngrpo.testing.reference import neighbor_table64
 
-MODEL = Path(os.environ.get("NGRPO_MODELS", "/root/.cache/megatron_ngrpo/models")) / "SmolLM2-135M-Instruct"
+MODEL = (
+    Path(os.environ.get("NGRPO_MODELS", "/root/.cache/megatron_ngrpo/models"))
+    / "SmolLM2-135M-Instruct"
+)
 WORKER = Path(__file__).parent / "dist" / "neighbor_lookup_worker.py"
 METRICS = ("cosine", "l2", "l1", "dot")
 
@@ -37,8 +40,12 @@ def real(tmp_path_factory):
     special = special_token_ids(AutoTokenizer.from_pretrained(str(MODEL)))
     exclude = exclusion_mask(weight.shape[0], MixingConfig(), weight.shape[0], special)
     g = torch.Generator().manual_seed(0)
-    anchors = torch.cat([torch.tensor([special[0], 198, 30, 30, 284, 198]),
-                         torch.randint(0, weight.shape[0], (34,), generator=g)])
+    anchors = torch.cat(
+        [
+            torch.tensor([special[0], 198, 30, 30, 284, 198]),
+            torch.randint(0, weight.shape[0], (34,), generator=g),
+        ]
+    )
     table = build_neighbor_table(weight, 0, 3, "cosine", exclude)
     ref = {"weight": weight, "exclude": exclude, "anchors": anchors, "table": table[anchors]}
     for metric in METRICS:
@@ -60,7 +67,9 @@ def test_lookup_tp1_equals_table_and_float64(real, metric):
     if metric == "cosine":
         assert torch.equal(got, ref["table"])
     distinct = len(torch.unique(anchors))
-    assert lookup.rows_computed == distinct == int(lookup.known.sum())  # searched once each, nothing else
+    assert (
+        lookup.rows_computed == distinct == int(lookup.known.sum())
+    )  # searched once each, nothing else
     assert bool((lookup.cache[~lookup.known] == -1).all())
 
 
@@ -74,7 +83,9 @@ def test_lookup_tp2_tp3_equal_table_and_float64(real):
 def test_lookup_mode_rule_and_validation():
     cfg = MixingConfig(rate=0.1)
     assert cfg.lookup_mode(16 * 48, 49152) == "on_demand"  # SmolLM2 bench step on CPU
-    assert cfg.lookup_mode(16 * 48, 49152, "cuda") == "table"  # the whole table takes 0.15 s on an H100
+    assert (
+        cfg.lookup_mode(16 * 48, 49152, "cuda") == "table"
+    )  # the whole table takes 0.15 s on an H100
     assert cfg.lookup_mode(512 * 4096, 152064) == "table"  # 7B-scale step
     assert MixingConfig(rate=0.1, refresh_every=2).lookup_mode(16, 49152) == "table"
     assert MixingConfig(neighbor_lookup="table").lookup_mode(1, 49152) == "table"

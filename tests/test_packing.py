@@ -33,6 +33,11 @@ def test_pack_mask_positions_and_unpack():
     assert kwargs["input_ids"].tolist() == [[5, 6, 7, 8, 9, 0]]
     assert kwargs["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0]]
     allowed = ~kwargs["attention_mask"][0, 0]
-    assert allowed[2, :3].all() and not allowed[3, :3].any() and allowed[4, 3:5].all() and not allowed[1, 2]
+    assert (
+        allowed[2, :3].all()
+        and not allowed[3, :3].any()
+        and allowed[4, 3:5].all()
+        and not allowed[1, 2]
+    )
     out = unpack(kwargs["input_ids"].unsqueeze(-1).float(), index, 2, 4)
     assert out[..., 0].tolist() == [[5, 6, 7, 0], [8, 9, 0, 0]]

@@ -30,28 +30,53 @@ def task(tmp_path_factory) -> Path:
 
 
 def run_preflight(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megatron_ngrpo.launch.preflight", *args], capture_output=True,
-                          text=True, timeout=300, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_ngrpo.launch.preflight", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
 
 
 def test_one_line_ok_and_one_line_config_error(task):
-    ok = run_preflight("--gpus", "0", "--world-size", "2", "--config", str(TINY), "--config", str(task))
+    ok = run_preflight(
+        "--gpus", "0", "--world-size", "2", "--config", str(TINY), "--config", str(task)
+    )
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.startswith("preflight ok: Python ") and "megatron-core 0.16" in ok.stdout
     assert "0 GPU(s), world size 2" in ok.stdout and len(ok.stdout.splitlines()) == 1
-    bad = run_preflight("--gpus", "0", "--world-size", "3", "--config", str(TINY), "--config", str(task),
-                        "model.tensor_parallel=2")
+    bad = run_preflight(
+        "--gpus",
+        "0",
+        "--world-size",
+        "3",
+        "--config",
+        str(TINY),
+        "--config",
+        str(task),
+        "model.tensor_parallel=2",
+    )
     assert bad.returncode == 2 and bad.stdout == ""
-    assert bad.stderr.strip().splitlines()[-1] == ("preflight failed: config field 'model.tensor_parallel' = 2: "
-                                                   "TP 2 × PP 1 does not divide the world size 3"), bad.stderr
+    assert bad.stderr.strip().splitlines()[-1] == (
+        "preflight failed: config field 'model.tensor_parallel' = 2: "
+        "TP 2 × PP 1 does not divide the world size 3"
+    ), bad.stderr
 
 
 def test_gpu_count_and_dependencies(task):
-    with pytest.raises(preflight.PreflightError, match=r"^0 GPU\(s\) visible, the node's ranks need 8$"):
+    with pytest.raises(
+        preflight.PreflightError, match=r"^0 GPU\(s\) visible, the node's ranks need 8$"
+    ):
         preflight.preflight([str(TINY), str(task)], [], gpus=8, world_size=1)
-    with pytest.raises(preflight.PreflightError, match="no_such_module_xyz does not import: ModuleNotFoundError"):
+    with pytest.raises(
+        preflight.PreflightError, match="no_such_module_xyz does not import: ModuleNotFoundError"
+    ):
         preflight.check_imports({"no_such_module_xyz": "no-such"}, {})
-    with pytest.raises(preflight.PreflightError, match=r"pyyaml .* is outside the required range <1"):
+    with pytest.raises(
+        preflight.PreflightError, match=r"pyyaml .* is outside the required range <1"
+    ):
         preflight.check_imports({"yaml": "pyyaml"}, {"pyyaml": Requirement("pyyaml<1")})
 
 
@@ -75,7 +100,9 @@ def test_layer_spec_auto_on_a_gpu_without_te_stops(tmp_path, monkeypatch):
     for spec in ("auto", "te"):
         with pytest.raises(ConfigError) as e:
             ModelConfig(hf_path=str(hf), layer_spec=spec).validate()
-        assert str(e.value).startswith(f"model.layer_spec = '{spec}': Transformer Engine does not import on this "
-                                       "GPU machine (ModuleNotFoundError"), e.value
+        assert str(e.value).startswith(
+            f"model.layer_spec = '{spec}': Transformer Engine does not import on this "
+            "GPU machine (ModuleNotFoundError"
+        ), e.value
         assert str(e.value).endswith("or set model.layer_spec=local for megatron's local spec")
     ModelConfig(hf_path=str(hf), layer_spec="local").validate()

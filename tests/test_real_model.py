@@ -15,10 +15,27 @@ WORKER = Path(__file__).resolve().parent / "dist" / "real_model_worker.py"
 
 @pytest.fixture(scope="module")
 def results(real_model, tmp_path_factory):
-    env = {"NGRPO_REAL_MODEL": str(real_model), "NGRPO_REAL_OUT": str(tmp_path_factory.mktemp("real"))}
-    three = launch(WORKER, 3, timeout=900, env=env,
-                   only=["logits_tp1pp1", "logits_tp3pp1", "roundtrip_tp3", "neighbors_tp1", "neighbors_tp3"])
-    return {**three, **launch(WORKER, 2, timeout=600, env=env, only=["logits_tp1pp2", "tied_grad_tp2pp1", "tied_grad_tp1pp2"])}
+    env = {
+        "NGRPO_REAL_MODEL": str(real_model),
+        "NGRPO_REAL_OUT": str(tmp_path_factory.mktemp("real")),
+    }
+    three = launch(
+        WORKER,
+        3,
+        timeout=900,
+        env=env,
+        only=["logits_tp1pp1", "logits_tp3pp1", "roundtrip_tp3", "neighbors_tp1", "neighbors_tp3"],
+    )
+    return {
+        **three,
+        **launch(
+            WORKER,
+            2,
+            timeout=600,
+            env=env,
+            only=["logits_tp1pp2", "tied_grad_tp2pp1", "tied_grad_tp1pp2"],
+        ),
+    }
 
 
 @pytest.mark.parametrize("layout", ["tp1pp1", "tp3pp1", "tp1pp2"])

@@ -24,22 +24,36 @@ from megatron_ngrpo.parallel import free_port
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "smollm2_135m.yaml"
 EVAL_CONFIG = REPO / "configs" / "eval" / "smollm2_135m.yaml"
-ENGINES = {"megatron": [], "vllm": ["rollout.engine=vllm", "rollout.vllm.max_model_len=256",
-                                    f"rollout.vllm.kv_cache_memory_bytes={64 * 2**20}"]}
+ENGINES = {
+    "megatron": [],
+    "vllm": [
+        "rollout.engine=vllm",
+        "rollout.vllm.max_model_len=256",
+        f"rollout.vllm.kv_cache_memory_bytes={64 * 2**20}",
+    ],
+}
 
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("arith_real")
-    subprocess.run([sys.executable, "examples/arithmetic/task.py", str(root)], cwd=REPO, check=True,
-                   capture_output=True)
+    subprocess.run(
+        [sys.executable, "examples/arithmetic/task.py", str(root)],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+    )
     return root
 
 
 def env_for(real_model: Path) -> dict:
     # The configs find the model through NGRPO_MODELS, as a user's set-up does.
-    return {**os.environ, "OMP_NUM_THREADS": "1", "NGRPO_MODELS": str(real_model.parent),
-            "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "NGRPO_MODELS": str(real_model.parent),
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    }
 
 
 @pytest.fixture(scope="module")
@@ -47,15 +61,41 @@ def runs(real_model, task, tmp_path_factory) -> dict[str, Path]:
     out = {}
     for engine, extra in ENGINES.items():
         run_dir = tmp_path_factory.mktemp(f"run_{engine}")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(free_port()),
-               "-m", "megatron_ngrpo.train", "--config", str(CONFIG),
-               f"data.train=[{{path: {task / 'train.jsonl'}}}]", f"validation.benchmarks=[{task / 'heldout.jsonl'}]",
-               "validation.every=0", f"train.run_dir={run_dir}", "train.max_steps=2", "train.save_every=2",
-               "train.prompts_per_step=2", "train.mini_batch_prompts=2", "train.micro_batch_size=2",
-               "rollout.n=2", "rollout.max_new_tokens=8", "mixing.rate=0.5", "optim.lr=1.0e-4",
-               "train.progress=false", "train.tensorboard=false", "reward.workers=1", *extra]
-        r = subprocess.run(cmd, cwd=REPO, env=env_for(real_model), capture_output=True, text=True, timeout=1200)
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "megatron_ngrpo.train",
+            "--config",
+            str(CONFIG),
+            f"data.train=[{{path: {task / 'train.jsonl'}}}]",
+            f"validation.benchmarks=[{task / 'heldout.jsonl'}]",
+            "validation.every=0",
+            f"train.run_dir={run_dir}",
+            "train.max_steps=2",
+            "train.save_every=2",
+            "train.prompts_per_step=2",
+            "train.mini_batch_prompts=2",
+            "train.micro_batch_size=2",
+            "rollout.n=2",
+            "rollout.max_new_tokens=8",
+            "mixing.rate=0.5",
+            "optim.lr=1.0e-4",
+            "train.progress=false",
+            "train.tensorboard=false",
+            "reward.workers=1",
+            *extra,
+        ]
+        r = subprocess.run(
+            cmd, cwd=REPO, env=env_for(real_model), capture_output=True, text=True, timeout=1200
+        )
         assert r.returncode == 0, (engine, r.stdout[-3000:], r.stderr[-5000:])
         out[engine] = run_dir
     return out
@@ -79,10 +119,24 @@ def test_eval_cli_scores_the_run_and_hf_export_generates_the_same(runs, real_mod
     """Eval CLI (built-in engine, greedy) on the trained run; the run converted to HF: transformers
     greedy text = the eval's text for the same prompts; the weights moved from the initial ones."""
     run, out = runs["megatron"], tmp_path / "eval"
-    cmd = [sys.executable, "-m", "megatron_ngrpo.eval", "--config", str(EVAL_CONFIG), f"checkpoint={run}",
-           f"benchmarks=[{task / 'heldout.jsonl'}]", "limit=3", "sampling.n=1", "sampling.temperature=0",
-           "sampling.max_new_tokens=24", "ks=[1]", f"output_dir={out}"]
-    r = subprocess.run(cmd, cwd=REPO, env=env_for(real_model), capture_output=True, text=True, timeout=900)
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_ngrpo.eval",
+        "--config",
+        str(EVAL_CONFIG),
+        f"checkpoint={run}",
+        f"benchmarks=[{task / 'heldout.jsonl'}]",
+        "limit=3",
+        "sampling.n=1",
+        "sampling.temperature=0",
+        "sampling.max_new_tokens=24",
+        "ks=[1]",
+        f"output_dir={out}",
+    ]
+    r = subprocess.run(
+        cmd, cwd=REPO, env=env_for(real_model), capture_output=True, text=True, timeout=900
+    )
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-5000:])
     summary = json.loads((out / "results.json").read_text())
     assert "heldout" in json.dumps(summary)
@@ -93,7 +147,9 @@ def test_eval_cli_scores_the_run_and_hf_export_generates_the_same(runs, real_mod
 
     hf = tmp_path / "hf"
     convert_megatron_to_hf(run, hf, progress=False)
-    changed = [n for n, t in HFCheckpoint(hf).items() if not torch.equal(t, HFCheckpoint(real_model)[n])]
+    changed = [
+        n for n, t in HFCheckpoint(hf).items() if not torch.equal(t, HFCheckpoint(real_model)[n])
+    ]
     assert "model.embed_tokens.weight" in changed and len(changed) > 100
     tok = AutoTokenizer.from_pretrained(hf)
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
@@ -102,5 +158,7 @@ def test_eval_cli_scores_the_run_and_hf_export_generates_the_same(runs, real_mod
     for rec in records:
         ids = encode_prompt(prompt_message(bench.problems[rec["problem"]], template), tok, template)
         with torch.no_grad():
-            gen = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=24)[0, len(ids):]
+            gen = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=24)[
+                0, len(ids) :
+            ]
         assert tok.decode(gen, skip_special_tokens=True) == rec["response"], rec

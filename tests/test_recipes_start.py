@@ -36,8 +36,10 @@ def test_recipe_config_validates_at_world_size(name, tmp_path, monkeypatch):
     hf = _hf_folder(tmp_path, recipe)
     for nodes in sorted({recipe.min_nodes, recipe.nodes, recipe.max_nodes}):
         monkeypatch.setenv("WORLD_SIZE", str(recipe.world_size(nodes)))
-        cfg = load_config([REPO / "configs" / f"{GPU_RECIPES[name]}.yaml"],
-                          [*recipe.model_overrides(str(hf)), *recipe.rollout_overrides()])
+        cfg = load_config(
+            [REPO / "configs" / f"{GPU_RECIPES[name]}.yaml"],
+            [*recipe.model_overrides(str(hf)), *recipe.rollout_overrides()],
+        )
         assert cfg.rollout.engine == "vllm"
         assert recipe.world_size(nodes) % cfg.rollout.vllm.tensor_parallel == 0
     # Weight syncs are shard-to-shard wherever vLLM runs TP > 1 (7B: trainer TP 4 → vLLM TP 2;
@@ -45,7 +47,10 @@ def test_recipe_config_validates_at_world_size(name, tmp_path, monkeypatch):
     vllm_tp = cfg.rollout.vllm.tensor_parallel
     if vllm_tp > 1:
         spec = ArchSpec.from_hf(hf)
-        assert check_tp_shards(spec, cfg.model.tensor_parallel, cfg.model.pipeline_parallel, vllm_tp) is None
+        assert (
+            check_tp_shards(spec, cfg.model.tensor_parallel, cfg.model.pipeline_parallel, vllm_tp)
+            is None
+        )
 
 
 def test_vllm_layout_errors_are_one_line(tmp_path, monkeypatch):
@@ -54,6 +59,11 @@ def test_vllm_layout_errors_are_one_line(tmp_path, monkeypatch):
     recipe = RECIPES["r1-7b"]
     hf = _hf_folder(tmp_path, recipe)
     monkeypatch.setenv("WORLD_SIZE", "20")
-    with pytest.raises(ConfigError, match=r"^config field 'rollout.vllm.tensor_parallel' = 8: must divide the world size 20"):
-        load_config([REPO / "configs" / "ngrpo_r1_7b.yaml"],
-                    [*recipe.model_overrides(str(hf)), "rollout.vllm.tensor_parallel=8"])
+    with pytest.raises(
+        ConfigError,
+        match=r"^config field 'rollout.vllm.tensor_parallel' = 8: must divide the world size 20",
+    ):
+        load_config(
+            [REPO / "configs" / "ngrpo_r1_7b.yaml"],
+            [*recipe.model_overrides(str(hf)), "rollout.vllm.tensor_parallel=8"],
+        )

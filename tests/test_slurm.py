@@ -78,30 +78,118 @@ def jobs(cluster, tmp_path_factory):
     overlay = write_arithmetic_task(tmp / "arith")
     remote_overlay = write_arithmetic_task(tmp / "arith128", hidden_size=128)  # vLLM: head_dim 32
     hf, smoke_config = write_smoke_inputs(tmp)
-    env = {**smoke_env(), "SLURM_CONF": cluster.env["SLURM_CONF"], "NEMORUN_HOME": str(tmp / "nemorun_home"),
-           "OMP_NUM_THREADS": "1"}
-    common = ["--executor", "slurm", "--packager", "none", "--partition", "batch", "--account", "test",
-              "--time", "00:10:00", "--no-exclusive"]
-    trainer = ["--config", str(TINY_CONFIG), "--config", str(overlay), "--hf-path", str(tmp / "arith" / "model")]
-    smoke = ["--config", str(smoke_config), "--hf-path", str(hf)]
-    server = (f"--tokenizer {tmp / 'arith128' / 'tokenizer'} --port {free_port()} --max-model-len 64 "
-              f"--kv-cache-memory-bytes 4000000")
-    runs = {
-        "train": ["run", "tiny", "--title", "ngrpo-train", "--module", TRAIN_MODULE, *trainer,
-                  "--nodes", "2", "--procs-per-node", "1", "--gpus-per-node", "0",
-                  "--rdzv-port", str(free_port()), "--container-image", "ngrpo/test:stub",
-                  "--mount", f"{tmp}:{tmp}", f"train.run_dir={tmp / 'run'}"],
-        "eval": ["run", "tiny", "--task", "eval", "--title", "ngrpo-eval", "--module", SMOKE_MODULE, *smoke,
-                 "--detach", "model.tensor_parallel=1", f"smoke.out={tmp / 'eval.json'}"],
-        "het": ["run", "tiny", "--title", "ngrpo-het", "--module", TRAIN_MODULE, "--config", str(TINY_CONFIG),
-                "--config", str(remote_overlay), "--hf-path", str(tmp / "arith128" / "model"),
-                "--disaggregated", "--rollout-args", server, "--nodes", "2", "--procs-per-node", "1",
-                "--group-wait", "1", "--rdzv-port", str(free_port()), f"train.run_dir={tmp / 'run-het'}",
-                "train.max_steps=3", "rollout.remote.start_timeout_s=400"],
-        "fail": ["run", "tiny", "--title", "ngrpo-fail", "--module", TRAIN_MODULE, *trainer,
-                 f"train.run_dir={tmp / 'run-fail'}", "grpo.loss_agg=mean"],
+    env = {
+        **smoke_env(),
+        "SLURM_CONF": cluster.env["SLURM_CONF"],
+        "NEMORUN_HOME": str(tmp / "nemorun_home"),
+        "OMP_NUM_THREADS": "1",
     }
-    launches = {name: start_cli([*argv, *common], env, tmp / f"{name}.log") for name, argv in runs.items()}
+    common = [
+        "--executor",
+        "slurm",
+        "--packager",
+        "none",
+        "--partition",
+        "batch",
+        "--account",
+        "test",
+        "--time",
+        "00:10:00",
+        "--no-exclusive",
+    ]
+    trainer = [
+        "--config",
+        str(TINY_CONFIG),
+        "--config",
+        str(overlay),
+        "--hf-path",
+        str(tmp / "arith" / "model"),
+    ]
+    smoke = ["--config", str(smoke_config), "--hf-path", str(hf)]
+    server = (
+        f"--tokenizer {tmp / 'arith128' / 'tokenizer'} --port {free_port()} --max-model-len 64 "
+        f"--kv-cache-memory-bytes 4000000"
+    )
+    runs = {
+        "train": [
+            "run",
+            "tiny",
+            "--title",
+            "ngrpo-train",
+            "--module",
+            TRAIN_MODULE,
+            *trainer,
+            "--nodes",
+            "2",
+            "--procs-per-node",
+            "1",
+            "--gpus-per-node",
+            "0",
+            "--rdzv-port",
+            str(free_port()),
+            "--container-image",
+            "ngrpo/test:stub",
+            "--mount",
+            f"{tmp}:{tmp}",
+            f"train.run_dir={tmp / 'run'}",
+        ],
+        "eval": [
+            "run",
+            "tiny",
+            "--task",
+            "eval",
+            "--title",
+            "ngrpo-eval",
+            "--module",
+            SMOKE_MODULE,
+            *smoke,
+            "--detach",
+            "model.tensor_parallel=1",
+            f"smoke.out={tmp / 'eval.json'}",
+        ],
+        "het": [
+            "run",
+            "tiny",
+            "--title",
+            "ngrpo-het",
+            "--module",
+            TRAIN_MODULE,
+            "--config",
+            str(TINY_CONFIG),
+            "--config",
+            str(remote_overlay),
+            "--hf-path",
+            str(tmp / "arith128" / "model"),
+            "--disaggregated",
+            "--rollout-args",
+            server,
+            "--nodes",
+            "2",
+            "--procs-per-node",
+            "1",
+            "--group-wait",
+            "1",
+            "--rdzv-port",
+            str(free_port()),
+            f"train.run_dir={tmp / 'run-het'}",
+            "train.max_steps=3",
+            "rollout.remote.start_timeout_s=400",
+        ],
+        "fail": [
+            "run",
+            "tiny",
+            "--title",
+            "ngrpo-fail",
+            "--module",
+            TRAIN_MODULE,
+            *trainer,
+            f"train.run_dir={tmp / 'run-fail'}",
+            "grpo.loss_agg=mean",
+        ],
+    }
+    launches = {
+        name: start_cli([*argv, *common], env, tmp / f"{name}.log") for name, argv in runs.items()
+    }
     yield tmp, env, launches
     for launch in launches.values():
         launch.kill()
@@ -112,8 +200,10 @@ def _json(path) -> dict:
 
 
 def _logs(tmp, title: str, pattern: str) -> str:
-    return "".join(p.read_text(errors="replace")
-                   for p in (tmp / "nemorun_home" / "experiments" / title).rglob(pattern))
+    return "".join(
+        p.read_text(errors="replace")
+        for p in (tmp / "nemorun_home" / "experiments" / title).rglob(pattern)
+    )
 
 
 def test_two_node_training_in_containers(jobs):
@@ -123,12 +213,18 @@ def test_two_node_training_in_containers(jobs):
     assert "train: SUCCEEDED" in out
     run_dir = tmp / "run"
     assert (run_dir / "latest").read_text().strip() == "iter_0000004"
-    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [
+        json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
     assert max(steps) == 4
     assert "tensor_parallel: 2" in (run_dir / "config.yaml").read_text()
     job = out.split("train: SUCCEEDED (job ")[1].split(")")[0]
-    nodes = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "NNodes,NodeList", "-j", job], env=env,
-                           capture_output=True, text=True).stdout.split()
+    nodes = subprocess.run(
+        ["sacct", "-X", "-n", "-P", "-o", "NNodes,NodeList", "-j", job],
+        env=env,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
     assert len(nodes) == 1 and nodes[0].startswith("2|n"), nodes
 
 
@@ -142,7 +238,9 @@ def test_status_and_logs_after_submission(jobs):
     rc, out = status.finish()
     assert rc == 0 and "train: SUCCEEDED" in out, out[-3000:]
     rc, out = logs.finish()
-    assert rc == 0 and "job exited with code 0" in out and "torch.distributed.run" not in out, out[-3000:]
+    assert rc == 0 and "job exited with code 0" in out and "torch.distributed.run" not in out, out[
+        -3000:
+    ]
     assert "megatron.core.optimizer" in out  # the trainer's own log lines
 
 
@@ -152,7 +250,9 @@ def eval_result(jobs) -> dict:
     tmp, env, launches = jobs
     rc, out = launches["eval"].finish()
     assert rc == 0 and "submitted; follow with" in out, out[-4000:]
-    rc, out = start_cli(["status", experiment_id(out), "--wait"], env, tmp / "eval-wait.log").finish()
+    rc, out = start_cli(
+        ["status", experiment_id(out), "--wait"], env, tmp / "eval-wait.log"
+    ).finish()
     assert rc == 0 and "eval: SUCCEEDED" in out, out[-4000:]
     return _json(tmp / "eval.json")
 
@@ -167,7 +267,9 @@ def test_disaggregated_training_on_a_rollout_server(jobs):
     rc, out = launches["het"].finish()
     assert rc == 0, out[-4000:]
     assert "rollout-train: SUCCEEDED" in out
-    rows = [json.loads(line) for line in (tmp / "run-het" / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line) for line in (tmp / "run-het" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         assert r["logprob_gap/max_abs"] < 1e-5 and r["mixing/mixed_token_frac"] > 0, r
@@ -175,7 +277,9 @@ def test_disaggregated_training_on_a_rollout_server(jobs):
     config = (tmp / "run-het" / "config.yaml").read_text()
     assert "tensor_parallel: 2" in config and "engine: remote" in config
     server_log = _logs(tmp, "ngrpo-het", "log-ngrpo.rollout-train-0_*.out")
-    assert "hook NeighborMixCPUModelRunner" in server_log and "rollout server registered" in server_log
+    assert (
+        "hook NeighborMixCPUModelRunner" in server_log and "rollout server registered" in server_log
+    )
     trainer_log = _logs(tmp, "ngrpo-het", "log-ngrpo.rollout-train-1_*.out")
     assert "rollout servers: http://" in trainer_log
 
@@ -187,7 +291,11 @@ def test_failed_job_is_reported_and_exits_nonzero(jobs):
     assert "train: FAILED" in out and "did not succeed" in out
     # Refused by the pre-flight step on each node (the batch script's log), torchrun never started.
     sbatch_log = _logs(tmp, "ngrpo-fail", "sbatch_*.out")
-    assert "preflight failed: config field 'grpo.loss_agg' = 'mean'" in sbatch_log, sbatch_log[-3000:]
-    assert "torchrun not started" in sbatch_log and not _logs(tmp, "ngrpo-fail", "log-ngrpo.train_*.out")
+    assert "preflight failed: config field 'grpo.loss_agg' = 'mean'" in sbatch_log, sbatch_log[
+        -3000:
+    ]
+    assert "torchrun not started" in sbatch_log and not _logs(
+        tmp, "ngrpo-fail", "log-ngrpo.train_*.out"
+    )
     rc, out = start_cli(["status", experiment_id(out)], env, tmp / "status-fail.log").finish()
     assert rc == 1 and "train: FAILED" in out, out[-3000:]

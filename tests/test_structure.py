@@ -92,8 +92,11 @@ def _unexplained_lazy_imports(path: Path) -> list[int]:
     explained_ends, bad = set(), []
     for node in sorted(set(lazy), key=lambda n: n.lineno):
         above = lines[node.lineno - 2].strip() if node.lineno > 1 else ""
-        if ("# lazy:" in lines[node.lineno - 1] or above.startswith("# lazy:")
-                or node.lineno - 1 in explained_ends):
+        if (
+            "# lazy:" in lines[node.lineno - 1]
+            or above.startswith("# lazy:")
+            or node.lineno - 1 in explained_ends
+        ):
             explained_ends.add(node.end_lineno)
         else:
             bad.append(node.lineno)
@@ -136,13 +139,20 @@ def _witness(edges, comp):
 
 
 def test_the_walker_sees_deferred_and_relative_imports(tmp_path):
-    mods = {"megatron_ngrpo.p.a": tmp_path / "a.py", "megatron_ngrpo.p.b": tmp_path / "b.py",
-            "megatron_ngrpo.q": tmp_path / "q.py"}
+    mods = {
+        "megatron_ngrpo.p.a": tmp_path / "a.py",
+        "megatron_ngrpo.p.b": tmp_path / "b.py",
+        "megatron_ngrpo.q": tmp_path / "q.py",
+    }
     mods["megatron_ngrpo.p.a"].write_text("def f():\n    from megatron_ngrpo.p import b\n")
     mods["megatron_ngrpo.p.b"].write_text("from .a import f\nimport megatron_ngrpo.q\n")
-    assert _imports("megatron_ngrpo.p.a", mods["megatron_ngrpo.p.a"], mods) == {"megatron_ngrpo.p.b"}
-    assert _imports("megatron_ngrpo.p.b", mods["megatron_ngrpo.p.b"], mods) == {"megatron_ngrpo.p.a",
-                                                                                 "megatron_ngrpo.q"}
+    assert _imports("megatron_ngrpo.p.a", mods["megatron_ngrpo.p.a"], mods) == {
+        "megatron_ngrpo.p.b"
+    }
+    assert _imports("megatron_ngrpo.p.b", mods["megatron_ngrpo.p.b"], mods) == {
+        "megatron_ngrpo.p.a",
+        "megatron_ngrpo.q",
+    }
     assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
 
 
@@ -150,7 +160,8 @@ def test_the_layer_check_sees_an_upward_arrow():
     layers = ["low", "high"]
     assert _upward({f"{TOP}.high.x": {f"{TOP}.low.y"}}, layers) == []
     assert _upward({f"{TOP}.low.y": {f"{TOP}.high.x"}}, layers) == [
-        f"{TOP}.low.y -> {TOP}.high.x ({TOP}.high is declared above {TOP}.low)"]
+        f"{TOP}.low.y -> {TOP}.high.x ({TOP}.high is declared above {TOP}.low)"
+    ]
     assert _layers("text\n```\nlow   one\n      more\nhigh  two\n```\n") == layers
 
 
@@ -158,8 +169,10 @@ def test_every_package_is_declared_once():
     layers = _layers(ARCHITECTURE.read_text())
     assert len(layers) == len(set(layers)), layers
     actual = {_package(m).removeprefix(f"{TOP}.") for m in _modules() if m != TOP}
-    assert actual == set(layers), (f"missing from docs/ARCHITECTURE.md: {sorted(actual - set(layers))}; "
-                                   f"declared but absent: {sorted(set(layers) - actual)}")
+    assert actual == set(layers), (
+        f"missing from docs/ARCHITECTURE.md: {sorted(actual - set(layers))}; "
+        f"declared but absent: {sorted(set(layers) - actual)}"
+    )
 
 
 def test_imports_follow_the_declared_layer_order():
@@ -169,29 +182,41 @@ def test_imports_follow_the_declared_layer_order():
 
 def test_the_lazy_import_check_wants_a_reason(tmp_path):
     path = tmp_path / "m.py"
-    path.write_text("import os\n\ndef f():\n    import json\n\ndef g():\n    # lazy: heavy\n    import json\n"
-                    "    import sys\n\n    import re\n    import csv  # lazy: heavy\n")
+    path.write_text(
+        "import os\n\ndef f():\n    import json\n\ndef g():\n    # lazy: heavy\n    import json\n"
+        "    import sys\n\n    import re\n    import csv  # lazy: heavy\n"
+    )
     assert _unexplained_lazy_imports(path) == [4, 11]
 
 
 def test_imports_inside_functions_say_why():
-    bad = {str(p.relative_to(ROOT.parent)): lines for p in sorted(ROOT.rglob("*.py"))
-           if (lines := _unexplained_lazy_imports(p))}
+    bad = {
+        str(p.relative_to(ROOT.parent)): lines
+        for p in sorted(ROOT.rglob("*.py"))
+        if (lines := _unexplained_lazy_imports(p))
+    }
     assert not bad, f"imports inside functions without a '# lazy: why' comment: {bad}"
 
 
 def test_no_sys_path_edits():
     """tests, bench and examples import each other as packages from the repository root."""
     pattern = re.compile(r"sys\.path\.(insert|append|extend)|sys\.path\s*[+]?=")
-    found = [f"{p.relative_to(ROOT.parent)}:{i}" for folder in ("megatron_ngrpo", "tests", "bench", "examples", "tools")
-             for p in sorted((ROOT.parent / folder).rglob("*.py")) if p.resolve() != Path(__file__).resolve()
-             for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    found = [
+        f"{p.relative_to(ROOT.parent)}:{i}"
+        for folder in ("megatron_ngrpo", "tests", "bench", "examples", "tools")
+        for p in sorted((ROOT.parent / folder).rglob("*.py"))
+        if p.resolve() != Path(__file__).resolve()
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
     assert not found, found
 
 
 def test_no_cycle_between_files_of_one_package():
     graph = _graph()
-    edges = {src: {d for d in dsts if d.rpartition(".")[0] == src.rpartition(".")[0]}
-             for src, dsts in graph.items()}
+    edges = {
+        src: {d for d in dsts if d.rpartition(".")[0] == src.rpartition(".")[0]}
+        for src, dsts in graph.items()
+    }
     cycles = _cycles(edges)
     assert not cycles, [_witness(edges, c) for c in cycles]

@@ -18,9 +18,25 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_study_runs_arms_and_seeds_and_writes_table_and_plot(tmp_path):
     out = tmp_path / "study"
-    cmd = [sys.executable, "-m", "examples.study.run_study", "--out", str(out), "--arms", "grpo,ngrpo",
-           "--seeds", "2", "--steps", "2", "train.warmstart.steps=4", "validation.every=1",
-           "validation.limit=8", "train.prompts_per_step=8", "train.mini_batch_prompts=8", "train.save_every=0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "examples.study.run_study",
+        "--out",
+        str(out),
+        "--arms",
+        "grpo,ngrpo",
+        "--seeds",
+        "2",
+        "--steps",
+        "2",
+        "train.warmstart.steps=4",
+        "validation.every=1",
+        "validation.limit=8",
+        "train.prompts_per_step=8",
+        "train.mini_batch_prompts=8",
+        "train.save_every=0",
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     results = json.loads((out / "results.json").read_text())
@@ -35,15 +51,26 @@ def test_study_runs_arms_and_seeds_and_writes_table_and_plot(tmp_path):
     assert "| ngrpo |" in (out / "table.md").read_text()
     assert (out / "heldout.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # Mixing happened in the N-GRPO arm only.
-    mixed = {arm: [json.loads(line)["mixing/mixed_token_frac"]
-                   for line in (out / "runs" / f"{arm}_seed0" / "metrics.jsonl").read_text().splitlines()]
-             for arm in ("grpo", "ngrpo")}
+    mixed = {
+        arm: [
+            json.loads(line)["mixing/mixed_token_frac"]
+            for line in (out / "runs" / f"{arm}_seed0" / "metrics.jsonl").read_text().splitlines()
+        ]
+        for arm in ("grpo", "ngrpo")
+    }
     assert all(x == 0 for x in mixed["grpo"]) and any(x > 0 for x in mixed["ngrpo"])
 
 
 def test_diversity_and_paired_test():
-    records = [{"problem": 0, "response": r, "extracted": e} for r, e in
-               [("\\boxed{12}", "12"), ("\\boxed{12}", "12"), ("\\boxed{13}", "13"), ("\\boxed{7}", "7")]]
+    records = [
+        {"problem": 0, "response": r, "extracted": e}
+        for r, e in [
+            ("\\boxed{12}", "12"),
+            ("\\boxed{12}", "12"),
+            ("\\boxed{13}", "13"),
+            ("\\boxed{7}", "7"),
+        ]
+    ]
     records += [{"problem": 1, "response": "\\boxed{5}", "extracted": "5"}] * 4
     d = run_study.diversity(records)
     assert d["distinct_answers"] == pytest.approx((3 + 1) / 2)
@@ -53,5 +80,7 @@ def test_diversity_and_paired_test():
     assert d["edit_distance"] == pytest.approx((8 / 6) / 2)
     assert run_study.edit_distance("kitten", "sitting") == 3
     # differences 0.2, 0.25, 0.2: t = 13 with 2 degrees of freedom, two-sided p = 1 - t / sqrt(t² + 2).
-    assert run_study.paired_test([0.3, 0.45, 0.5], [0.1, 0.2, 0.3]) == pytest.approx(1 - 13 / math.sqrt(171), rel=1e-6)
+    assert run_study.paired_test([0.3, 0.45, 0.5], [0.1, 0.2, 0.3]) == pytest.approx(
+        1 - 13 / math.sqrt(171), rel=1e-6
+    )
     assert math.isnan(run_study.paired_test([0.3, 0.4], [0.3, 0.4]))

@@ -27,11 +27,11 @@ def _wandb_records(path: Path):
     pos, block, buf = 7, 32768, b""
     while pos + 7 <= len(data):
         left = block - pos % block
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7]) if left >= 7 else (0, 0, 0)
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7]) if left >= 7 else (0, 0, 0)
         if left < 7 or kind == 0:
             pos += left
             continue
-        buf += data[pos + 7:pos + 7 + length]
+        buf += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):
             rec = pb.Record()
@@ -48,7 +48,10 @@ def _wandb_history(run_dir: Path) -> tuple[set[str], list[dict]]:
             if kind == "run":
                 ids.add(rec.run.run_id)
             elif kind == "history":
-                row = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item}
+                row = {
+                    (i.key or "/".join(i.nested_key)): json.loads(i.value_json)
+                    for i in rec.history.item
+                }
                 rows.append({k: v for k, v in row.items() if not k.startswith("_")})
     return ids, rows
 
@@ -58,7 +61,10 @@ def test_wandb_and_mlflow_get_the_same_scalars_and_resume_the_same_run(tmp_path,
 
     monkeypatch.setenv("WANDB_SILENT", "true")
     cfg = TrackersConfig(wandb=True, mlflow=True, project="t")
-    metrics = {s: {"loss": 0.5 / s, "reward/mean": 0.1 * s, "val/mean@4": 0.25 + s / 100} for s in (1, 2, 3, 4)}
+    metrics = {
+        s: {"loss": 0.5 / s, "reward/mean": 0.1 * s, "val/mean@4": 0.25 + s / 100}
+        for s in (1, 2, 3, 4)
+    }
     first = MetricsWriter(tmp_path, tensorboard=False, trackers=cfg, config={"seed": 1})
     for s in (1, 2, 3):
         first.write(s, metrics[s])
@@ -85,7 +91,9 @@ def test_wandb_and_mlflow_get_the_same_scalars_and_resume_the_same_run(tmp_path,
     assert runs[0].info.status == "FINISHED"
     for key in metrics[1]:
         history = client.get_metric_history(saved["mlflow"], mlflow_key(key))
-        assert sorted((h.step, h.value) for h in history) == sorted((s, m[key]) for s, m in logged), key
+        assert sorted((h.step, h.value) for h in history) == sorted(
+            (s, m[key]) for s, m in logged
+        ), key
     assert mlflow_key("val/mean@4") == "val/mean_4"
 
 

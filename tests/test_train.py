@@ -44,30 +44,80 @@ ERRORS = [
     (["model.tensor_parallel=3"], 3, "does not divide num_attention_heads = 4"),
     (["model.pipeline_parallel=3"], 3, "does not divide num_hidden_layers = 2"),
     (["model.tensor_parallel=2"], 3, "does not divide the world size 3"),
-    (["train.prompts_per_step=6", "train.mini_batch_prompts=3"], 4, "'train.prompts_per_step' = 6: must be divisible by the data-parallel size 4"),
-    (["train.prompts_per_step=5"], 1, "'train.mini_batch_prompts' = 2: must divide prompts_per_step = 5"),
+    (
+        ["train.prompts_per_step=6", "train.mini_batch_prompts=3"],
+        4,
+        "'train.prompts_per_step' = 6: must be divisible by the data-parallel size 4",
+    ),
+    (
+        ["train.prompts_per_step=5"],
+        1,
+        "'train.mini_batch_prompts' = 2: must divide prompts_per_step = 5",
+    ),
     (["train.micro_batch_size=3"], 1, "'train.micro_batch_size' = 3: must divide the 8 responses"),
-    (["train.load=/nonexistent/ckpt"], 1, "'train.load' = '/nonexistent/ckpt': not a megatron_ngrpo checkpoint"),
+    (
+        ["train.load=/nonexistent/ckpt"],
+        1,
+        "'train.load' = '/nonexistent/ckpt': not a megatron_ngrpo checkpoint",
+    ),
     (["train.load=''"], 1, "has no *.safetensors"),
     (["tokenizer=/nonexistent/tok"], 1, "'tokenizer' = '/nonexistent/tok'"),
-    (["data.train=[{path: /nonexistent/x.jsonl}]"], 1, "'data.train[0].path' = '/nonexistent/x.jsonl': file not found"),
-    (["model.hf_path=/nonexistent"], 1, "'model.hf_path' = '/nonexistent': no config.json in this directory "
-     "(looked for /nonexistent/config.json)"),
-    (["tokenizer=no-such-name"], 1, "'tokenizer' = 'no-such-name': neither a known tokenizer name "
-     "(deepseek-r1-distill-qwen, qwen2) nor a folder (looked for /"),
+    (
+        ["data.train=[{path: /nonexistent/x.jsonl}]"],
+        1,
+        "'data.train[0].path' = '/nonexistent/x.jsonl': file not found",
+    ),
+    (
+        ["model.hf_path=/nonexistent"],
+        1,
+        "'model.hf_path' = '/nonexistent': no config.json in this directory "
+        "(looked for /nonexistent/config.json)",
+    ),
+    (
+        ["tokenizer=no-such-name"],
+        1,
+        "'tokenizer' = 'no-such-name': neither a known tokenizer name "
+        "(deepseek-r1-distill-qwen, qwen2) nor a folder (looked for /",
+    ),
     (["tokenizer=''"], 1, "'tokenizer' = '': empty means the tokenizer of the model folder, but "),
-    (["data.train=[{path: no/such.jsonl}]"], 1, "'data.train[0].path' = 'no/such.jsonl': file not found (looked for "
-     f"{REPO / 'no/such.jsonl'}, {REPO / 'data/no/such.jsonl'})"),
-    (["validation.every=5", "validation.benchmarks=[/no/such.jsonl]"], 1,
-     "'validation.benchmarks[0]' = '/no/such.jsonl': file not found (looked for /no/such.jsonl)"),
+    (
+        ["data.train=[{path: no/such.jsonl}]"],
+        1,
+        "'data.train[0].path' = 'no/such.jsonl': file not found (looked for "
+        f"{REPO / 'no/such.jsonl'}, {REPO / 'data/no/such.jsonl'})",
+    ),
+    (
+        ["validation.every=5", "validation.benchmarks=[/no/such.jsonl]"],
+        1,
+        "'validation.benchmarks[0]' = '/no/such.jsonl': file not found (looked for /no/such.jsonl)",
+    ),
     # The arithmetic model's positions: 64 (vLLM's own error is a pydantic traceback on every rank).
-    (["rollout.engine=vllm", "rollout.vllm.max_model_len=4096"], 1,
-     "'rollout.vllm.max_model_len' = 4096: above the model's max_position_embeddings 64"),
+    (
+        ["rollout.engine=vllm", "rollout.vllm.max_model_len=4096"],
+        1,
+        "'rollout.vllm.max_model_len' = 4096: above the model's max_position_embeddings 64",
+    ),
     (["grpo.loss_agg=mean"], 1, "'grpo.loss_agg' = 'mean'"),
-    (["train.pack_sequences=true", "model.pipeline_parallel=2"], 2, "'train.pack_sequences' = True: needs model.pipeline_parallel = 1"),
-    (["train.async_save=true", "train.async.max_staleness=1"], 1, "'train.async_save' = True: forks a writer"),
-    (["train.dynamic_sampling.enabled=true", "train.async.max_staleness=1"], 1, "'train.dynamic_sampling.enabled' = True: refills"),
-    (["train.dynamic_sampling.max_gen_batches=0"], 1, "'train.dynamic_sampling.max_gen_batches' = 0"),
+    (
+        ["train.pack_sequences=true", "model.pipeline_parallel=2"],
+        2,
+        "'train.pack_sequences' = True: needs model.pipeline_parallel = 1",
+    ),
+    (
+        ["train.async_save=true", "train.async.max_staleness=1"],
+        1,
+        "'train.async_save' = True: forks a writer",
+    ),
+    (
+        ["train.dynamic_sampling.enabled=true", "train.async.max_staleness=1"],
+        1,
+        "'train.dynamic_sampling.enabled' = True: refills",
+    ),
+    (
+        ["train.dynamic_sampling.max_gen_batches=0"],
+        1,
+        "'train.dynamic_sampling.max_gen_batches' = 0",
+    ),
     (["grpo.advantage=rloo"], 1, "'grpo.advantage' = 'rloo'"),
     (["grpo.loss_mode=seq"], 1, "'grpo.loss_mode' = 'seq'"),
     (["grpo.kl_estimator=k4"], 1, "'grpo.kl_estimator' = 'k4'"),
@@ -86,14 +136,28 @@ ERRORS = [
     (["validation.every=-1"], 1, "'validation.every' = -1"),
     (["train.warmstart.steps=2"], 1, "'train.warmstart.path' = '': file does not exist"),
     (["mixing.k=40"], 1, "'mixing.k' = 40: larger than the vocabulary"),
-    (["rollout.engine=vllm", "rollout.vllm.tensor_parallel=4"], 2,
-     "'rollout.vllm.tensor_parallel' = 4: must divide the world size 2"),
-    (["rollout.engine=vllm", "rollout.vllm.in_process=false"], 2, "'rollout.vllm.in_process' = False"),
+    (
+        ["rollout.engine=vllm", "rollout.vllm.tensor_parallel=4"],
+        2,
+        "'rollout.vllm.tensor_parallel' = 4: must divide the world size 2",
+    ),
+    (
+        ["rollout.engine=vllm", "rollout.vllm.in_process=false"],
+        2,
+        "'rollout.vllm.in_process' = False",
+    ),
     (["rollout.vllm.enforce_eager=false"], 1, "CUDA graphs bypass the mixing hook"),
-    (["train.async.max_staleness=2"], 1, "'train.async.max_staleness' = 2: expected 0 (synchronous) or 1"),
+    (
+        ["train.async.max_staleness=2"],
+        1,
+        "'train.async.max_staleness' = 2: expected 0 (synchronous) or 1",
+    ),
     (["train.async.on_stale=skip"], 1, "'train.async.on_stale' = 'skip'"),
-    (["rollout.engine=vllm", "train.async.max_staleness=1"], 1,
-     "'train.async.max_staleness' = 1: one-step-off rollouts need an engine beside the trainer's groups"),
+    (
+        ["rollout.engine=vllm", "train.async.max_staleness=1"],
+        1,
+        "'train.async.max_staleness' = 1: one-step-off rollouts need an engine beside the trainer's groups",
+    ),
     (["train.no_such_field=1"], 1, "no_such_field"),
 ]
 
@@ -108,13 +172,24 @@ def test_config_error_messages(task, monkeypatch, overrides, world, message):
 
 def test_async_megatron_engine_is_refused_on_gpu(task, monkeypatch):
     """Valid on CPU (tests/test_async.py runs it); on a GPU refused until measured."""
-    assert _cfg(task, "train.async.max_staleness=1", world=2, monkeypatch=monkeypatch).train.async_.max_staleness
+    assert _cfg(
+        task, "train.async.max_staleness=1", world=2, monkeypatch=monkeypatch
+    ).train.async_.max_staleness
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    with pytest.raises(ConfigError, match=r"^config field 'train.async.max_staleness' = 1: the one-step-off "
-                                          r"Megatron engine is not measured on GPU .*use rollout.engine=remote"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^config field 'train.async.max_staleness' = 1: the one-step-off "
+        r"Megatron engine is not measured on GPU .*use rollout.engine=remote",
+    ):
         _cfg(task, "train.async.max_staleness=1", world=2, monkeypatch=monkeypatch)
-    _cfg(task, "train.async.max_staleness=1", "rollout.engine=remote", "rollout.remote.urls=[http://x:1]",
-         world=2, monkeypatch=monkeypatch)  # rollout servers stay allowed
+    _cfg(
+        task,
+        "train.async.max_staleness=1",
+        "rollout.engine=remote",
+        "rollout.remote.urls=[http://x:1]",
+        world=2,
+        monkeypatch=monkeypatch,
+    )  # rollout servers stay allowed
 
 
 def test_tiny_config_is_valid_and_main_exits_2_on_errors(task, monkeypatch, capsys):
@@ -122,7 +197,10 @@ def test_tiny_config_is_valid_and_main_exits_2_on_errors(task, monkeypatch, caps
     assert cfg.mixing.enabled and cfg.rollout.n == 4
     from megatron_ngrpo.train import main
 
-    assert main(["--config", str(TINY), "--config", str(task / "paths.yaml"), "grpo.kl_estimator=k9"]) == 2
+    assert (
+        main(["--config", str(TINY), "--config", str(task / "paths.yaml"), "grpo.kl_estimator=k9"])
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: config field 'grpo.kl_estimator' = 'k9'") and "\n" not in err
 
@@ -132,7 +210,10 @@ def test_vllm_max_model_len_defaults_to_the_models_limit(task, monkeypatch):
 
     cfg = _cfg(task, "rollout.engine=vllm", monkeypatch=monkeypatch)
     assert cfg.rollout.vllm.max_model_len == 0
-    assert vllm_max_model_len(cfg.rollout.vllm, 64) == 64 and vllm_max_model_len(cfg.rollout.vllm, 10**5) == 4096
+    assert (
+        vllm_max_model_len(cfg.rollout.vllm, 64) == 64
+        and vllm_max_model_len(cfg.rollout.vllm, 10**5) == 4096
+    )
 
 
 def test_model_folder_tokenizer_is_the_default(task, monkeypatch, tmp_path):
@@ -153,14 +234,23 @@ def test_model_folder_tokenizer_is_the_default(task, monkeypatch, tmp_path):
     cfg = _cfg(task, "tokenizer=''", f"model.hf_path={model}", monkeypatch=monkeypatch)
     tok = load_tokenizer(cfg.tokenizer, cfg.model.hf_path)
     assert len(tok) == len(own) < 100 and tok("max(1,2)=").input_ids == own("max(1,2)=").input_ids
-    assert tok.apply_chat_template([{"role": "user", "content": "max(1,2)="}], tokenize=False) == "Q: max(1,2)=\nA:"
+    assert (
+        tok.apply_chat_template([{"role": "user", "content": "max(1,2)="}], tokenize=False)
+        == "Q: max(1,2)=\nA:"
+    )
     # A named tokenizer still wins over the folder's.
     assert len(load_tokenizer("qwen2", model)) == 151646
-    r1_model = shutil.copytree(REPO_DATA / "tokenizers" / "deepseek-r1-distill-qwen", tmp_path / "r1")
+    r1_model = shutil.copytree(
+        REPO_DATA / "tokenizers" / "deepseek-r1-distill-qwen", tmp_path / "r1"
+    )
     r1 = load_tokenizer("", r1_model)
     assert len(r1) == 151665 and r1.bos_token_id == 151646
-    assert r1.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True,
-                                  tokenize=False) == "<｜begin▁of▁sentence｜><｜User｜>x<｜Assistant｜>"
+    assert (
+        r1.apply_chat_template(
+            [{"role": "user", "content": "x"}], add_generation_prompt=True, tokenize=False
+        )
+        == "<｜begin▁of▁sentence｜><｜User｜>x<｜Assistant｜>"
+    )
 
 
 def test_old_eval_section_is_read_as_validation(task, monkeypatch, capsys, tmp_path):
@@ -170,8 +260,10 @@ def test_old_eval_section_is_read_as_validation(task, monkeypatch, capsys, tmp_p
     cfg = load_config([TINY, task / "paths.yaml", old], ["eval.limit=5"])
     assert (cfg.validation.every, cfg.validation.limit) == (3, 5)
     lines = capsys.readouterr().err.strip().splitlines()
-    assert lines == [f"deprecated: config file {str(old)!r}: section 'eval' is now 'validation'",
-                     "deprecated: override 'eval.limit=5': section 'eval' is now 'validation'"], lines
+    assert lines == [
+        f"deprecated: config file {str(old)!r}: section 'eval' is now 'validation'",
+        "deprecated: override 'eval.limit=5': section 'eval' is now 'validation'",
+    ], lines
     old.write_text("eval:\n  every: 3\nvalidation:\n  every: 4\n")
     with pytest.raises(ConfigError, match="both 'eval' .* and 'validation'"):
         load_config([TINY, task / "paths.yaml", old])
@@ -184,20 +276,49 @@ def test_paper_configs_carry_paper_defaults(name):
     from megatron_ngrpo.training.job_config import NGRPOConfig
 
     # Structure and types only (the HF checkpoints are not here): merge without validating.
-    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(NGRPOConfig),
-                                              OmegaConf.load(REPO / "configs" / f"{name}.yaml")))
-    assert (cfg.optim.lr, cfg.grpo.kl_coef, cfg.train.prompts_per_step, cfg.rollout.n) == (1e-6, 0.001, 64, 4)
+    cfg = OmegaConf.to_object(
+        OmegaConf.merge(
+            OmegaConf.structured(NGRPOConfig), OmegaConf.load(REPO / "configs" / f"{name}.yaml")
+        )
+    )
+    assert (cfg.optim.lr, cfg.grpo.kl_coef, cfg.train.prompts_per_step, cfg.rollout.n) == (
+        1e-6,
+        0.001,
+        64,
+        4,
+    )
     assert (cfg.mixing.rate, cfg.mixing.k, cfg.train.epochs_per_rollout) == (0.1, 3, 1)
 
 
 # ---- kill and resume ------------------------------------------------------------------------------
 def _launch(task: Path, run_dir: Path, *overrides: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), "-m", "megatron_ngrpo.train", "--config", str(TINY),
-           "--config", str(task / "paths.yaml"), f"train.run_dir={run_dir}", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "megatron_ngrpo.train",
+        "--config",
+        str(TINY),
+        "--config",
+        str(task / "paths.yaml"),
+        f"train.run_dir={run_dir}",
+        *overrides,
+    ]
     log = open(run_dir.parent / f"{run_dir.name}.log", "a")
-    return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log,
-                            stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def _sigkill(proc: subprocess.Popen) -> None:
@@ -245,14 +366,17 @@ def _losses(run_dir: Path) -> list[tuple]:
     return [(r["step"], r["loss"], r["grad_norm"], r["reward/mean"]) for r in rows]
 
 
-@pytest.mark.parametrize("variant,overrides", [
-    ("adam", ()),  # DP 2, sharded (reshardable) optimizer state
-    ("distopt", ("optim.distributed_optimizer=true",)),  # DP 2, gathered into model space
-    # TP 2, one-step-off rollouts: the checkpoint holds the in-flight batch and its weights
-    ("async", ("train.async.max_staleness=1", "model.tensor_parallel=2")),
-    # DP 2, checkpoints written in the background (megatron's async save, published when done)
-    ("async_save", ("train.async_save=true",)),
-])
+@pytest.mark.parametrize(
+    "variant,overrides",
+    [
+        ("adam", ()),  # DP 2, sharded (reshardable) optimizer state
+        ("distopt", ("optim.distributed_optimizer=true",)),  # DP 2, gathered into model space
+        # TP 2, one-step-off rollouts: the checkpoint holds the in-flight batch and its weights
+        ("async", ("train.async.max_staleness=1", "model.tensor_parallel=2")),
+        # DP 2, checkpoints written in the background (megatron's async save, published when done)
+        ("async_save", ("train.async_save=true",)),
+    ],
+)
 def test_sigkill_and_resume_is_bit_identical(task, tmp_path, variant, overrides):
     steps = ("train.max_steps=6", "train.save_every=2")
     straight, killed = tmp_path / "straight", tmp_path / "killed"
@@ -266,7 +390,9 @@ def test_sigkill_and_resume_is_bit_identical(task, tmp_path, variant, overrides)
         time.sleep(0.05)
     _sigkill(proc)
     at_kill = _latest(killed)
-    assert at_kill in ("iter_0000002", "iter_0000004"), f"kill came too late or too early: latest = {at_kill}"
+    assert at_kill in ("iter_0000002", "iter_0000004"), (
+        f"kill came too late or too early: latest = {at_kill}"
+    )
     _finish(_launch(task, killed, *steps, *overrides), killed)
 
     assert _latest(straight) == _latest(killed) == "iter_0000006"
@@ -275,20 +401,27 @@ def test_sigkill_and_resume_is_bit_identical(task, tmp_path, variant, overrides)
     assert a.keys() == b.keys() and len(a) > 0
     different = [k for k in a if not torch.equal(a[k], b[k])]
     # (step, loss, grad norm, mean reward) of both runs: where a (rare, untraced) difference starts
-    assert not different, (f"{variant}: tensors differ after resume (killed at {at_kill}): {different[:5]}; "
-                           f"straight {_losses(straight)}, killed {_losses(killed)}")
+    assert not different, (
+        f"{variant}: tensors differ after resume (killed at {at_kill}): {different[:5]}; "
+        f"straight {_losses(straight)}, killed {_losses(killed)}"
+    )
     assert any(k.startswith("optimizer.state.exp_avg.") for k in a)  # both optimizers, model space
     assert _losses(straight) == _losses(killed)
     assert len(list(straight.glob("iter_*"))) == 2  # keep_last
     if variant == "async_save":
-        assert "checkpoint iter_0000006: written in the background" in (tmp_path / "killed.log").read_text()
+        assert (
+            "checkpoint iter_0000006: written in the background"
+            in (tmp_path / "killed.log").read_text()
+        )
     if variant == "async":
         for run in (straight, killed):
             rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
             # Step 1 trains on its own rollouts; every later one on the last step's weights'.
             assert [r["async/staleness"] for r in rows] == [0, 1, 1, 1, 1, 1]
             # Old log-probs replayed under the generating weights (mixing on) = the engine's.
-            assert all(r["logprob_gap/max_abs"] < 1e-5 and r["mixing/mixed_token_frac"] > 0 for r in rows), rows
+            assert all(
+                r["logprob_gap/max_abs"] < 1e-5 and r["mixing/mixed_token_frac"] > 0 for r in rows
+            ), rows
 
 
 # ---- colocated vLLM rollouts in multi-rank jobs -------------------------------------------------
@@ -305,10 +438,14 @@ def vllm_task(tmp_path_factory) -> Path:
 VLLM = ("rollout.engine=vllm", "rollout.vllm.max_model_len=64", "train.max_steps=3")
 
 
-@pytest.mark.parametrize("layout", [
-    ("model.tensor_parallel=2", "rollout.vllm.tensor_parallel=2"),  # vLLM TP = trainer TP
-    ("model.tensor_parallel=1", "rollout.vllm.tensor_parallel=1"),  # DP 2: one engine per rank
-], ids=["tp2", "dp2"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ("model.tensor_parallel=2", "rollout.vllm.tensor_parallel=2"),  # vLLM TP = trainer TP
+        ("model.tensor_parallel=1", "rollout.vllm.tensor_parallel=1"),  # DP 2: one engine per rank
+    ],
+    ids=["tp2", "dp2"],
+)
 def test_colocated_vllm_trains_with_mixing_and_resumes(vllm_task, tmp_path, layout):
     """2 ranks, one in-process vLLM worker each (external_launcher): ≥ 3 steps with mixing; the
     trainer's recomputed log-probs equal the engine's within 1e-5 (so the synced weights and the
@@ -322,7 +459,10 @@ def test_colocated_vllm_trains_with_mixing_and_resumes(vllm_task, tmp_path, layo
     for r in rows:
         assert r["logprob_gap/max_abs"] < 1e-5, r
         assert r["mixing/mixed_token_frac"] > 0, r
-        assert r["weight_sync/num_params"] > 0 and r["weight_sync/bytes"] == 4 * r["weight_sync/num_params"]
+        assert (
+            r["weight_sync/num_params"] > 0
+            and r["weight_sync/bytes"] == 4 * r["weight_sync/num_params"]
+        )
         assert r["weight_sync/table_seconds"] < 0.05  # the trainer's table is shipped, not rebuilt
 
     proc = _launch(vllm_task, killed, *VLLM, *layout, "train.save_every=1")

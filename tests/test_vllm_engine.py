@@ -37,8 +37,9 @@ def write_word_tokenizer(path) -> None:
     vocab.update({"<s>": 0, "</s>": 1, "<unk>": 2})
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                            pad_token="</s>").save_pretrained(path)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="</s>"
+    ).save_pretrained(path)
     # A config.json keeps AutoTokenizer on the generic class (the model's qwen2 would impose
     # Qwen2's byte-level pre-tokenizer) and spares vLLM a config lookup retry.
     (path / "config.json").write_text(json.dumps({"model_type": "llama"}))
@@ -57,8 +58,15 @@ def engine(model_dir):
 
     # Weight sync through vLLM's weight-transfer API (the gloo engine), in buckets smaller than
     # one tensor, each tensor's SHA-256 checked on arrival; load_weights keeps the reload route.
-    cfg = VLLMConfig(max_model_len=256, kv_cache_memory_bytes=1_200_000, max_num_batched_tokens=64,
-                     max_num_seqs=32, weight_transfer="gloo", sync_bucket_mb=0.05, verify_weights=True)
+    cfg = VLLMConfig(
+        max_model_len=256,
+        kv_cache_memory_bytes=1_200_000,
+        max_num_batched_tokens=64,
+        max_num_seqs=32,
+        weight_transfer="gloo",
+        sync_bucket_mb=0.05,
+        verify_weights=True,
+    )
     eng = VLLMEngine(model_dir, cfg, tokenizer=model_dir.parent / "tokenizer")
     yield eng
     eng.close()
@@ -77,7 +85,9 @@ def prompts_of(lengths, seed=0):
 
 
 # Ragged prompts: 70-130 tokens are prefilled in chunks of 64; 40 sequences overflow the KV cache.
-PROMPTS = prompts_of([5, 12, 70, 33, 100, 8, 130, 21, 64, 47, 3, 90, 17, 55, 75, 26, 9, 110, 40, 60])
+PROMPTS = prompts_of(
+    [5, 12, 70, 33, 100, 8, 130, 21, 64, 47, 3, 90, 17, 55, 75, 26, 9, 110, 40, 60]
+)
 KEYS = [100 + 7 * i for i in range(len(PROMPTS))]
 
 
@@ -97,7 +107,7 @@ def hf_replay(model, batch, temperature: float, mixes: bool = True) -> list[torc
                 if batch.mixes.noise is not None:
                     mix = mix + batch.mixes.noise[j]
                 emb[plen + int(batch.mixes.pos[j])] = mix
-        logits = model(inputs_embeds=emb[None]).logits[0, plen - 1:-1].float()
+        logits = model(inputs_embeds=emb[None]).logits[0, plen - 1 : -1].float()
         lp = torch.log_softmax(logits / temperature, dim=-1)
         out.append(lp.gather(1, tokens[plen:, None]).squeeze(1))
     return out
@@ -105,7 +115,9 @@ def hf_replay(model, batch, temperature: float, mixes: bool = True) -> list[torc
 
 def max_delta(batch, replayed) -> float:
     """max |engine log-prob − replayed log-prob| over all response tokens."""
-    return max(float((torch.tensor(lp) - ref).abs().max()) for lp, ref in zip(batch.logprobs, replayed))
+    return max(
+        float((torch.tensor(lp) - ref).abs().max()) for lp, ref in zip(batch.logprobs, replayed)
+    )
 
 
 def check_records(batch, mixing, params, keys):
@@ -123,8 +135,9 @@ def check_records(batch, mixing, params, keys):
         assert m.pos[m.seq == r].tolist() == t[u < mixing.rate].tolist(), f"response {r}"
 
 
-@pytest.mark.parametrize("rate,emit,temperature", [(0.1, "anchor", 1.0), (1.0, "anchor", 0.7),
-                                                   (0.3, "sample", 1.0)])
+@pytest.mark.parametrize(
+    "rate,emit,temperature", [(0.1, "anchor", 1.0), (1.0, "anchor", 0.7), (0.3, "sample", 1.0)]
+)
 def test_replay_matches_engine_logprobs(engine, hf_model, rate, emit, temperature):
     """Engine log-probs = exact HF replay of (tokens, records) within 1e-5, under chunked prefill,
     n=2 and preemption; dropping the records breaks the match."""
@@ -151,8 +164,9 @@ def test_replay_matches_engine_logprobs(engine, hf_model, rate, emit, temperatur
 def test_baseline_strategies_replay(engine, hf_model, strategy):
     """The baselines' records (top-k mixtures, STHT noise, Gumbel candidates) replay exactly too."""
     mixing = MixingConfig(strategy=strategy, rate=0.3, k=3)
-    batch = engine.generate(PROMPTS[:6], SamplingParams(n=2, temperature=0.9, max_new_tokens=20, seed=4),
-                            mixing)
+    batch = engine.generate(
+        PROMPTS[:6], SamplingParams(n=2, temperature=0.9, max_new_tokens=20, seed=4), mixing
+    )
     batch.validate(VOCAB)
     assert len(batch.mixes) > 10 and (batch.mixes.noise is not None) == (strategy == "stht")
     d = max_delta(batch, hf_replay(hf_model, batch, 0.9))
@@ -168,10 +182,27 @@ def test_requests_of_different_k_share_a_step(engine, hf_model):
 
     params = SamplingParams(n=1, temperature=1.0, max_new_tokens=16, seed=7)
     ks = [2, 4] * 4
-    requests = [VSamplingParams(**sampling_options(params, 16, request_options(
-        f"k{k}", i // 2, KEYS[i], 1, params.seed, MixingConfig(strategy="soft_thinking", rate=0.5, k=k), [])))
-        for i, k in enumerate(ks)]
-    outputs = engine.llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:8]], requests, use_tqdm=False)
+    requests = [
+        VSamplingParams(
+            **sampling_options(
+                params,
+                16,
+                request_options(
+                    f"k{k}",
+                    i // 2,
+                    KEYS[i],
+                    1,
+                    params.seed,
+                    MixingConfig(strategy="soft_thinking", rate=0.5, k=k),
+                    [],
+                ),
+            )
+        )
+        for i, k in enumerate(ks)
+    ]
+    outputs = engine.llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS[:8]], requests, use_tqdm=False
+    )
     for k in (2, 4):
         records = engine.llm.collective_rpc("nbr_mix_pop", args=(f"k{k}",))[0]
         mine = [i for i, kk in enumerate(ks) if kk == k]
@@ -204,16 +235,23 @@ def test_bf16_mixed_rows_equal_the_trainers_bit_for_bit(model_dir, monkeypatch, 
         out = preprocess(self, scheduler_output, num_input_tokens, intermediate_tensors)
         rows, entries = self._spy
         if rows:
-            caught.append((out[1][rows].clone(), entries, self.get_model().model.embed_tokens.weight))
+            caught.append(
+                (out[1][rows].clone(), entries, self.get_model().model.embed_tokens.weight)
+            )
         return out
 
     monkeypatch.setattr(NeighborMixRunner, "_nm_scheduled_mixes", spy_scheduled)
     monkeypatch.setattr(NeighborMixRunner, "_preprocess", spy_preprocess)
-    cfg = VLLMConfig(dtype="bfloat16", max_model_len=256, kv_cache_memory_bytes=1_200_000, max_num_seqs=32)
+    cfg = VLLMConfig(
+        dtype="bfloat16", max_model_len=256, kv_cache_memory_bytes=1_200_000, max_num_seqs=32
+    )
     eng = VLLMEngine(model_dir, cfg, tokenizer=model_dir.parent / "tokenizer")
     try:
-        batch = eng.generate(PROMPTS[:6], SamplingParams(n=2, temperature=1.0, max_new_tokens=24, seed=3),
-                             MixingConfig(strategy=strategy, rate=0.5, k=3))
+        batch = eng.generate(
+            PROMPTS[:6],
+            SamplingParams(n=2, temperature=1.0, max_new_tokens=24, seed=3),
+            MixingConfig(strategy=strategy, rate=0.5, k=3),
+        )
     finally:
         eng.close()
     assert len(batch.mixes) > 20 and caught
@@ -225,15 +263,26 @@ def test_bf16_mixed_rows_equal_the_trainers_bit_for_bit(model_dir, monkeypatch, 
         noise = torch.stack([e[2] for e in entries]).float() if strategy == "stht" else None
         m = len(entries)
         with torch.no_grad():
-            mine = _MixedLookup.apply(weight, torch.zeros(m, dtype=torch.long), None, torch.arange(m), ids, w,
-                                      noise, False, None)
+            mine = _MixedLookup.apply(
+                weight,
+                torch.zeros(m, dtype=torch.long),
+                None,
+                torch.arange(m),
+                ids,
+                w,
+                noise,
+                False,
+                None,
+            )
         cand = weight[ids]
         before = (w.to(cand.dtype).unsqueeze(-1) * cand).sum(1)
         fed.append(rows)
         trainer.append(mine)
         old.append(before if noise is None else before + noise.to(cand.dtype))
     fed, trainer, old = torch.cat(fed), torch.cat(trainer), torch.cat(old)
-    assert torch.equal(fed.view(torch.int16), trainer.view(torch.int16)), (fed - trainer).abs().max()
+    assert torch.equal(fed.view(torch.int16), trainer.view(torch.int16)), (
+        (fed - trainer).abs().max()
+    )
     assert not torch.equal(old, trainer)
 
 
@@ -244,13 +293,25 @@ def test_private_vllm_touch_points_are_checked(engine, monkeypatch):
     from megatron_ngrpo.rollout.vllm import hook
 
     assert len(hook.PRIVATE_TOUCH_POINTS) >= 30
-    assert engine.llm.collective_rpc(lambda worker: hook.missing_touch_points(worker.model_runner)) == [[]]
-    monkeypatch.setattr(hook, "PRIVATE_TOUCH_POINTS", hook.PRIVATE_TOUCH_POINTS + (
-        ("runner.input_batch.no_such_field", "moved"), ("vllm.v1.no_such_module:X", "moved")))
+    assert engine.llm.collective_rpc(
+        lambda worker: hook.missing_touch_points(worker.model_runner)
+    ) == [[]]
+    monkeypatch.setattr(
+        hook,
+        "PRIVATE_TOUCH_POINTS",
+        hook.PRIVATE_TOUCH_POINTS
+        + (("runner.input_batch.no_such_field", "moved"), ("vllm.v1.no_such_module:X", "moved")),
+    )
     runner = engine.llm.collective_rpc(lambda worker: worker.model_runner)[0]
-    assert hook.missing_touch_points(runner) == ["runner.input_batch.no_such_field", "vllm.v1.no_such_module:X"]
-    with pytest.raises(ValueError, match=r"^neighbour mixing in vLLM: this vLLM lacks 2 of the hook's private touch "
-                                         r"points: runner.input_batch.no_such_field, vllm.v1.no_such_module:X"):
+    assert hook.missing_touch_points(runner) == [
+        "runner.input_batch.no_such_field",
+        "vllm.v1.no_such_module:X",
+    ]
+    with pytest.raises(
+        ValueError,
+        match=r"^neighbour mixing in vLLM: this vLLM lacks 2 of the hook's private touch "
+        r"points: runner.input_batch.no_such_field, vllm.v1.no_such_module:X",
+    ):
         hook.NeighborMixExtension.nbr_mix_install(type("W", (), {"model_runner": runner})(), 512)
     monkeypatch.undo()
     # Model Runner V2: a class of the same name in another module
@@ -258,7 +319,10 @@ def test_private_vllm_touch_points_are_checked(engine, monkeypatch):
 
     fake = V2Runner.__new__(V2Runner)
     fake.vllm_config = runner.vllm_config
-    with pytest.raises(ValueError, match=r"model runner is vllm.v1.worker.gpu.model_runner.GPUModelRunner, not the V1"):
+    with pytest.raises(
+        ValueError,
+        match=r"model runner is vllm.v1.worker.gpu.model_runner.GPUModelRunner, not the V1",
+    ):
         hook.NeighborMixExtension.nbr_mix_install(type("W", (), {"model_runner": fake})(), 512)
     assert hook.supported_vllm("0.32.0") and hook.supported_vllm("0.32.0+cu129")
     assert not hook.supported_vllm("0.32.1") and not hook.supported_vllm("0.33.0")
@@ -272,10 +336,10 @@ def test_stop_after_gate(engine):
     ids = first.response_ids[1]  # rate 1 + anchors: deterministic
     text = f"w{ids[6]} w{ids[7]}"
     gated = engine.generate(PROMPTS[:3], params, MixingConfig(rate=1.0, k=2, stop_after=text))
-    end = next(t for t in range(1, 20) if ids[t - 1:t + 1] == [ids[6], ids[7]])
+    end = next(t for t in range(1, 20) if ids[t - 1 : t + 1] == [ids[6], ids[7]])
     assert gated.response_ids[1][: end + 1] == ids[: end + 1]
     assert gated.mixes.pos[gated.mixes.seq == 1].tolist() == list(range(end))
-    assert gated.texts[1].split()[end - 1:end + 1] == text.split()
+    assert gated.texts[1].split()[end - 1 : end + 1] == text.split()
 
 
 def test_stop_strings_and_ids(engine):
@@ -291,7 +355,7 @@ def test_stop_strings_and_ids(engine):
         assert batch.response_ids[0] == ids[:end] and batch.finish_reasons == ["stop"]
         assert batch.mixes.pos.tolist() == list(range(end))
         if "stop" in stop:
-            assert batch.texts[0].split() == [f"w{t}" for t in ids[:end - 1]]
+            assert batch.texts[0].split() == [f"w{t}" for t in ids[: end - 1]]
 
 
 def test_greedy_matches_hf(engine, hf_model):
@@ -300,8 +364,9 @@ def test_greedy_matches_hf(engine, hf_model):
     batch = engine.generate(PROMPTS[:8], params)
     assert len(batch.mixes) == 0
     for r, p in enumerate(PROMPTS[:8]):
-        hf = hf_model.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False,
-                               eos_token_id=1, pad_token_id=1)[0, len(p):].tolist()
+        hf = hf_model.generate(
+            torch.tensor([p]), max_new_tokens=24, do_sample=False, eos_token_id=1, pad_token_id=1
+        )[0, len(p) :].tolist()
         assert batch.response_ids[r] == hf, f"prompt {r}"
     d = max_delta(batch, hf_replay(hf_model, batch, 1.0))
     assert d < TOL, d
@@ -321,7 +386,9 @@ def test_bad_requests(engine):
         engine.generate([[5]], params, keys=[1, 2])
     engine.set_neighbor_table(torch.zeros(512, 2, dtype=torch.long))  # the trainer's, of another k
     try:
-        with pytest.raises(ValueError, match=r"^mixing.k = 3 but the neighbour table has 2 columns$"):
+        with pytest.raises(
+            ValueError, match=r"^mixing.k = 3 but the neighbour table has 2 columns$"
+        ):
             engine.generate([[5]], params, MixingConfig(rate=0.5, k=3))
     finally:
         engine.set_neighbor_table(None)
@@ -367,7 +434,11 @@ def test_weight_sync_from_megatron(engine, model_dir, hf_model):
         engine.sync_weights(chunks)
         sync = engine.last_sync
         num_params = sum(p.numel() for p in hf_model.parameters())
-        assert sync["num_params"] == num_params and sync["bytes"] == 4 * num_params and sync["seconds"] > 0
+        assert (
+            sync["num_params"] == num_params
+            and sync["bytes"] == 4 * num_params
+            and sync["seconds"] > 0
+        )
         assert sync["buckets"] > 10  # 0.05 MiB buckets: the embedding (256 KiB) travels alone
         exported = dict(export_hf_tensors(chunks, spec))
         assert_vllm_weights_equal(engine, exported)
@@ -376,8 +447,13 @@ def test_weight_sync_from_megatron(engine, model_dir, hf_model):
 
         greedy = engine.generate(PROMPTS[:6], SamplingParams(temperature=0.0, max_new_tokens=16))
         for r, p in enumerate(PROMPTS[:6]):
-            hf = new_hf.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False,
-                                 eos_token_id=1, pad_token_id=1)[0, len(p):].tolist()
+            hf = new_hf.generate(
+                torch.tensor([p]),
+                max_new_tokens=16,
+                do_sample=False,
+                eos_token_id=1,
+                pad_token_id=1,
+            )[0, len(p) :].tolist()
             assert greedy.response_ids[r] == hf
         d_new = max_delta(greedy, hf_replay(new_hf, greedy, 1.0))
         d_old = max_delta(greedy, hf_replay(hf_model, greedy, 1.0))
@@ -432,25 +508,46 @@ def test_weight_sync_verify_catches_corruption(engine, model_dir, monkeypatch):
 
     monkeypatch.setattr(receiver, "parse_update_info", note_names)
     monkeypatch.setattr(receiver, "_unpack", corrupt)
-    with pytest.raises(WeightSyncError, match=rf"^weight sync: {re.escape(target)} \[\d+, \d+\] arrived "
-                                              r"with SHA-256 \w+…, the trainer sent \w+…$"):
+    with pytest.raises(
+        WeightSyncError,
+        match=rf"^weight sync: {re.escape(target)} \[\d+, \d+\] arrived "
+        r"with SHA-256 \w+…, the trainer sent \w+…$",
+    ):
         engine.push_weights(NamedSource(original))
     monkeypatch.undo()
     engine.push_weights(NamedSource(original))
     assert_vllm_weights_equal(engine, dict(original))
 
 
-@pytest.mark.parametrize("fields, match", [
-    ({"weight_transfer": "nccl_m2n"}, r"^config field 'weight_transfer' = 'nccl_m2n': not wired: .*use nccl\)$"),
-    ({"weight_transfer": "tcp"}, r"^config field 'weight_transfer' = 'tcp': expected gloo, ipc, nccl or reload$"),
-    ({"sync_bucket_mb": 0}, r"^config field 'sync_bucket_mb' = 0: must be > 0$"),
-    # colocated: the trainer and its vLLM worker share a GPU (and, in-process, a process)
-    ({"weight_transfer": "nccl"}, r"^config field 'weight_transfer' = 'nccl': cannot work colocated: .* NCCL "
-                                  r"refuses two ranks on one device"),
-    ({"weight_transfer": "ipc"}, r"^config field 'weight_transfer' = 'ipc': cannot work with in_process=true: "
-                                 r"the CUDA IPC handle would be opened in the process that made it"),
-    ({"verify_weights": True}, r"^config field 'verify_weights' = True: checks tensors on the gloo route only"),
-])
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        (
+            {"weight_transfer": "nccl_m2n"},
+            r"^config field 'weight_transfer' = 'nccl_m2n': not wired: .*use nccl\)$",
+        ),
+        (
+            {"weight_transfer": "tcp"},
+            r"^config field 'weight_transfer' = 'tcp': expected gloo, ipc, nccl or reload$",
+        ),
+        ({"sync_bucket_mb": 0}, r"^config field 'sync_bucket_mb' = 0: must be > 0$"),
+        # colocated: the trainer and its vLLM worker share a GPU (and, in-process, a process)
+        (
+            {"weight_transfer": "nccl"},
+            r"^config field 'weight_transfer' = 'nccl': cannot work colocated: .* NCCL "
+            r"refuses two ranks on one device",
+        ),
+        (
+            {"weight_transfer": "ipc"},
+            r"^config field 'weight_transfer' = 'ipc': cannot work with in_process=true: "
+            r"the CUDA IPC handle would be opened in the process that made it",
+        ),
+        (
+            {"verify_weights": True},
+            r"^config field 'verify_weights' = True: checks tensors on the gloo route only",
+        ),
+    ],
+)
 def test_weight_transfer_config_errors(fields, match):
     from megatron_ngrpo.config_loader import ConfigError
 
@@ -459,11 +556,19 @@ def test_weight_transfer_config_errors(fields, match):
 
 
 def test_ipc_route_is_accepted_with_a_worker_process():
-    VLLMConfig(weight_transfer="ipc", in_process=False).validate()  # the handle crosses processes there
+    VLLMConfig(
+        weight_transfer="ipc", in_process=False
+    ).validate()  # the handle crosses processes there
 
 
-@pytest.mark.parametrize("layout,nproc", [("vllm_tp2_under_trainer_tp2", 2), ("vllm_tp2_under_trainer_tp4", 4),
-                                          ("vllm_tp1_replicas_under_trainer_dp2", 2)])
+@pytest.mark.parametrize(
+    "layout,nproc",
+    [
+        ("vllm_tp2_under_trainer_tp2", 2),
+        ("vllm_tp2_under_trainer_tp4", 4),
+        ("vllm_tp1_replicas_under_trainer_dp2", 2),
+    ],
+)
 def test_colocated_weights_equal_the_trainers_after_every_sync(layout, nproc):
     """Colocated vLLM on the gloo weight-transfer route: after each of three syncs, vLLM's
     parameters (reassembled from the workers' shards of a vLLM TP 2 group) equal the trainer's
@@ -475,8 +580,13 @@ def test_colocated_weights_equal_the_trainers_after_every_sync(layout, nproc):
 
     from megatron_ngrpo.testing.multiproc import check, launch
 
-    results = launch(Path(__file__).parent / "dist" / "vllm_sync_worker.py", nproc=nproc, timeout=900,
-                     env={"NGRPO_TEST_PG_TIMEOUT": "120"}, only=[layout])
+    results = launch(
+        Path(__file__).parent / "dist" / "vllm_sync_worker.py",
+        nproc=nproc,
+        timeout=900,
+        env={"NGRPO_TEST_PG_TIMEOUT": "120"},
+        only=[layout],
+    )
     value = check(results, layout)
     syncs, timeouts = value["syncs"], value["group_timeouts"]
     # vLLM made its groups with torch's 30-min default; the engine gives them the job's
@@ -501,12 +611,18 @@ def test_expected_vllm_messages_are_dropped_others_kept(engine, model_dir):
         return logger.makeRecord(logger.name, logging.WARNING, __file__, 0, msg, args, None)
 
     failed = "%s: Failed to load weights"
-    assert not log.filter(record(log, failed, "RotaryEmbedding")) and not log.filter(record(log, failed, "MRotaryEmbedding"))
-    assert log.filter(record(log, failed, "ParallelLMHead")) and log.filter(record(log, failed, "QKVParallelLinear"))
+    assert not log.filter(record(log, failed, "RotaryEmbedding")) and not log.filter(
+        record(log, failed, "MRotaryEmbedding")
+    )
+    assert log.filter(record(log, failed, "ParallelLMHead")) and log.filter(
+        record(log, failed, "QKVParallelLinear")
+    )
 
     log = logging.getLogger("vllm.transformers_utils.repo_utils")
     tokenizer, model = model_dir.parent / "tokenizer", model_dir
-    assert not log.filter(record(log, "%s: %s, retrying %d of %d", f"Error parsing config for {tokenizer}", "x", 1, 2))
+    assert not log.filter(
+        record(log, "%s: %s, retrying %d of %d", f"Error parsing config for {tokenizer}", "x", 1, 2)
+    )
     assert not log.filter(record(log, "%s: %s", f"Error parsing config for {tokenizer}", "x"))
     assert log.filter(record(log, "%s: %s", f"Error parsing config for {model}", "x"))
 
@@ -516,9 +632,12 @@ def test_on_demand_neighbors_equal_table(engine):
     own embedding shard; the batch equals the one mixed with the whole table, and only the
     distinct anchors were searched. Greedy: vLLM's sampling draws differ between calls."""
     params = SamplingParams(n=1, temperature=0.0, max_new_tokens=12, seed=11)
-    table = engine.generate(PROMPTS[:6], params, MixingConfig(rate=0.3, neighbor_lookup="table"), keys=KEYS[:6])
-    on_demand = engine.generate(PROMPTS[:6], params, MixingConfig(rate=0.3, neighbor_lookup="on_demand"),
-                                keys=KEYS[:6])
+    table = engine.generate(
+        PROMPTS[:6], params, MixingConfig(rate=0.3, neighbor_lookup="table"), keys=KEYS[:6]
+    )
+    on_demand = engine.generate(
+        PROMPTS[:6], params, MixingConfig(rate=0.3, neighbor_lookup="on_demand"), keys=KEYS[:6]
+    )
     assert on_demand.response_ids == table.response_ids and len(on_demand.mixes) > 5
     assert torch.equal(on_demand.mixes.ids, table.mixes.ids)
     assert torch.equal(on_demand.mixes.weights, table.mixes.weights)

@@ -20,25 +20,41 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def plot(rows: list[dict], keys: list[str], out: str | Path, title: str = "", window: int = 10) -> Path:
+def plot(
+    rows: list[dict], keys: list[str], out: str | Path, title: str = "", window: int = 10
+) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1 + len(keys), 1, figsize=(7, 3.2 + 2.4 * len(keys)), sharex=True, squeeze=False)
+    fig, axes = plt.subplots(
+        1 + len(keys), 1, figsize=(7, 3.2 + 2.4 * len(keys)), sharex=True, squeeze=False
+    )
     ax = axes[0, 0]
     reward = [(r["step"], r["reward/mean"]) for r in rows if "reward/mean" in r]
     if reward:
         steps, values = zip(*reward)
-        ax.plot(steps, values, color="tab:blue", alpha=0.3, linewidth=1, label="training reward (per step)")
-        running = [sum(values[max(0, i - window + 1):i + 1]) / len(values[max(0, i - window + 1):i + 1])
-                   for i in range(len(values))]
+        ax.plot(
+            steps,
+            values,
+            color="tab:blue",
+            alpha=0.3,
+            linewidth=1,
+            label="training reward (per step)",
+        )
+        running = [
+            sum(values[max(0, i - window + 1) : i + 1])
+            / len(values[max(0, i - window + 1) : i + 1])
+            for i in range(len(values))
+        ]
         ax.plot(steps, running, color="tab:blue", label=f"training reward ({window}-step mean)")
     val_key = next((k for r in rows for k in r if k.startswith("val/mean@")), None)
     if val_key:
         held = [(r["step"], r[val_key]) for r in rows if val_key in r]
-        ax.plot(*zip(*held), color="tab:red", marker="o", label=f"held-out {val_key[len('val/'):]}")
+        ax.plot(
+            *zip(*held), color="tab:red", marker="o", label=f"held-out {val_key[len('val/') :]}"
+        )
     ax.set_ylabel("reward / accuracy")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
@@ -59,7 +75,9 @@ def plot(rows: list[dict], keys: list[str], out: str | Path, title: str = "", wi
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("run_dir")
     ap.add_argument("--out")
     ap.add_argument("--keys", nargs="+", default=["mixing/mixed_token_frac", "kl"])

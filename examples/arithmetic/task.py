@@ -63,40 +63,63 @@ def build_tokenizer(path: Path):
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\\boxed\{|."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
-                                   bos_token="<bos>", unk_token="<unk>", model_max_length=64)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        bos_token="<bos>",
+        unk_token="<unk>",
+        model_max_length=64,
+    )
     fast.save_pretrained(path)
     return fast
 
 
-def write_task(out: Path, seed: int = 0, heldout_per_level: int = 64, hidden_size: int = 64,
-               num_layers: int = 2) -> dict:
+def write_task(
+    out: Path,
+    seed: int = 0,
+    heldout_per_level: int = 64,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+) -> dict:
     from megatron_ngrpo.testing.tiny import tiny_hf_config
 
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(out / "tokenizer")
-    cfg = tiny_hf_config("qwen2", vocab_size=len(tok), hidden_size=hidden_size,
-                         num_layers=num_layers, num_heads=4, num_kv_heads=2,
-                         intermediate_size=2 * hidden_size, max_pos=64,
-                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id)
+    cfg = tiny_hf_config(
+        "qwen2",
+        vocab_size=len(tok),
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=2 * hidden_size,
+        max_pos=64,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     (out / "model").mkdir(exist_ok=True)
     (out / "model" / "config.json").write_text(json.dumps(cfg, indent=1))
     held, rest = split(problems(seed), heldout_per_level)
     # The warm-start's worked solutions and the GRPO prompts are disjoint halves: every training
     # reward is then earned on a problem the model never saw solved, as on the held-out set.
-    sft, train = rest[: len(rest) // 2], rest[len(rest) // 2:]
+    sft, train = rest[: len(rest) // 2], rest[len(rest) // 2 :]
     _jsonl(out / "train.jsonl", train)
     _jsonl(out / "heldout.jsonl", held)
-    _jsonl(out / "sft.jsonl", [{"problem": p["problem"], "response": f"{BOXED}{p['answer']}}}"}
-                               for p in sft])
+    _jsonl(
+        out / "sft.jsonl",
+        [{"problem": p["problem"], "response": f"{BOXED}{p['answer']}}}"} for p in sft],
+    )
     return {"train": len(train), "sft": len(sft), "heldout": len(held), "vocab": len(tok)}
 
 
 def split(probs: list[dict], heldout_per_level: int) -> tuple[list[dict], list[dict]]:
     """(held-out, rest). Held out: a fixed number per level (none of them trained on), so held-out
     accuracy measures the rule at every difficulty rather than the memorised one-digit table."""
-    held = [p for level in LEVELS for p in [q for q in probs if q["level"] == level][:heldout_per_level]]
+    held = [
+        p for level in LEVELS for p in [q for q in probs if q["level"] == level][:heldout_per_level]
+    ]
     seen = {p["problem"] for p in held}
     return held, [p for p in probs if p["problem"] not in seen]
 
@@ -126,7 +149,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("out", type=Path)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--chat", action="store_true", help="only the problems, phrased for a chat model")
+    ap.add_argument(
+        "--chat", action="store_true", help="only the problems, phrased for a chat model"
+    )
     args = ap.parse_args()
     print(json.dumps((write_chat_task if args.chat else write_task)(args.out, args.seed)))
 

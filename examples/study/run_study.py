@@ -49,13 +49,33 @@ def train_one(out: Path, paths: Path, arm: str, seed: int, steps: int, extra: li
     run_dir = out / "runs" / f"{arm}_seed{seed}"
     log = out / "logs" / f"{arm}_seed{seed}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "megatron_ngrpo.train", "--config", "configs/tiny_cpu.yaml",
-           "--config", str(paths), "model.tensor_parallel=1", f"train.seed={seed}",
-           f"train.max_steps={steps}", f"train.run_dir={run_dir}", "train.progress=false",
-           "reward.workers=1", *ARMS[arm], *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_ngrpo.train",
+        "--config",
+        "configs/tiny_cpu.yaml",
+        "--config",
+        str(paths),
+        "model.tensor_parallel=1",
+        f"train.seed={seed}",
+        f"train.max_steps={steps}",
+        f"train.run_dir={run_dir}",
+        "train.progress=false",
+        "reward.workers=1",
+        *ARMS[arm],
+        *extra,
+    ]
     # Each run is its own single-process job: a rendezvous address inherited from a launcher
     # (MASTER_PORT, RANK, ...) would make the runs that go in parallel collide on one port.
-    launcher = {"MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"}
+    launcher = {
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+    }
     env = {**{k: v for k, v in os.environ.items() if k not in launcher}, "OMP_NUM_THREADS": "1"}
     with log.open("w") as f:
         proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
@@ -89,11 +109,17 @@ def diversity(records: list[dict]) -> dict[str, float]:
         pairs = list(itertools.combinations([r["response"] for r in group], 2))
         dist.append(sum(edit_distance(a, b) for a, b in pairs) / max(len(pairs), 1))
     mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
-    return {"distinct_answers": mean(distinct), "edit_distance": mean(dist), "answer_entropy": mean(entropy)}
+    return {
+        "distinct_answers": mean(distinct),
+        "edit_distance": mean(dist),
+        "answer_entropy": mean(entropy),
+    }
 
 
 def summarise_run(run_dir: Path) -> dict:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    rows = [
+        json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line
+    ]
     val = [r for r in rows if any(k.startswith("val/mean@") for k in r)]
     if not val:
         raise SystemExit(f"{run_dir}: no validation rows in metrics.jsonl")
@@ -101,11 +127,20 @@ def summarise_run(run_dir: Path) -> dict:
     pass_key = mean_key.replace("mean@", "pass@")
     last = val[-1]
     gen_dir = run_dir / "validation" / f"step{last['step']:07d}" / "generations"
-    records = [json.loads(line) for path in sorted(gen_dir.glob("*.jsonl"))
-               for line in path.read_text().splitlines() if line.strip()]
-    return {"curve": {r["step"]: r[mean_key] for r in val}, "mean": last[mean_key],
-            "pass": last.get(pass_key, float("nan")), "metric": mean_key[len("val/"):],
-            "first": val[0][mean_key], **diversity(records)}
+    records = [
+        json.loads(line)
+        for path in sorted(gen_dir.glob("*.jsonl"))
+        for line in path.read_text().splitlines()
+        if line.strip()
+    ]
+    return {
+        "curve": {r["step"]: r[mean_key] for r in val},
+        "mean": last[mean_key],
+        "pass": last.get(pass_key, float("nan")),
+        "metric": mean_key[len("val/") :],
+        "first": val[0][mean_key],
+        **diversity(records),
+    }
 
 
 def paired_test(a: list[float], b: list[float]) -> float:
@@ -126,25 +161,37 @@ def aggregate(results: dict[str, dict[int, dict]]) -> dict:
         row = {}
         for key in ("mean", "pass", "first", "distinct_answers", "edit_distance", "answer_entropy"):
             xs = np.array([runs[s][key] for s in seeds], dtype=np.float64)
-            row[key] = {"mean": float(xs.mean()), "std": float(xs.std(ddof=1)) if len(xs) > 1 else 0.0}
+            row[key] = {
+                "mean": float(xs.mean()),
+                "std": float(xs.std(ddof=1)) if len(xs) > 1 else 0.0,
+            }
         if arm != "grpo" and "grpo" in results:
-            row["p_vs_grpo"] = paired_test([runs[s]["mean"] for s in seeds],
-                                           [results["grpo"][s]["mean"] for s in seeds])
+            row["p_vs_grpo"] = paired_test(
+                [runs[s]["mean"] for s in seeds], [results["grpo"][s]["mean"] for s in seeds]
+            )
         out[arm] = row
-    return {"seeds": seeds, "arms": out, "metric": next(iter(next(iter(results.values())).values()))["metric"]}
+    return {
+        "seeds": seeds,
+        "arms": out,
+        "metric": next(iter(next(iter(results.values())).values()))["metric"],
+    }
 
 
 def table(agg: dict) -> str:
     m = agg["metric"]
-    lines = [f"| arm | held-out {m}, first validation | held-out {m}, last | pass@n, last | paired p vs GRPO "
-             "| distinct answers / problem | pairwise edit distance | answer entropy (nats) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"| arm | held-out {m}, first validation | held-out {m}, last | pass@n, last | paired p vs GRPO "
+        "| distinct answers / problem | pairwise edit distance | answer entropy (nats) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for arm, r in agg["arms"].items():
         f = lambda k: f"{r[k]['mean']:.3f} ± {r[k]['std']:.3f}"  # noqa: E731
         p = r.get("p_vs_grpo")
-        lines.append(f"| {arm} | {f('first')} | {f('mean')} | {f('pass')} | "
-                     f"{'—' if p is None else f'{p:.3f}'} | {f('distinct_answers')} | {f('edit_distance')} "
-                     f"| {f('answer_entropy')} |")
+        lines.append(
+            f"| {arm} | {f('first')} | {f('mean')} | {f('pass')} | "
+            f"{'—' if p is None else f'{p:.3f}'} | {f('distinct_answers')} | {f('edit_distance')} "
+            f"| {f('answer_entropy')} |"
+        )
     return "\n".join(lines) + f"\n\nmean ± std over seeds {agg['seeds']}\n"
 
 
@@ -172,7 +219,9 @@ def plot(results: dict[str, dict[int, dict]], path: Path, metric: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "study")
     ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from {list(ARMS)}")
     ap.add_argument("--seeds", type=int, default=5)
@@ -189,15 +238,22 @@ def main(argv: list[str] | None = None) -> int:
     task_dir = out / "task"
     write_task(task_dir)
     paths = out / "task_paths.yaml"
-    paths.write_text(yaml.safe_dump({
-        "tokenizer": str(task_dir / "tokenizer"), "model": {"hf_path": str(task_dir / "model")},
-        "train": {"warmstart": {"path": str(task_dir / "sft.jsonl")}},
-        "data": {"train": [{"path": str(task_dir / "train.jsonl")}]},
-        "validation": {"benchmarks": [str(task_dir / "heldout.jsonl")]},
-    }))
+    paths.write_text(
+        yaml.safe_dump(
+            {
+                "tokenizer": str(task_dir / "tokenizer"),
+                "model": {"hf_path": str(task_dir / "model")},
+                "train": {"warmstart": {"path": str(task_dir / "sft.jsonl")}},
+                "data": {"train": [{"path": str(task_dir / "train.jsonl")}]},
+                "validation": {"benchmarks": [str(task_dir / "heldout.jsonl")]},
+            }
+        )
+    )
     jobs = [(arm, seed) for seed in range(args.seeds) for arm in arms]
     with ThreadPoolExecutor(args.parallel) as pool:
-        dirs = list(pool.map(lambda j: train_one(out, paths, j[0], j[1], args.steps, args.overrides), jobs))
+        dirs = list(
+            pool.map(lambda j: train_one(out, paths, j[0], j[1], args.steps, args.overrides), jobs)
+        )
     results: dict[str, dict[int, dict]] = {arm: {} for arm in arms}
     for (arm, seed), run_dir in zip(jobs, dirs):
         results[arm][seed] = summarise_run(run_dir)

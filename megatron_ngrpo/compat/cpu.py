@@ -34,16 +34,38 @@ _MODE: _CudaToCpuMode | None = None
 _THREAD = threading.local()  # .no_fork: this thread's RNG-tracker forks leave the generator alone
 
 _FACTORIES = {
-    torch.empty, torch.zeros, torch.ones, torch.full, torch.arange, torch.rand, torch.randn,
-    torch.randint, torch.tensor, torch.as_tensor, torch.empty_like, torch.zeros_like,
-    torch.ones_like, torch.full_like, torch.rand_like, torch.randn_like, torch.linspace,
-    torch.eye, torch.empty_strided, torch.randperm, torch.normal, torch.sparse_coo_tensor,
+    torch.empty,
+    torch.zeros,
+    torch.ones,
+    torch.full,
+    torch.arange,
+    torch.rand,
+    torch.randn,
+    torch.randint,
+    torch.tensor,
+    torch.as_tensor,
+    torch.empty_like,
+    torch.zeros_like,
+    torch.ones_like,
+    torch.full_like,
+    torch.rand_like,
+    torch.randn_like,
+    torch.linspace,
+    torch.eye,
+    torch.empty_strided,
+    torch.randperm,
+    torch.normal,
+    torch.sparse_coo_tensor,
 }
 _TYPE_NAMES = {
-    torch.float32: "torch.cuda.FloatTensor", torch.float16: "torch.cuda.HalfTensor",
-    torch.bfloat16: "torch.cuda.BFloat16Tensor", torch.float64: "torch.cuda.DoubleTensor",
-    torch.int64: "torch.cuda.LongTensor", torch.int32: "torch.cuda.IntTensor",
-    torch.uint8: "torch.cuda.ByteTensor", torch.bool: "torch.cuda.BoolTensor",
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+    torch.float64: "torch.cuda.DoubleTensor",
+    torch.int64: "torch.cuda.LongTensor",
+    torch.int32: "torch.cuda.IntTensor",
+    torch.uint8: "torch.cuda.ByteTensor",
+    torch.bool: "torch.cuda.BoolTensor",
 }
 
 
@@ -64,7 +86,13 @@ class _CudaToCpuMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
-        if func in _FACTORIES or getattr(func, "__name__", "") in ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor"):
+        if func in _FACTORIES or getattr(func, "__name__", "") in (
+            "new_empty",
+            "new_zeros",
+            "new_ones",
+            "new_full",
+            "new_tensor",
+        ):
             if _is_cuda_device(kwargs.get("device")):
                 kwargs["device"] = "cpu"
             kwargs.pop("pin_memory", None)
@@ -75,8 +103,15 @@ class _CudaToCpuMode(TorchFunctionMode):
         elif func is torch.Tensor.is_pinned:
             return False
         elif func is torch.Tensor.to:
-            args = tuple("cpu" if _is_cuda_device(a) and not isinstance(a, int) else a for a in args)
-            if args and len(args) > 1 and isinstance(args[1], int) and not isinstance(args[1], bool):
+            args = tuple(
+                "cpu" if _is_cuda_device(a) and not isinstance(a, int) else a for a in args
+            )
+            if (
+                args
+                and len(args) > 1
+                and isinstance(args[1], int)
+                and not isinstance(args[1], bool)
+            ):
                 args = (args[0], "cpu") + args[2:]
             if _is_cuda_device(kwargs.get("device")):
                 kwargs["device"] = "cpu"
@@ -141,11 +176,18 @@ def _patch_torch_cuda() -> None:
     cuda.current_stream = lambda *a, **k: _DummyStream()
     cuda.default_stream = lambda *a, **k: _DummyStream()
     cuda.stream = lambda *a, **k: contextlib.nullcontext()
-    for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
+    for name in (
+        "memory_allocated",
+        "max_memory_allocated",
+        "memory_reserved",
+        "max_memory_reserved",
+    ):
         setattr(cuda, name, lambda *a, **k: 0)
     cuda.reset_peak_memory_stats = lambda *a, **k: None
     cuda.get_rng_state = cuda.random.get_rng_state = lambda *a, **k: torch.get_rng_state()
-    cuda.set_rng_state = cuda.random.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    cuda.set_rng_state = cuda.random.set_rng_state = lambda state, *a, **k: torch.set_rng_state(
+        state
+    )
     # Not torch.manual_seed: megatron calls both, and redirecting recurses. The lazy CUDA seeding
     # is already a no-op without CUDA.
 
@@ -217,7 +259,9 @@ def cpu_model_parallel_seed(seed: int, *args, **kwargs) -> None:
     torch.manual_seed(seed)
     tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
     tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
-    tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + 100 * ep_rank + tp_rank + 1)
+    tracker.add(
+        mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + 100 * ep_rank + tp_rank + 1
+    )
 
 
 def install() -> bool:

@@ -18,14 +18,20 @@ import warnings
 # (message prefix, category); an empty prefix takes every warning of that category: every
 # FutureWarning, since those on the CPU path are the libraries' own (megatron's, torch's and
 # vLLM's deprecations of their internals; pytest.ini lists the same sources).
-CPU_NOTICES = (("Transformer Engine and Apex", UserWarning), ("Apex is not installed", UserWarning),
-               ("full scope is deprecated", UserWarning), ("", FutureWarning))
+CPU_NOTICES = (
+    ("Transformer Engine and Apex", UserWarning),
+    ("Apex is not installed", UserWarning),
+    ("full scope is deprecated", UserWarning),
+    ("", FutureWarning),
+)
 
 
 def quiet_cpu_notices() -> None:
     """Ignore :data:`CPU_NOTICES` here and, through ``PYTHONWARNINGS``, in child processes
     (torchrun workers, launched jobs)."""
     specs = [f"ignore:{message}:{category.__name__}" for message, category in CPU_NOTICES]
-    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), *specs]))
+    os.environ["PYTHONWARNINGS"] = ",".join(
+        filter(None, [os.environ.get("PYTHONWARNINGS"), *specs])
+    )
     for message, category in CPU_NOTICES:
         warnings.filterwarnings("ignore", message=re.escape(message), category=category)

@@ -40,6 +40,7 @@ _VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 # ---------------------------------------------------------------- metadata and paths
 
+
 def checkpoint_meta(cfg: ModelConfig, **extra) -> dict:
     """Metadata of a checkpoint of a model built from ``cfg`` by this process group (``extra``:
     e.g. ``step=10``)."""
@@ -54,7 +55,9 @@ def checkpoint_meta(cfg: ModelConfig, **extra) -> dict:
         "pipeline_parallel": cfg.pipeline_parallel,
         "virtual_pipeline": cfg.virtual_pipeline,
         "make_vocab_size_divisible_by": cfg.make_vocab_size_divisible_by,
-        "padded_vocab_size": padded_vocab_size(hf_config["vocab_size"], tp, cfg.make_vocab_size_divisible_by),
+        "padded_vocab_size": padded_vocab_size(
+            hf_config["vocab_size"], tp, cfg.make_vocab_size_divisible_by
+        ),
         "num_real_tokens": cfg.num_real_tokens,
         "dtype": str(params_dtype(cfg)).removeprefix("torch."),
         **extra,
@@ -68,7 +71,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
         name = (path / LATEST_FILE).read_text().strip()
         path = path / name
     if not (path / META_FILE).is_file():
-        raise ConversionError(f"{path}: not a megatron_ngrpo checkpoint (no {META_FILE}, no {LATEST_FILE})")
+        raise ConversionError(
+            f"{path}: not a megatron_ngrpo checkpoint (no {META_FILE}, no {LATEST_FILE})"
+        )
     return path
 
 
@@ -77,15 +82,22 @@ def read_meta(path: str | Path) -> dict:
     return json.loads((path / META_FILE).read_text())
 
 
-def model_config_for(path: str | Path, tp: int = 1, pp: int = 1, vpp: int | None = None,
-                     dtype: str | None = None) -> ModelConfig:
+def model_config_for(
+    path: str | Path, tp: int = 1, pp: int = 1, vpp: int | None = None, dtype: str | None = None
+) -> ModelConfig:
     """A ModelConfig building the checkpoint's model in layout (tp, pp, vpp)."""
     path = resolve_checkpoint(path)
     meta = read_meta(path)
-    return ModelConfig(hf_path=str(path), tensor_parallel=tp, pipeline_parallel=pp, virtual_pipeline=vpp,
-                       make_vocab_size_divisible_by=meta["make_vocab_size_divisible_by"],
-                       num_real_tokens=meta.get("num_real_tokens"), dtype=dtype or meta.get("dtype", "auto"),
-                       layer_spec="local")
+    return ModelConfig(
+        hf_path=str(path),
+        tensor_parallel=tp,
+        pipeline_parallel=pp,
+        virtual_pipeline=vpp,
+        make_vocab_size_divisible_by=meta["make_vocab_size_divisible_by"],
+        num_real_tokens=meta.get("num_real_tokens"),
+        dtype=dtype or meta.get("dtype", "auto"),
+        layer_spec="local",
+    )
 
 
 def write_latest(run_dir: str | Path, name: str) -> None:
@@ -95,6 +107,7 @@ def write_latest(run_dir: str | Path, name: str) -> None:
 
 # ---------------------------------------------------------------- save / load
 
+
 def _model_keys(chunks: list) -> list[str]:
     return ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
 
@@ -103,9 +116,14 @@ def _sharded_state_dict(chunks: list) -> dict:
     return {k: unwrap(c).sharded_state_dict() for k, c in zip(_model_keys(chunks), chunks)}
 
 
-def save_megatron_checkpoint(model_chunks: list, directory: str | Path, meta: dict,
-                             extra: dict | None = None, aux_from: str | Path | None = None,
-                             overwrite: bool = False) -> Path:
+def save_megatron_checkpoint(
+    model_chunks: list,
+    directory: str | Path,
+    meta: dict,
+    extra: dict | None = None,
+    aux_from: str | Path | None = None,
+    overwrite: bool = False,
+) -> Path:
     """Write a checkpoint of ``model_chunks`` (+ ``extra`` sharded entries) atomically. Every rank
     calls it. ``meta`` from :func:`checkpoint_meta`; tokenizer / generation files are copied from
     ``aux_from`` (default ``meta["hf_path"]``) when present."""
@@ -120,8 +138,13 @@ def save_megatron_checkpoint(model_chunks: list, directory: str | Path, meta: di
     return directory
 
 
-def save_megatron_checkpoint_async(model_chunks: list, directory: str | Path, meta: dict,
-                                   extra: dict | None = None, overwrite: bool = False):
+def save_megatron_checkpoint_async(
+    model_chunks: list,
+    directory: str | Path,
+    meta: dict,
+    extra: dict | None = None,
+    overwrite: bool = False,
+):
     """:func:`save_megatron_checkpoint` with megatron's asynchronous save: the tensors are copied
     now (a forked writer process holds its own copy), written in the background, and the
     directory appears under its final name only when the returned ``AsyncRequest`` is
@@ -141,7 +164,9 @@ def save_megatron_checkpoint_async(model_chunks: list, directory: str | Path, me
 
 def _checkpoint_state(model_chunks: list, meta: dict, extra: dict | None) -> dict:
     if "hf_config" not in meta:
-        raise ConversionError("checkpoint metadata lacks 'hf_config' (build it with checkpoint_meta)")
+        raise ConversionError(
+            "checkpoint metadata lacks 'hf_config' (build it with checkpoint_meta)"
+        )
     return {**_sharded_state_dict(model_chunks), **(extra or {})}
 
 
@@ -169,7 +194,7 @@ def _flat_sharded_tensors(state: dict) -> list:
     out = []
 
     def walk(d):
-        for k, v in (d.items() if isinstance(d, dict) else enumerate(d)):
+        for k, v in d.items() if isinstance(d, dict) else enumerate(d):
             if isinstance(v, ShardedTensor):
                 out.append((d, k, v))
             elif isinstance(v, ShardedTensorFactory):
@@ -208,8 +233,9 @@ def _check_against(stored: dict, state: dict, source: str) -> list:
 
 
 @torch.no_grad()
-def load_megatron_checkpoint(model_chunks: list, directory: str | Path, extra: dict | None = None,
-                             strict: bool = True) -> tuple[dict, dict]:
+def load_megatron_checkpoint(
+    model_chunks: list, directory: str | Path, extra: dict | None = None, strict: bool = True
+) -> tuple[dict, dict]:
     """Load a checkpoint (or a run directory's ``latest``) into ``model_chunks`` in their current
     layout. ``extra``: further sharded entries to load (returned loaded). Returns ``(meta, loaded
     extra)``. Missing / wrongly shaped tensors raise one :class:`ConversionError` listing them
@@ -232,12 +258,15 @@ def load_megatron_checkpoint(model_chunks: list, directory: str | Path, extra: d
         # rank, so exactly one rank still holds the main replica (all-zero id).
         rid = sh.replica_id if isinstance(sh.replica_id, tuple) else (sh.replica_id,)
         parent[k] = ShardedTensor.from_rank_offsets(
-            sh.key, buf, replica_id=(*rid, ps.get_tensor_model_parallel_rank()))
+            sh.key, buf, replica_id=(*rid, ps.get_tensor_model_parallel_rank())
+        )
         whole.append((sh.key, buf, sh.data))
     # megatron names mismatches from the checkpoint's side: its "missing" keys are stored but not
     # requested (e.g. a training checkpoint's optimizer: fine), its "unexpected" keys are
     # requested but not stored (what is missing for us).
-    loaded, _, absent = dist_checkpointing.load(state, str(directory), strict=StrictHandling.RETURN_ALL)
+    loaded, _, absent = dist_checkpointing.load(
+        state, str(directory), strict=StrictHandling.RETURN_ALL
+    )
     raise_if(str(directory), ps.get_model_parallel_group(), missing=sorted(absent))
     tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     lost = []
@@ -245,8 +274,11 @@ def load_megatron_checkpoint(model_chunks: list, directory: str | Path, extra: d
         padded = target.shape[0] * tp
         if buf[padded:].any():
             lost.append(f"{key} (rows {padded}..{buf.shape[0]} are not padding)")
-        full = buf[:padded] if buf.shape[0] >= padded else torch.cat(
-            [buf, buf.new_zeros(padded - buf.shape[0], *buf.shape[1:])])
+        full = (
+            buf[:padded]
+            if buf.shape[0] >= padded
+            else torch.cat([buf, buf.new_zeros(padded - buf.shape[0], *buf.shape[1:])])
+        )
         target.copy_(tp_shard(Kind.VOCAB, full, tp, rank))
     raise_if(str(directory), ps.get_model_parallel_group(), vocab_larger_than_model=lost)
     for key, chunk in zip(_model_keys(model_chunks), model_chunks):

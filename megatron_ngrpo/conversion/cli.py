@@ -41,9 +41,21 @@ def run(command: str, argv: list[str], nproc: int, fn, **kwargs) -> int:
     from megatron_ngrpo.parallel import free_port, is_rank0
 
     if nproc > 1 and "RANK" not in os.environ:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-               "-m", "megatron_ngrpo.conversion", command, *argv]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(nproc),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "megatron_ngrpo.conversion",
+            command,
+            *argv,
+        ]
         return subprocess.call(cmd, env={"OMP_NUM_THREADS": "1", **os.environ})
     try:
         out = fn(**kwargs)
@@ -59,17 +71,24 @@ def run(command: str, argv: list[str], nproc: int, fn, **kwargs) -> int:
             dist.destroy_process_group()
 
 
-def parser(command: str, doc: str, input_help: str, output_help: str, dtype_help: str) -> argparse.ArgumentParser:
+def parser(
+    command: str, doc: str, input_help: str, output_help: str, dtype_help: str
+) -> argparse.ArgumentParser:
     """The options of both directions: --input/--output, the TP × PP (× VPP) layout, --dtype,
     --overwrite, --no-progress; the caller adds its own."""
-    p = argparse.ArgumentParser(prog=f"ngrpo-convert {command}", description=doc,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog=f"ngrpo-convert {command}",
+        description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--input", required=True, help=input_help)
     p.add_argument("--output", required=True, help=output_help)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--vpp", type=int, default=None)
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None, help=dtype_help)
+    p.add_argument(
+        "--dtype", choices=("float32", "bfloat16", "float16"), default=None, help=dtype_help
+    )
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     return p
@@ -88,34 +107,72 @@ def _main(command: str, argv: list[str] | None, p: argparse.ArgumentParser, fn, 
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return run(command, argv, a.tp * a.pp, fn, src=a.input, out=a.output, tp=a.tp, pp=a.pp, vpp=a.vpp,
-               dtype=a.dtype, overwrite=a.overwrite, progress=not a.no_progress, **extra(a))
+    return run(
+        command,
+        argv,
+        a.tp * a.pp,
+        fn,
+        src=a.input,
+        out=a.output,
+        tp=a.tp,
+        pp=a.pp,
+        vpp=a.vpp,
+        dtype=a.dtype,
+        overwrite=a.overwrite,
+        progress=not a.no_progress,
+        **extra(a),
+    )
 
 
 def hf_to_megatron(argv: list[str] | None = None) -> int:
     # lazy: convert imports torch and megatron-core; a usage error answers before them
     from megatron_ngrpo.conversion.convert import convert_hf_to_megatron
 
-    p = parser("hf-to-megatron", HF_TO_MEGATRON, "HF directory, Megatron checkpoint or run directory (with latest)",
-               "Megatron checkpoint directory to create",
-               "parameter dtype (default float32 from HF, unchanged from Megatron)")
+    p = parser(
+        "hf-to-megatron",
+        HF_TO_MEGATRON,
+        "HF directory, Megatron checkpoint or run directory (with latest)",
+        "Megatron checkpoint directory to create",
+        "parameter dtype (default float32 from HF, unchanged from Megatron)",
+    )
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=None)
     p.add_argument("--num-real-tokens", type=int, default=None)
-    return _main("hf-to-megatron", argv, p, convert_hf_to_megatron, lambda a: dict(
-        make_vocab_size_divisible_by=a.make_vocab_size_divisible_by, num_real_tokens=a.num_real_tokens))
+    return _main(
+        "hf-to-megatron",
+        argv,
+        p,
+        convert_hf_to_megatron,
+        lambda a: dict(
+            make_vocab_size_divisible_by=a.make_vocab_size_divisible_by,
+            num_real_tokens=a.num_real_tokens,
+        ),
+    )
 
 
 def megatron_to_hf(argv: list[str] | None = None) -> int:
     # lazy: convert imports torch and megatron-core; a usage error answers before them
     from megatron_ngrpo.conversion.convert import convert_megatron_to_hf
 
-    p = parser("megatron-to-hf", MEGATRON_TO_HF, "Megatron checkpoint or run directory (with latest)",
-               "HF directory to create", "output dtype (default: the checkpoint's)")
-    p.add_argument("--hf-source", default=None,
-                   help="HF directory to copy tokenizer / generation_config from (default: the checkpoint's copies)")
+    p = parser(
+        "megatron-to-hf",
+        MEGATRON_TO_HF,
+        "Megatron checkpoint or run directory (with latest)",
+        "HF directory to create",
+        "output dtype (default: the checkpoint's)",
+    )
+    p.add_argument(
+        "--hf-source",
+        default=None,
+        help="HF directory to copy tokenizer / generation_config from (default: the checkpoint's copies)",
+    )
     p.add_argument("--max-shard-gb", type=float, default=2.0)
-    return _main("megatron-to-hf", argv, p, convert_megatron_to_hf, lambda a: dict(
-        hf_source=a.hf_source, max_shard_bytes=int(a.max_shard_gb * 1024**3)))
+    return _main(
+        "megatron-to-hf",
+        argv,
+        p,
+        convert_megatron_to_hf,
+        lambda a: dict(hf_source=a.hf_source, max_shard_bytes=int(a.max_shard_gb * 1024**3)),
+    )
 
 
 COMMANDS = {"hf-to-megatron": hf_to_megatron, "megatron-to-hf": megatron_to_hf}
@@ -128,7 +185,10 @@ def main(argv: list[str] | None = None) -> int:
         if argv and argv[0] in ("-h", "--help"):
             print(__doc__.split("\n\n(")[0])
             return 0
-        print(f"error: ngrpo-convert: expected a command ({', '.join(COMMANDS)}), got "
-              f"{argv[0] if argv else 'none'!r}", file=sys.stderr)
+        print(
+            f"error: ngrpo-convert: expected a command ({', '.join(COMMANDS)}), got "
+            f"{argv[0] if argv else 'none'!r}",
+            file=sys.stderr,
+        )
         return 2
     return COMMANDS[argv[0]](argv[1:])

@@ -52,14 +52,18 @@ def check_gguf(path: str | Path) -> str:
     field = reader.fields.get("general.architecture")
     arch = field.contents() if field is not None else None
     if arch not in ARCHITECTURES:
-        raise ConfigError(f"{path}: field general.architecture = {arch!r} is not supported "
-                          f"(expected one of {ARCHITECTURES})")
+        raise ConfigError(
+            f"{path}: field general.architecture = {arch!r} is not supported "
+            f"(expected one of {ARCHITECTURES})"
+        )
     ok = dequantizable_types()
     bad = [(t.name, t.tensor_type.name) for t in reader.tensors if t.tensor_type.name not in ok]
     if bad:
         name, kind = bad[0]
-        raise ConfigError(f"{path}: tensor {name} type {kind} is not supported ({len(bad)} such tensors; "
-                          f"supported: {', '.join(sorted(ok))})")
+        raise ConfigError(
+            f"{path}: tensor {name} type {kind} is not supported ({len(bad)} such tensors; "
+            f"supported: {', '.join(sorted(ok))})"
+        )
     return arch
 
 
@@ -86,7 +90,9 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, overwrite: bool = Fa
         return out_dir
     check_gguf(gguf_path)
     if out_dir.exists() and not overwrite:
-        raise ConfigError(f"{out_dir}: exists and was not imported from {gguf_path} (pass --overwrite)")
+        raise ConfigError(
+            f"{out_dir}: exists and was not imported from {gguf_path} (pass --overwrite)"
+        )
     # lazy: torch/transformers take seconds to import; a cached folder is returned without them
     import torch
     from safetensors.torch import save_file
@@ -103,7 +109,11 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, overwrite: bool = Fa
         # save_pretrained refuses a model loaded from GGUF (its quantizer is marked not
         # serialisable), though the tensors are plain float32 now: written here instead.
         tied = model.config.tie_word_embeddings
-        state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+        state = {
+            k: v.contiguous()
+            for k, v in model.state_dict().items()
+            if not (tied and k == "lm_head.weight")
+        }
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "model.safetensors").chmod(0o644)
         if hasattr(model.config, "quantization_config"):
@@ -122,8 +132,12 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, overwrite: bool = Fa
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="ngrpo-import-gguf", description=__doc__.split("\n\n")[0])
     p.add_argument("gguf", help="the .gguf file (architecture llama, qwen2 or qwen3)")
-    p.add_argument("output", help="the HF folder to write (skipped when it already holds this file's import)")
-    p.add_argument("--overwrite", action="store_true", help="replace an output folder built from another file")
+    p.add_argument(
+        "output", help="the HF folder to write (skipped when it already holds this file's import)"
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace an output folder built from another file"
+    )
     a = p.parse_args(argv)
     # Quiet for set-up scripts: no dequantisation progress bar, no advisory warnings.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

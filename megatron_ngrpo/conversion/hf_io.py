@@ -33,9 +33,18 @@ from megatron_ngrpo.parallel import is_rank0
 
 INDEX = "model.safetensors.index.json"
 # Carried over from the source HF directory next to the weights.
-AUX_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
-             "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model",
-             "added_tokens.json", "chat_template.jinja", "chat_template.json")
+AUX_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 
 
 # Any one of these makes a folder a tokenizer (vocab.json goes with merges.txt).
@@ -51,8 +60,12 @@ def tokenizer_json_id_count(path: str | Path) -> int:
     return max(ids + [t["id"] for t in tok.get("added_tokens", [])]) + 1
 
 
-def check_hf_folder(path: str | Path, tokenizer_dir: str | Path | None = None, weights: bool = True,
-                    source: str | None = None) -> None:
+def check_hf_folder(
+    path: str | Path,
+    tokenizer_dir: str | Path | None = None,
+    weights: bool = True,
+    source: str | None = None,
+) -> None:
     """One-line :class:`ConfigError` (file and field) for an HF model folder ``path`` the trainer
     cannot use, before any process group starts. With ``tokenizer_dir`` (may be ``path``): no
     tokenizer files there; a ``tokenizer.json`` with more ids than ``config.json``'s
@@ -66,17 +79,25 @@ def check_hf_folder(path: str | Path, tokenizer_dir: str | Path | None = None, w
     if tokenizer_dir is not None:
         tok = Path(tokenizer_dir)
         if not any((tok / f).is_file() for f in TOKENIZER_FILES):
-            raise ConfigError(f"{tok}{suffix}: no tokenizer files (one of {', '.join(TOKENIZER_FILES)})")
+            raise ConfigError(
+                f"{tok}{suffix}: no tokenizer files (one of {', '.join(TOKENIZER_FILES)})"
+            )
         if (tok / "tokenizer.json").is_file():
             count = tokenizer_json_id_count(tok / "tokenizer.json")
             if count > cfg.get("vocab_size", count):
-                raise ConfigError(f"{tok / 'tokenizer.json'}{suffix}: {count} token ids, more than "
-                                  f"{path / 'config.json'} field vocab_size = {cfg['vocab_size']} (embedding rows)")
+                raise ConfigError(
+                    f"{tok / 'tokenizer.json'}{suffix}: {count} token ids, more than "
+                    f"{path / 'config.json'} field vocab_size = {cfg['vocab_size']} (embedding rows)"
+                )
     if weights and cfg.get("tie_word_embeddings") and any(path.glob("*.safetensors")):
         ckpt = HFCheckpoint(path)
-        if "lm_head.weight" in ckpt and not torch.equal(ckpt["lm_head.weight"], ckpt["model.embed_tokens.weight"]):
-            raise ConfigError(f"{path / 'config.json'}{suffix}: field tie_word_embeddings = true, but the "
-                              f"weights hold a separate lm_head.weight (two matrices: set it false or drop lm_head)")
+        if "lm_head.weight" in ckpt and not torch.equal(
+            ckpt["lm_head.weight"], ckpt["model.embed_tokens.weight"]
+        ):
+            raise ConfigError(
+                f"{path / 'config.json'}{suffix}: field tie_word_embeddings = true, but the "
+                f"weights hold a separate lm_head.weight (two matrices: set it false or drop lm_head)"
+            )
 
 
 class HFCheckpoint(Mapping):
@@ -86,7 +107,9 @@ class HFCheckpoint(Mapping):
         self.path = Path(path)
         files = sorted(self.path.glob("*.safetensors"))
         if not files:
-            raise ConversionError(f"{self.path}: no *.safetensors files (only safetensors checkpoints are read)")
+            raise ConversionError(
+                f"{self.path}: no *.safetensors files (only safetensors checkpoints are read)"
+            )
         self._file: dict[str, Path] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         self._handles: dict[Path, object] = {}
@@ -173,23 +196,33 @@ def load_hf_into_megatron(model_chunks: list, hf_dir: str | Path, progress: bool
     """Load the HF checkpoint ``hf_dir`` into this rank's ``model_chunks`` (any TP/PP/VPP layout
     built for the same config). Every rank reads only its tensors. Returns parameters set."""
 
-    return load_hf_tensors(model_chunks, ArchSpec.from_hf(hf_dir), HFCheckpoint(hf_dir),
-                           source=str(hf_dir), progress=progress)
+    return load_hf_tensors(
+        model_chunks,
+        ArchSpec.from_hf(hf_dir),
+        HFCheckpoint(hf_dir),
+        source=str(hf_dir),
+        progress=progress,
+    )
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def save_hf_checkpoint(model_chunks: list, out_dir: str | Path, hf_config: dict,
-                       dtype: torch.dtype | None = None, aux_from: str | Path | None = None,
-                       overwrite: bool = False, max_shard_bytes: int = 2 * 1024**3,
-                       progress: bool = False) -> Path:
+def save_hf_checkpoint(
+    model_chunks: list,
+    out_dir: str | Path,
+    hf_config: dict,
+    dtype: torch.dtype | None = None,
+    aux_from: str | Path | None = None,
+    overwrite: bool = False,
+    max_shard_bytes: int = 2 * 1024**3,
+    progress: bool = False,
+) -> Path:
     """Write the model as an HF checkpoint directory (sharded safetensors + index, config.json,
     tokenizer / generation files from ``aux_from``), atomically. Every rank calls it; tensors are
     gathered to global rank 0 one at a time, which writes; names and shapes are verified against
     the config before the directory appears."""
-
 
     spec = ArchSpec.from_dict(hf_config)
     rank0 = is_rank0()
@@ -198,8 +231,12 @@ def save_hf_checkpoint(model_chunks: list, out_dir: str | Path, hf_config: dict,
         error = None
         if rank0:
             writer, shapes = ShardedWriter(tmp, max_shard_bytes), {}
-            bar = tqdm(total=len(hf_layout(spec)), desc=f"write {out_dir.name}", unit="tensor",
-                       disable=not progress)
+            bar = tqdm(
+                total=len(hf_layout(spec)),
+                desc=f"write {out_dir.name}",
+                unit="tensor",
+                disable=not progress,
+            )
         for name, tensor in export_hf_tensors(model_chunks, spec, rank0_only=True, dtype=dtype):
             writer.add(name, tensor)
             shapes[name] = tuple(tensor.shape)
@@ -213,7 +250,9 @@ def save_hf_checkpoint(model_chunks: list, out_dir: str | Path, hf_config: dict,
                 error = str(e)
             cfg = dict(hf_config)
             if dtype is not None:
-                cfg["dtype" if "dtype" in cfg or "torch_dtype" not in cfg else "torch_dtype"] = _dtype_name(dtype)
+                cfg["dtype" if "dtype" in cfg or "torch_dtype" not in cfg else "torch_dtype"] = (
+                    _dtype_name(dtype)
+                )
             (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
             if aux_from:
                 copy_aux_files(aux_from, tmp)

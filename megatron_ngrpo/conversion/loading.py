@@ -31,8 +31,12 @@ def build_policy(model_cfg: ModelConfig, checkpoint: str = "", seed: int = 1234)
     """Process groups for ``model_cfg``'s layout, this rank's model chunks, and their weights."""
 
     init_distributed()
-    initialize_model_parallel(model_cfg.tensor_parallel, model_cfg.pipeline_parallel,
-                              model_cfg.virtual_pipeline, seed=seed)
+    initialize_model_parallel(
+        model_cfg.tensor_parallel,
+        model_cfg.pipeline_parallel,
+        model_cfg.virtual_pipeline,
+        seed=seed,
+    )
     chunks = build_model(model_cfg)
     load_weights(chunks, model_cfg, checkpoint)
     return chunks

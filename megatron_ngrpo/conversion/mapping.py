@@ -59,10 +59,10 @@ class Kind(Enum):
     """How a Megatron parameter is fused from HF tensors and split over TP."""
 
     REPLICATED = "replicated"  # norms: same on every TP rank
-    QKV = "qkv"                # [q; k; v] interleaved per query group, split dim 0
-    GATE_UP = "gate_up"        # [gate; up], each half split dim 0
-    ROW = "row"                # split dim 1
-    VOCAB = "vocab"            # rows padded to the padded vocab, split dim 0
+    QKV = "qkv"  # [q; k; v] interleaved per query group, split dim 0
+    GATE_UP = "gate_up"  # [gate; up], each half split dim 0
+    ROW = "row"  # split dim 1
+    VOCAB = "vocab"  # rows padded to the padded vocab, split dim 0
 
 
 @dataclass(frozen=True)
@@ -75,9 +75,13 @@ _LAYER = {  # megatron suffix after "decoder.layers.{i}." -> (HF suffixes after 
     "input_layernorm.weight": (("input_layernorm.weight",), Kind.REPLICATED),
     "self_attention.linear_qkv.layer_norm_weight": (("input_layernorm.weight",), Kind.REPLICATED),
     "self_attention.linear_qkv.weight": (
-        ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), Kind.QKV),
+        ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+        Kind.QKV,
+    ),
     "self_attention.linear_qkv.bias": (
-        ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"), Kind.QKV),
+        ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+        Kind.QKV,
+    ),
     "self_attention.q_layernorm.weight": (("self_attn.q_norm.weight",), Kind.REPLICATED),
     "self_attention.k_layernorm.weight": (("self_attn.k_norm.weight",), Kind.REPLICATED),
     "self_attention.linear_proj.weight": (("self_attn.o_proj.weight",), Kind.ROW),
@@ -123,8 +127,13 @@ def hf_layout(spec: ArchSpec) -> dict[str, tuple[int, ...]]:
         out[p + "self_attn.k_proj.weight"] = (kv, h)
         out[p + "self_attn.v_proj.weight"] = (kv, h)
         if spec.qkv_bias:
-            out.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                        p + "self_attn.v_proj.bias": (kv,)})
+            out.update(
+                {
+                    p + "self_attn.q_proj.bias": (q,),
+                    p + "self_attn.k_proj.bias": (kv,),
+                    p + "self_attn.v_proj.bias": (kv,),
+                }
+            )
         if spec.qk_norm:
             out.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
         out[p + "self_attn.o_proj.weight"] = (h, q)
@@ -143,10 +152,18 @@ def check_hf_names(spec: ArchSpec, shapes: Mapping[str, tuple[int, ...]], source
     an HF checkpoint (``shapes``: name → shape) against ``spec``."""
     want = hf_layout(spec)
     missing = [n for n in want if n not in shapes]
-    extra = [n for n in shapes if n not in want and not _IGNORED_HF.search(n)
-             and not (spec.tied_embeddings and n == "lm_head.weight")]
-    wrong = [f"{n} {tuple(shapes[n])} (expected {want[n]})" for n in want
-             if n in shapes and tuple(shapes[n]) != want[n]]
+    extra = [
+        n
+        for n in shapes
+        if n not in want
+        and not _IGNORED_HF.search(n)
+        and not (spec.tied_embeddings and n == "lm_head.weight")
+    ]
+    wrong = [
+        f"{n} {tuple(shapes[n])} (expected {want[n]})"
+        for n in want
+        if n in shapes and tuple(shapes[n]) != want[n]
+    ]
     raise_if(source, missing=missing, unexpected=extra, wrong_shape=wrong)
 
 
@@ -165,14 +182,16 @@ def raise_if(source: str, group=None, **problems: list[str]) -> None:
 
 # ---------------------------------------------------------------- fuse / split (pure tensor ops)
 
+
 def fuse(spec: ArchSpec, kind: Kind, hf: list[torch.Tensor], padded_vocab: int) -> torch.Tensor:
     """HF tensors → the full (TP-unsplit) Megatron tensor."""
     if kind is Kind.QKV:
         q, k, v = hf
         ng, d = spec.num_kv_heads, spec.head_dim
         rest = q.shape[1:]
-        return torch.cat([q.reshape(ng, -1, *rest), k.reshape(ng, d, *rest), v.reshape(ng, d, *rest)],
-                         dim=1).reshape(-1, *rest)
+        return torch.cat(
+            [q.reshape(ng, -1, *rest), k.reshape(ng, d, *rest), v.reshape(ng, d, *rest)], dim=1
+        ).reshape(-1, *rest)
     if kind is Kind.GATE_UP:
         return torch.cat(hf, dim=0)
     (t,) = hf
@@ -181,7 +200,9 @@ def fuse(spec: ArchSpec, kind: Kind, hf: list[torch.Tensor], padded_vocab: int) 
     return t
 
 
-def unfuse(spec: ArchSpec, kind: Kind, full: torch.Tensor, num_vocab: int, tp: int = 1) -> list[torch.Tensor]:
+def unfuse(
+    spec: ArchSpec, kind: Kind, full: torch.Tensor, num_vocab: int, tp: int = 1
+) -> list[torch.Tensor]:
     """The full Megatron tensor → HF tensors (inverse of :func:`fuse`; vocab rows cut to
     ``num_vocab``). With ``tp`` > 1, ``full`` is one TP rank's shard of a column- or row-split
     kind and the result its slices of the HF tensors (a rank holds whole query groups)."""
@@ -232,6 +253,7 @@ def full_shape(kind: Kind, local_shape: torch.Size, tp: int) -> tuple[int, ...]:
 
 # ---------------------------------------------------------------- model chunks
 
+
 @dataclass(frozen=True)
 class Entry:
     """One parameter of this rank: chunk index, local and global names, rule."""
@@ -262,7 +284,6 @@ def entries(chunks: list, spec: ArchSpec) -> list[Entry]:
     # lazy: keeps conversion.mapping free of megatron-core at import (start-up)
     from megatron.core import parallel_state as ps
 
-
     tp = ps.get_tensor_model_parallel_world_size()
     hf = hf_layout(spec)
     out, wrong, unknown = [], [], []
@@ -281,8 +302,12 @@ def entries(chunks: list, spec: ArchSpec) -> list[Entry]:
             if got != want:
                 wrong.append(f"{glob} {got} (expected {want})")
             out.append(Entry(c, local, glob, r, p))
-    raise_if(f"Megatron model vs {spec.arch} config", ps.get_model_parallel_group(),
-             unmapped=unknown, wrong_shape=wrong)
+    raise_if(
+        f"Megatron model vs {spec.arch} config",
+        ps.get_model_parallel_group(),
+        unmapped=unknown,
+        wrong_shape=wrong,
+    )
     return out
 
 
@@ -312,8 +337,9 @@ def _hf_shapes(hf: Mapping) -> dict[str, tuple[int, ...]]:
     return dict(shapes) if shapes is not None else {k: tuple(v.shape) for k, v in hf.items()}
 
 
-def hf_to_megatron(spec: ArchSpec, hf: Mapping[str, torch.Tensor], chunks: list,
-                   source: str = "HF state dict") -> Iterator[tuple[Entry, torch.Tensor]]:
+def hf_to_megatron(
+    spec: ArchSpec, hf: Mapping[str, torch.Tensor], chunks: list, source: str = "HF state dict"
+) -> Iterator[tuple[Entry, torch.Tensor]]:
     """This rank's Megatron tensors for ``chunks``: yields ``(entry, local tensor)`` with the
     local tensor in the parameter's shape (HF dtype; the caller casts). ``hf`` is a state dict or a
     lazy :class:`HFCheckpoint` (only the tensors this rank needs are read, one at a time). All
@@ -331,8 +357,13 @@ def hf_to_megatron(spec: ArchSpec, hf: Mapping[str, torch.Tensor], chunks: list,
 
 
 @torch.no_grad()
-def load_hf_tensors(chunks: list, spec: ArchSpec, hf: Mapping[str, torch.Tensor],
-                    source: str = "HF state dict", progress: bool = False) -> int:
+def load_hf_tensors(
+    chunks: list,
+    spec: ArchSpec,
+    hf: Mapping[str, torch.Tensor],
+    source: str = "HF state dict",
+    progress: bool = False,
+) -> int:
     """Copy ``hf`` into the parameters of ``chunks`` (cast to their dtype); returns the number
     of parameters set. Nothing is copied when validation fails."""
 
@@ -346,6 +377,7 @@ def load_hf_tensors(chunks: list, spec: ArchSpec, hf: Mapping[str, torch.Tensor]
 
 
 # ---------------------------------------------------------------- export (gather over TP and PP)
+
 
 @dataclass(frozen=True)
 class _Item:
@@ -367,15 +399,24 @@ def _export_plan(chunks: list, spec: ArchSpec) -> tuple[list[_Item], dict[str, t
     for e in entries(chunks, spec):
         if spec.tied_embeddings and e.global_name == "output_layer.weight":
             continue
-        mine.append(_Item(e.chunk * pp + pp_rank, len(mine), e.global_name, tuple(e.param.shape),
-                          e.param.dtype))
+        mine.append(
+            _Item(
+                e.chunk * pp + pp_rank,
+                len(mine),
+                e.global_name,
+                tuple(e.param.shape),
+                e.param.dtype,
+            )
+        )
         local[e.global_name] = e.param
     everything = [None] * pp
     if pp > 1:
         dist.all_gather_object(everything, mine, group=ps.get_pipeline_model_parallel_group())
     else:
         everything = [mine]
-    return sorted((i for stage in everything for i in stage), key=lambda i: (i.vstage, i.index)), local
+    return sorted(
+        (i for stage in everything for i in stage), key=lambda i: (i.vstage, i.index)
+    ), local
 
 
 _TP_SPLIT = (Kind.QKV, Kind.GATE_UP, Kind.ROW)
@@ -390,8 +431,9 @@ class TPShard:
     rank: int
 
 
-def export_hf_layout(chunks: list, spec: ArchSpec, tp_shards: TPShard | None = None
-                     ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+def export_hf_layout(
+    chunks: list, spec: ArchSpec, tp_shards: TPShard | None = None
+) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """What :func:`export_hf_tensors` yields, in its order, without gathering: ``(hf_name, HF
     shape, dtype)`` (a collective of the PP group when PP > 1)."""
     plan, _ = _export_plan(chunks, spec)
@@ -422,9 +464,14 @@ def check_tp_shards(spec: ArchSpec, tp: int, pp: int, count: int | None = None) 
 
 
 @torch.no_grad()
-def export_hf_tensors(chunks: list, spec: ArchSpec, num_vocab: int | None = None,
-                      rank0_only: bool = False, dtype: torch.dtype | None = None,
-                      tp_shards: TPShard | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf_tensors(
+    chunks: list,
+    spec: ArchSpec,
+    num_vocab: int | None = None,
+    rank0_only: bool = False,
+    dtype: torch.dtype | None = None,
+    tp_shards: TPShard | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream the model as HF tensors ``(hf_name, full tensor)`` in model order, one Megatron
     parameter at a time: the owning PP stage's shard is broadcast over the PP group and
     all-gathered over TP (``rank0_only``: gathered to TP rank 0 of the owning stage and sent to
@@ -446,10 +493,16 @@ def export_hf_tensors(chunks: list, spec: ArchSpec, num_vocab: int | None = None
     plan, local = _export_plan(chunks, spec)
     device = next(iter(local.values())).device
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
-    tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
+    tp_group, pp_group = (
+        ps.get_tensor_model_parallel_group(),
+        ps.get_pipeline_model_parallel_group(),
+    )
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
-    if tp_shards is not None and (why := "rank0_only gathers" if rank0_only else
-                                  check_tp_shards(spec, tp, pp, tp_shards.count)):
+    if tp_shards is not None and (
+        why := "rank0_only gathers"
+        if rank0_only
+        else check_tp_shards(spec, tp, pp, tp_shards.count)
+    ):
         raise ValueError(f"export_hf_tensors(tp_shards={tp_shards}): {why}")
     if rank0_only and ps.get_data_parallel_rank() != 0:
         return  # other data-parallel replicas hold the same weights
@@ -462,11 +515,18 @@ def export_hf_tensors(chunks: list, spec: ArchSpec, num_vocab: int | None = None
         kind, owner = r.kind, item.vstage % pp
         shard = local.get(item.global_name)
         if wants is not None and kind in _TP_SPLIT:
-            tensors = _merged_slices(unfuse(spec, kind, shard.detach(), num_vocab, tp), kind,
-                                     tp_shards.count, wants, tp_rank, tp_group)
+            tensors = _merged_slices(
+                unfuse(spec, kind, shard.detach(), num_vocab, tp),
+                kind,
+                tp_shards.count,
+                wants,
+                tp_rank,
+                tp_group,
+            )
         elif rank0_only:
-            full = _gather_to_rank0(item, shard, kind, owner, tp, tp_rank, pp_rank, tp_group, pp_group,
-                                    device)
+            full = _gather_to_rank0(
+                item, shard, kind, owner, tp, tp_rank, pp_rank, tp_group, pp_group, device
+            )
             if full is None:
                 continue
             tensors = unfuse(spec, kind, full, num_vocab)
@@ -476,13 +536,16 @@ def export_hf_tensors(chunks: list, spec: ArchSpec, num_vocab: int | None = None
                     shard = torch.empty(item.shape, dtype=item.dtype, device=device)
                 shard = shard.detach().contiguous()
                 dist.broadcast(shard, dist.get_global_rank(pp_group, owner), group=pp_group)
-            tensors = unfuse(spec, kind, _tp_gather(shard, kind, tp, tp_group, all_ranks=True), num_vocab)
+            tensors = unfuse(
+                spec, kind, _tp_gather(shard, kind, tp, tp_group, all_ranks=True), num_vocab
+            )
         for name, t in zip(r.hf_names, tensors):
             yield name, (t if dtype is None else t.to(dtype))
 
 
-def _merged_slices(pieces: list[torch.Tensor], kind: Kind, count: int, wants: list[int], tp_rank: int,
-                   group) -> list[torch.Tensor]:
+def _merged_slices(
+    pieces: list[torch.Tensor], kind: Kind, count: int, wants: list[int], tp_rank: int, group
+) -> list[torch.Tensor]:
     """Slice ``wants[tp_rank]`` of ``count`` of each HF tensor of which ``pieces`` are this
     rank's megatron slices (:func:`unfuse` of its shard): each rank's slice goes to the ranks
     that want the merged slice containing it, in one all-to-all per piece (``all_to_all_single``
@@ -499,13 +562,20 @@ def _merged_slices(pieces: list[torch.Tensor], kind: Kind, count: int, wants: li
         n = piece.numel()
         send = piece.reshape(-1).repeat(len(receivers))
         recv = piece.new_empty(m * n)  # from ranks j·m .. j·m+m-1, in rank order
-        dist.all_to_all_single(recv, send, [n if s // m == j else 0 for s in range(tp)],
-                               [n if r in receivers else 0 for r in range(tp)], group=group)
+        dist.all_to_all_single(
+            recv,
+            send,
+            [n if s // m == j else 0 for s in range(tp)],
+            [n if r in receivers else 0 for r in range(tp)],
+            group=group,
+        )
         out.append(torch.cat(list(recv.view(m, *piece.shape)), dim=dim))
     return out
 
 
-def _tp_gather(shard: torch.Tensor, kind: Kind, tp: int, group, all_ranks: bool) -> torch.Tensor | None:
+def _tp_gather(
+    shard: torch.Tensor, kind: Kind, tp: int, group, all_ranks: bool
+) -> torch.Tensor | None:
     if kind is Kind.REPLICATED or tp == 1:
         return shard
     shard = shard.detach().contiguous()

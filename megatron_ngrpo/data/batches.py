@@ -19,8 +19,14 @@ class PromptBatches:
     ``drop_last``); otherwise the last batch of an epoch may be shorter.
     """
 
-    def __init__(self, items: Sequence, batch_size: int, seed: int = 0, shuffle: bool = True,
-                 drop_last: bool = True):
+    def __init__(
+        self,
+        items: Sequence,
+        batch_size: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = True,
+    ):
         if batch_size < 1:
             raise ValueError(f"batch_size = {batch_size}: must be >= 1")
         if drop_last and len(items) < batch_size:
@@ -55,19 +61,30 @@ class PromptBatches:
             self.epoch += 1
             self.position = 0
             self._order = self._epoch_order(self.epoch)
-        picked = self._order[self.position:self.position + self.batch_size]
+        picked = self._order[self.position : self.position + self.batch_size]
         self.position += len(picked)
         return [self.items[int(i)] for i in picked]
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
-                "num_items": len(self.items), "batch_size": self.batch_size}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "num_items": len(self.items),
+            "batch_size": self.batch_size,
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        for key, mine in (("num_items", len(self.items)), ("batch_size", self.batch_size), ("seed", self.seed)):
+        for key, mine in (
+            ("num_items", len(self.items)),
+            ("batch_size", self.batch_size),
+            ("seed", self.seed),
+        ):
             if state[key] != mine:
-                raise ValueError(f"prompt batches state: {key} = {state[key]} in the checkpoint, "
-                                 f"{mine} now; the data or its settings changed")
+                raise ValueError(
+                    f"prompt batches state: {key} = {state[key]} in the checkpoint, "
+                    f"{mine} now; the data or its settings changed"
+                )
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
         self._order = self._epoch_order(self.epoch)

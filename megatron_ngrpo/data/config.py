@@ -56,14 +56,19 @@ def validate_sources(sources: list[SourceConfig], name: str) -> None:
         try:
             source.validate()
         except ConfigError as e:
-            raise ConfigError(str(e).replace("config field '", f"config field '{name}[{i}].", 1)) from None
+            raise ConfigError(
+                str(e).replace("config field '", f"config field '{name}[{i}].", 1)
+            ) from None
 
 
 def _default_train() -> list[SourceConfig]:
     # DeepScaleR-Preview is not obtainable here; its AIME part + MATH levels 3-5 + MATH train
     # are the best stand-ins (data/README.md), deduplicated.
-    return [SourceConfig(name="deepscaler_aime"), SourceConfig(name="simplerl_math_lv3to5"),
-            SourceConfig(name="deepscaler_math_train")]
+    return [
+        SourceConfig(name="deepscaler_aime"),
+        SourceConfig(name="simplerl_math_lv3to5"),
+        SourceConfig(name="deepscaler_math_train"),
+    ]
 
 
 @dataclass
@@ -74,8 +79,9 @@ class DataConfig:
     # Drop repeated problems across and within the train files (whitespace/case-normalised).
     dedup: bool = True
     # Drop train problems that appear in these benchmarks (same normalisation).
-    decontaminate: list[str] = field(default_factory=lambda: ["aime24", "aime25", "amc23",
-                                                              "amc22_23", "math500"])
+    decontaminate: list[str] = field(
+        default_factory=lambda: ["aime24", "aime25", "amc23", "amc22_23", "math500"]
+    )
     # Refuse a file when more than this fraction of its rows is malformed (0: any bad row stops
     # the run before it starts).
     max_bad_fraction: float = 0.01

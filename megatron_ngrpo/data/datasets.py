@@ -40,8 +40,12 @@ REGISTRY: dict[str, SourceConfig] = {
     # --- evaluation ---
     "aime24": SourceConfig(path="eval/deepscaler/aime24.json", integer_answers=True),
     # The clean AIME 2025 copy (rows 0-14: I, 15-29: II); row 19's "336^\circ" becomes "336".
-    "aime25": SourceConfig(path="eval/aime25/aime25_skywork_or1.parquet", problem_key="prompt.0.content",
-                           answer_key="reward_model.ground_truth", integer_answers=True),
+    "aime25": SourceConfig(
+        path="eval/aime25/aime25_skywork_or1.parquet",
+        problem_key="prompt.0.content",
+        answer_key="reward_model.ground_truth",
+        integer_answers=True,
+    ),
     # Cross-check only: rows 18, 19, 27 have \f/\t escapes turned into control characters.
     "aime25_areal": SourceConfig(path="eval/aime25/aime25_areal.jsonl", integer_answers=True),
     # The 40-problem AMC 2023 set (Qwen2.5-Math harness); most papers' "AMC23".
@@ -54,18 +58,33 @@ REGISTRY: dict[str, SourceConfig] = {
     # One string per answer; multi-answer problems list them inside it ("$69$,$84$").
     "olympiad_bench": SourceConfig(path="eval/deepscaler/olympiad_bench.json", answer_list="join"),
     # --- training ---
-    "simplerl_math_lv3to5": SourceConfig(path="train/simplerl_math_lv3to5_8523.parquet", problem_key="question"),
+    "simplerl_math_lv3to5": SourceConfig(
+        path="train/simplerl_math_lv3to5_8523.parquet", problem_key="question"
+    ),
     "deepscaler_math_train": SourceConfig(path="train/deepscaler_math_train.json"),
-    "deepscaler_aime": SourceConfig(path="train/deepscaler_aime_1983_2023.json", integer_answers=True),
+    "deepscaler_aime": SourceConfig(
+        path="train/deepscaler_aime_1983_2023.json", integer_answers=True
+    ),
     # --- GSM8K (openai/grade-school-math, MIT): the solution ends in "#### <integer>" ---
-    "gsm8k_train": SourceConfig(path="gsm8k/train.jsonl", problem_key="question", answer_after="####",
-                                integer_answers=True),
+    "gsm8k_train": SourceConfig(
+        path="gsm8k/train.jsonl", problem_key="question", answer_after="####", integer_answers=True
+    ),
     # The fixed held-out set: the first 256 test problems (never trained on: training uses gsm8k_train).
-    "gsm8k_heldout": SourceConfig(path="gsm8k/test.jsonl", problem_key="question", answer_after="####",
-                                  integer_answers=True, limit=256),
+    "gsm8k_heldout": SourceConfig(
+        path="gsm8k/test.jsonl",
+        problem_key="question",
+        answer_after="####",
+        integer_answers=True,
+        limit=256,
+    ),
 }
-_DEFAULTS = SourceConfig(problem_key="problem", answer_key="answer", answer_list="alternatives",
-                         integer_answers=False, kind="math")
+_DEFAULTS = SourceConfig(
+    problem_key="problem",
+    answer_key="answer",
+    answer_list="alternatives",
+    integer_answers=False,
+    kind="math",
+)
 _THOUSANDS_COMMA = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 _DEGREES = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|°")
 
@@ -105,8 +124,10 @@ def resolve_source(source: SourceConfig | str) -> SourceConfig:
     base = SourceConfig()
     if source.name:
         if source.name not in REGISTRY and not source.path:
-            raise ConfigError(f"data source {source.name!r}: not in the registry "
-                              f"({', '.join(sorted(REGISTRY))}) and no path given")
+            raise ConfigError(
+                f"data source {source.name!r}: not in the registry "
+                f"({', '.join(sorted(REGISTRY))}) and no path given"
+            )
         base = REGISTRY.get(source.name, base)
     merged = {}
     for f in dataclasses.fields(SourceConfig):
@@ -144,7 +165,9 @@ def require_local_files(sources: Sequence[SourceConfig | str], field: str) -> No
             name = f"{field}[{i}]" + ("" if isinstance(source, str) or not source.path else ".path")
             value = source if isinstance(source, str) else source.path or source.name
             where = str(path) if path.is_absolute() else f"{Path.cwd() / path}, {searched(path)}"
-            raise ConfigError(f"config field '{name}' = {value!r}: file not found (looked for {where})")
+            raise ConfigError(
+                f"config field '{name}' = {value!r}: file not found (looked for {where})"
+            )
 
 
 def _unset(value) -> bool:
@@ -160,31 +183,45 @@ def _read_rows(source: SourceConfig, cache_dir: str | None) -> list[dict]:
     if path.exists():
         builder = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}.get(path.suffix)
         if builder is None:
-            raise DataError(f"data source {source.name!r}: {path}: unsupported file type "
-                            f"(expected .json, .jsonl or .parquet)")
+            raise DataError(
+                f"data source {source.name!r}: {path}: unsupported file type "
+                f"(expected .json, .jsonl or .parquet)"
+            )
         try:
-            ds = datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=cache_dir)
+            ds = datasets.load_dataset(
+                builder, data_files=str(path), split="train", cache_dir=cache_dir
+            )
         except Exception as e:  # noqa: BLE001 - report any reader failure in one line
-            raise DataError(f"data source {source.name!r}: {path}: unreadable: "
-                            f"{' '.join(str(e).split())[:300]}") from None
+            raise DataError(
+                f"data source {source.name!r}: {path}: unreadable: {' '.join(str(e).split())[:300]}"
+            ) from None
     else:
         try:
             ds = datasets.load_dataset(source.path, split=source.split, cache_dir=cache_dir)
         except Exception as e:  # noqa: BLE001
-            raise DataError(f"data source {source.name!r}: {source.path!r} is neither a local file "
-                            f"nor a loadable hub dataset: {' '.join(str(e).split())[:300]}") from None
+            raise DataError(
+                f"data source {source.name!r}: {source.path!r} is neither a local file "
+                f"nor a loadable hub dataset: {' '.join(str(e).split())[:300]}"
+            ) from None
     missing = [c for c in columns if c not in ds.column_names]
     if missing:
-        raise DataError(f"data source {source.name!r}: {source.path}: no field {missing[0]!r} "
-                        f"(fields: {', '.join(ds.column_names)})")
+        raise DataError(
+            f"data source {source.name!r}: {source.path}: no field {missing[0]!r} "
+            f"(fields: {', '.join(ds.column_names)})"
+        )
     if source.limit:
         ds = ds.select(range(min(source.limit, len(ds))))
-    if path.suffix in (".json", ".jsonl") and any(isinstance(ds.features[c], datasets.Json) for c in columns):
+    if path.suffix in (".json", ".jsonl") and any(
+        isinstance(ds.features[c], datasets.Json) for c in columns
+    ):
         # A column of mixed types comes back JSON-decoded, strings included ("5" → 5,
         # "null" → None, "[1, 2]" → a list): re-read the rows as written to judge each one.
-        logger.warning("data source %r: mixed value types in %s; reading rows with the json module",
-                       source.name, path)
-        return _read_json_rows(path)[:source.limit or None]
+        logger.warning(
+            "data source %r: mixed value types in %s; reading rows with the json module",
+            source.name,
+            path,
+        )
+        return _read_json_rows(path)[: source.limit or None]
     return ds.select_columns(columns).to_list()
 
 
@@ -244,7 +281,9 @@ def _answer_after(value, marker: str) -> str:
     return _THOUSANDS_COMMA.sub("", value.rsplit(marker, 1)[1].strip())
 
 
-def clean_answers(value, answer_list: str = "alternatives", integer: bool = False) -> tuple[str, ...]:
+def clean_answers(
+    value, answer_list: str = "alternatives", integer: bool = False
+) -> tuple[str, ...]:
     """Gold answer(s) of a row as strings: floats 142.0 → "142", whitespace/newlines stripped,
     lists kept as alternatives / first / joined; integer sets: "025" → "25", "336^\\circ" → "336".
     Raises ValueError(why) for unusable values."""
@@ -262,8 +301,9 @@ def clean_answers(value, answer_list: str = "alternatives", integer: bool = Fals
     return (_scalar_answer(value, integer),)
 
 
-def load_source(source: SourceConfig | str, max_bad_fraction: float = 0.01,
-                cache_dir: str | None = None) -> tuple[list[Problem], LoadReport]:
+def load_source(
+    source: SourceConfig | str, max_bad_fraction: float = 0.01, cache_dir: str | None = None
+) -> tuple[list[Problem], LoadReport]:
     """Problems of one source and the report of its malformed rows (skipped). Raises
     :class:`DataError` when more than ``max_bad_fraction`` of the rows are malformed."""
     source = resolve_source(source)
@@ -276,7 +316,9 @@ def load_source(source: SourceConfig | str, max_bad_fraction: float = 0.01,
             except KeyError:
                 raise ValueError(f"no field {source.problem_key!r}") from None
             if not isinstance(problem, str) or not problem.strip():
-                raise ValueError(f"problem is {'empty' if isinstance(problem, str) else type(problem).__name__}")
+                raise ValueError(
+                    f"problem is {'empty' if isinstance(problem, str) else type(problem).__name__}"
+                )
             try:
                 raw_answer = _lookup(row, source.answer_key)
             except KeyError:
@@ -287,8 +329,10 @@ def load_source(source: SourceConfig | str, max_bad_fraction: float = 0.01,
             if source.kind == "math":
                 for answer in answers:
                     if not is_parseable(answer):
-                        raise ValueError(f"answer {answer[:40]!r} cannot be graded (over 1000 characters, "
-                                         f"nested too deep or control characters)")
+                        raise ValueError(
+                            f"answer {answer[:40]!r} cannot be graded (over 1000 characters, "
+                            f"nested too deep or control characters)"
+                        )
         except ValueError as e:
             bad.append((i, str(e)))
             continue
@@ -298,8 +342,10 @@ def load_source(source: SourceConfig | str, max_bad_fraction: float = 0.01,
         raise DataError(f"data source {source.name!r}: {source.path}: no rows")
     if bad:
         if len(bad) > max_bad_fraction * len(rows):
-            raise DataError(f"data source {source.name!r}: {report.summary()} "
-                            f"(more than max_bad_fraction = {max_bad_fraction})")
+            raise DataError(
+                f"data source {source.name!r}: {report.summary()} "
+                f"(more than max_bad_fraction = {max_bad_fraction})"
+            )
         logger.warning("data source %r: %s (skipped)", source.name, report.summary())
     return problems, report
 
@@ -309,7 +355,9 @@ def problem_key(text: str) -> str:
     return " ".join(text.split()).lower()
 
 
-def dedup(problems: Iterable[Problem], exclude: Iterable[Problem] = ()) -> tuple[list[Problem], int]:
+def dedup(
+    problems: Iterable[Problem], exclude: Iterable[Problem] = ()
+) -> tuple[list[Problem], int]:
     """First occurrence of each problem, minus those also in ``exclude``; and the number dropped."""
     seen = {problem_key(p.problem) for p in exclude}
     kept = []
@@ -331,9 +379,15 @@ class PromptExample:
     prompt_ids: list[int]
 
 
-def build_prompts(problems: Sequence[Problem], tokenizer, template: TemplateConfig, instruction: str,
-                  max_prompt_tokens: int | None = None, long_prompts: str = "drop",
-                  paths: dict[str, str] | None = None) -> tuple[list[PromptExample], int]:
+def build_prompts(
+    problems: Sequence[Problem],
+    tokenizer,
+    template: TemplateConfig,
+    instruction: str,
+    max_prompt_tokens: int | None = None,
+    long_prompts: str = "drop",
+    paths: dict[str, str] | None = None,
+) -> tuple[list[PromptExample], int]:
     """Tokenised prompts (``problem + " " + instruction`` in the template); prompts longer than
     ``max_prompt_tokens`` are dropped (``long_prompts`` "drop") or raise a one-line
     :class:`DataError` naming the file (``paths``: source name → file), row and field ("refuse");
@@ -344,9 +398,11 @@ def build_prompts(problems: Sequence[Problem], tokenizer, template: TemplateConf
         if max_prompt_tokens is None or len(ids) <= max_prompt_tokens:
             examples.append(PromptExample(p, ids))
         elif long_prompts == "refuse":
-            raise DataError(f"data source {p.source!r}: {(paths or {}).get(p.source, p.source)}: row {p.row}: "
-                            f"field 'problem': prompt of {len(ids)} tokens (templated) > data.max_prompt_tokens "
-                            f"= {max_prompt_tokens} (data.long_prompts = refuse)")
+            raise DataError(
+                f"data source {p.source!r}: {(paths or {}).get(p.source, p.source)}: row {p.row}: "
+                f"field 'problem': prompt of {len(ids)} tokens (templated) > data.max_prompt_tokens "
+                f"= {max_prompt_tokens} (data.long_prompts = refuse)"
+            )
     return examples, len(problems) - len(examples)
 
 
@@ -360,8 +416,11 @@ def load_train_set(cfg: DataConfig, tokenizer) -> list[PromptExample]:
         problems.extend(loaded)
         paths[report.source] = report.path
     if cfg.dedup or cfg.decontaminate:
-        held_out = [p for name in cfg.decontaminate
-                    for p in load_source(name, cfg.max_bad_fraction, cfg.cache_dir)[0]]
+        held_out = [
+            p
+            for name in cfg.decontaminate
+            for p in load_source(name, cfg.max_bad_fraction, cfg.cache_dir)[0]
+        ]
         if not cfg.dedup:
             exclude = {problem_key(p.problem) for p in held_out}
             before = len(problems)
@@ -369,13 +428,27 @@ def load_train_set(cfg: DataConfig, tokenizer) -> list[PromptExample]:
             dropped = before - len(problems)
         else:
             problems, dropped = dedup(problems, exclude=held_out)
-        logger.info("train data: %d problems after dropping %d duplicates/benchmark overlaps",
-                    len(problems), dropped)
+        logger.info(
+            "train data: %d problems after dropping %d duplicates/benchmark overlaps",
+            len(problems),
+            dropped,
+        )
     instruction = cfg.template.instruction_or(TRAIN_INSTRUCTION)
-    examples, too_long = build_prompts(problems, tokenizer, cfg.template, instruction, cfg.max_prompt_tokens,
-                                       cfg.long_prompts, paths)
-    logger.info("train data: %d prompts, %d dropped as longer than %d tokens",
-                len(examples), too_long, cfg.max_prompt_tokens)
+    examples, too_long = build_prompts(
+        problems,
+        tokenizer,
+        cfg.template,
+        instruction,
+        cfg.max_prompt_tokens,
+        cfg.long_prompts,
+        paths,
+    )
+    logger.info(
+        "train data: %d prompts, %d dropped as longer than %d tokens",
+        len(examples),
+        too_long,
+        cfg.max_prompt_tokens,
+    )
     if not examples:
         raise DataError("train data: no prompts left after dedup and length filtering")
     return examples

@@ -24,7 +24,9 @@ TRAIN_INSTRUCTION = "Let's think step by step and output the final answer within
 # AIME24/25, AMC23, MATH500 evaluation prompts: the same with a trailing period.
 EVAL_INSTRUCTION = TRAIN_INSTRUCTION + "."
 # GPQA-style multiple choice: question, blank line, this.
-MCQ_INSTRUCTION = "Let's think step by step and output the final answer in the last line as:\nAnswer: <A/B/C/D>"
+MCQ_INSTRUCTION = (
+    "Let's think step by step and output the final answer in the last line as:\nAnswer: <A/B/C/D>"
+)
 THINK_OPENER = "<think>\n"
 KINDS = ("r1", "chat", "plain")
 
@@ -53,7 +55,9 @@ def math_message(problem: str, instruction: str) -> str:
     return f"{problem} {instruction}" if instruction else problem
 
 
-def mcq_message(question: str, choices: list[str] | None = None, instruction: str = MCQ_INSTRUCTION) -> str:
+def mcq_message(
+    question: str, choices: list[str] | None = None, instruction: str = MCQ_INSTRUCTION
+) -> str:
     """GPQA layout: question (with its lettered choices appended when given), blank line,
     instruction."""
     if choices:
@@ -66,10 +70,13 @@ def render(message: str, tokenizer, cfg: TemplateConfig) -> str:
     if cfg.kind == "plain":
         return message + "\n"
     if tokenizer.chat_template is None:
-        raise ValueError(f"template kind {cfg.kind!r} needs a tokenizer with a chat template; "
-                         f"use kind 'plain' for this tokenizer")
-    text = tokenizer.apply_chat_template([{"role": "user", "content": message}],
-                                         add_generation_prompt=True, tokenize=False)
+        raise ValueError(
+            f"template kind {cfg.kind!r} needs a tokenizer with a chat template; "
+            f"use kind 'plain' for this tokenizer"
+        )
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": message}], add_generation_prompt=True, tokenize=False
+    )
     if cfg.kind == "r1" and cfg.think == "force" and not text.endswith(THINK_OPENER):
         text += THINK_OPENER
     return text

@@ -20,18 +20,35 @@ QWEN2 = "qwen2"
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
-QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # Added after the 151,643 Qwen2 BPE tokens, in id order from 151643; True = special (dropped by
 # skip_special_tokens).
 R1_ADDED_TOKENS = (
-    (EOS, True), ("<｜User｜>", False), ("<｜Assistant｜>", False), (BOS, True),
-    ("<|EOT|>", False), ("<think>", False), ("</think>", False), ("<|quad_start|>", True),
-    ("<|quad_end|>", True), ("<|vision_start|>", True), ("<|vision_end|>", True),
-    ("<|vision_pad|>", True), ("<|image_pad|>", True), ("<|video_pad|>", True),
-    ("<tool_call>", False), ("</tool_call>", False), ("<|fim_prefix|>", False),
-    ("<|fim_middle|>", False), ("<|fim_suffix|>", False), ("<|fim_pad|>", False),
-    ("<|repo_name|>", False), ("<|file_sep|>", False),
+    (EOS, True),
+    ("<｜User｜>", False),
+    ("<｜Assistant｜>", False),
+    (BOS, True),
+    ("<|EOT|>", False),
+    ("<think>", False),
+    ("</think>", False),
+    ("<|quad_start|>", True),
+    ("<|quad_end|>", True),
+    ("<|vision_start|>", True),
+    ("<|vision_end|>", True),
+    ("<|vision_pad|>", True),
+    ("<|image_pad|>", True),
+    ("<|video_pad|>", True),
+    ("<tool_call>", False),
+    ("</tool_call>", False),
+    ("<|fim_prefix|>", False),
+    ("<|fim_middle|>", False),
+    ("<|fim_suffix|>", False),
+    ("<|fim_pad|>", False),
+    ("<|repo_name|>", False),
+    ("<|file_sep|>", False),
 )
 FIRST_ADDED_ID = 151643
 # Any of these makes a folder a tokenizer folder (AutoTokenizer or the BPE-parts recipes).
@@ -53,14 +70,17 @@ def _byte_level_bpe(folder: Path, added: Sequence[tuple[str, bool]], first_added
         pre_tokenizers,
     )
 
-    model = models.BPE.from_file(str(folder / "vocab.json"), str(folder / "merges.txt"),
-                                 unk_token=None, byte_fallback=False)
+    model = models.BPE.from_file(
+        str(folder / "vocab.json"), str(folder / "merges.txt"), unk_token=None, byte_fallback=False
+    )
     tok = Tokenizer(model)
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     # One at a time and in order: add_tokens/add_special_tokens assign ids sequentially.
     for content, special in added:
@@ -68,7 +88,9 @@ def _byte_level_bpe(folder: Path, added: Sequence[tuple[str, bool]], first_added
         (tok.add_special_tokens if special else tok.add_tokens)([token])
     ids = [tok.token_to_id(c) for c, _ in added]
     if ids != list(range(first_added_id, first_added_id + len(added))):
-        raise ValueError(f"{folder}: added tokens got ids {ids}; is vocab.json the 151,643-token Qwen2 one?")
+        raise ValueError(
+            f"{folder}: added tokens got ids {ids}; is vocab.json the 151,643-token Qwen2 one?"
+        )
     return tok
 
 
@@ -84,11 +106,17 @@ def build_r1_distill_tokenizer(folder: str | Path):
     folder = Path(folder)
     tok = _byte_level_bpe(folder, R1_ADDED_TOKENS, FIRST_ADDED_ID)
     tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, BOS_ID)])
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, BOS_ID)]
+    )
     config = json.loads((folder / "tokenizer_config.json").read_text())
     wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=EOS,
-        model_max_length=config.get("model_max_length", 16384), clean_up_tokenization_spaces=False)
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=EOS,
+        model_max_length=config.get("model_max_length", 16384),
+        clean_up_tokenization_spaces=False,
+    )
     wrapped.chat_template = config["chat_template"]
     return wrapped
 
@@ -108,28 +136,38 @@ def load_qwen2_tokenizer(folder: str | Path):
     added = [(t["content"], bool(t.get("special", True))) for _, t in decoder]
     tok = _byte_level_bpe(folder, added, int(decoder[0][0]))
     eos = config.get("eos_token") or "<|endoftext|>"
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=config.get("pad_token") or eos,
-                                      model_max_length=config.get("model_max_length", 32768),
-                                      clean_up_tokenization_spaces=False)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=eos,
+        pad_token=config.get("pad_token") or eos,
+        model_max_length=config.get("model_max_length", 32768),
+        clean_up_tokenization_spaces=False,
+    )
     if "template ends here" not in (config.get("chat_template") or ""):
         wrapped.chat_template = config.get("chat_template")
     return wrapped
 
 
 def _parts_kind(folder: Path) -> str | None:
-    """"r1" or "qwen2" for a folder of BPE parts without tokenizer.json, else None."""
+    """ "r1" or "qwen2" for a folder of BPE parts without tokenizer.json, else None."""
     config_path = folder / "tokenizer_config.json"
-    if (folder / "tokenizer.json").is_file() or not (folder / "vocab.json").is_file() or not config_path.is_file():
+    if (
+        (folder / "tokenizer.json").is_file()
+        or not (folder / "vocab.json").is_file()
+        or not config_path.is_file()
+    ):
         return None
     config = json.loads(config_path.read_text())
-    if config.get("tokenizer_class") == "LlamaTokenizerFast" and BOS in json.dumps(config.get("bos_token"),
-                                                                                   ensure_ascii=False):
+    if config.get("tokenizer_class") == "LlamaTokenizerFast" and BOS in json.dumps(
+        config.get("bos_token"), ensure_ascii=False
+    ):
         return "r1"
     return "qwen2" if config.get("tokenizer_class") == "Qwen2Tokenizer" else None
 
 
-def tokenizer_folder(name_or_path: str | Path, model_path: str | Path | None = None,
-                     field: str = "tokenizer") -> Path:
+def tokenizer_folder(
+    name_or_path: str | Path, model_path: str | Path | None = None, field: str = "tokenizer"
+) -> Path:
     """The folder a tokenizer setting names: empty = the model folder's own tokenizer
     (``model_path``); ``deepseek-r1-distill-qwen`` / ``qwen2`` = the repository's data/tokenizers
     copies; else a folder. Raises a one-line :class:`ConfigError` naming ``field``, the value and
@@ -138,19 +176,25 @@ def tokenizer_folder(name_or_path: str | Path, model_path: str | Path | None = N
     if not name:
         folder = Path(model_path or "")
         if not model_path or not any((folder / f).is_file() for f in TOKENIZER_FILES):
-            raise ConfigError(f"config field {field!r} = '': empty means the tokenizer of the model folder, "
-                              f"but {folder} has none of {', '.join(TOKENIZER_FILES)}; name a tokenizer "
-                              f"({R1_DISTILL}, {QWEN2}) or a folder")
+            raise ConfigError(
+                f"config field {field!r} = '': empty means the tokenizer of the model folder, "
+                f"but {folder} has none of {', '.join(TOKENIZER_FILES)}; name a tokenizer "
+                f"({R1_DISTILL}, {QWEN2}) or a folder"
+            )
         return folder
     if name in (R1_DISTILL, QWEN2):
         folder = find_data(Path("tokenizers") / name)
         if folder is None:
-            raise ConfigError(f"config field {field!r} = {name!r}: tokenizer folder not found "
-                              f"(looked in {searched(Path('tokenizers') / name)})")
+            raise ConfigError(
+                f"config field {field!r} = {name!r}: tokenizer folder not found "
+                f"(looked in {searched(Path('tokenizers') / name)})"
+            )
         return folder
     if not Path(name).is_dir():
-        raise ConfigError(f"config field {field!r} = {name!r}: neither a known tokenizer name "
-                          f"({R1_DISTILL}, {QWEN2}) nor a folder (looked for {Path(name).resolve()})")
+        raise ConfigError(
+            f"config field {field!r} = {name!r}: neither a known tokenizer name "
+            f"({R1_DISTILL}, {QWEN2}) nor a folder (looked for {Path(name).resolve()})"
+        )
     return Path(name)
 
 

@@ -24,24 +24,29 @@ from megatron_ngrpo.rewards.graders import build_grader
 def build_graders(reward_cfg) -> dict:
     """Kind → grader: math benchmarks get the math grader, mcq ones the letter grader."""
 
-
-    return {kind: build_grader(dataclasses.replace(reward_cfg, name=kind)) for kind in ("math", "mcq")}
+    return {
+        kind: build_grader(dataclasses.replace(reward_cfg, name=kind)) for kind in ("math", "mcq")
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_ngrpo.eval", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", action="append", default=[], help="YAML file (repeatable, later wins)")
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_ngrpo.eval", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--config", action="append", default=[], help="YAML file (repeatable, later wins)"
+    )
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. sampling.n=4")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
 
     try:
         cfg = load(EvalConfig, args.config, args.overrides)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-
 
     graders = build_graders(cfg.reward)
     try:
@@ -65,20 +70,32 @@ def main(argv: list[str] | None = None) -> int:
             from megatron_ngrpo.rollout.types import SamplingParams
 
             tokenizer = load_tokenizer(cfg.tokenizer, cfg.model.hf_path)
-            benchmarks = load_benchmarks(list(cfg.benchmarks) + list(cfg.extra_benchmarks), cfg.limit)
+            benchmarks = load_benchmarks(
+                list(cfg.benchmarks) + list(cfg.extra_benchmarks), cfg.limit
+            )
             init_distributed(cfg.dist_timeout_s)
             chunks = build_policy(cfg.model, cfg.checkpoint)
             engine = build_engine(cfg, chunks, tokenizer)
-            num_real = real_token_count(cfg.model.num_real_tokens, ArchSpec.from_hf(cfg.model.hf_path).vocab_size,
-                                        tokenizer)
+            num_real = real_token_count(
+                cfg.model.num_real_tokens, ArchSpec.from_hf(cfg.model.hf_path).vocab_size, tokenizer
+            )
             mixing = eval_mixing(cfg.mixing, engine, chunks, num_real, special_token_ids(tokenizer))
             is_main = int(os.environ.get("RANK", "0")) == 0
             params = SamplingParams.from_config(cfg.sampling, tokenizer.eos_token_id)
-            result = evaluate(engine, tokenizer, benchmarks, params, graders,
-                              template=cfg.template, ks=cfg.ks or None,
-                              out_dir=cfg.output_dir if is_main else None,
-                              max_tokens_per_call=cfg.max_tokens_per_call,
-                              dp_group=ps.get_data_parallel_group(), progress=is_main, mixing=mixing)
+            result = evaluate(
+                engine,
+                tokenizer,
+                benchmarks,
+                params,
+                graders,
+                template=cfg.template,
+                ks=cfg.ks or None,
+                out_dir=cfg.output_dir if is_main else None,
+                max_tokens_per_call=cfg.max_tokens_per_call,
+                dp_group=ps.get_data_parallel_group(),
+                progress=is_main,
+                mixing=mixing,
+            )
             if not is_main:
                 return 0
     finally:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_ngrpo.config_loader import fail, launch_world_size
 from megatron_ngrpo.architecture import ArchSpec
+from megatron_ngrpo.config_loader import fail, launch_world_size
 from megatron_ngrpo.data.config import SourceConfig, validate_sources
 from megatron_ngrpo.data.datasets import require_local_files
 from megatron_ngrpo.data.templates import TemplateConfig
@@ -88,4 +88,6 @@ class EvalConfig:
         if self.model is not None and not self.regrade:
             tokenizer_folder(self.tokenizer, self.model.hf_path)
             if self.rollout.engine == "vllm":
-                vllm_max_model_len(self.rollout.vllm, ArchSpec.from_hf(self.model.hf_path).max_position_embeddings)
+                vllm_max_model_len(
+                    self.rollout.vllm, ArchSpec.from_hf(self.model.hf_path).max_position_embeddings
+                )

@@ -41,5 +41,7 @@ def benchmark_metrics(correct: np.ndarray, ks: Sequence[int] | None = None) -> d
     out = {f"mean@{n}": float(correct.mean())}
     for k in ks or default_ks(n):
         out[f"pass@{k}"] = float(np.mean([pass_at_k(n, int(c), k) for c in counts]))
-    out[f"se(mean@{n})"] = float(correct.mean(axis=1).std(ddof=1) / np.sqrt(problems)) if problems > 1 else 0.0
+    out[f"se(mean@{n})"] = (
+        float(correct.mean(axis=1).std(ddof=1) / np.sqrt(problems)) if problems > 1 else 0.0
+    )
     return out

@@ -24,9 +24,13 @@ def _columns(result: EvalResult) -> list[str]:
 
 def metrics_table(result: EvalResult) -> list[dict]:
     """One row per benchmark plus the average: benchmark, problems, mean@n, pass@k..."""
-    rows = [{"benchmark": name, "problems": int(m["problems"]), **{k: m[k] for k in _columns(result)}}
-            for name, m in result.metrics.items()]
-    rows.append({"benchmark": AVERAGE, "problems": sum(r["problems"] for r in rows), **result.average})
+    rows = [
+        {"benchmark": name, "problems": int(m["problems"]), **{k: m[k] for k in _columns(result)}}
+        for name, m in result.metrics.items()
+    ]
+    rows.append(
+        {"benchmark": AVERAGE, "problems": sum(r["problems"] for r in rows), **result.average}
+    )
     return rows
 
 
@@ -44,8 +48,12 @@ def to_markdown(result: EvalResult) -> str:
     """Percentages, one decimal; the average is the macro mean over benchmarks."""
     rows = metrics_table(result)
     cols = list(rows[0])
-    lines = [f"Evaluation: n = {result.n} samples per problem; metrics in %.", "",
-             "| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    lines = [
+        f"Evaluation: n = {result.n} samples per problem; metrics in %.",
+        "",
+        "| " + " | ".join(cols) + " |",
+        "|" + "|".join("---" for _ in cols) + "|",
+    ]
     for row in rows:
         cells = [str(row["benchmark"]), str(row["problems"])]
         cells += [f"{100 * row[c]:.1f}" for c in cols[2:]]
@@ -82,9 +90,16 @@ def write_report(result: EvalResult, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     (out / GENERATIONS_DIR).mkdir(parents=True, exist_ok=True)
     for name, records in result.generations.items():
-        atomic_write(out / GENERATIONS_DIR / f"{name}.jsonl",
-                      "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
-    summary = {"n": result.n, "metrics": result.metrics, "average": result.average, "settings": result.settings}
+        atomic_write(
+            out / GENERATIONS_DIR / f"{name}.jsonl",
+            "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records),
+        )
+    summary = {
+        "n": result.n,
+        "metrics": result.metrics,
+        "average": result.average,
+        "settings": result.settings,
+    }
     atomic_write(out / "results.json", json.dumps(summary, indent=1))
     atomic_write(out / "results.csv", to_csv(result))
     atomic_write(out / "summary.md", to_markdown(result))

@@ -62,15 +62,25 @@ class Benchmark:
         return self.problems[0].kind if self.problems else "math"
 
 
-def load_benchmarks(names: Sequence[str | SourceConfig], limit: int = 0, cache_dir: str | None = None,
-                    max_bad_fraction: float = 0.0) -> list[Benchmark]:
+def load_benchmarks(
+    names: Sequence[str | SourceConfig],
+    limit: int = 0,
+    cache_dir: str | None = None,
+    max_bad_fraction: float = 0.0,
+) -> list[Benchmark]:
     """Benchmarks by registry name or file path; the first ``limit`` problems of each (0 = all).
     Evaluation files must be clean (``max_bad_fraction`` 0 by default)."""
     benchmarks = []
     for name in names:
-        problems, _ = load_source(as_source(name), max_bad_fraction=max_bad_fraction, cache_dir=cache_dir)
-        benchmarks.append(Benchmark(problems[0].source if problems else str(name),
-                                    problems[:limit] if limit else problems))
+        problems, _ = load_source(
+            as_source(name), max_bad_fraction=max_bad_fraction, cache_dir=cache_dir
+        )
+        benchmarks.append(
+            Benchmark(
+                problems[0].source if problems else str(name),
+                problems[:limit] if limit else problems,
+            )
+        )
     return benchmarks
 
 
@@ -88,8 +98,13 @@ def _grader_for(grader, kind: str):
     return grader
 
 
-def call_plan(num_prompts: int, longest_prompt: int, params: SamplingParams, max_tokens_per_call: int,
-              dp: int = 1) -> list[range]:
+def call_plan(
+    num_prompts: int,
+    longest_prompt: int,
+    params: SamplingParams,
+    max_tokens_per_call: int,
+    dp: int = 1,
+) -> list[range]:
     """Global prompt ranges of the generate calls: per call each of the ``dp`` ranks gets
     ``max(1, max_tokens_per_call // (n × (longest_prompt + max_new_tokens)))`` prompts."""
     per_rank = max(1, max_tokens_per_call // (params.n * (longest_prompt + params.max_new_tokens)))
@@ -97,15 +112,29 @@ def call_plan(num_prompts: int, longest_prompt: int, params: SamplingParams, max
     return [range(start, min(start + size, num_prompts)) for start in range(0, num_prompts, size)]
 
 
-def _generate(engine: RolloutEngine, prompts: list[list[int]], params: SamplingParams, tokenizer,
-              max_tokens_per_call: int, dp_group, desc: str, progress: bool, mixing: MixingConfig | None
-              ) -> dict[int, list[tuple]]:
+def _generate(
+    engine: RolloutEngine,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    tokenizer,
+    max_tokens_per_call: int,
+    dp_group,
+    desc: str,
+    progress: bool,
+    mixing: MixingConfig | None,
+) -> dict[int, list[tuple]]:
     """Per prompt of this rank's share, its n samples as (text, finish_reason, response tokens),
     plus the number of mixed steps when ``mixing`` is given."""
-    dp, rank = (dist.get_world_size(dp_group), dist.get_rank(dp_group)) if dp_group is not None else (1, 0)
-    calls = call_plan(len(prompts), max(map(len, prompts), default=1), params, max_tokens_per_call, dp)
+    dp, rank = (
+        (dist.get_world_size(dp_group), dist.get_rank(dp_group)) if dp_group is not None else (1, 0)
+    )
+    calls = call_plan(
+        len(prompts), max(map(len, prompts), default=1), params, max_tokens_per_call, dp
+    )
     out: dict[int, list[tuple]] = {}
-    bar = tqdm(total=sum(len(c[rank::dp]) for c in calls), desc=desc, unit="prompt", disable=not progress)
+    bar = tqdm(
+        total=sum(len(c[rank::dp]) for c in calls), desc=desc, unit="prompt", disable=not progress
+    )
     for call in calls:
         mine = list(call[rank::dp])
         # Every rank calls its engine as often as the others (colocated vLLM is a collective of all
@@ -116,17 +145,28 @@ def _generate(engine: RolloutEngine, prompts: list[list[int]], params: SamplingP
         batch = engine.generate([prompts[k] for k in keys], params, mixing=mixing, keys=keys)
         if not mine:
             continue
-        texts = batch.texts if batch.texts is not None else tokenizer.batch_decode(
-            batch.response_ids, skip_special_tokens=True)
-        mixed = torch.bincount(batch.mixes.seq, minlength=batch.mixes.num_seqs).tolist() if mixing else None
+        texts = (
+            batch.texts
+            if batch.texts is not None
+            else tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
+        )
+        mixed = (
+            torch.bincount(batch.mixes.seq, minlength=batch.mixes.num_seqs).tolist()
+            if mixing
+            else None
+        )
         for r, local in enumerate(batch.prompt_index):
             sample = (texts[r], batch.finish_reasons[r], len(batch.response_ids[r]))
-            out.setdefault(mine[local], []).append(sample + (mixed[r],) if mixed is not None else sample)
+            out.setdefault(mine[local], []).append(
+                sample + (mixed[r],) if mixed is not None else sample
+            )
         bar.update(len(mine))
     bar.close()
     for i in (k for c in calls for k in c[rank::dp]):
         if len(out.get(i, ())) != params.n:
-            raise RuntimeError(f"engine returned {len(out.get(i, ()))} samples for prompt {i}, expected {params.n}")
+            raise RuntimeError(
+                f"engine returned {len(out.get(i, ()))} samples for prompt {i}, expected {params.n}"
+            )
     return out
 
 
@@ -140,10 +180,22 @@ def _gather(records: list[dict], dp_group) -> list[dict]:
 
 
 def _records(bench: Benchmark, samples: dict[int, list[tuple]]) -> list[dict]:
-    return [{"benchmark": bench.name, "problem": i, "row": bench.problems[i].row, "sample": j, "response": text,
-             "finish_reason": reason, "response_tokens": tokens, "answers": list(bench.problems[i].answers),
-             "kind": bench.problems[i].kind, **({"mixed_steps": rest[0]} if rest else {})}
-            for i in sorted(samples) for j, (text, reason, tokens, *rest) in enumerate(samples[i])]
+    return [
+        {
+            "benchmark": bench.name,
+            "problem": i,
+            "row": bench.problems[i].row,
+            "sample": j,
+            "response": text,
+            "finish_reason": reason,
+            "response_tokens": tokens,
+            "answers": list(bench.problems[i].answers),
+            "kind": bench.problems[i].kind,
+            **({"mixed_steps": rest[0]} if rest else {}),
+        }
+        for i in sorted(samples)
+        for j, (text, reason, tokens, *rest) in enumerate(samples[i])
+    ]
 
 
 def _grade(records: list[dict], grader, kind: str) -> None:
@@ -158,8 +210,15 @@ def _grade(records: list[dict], grader, kind: str) -> None:
         r["score"] = float(s)
         if kind == "math":
             readable = len(r["response"]) <= 200_000
-            r["extracted"] = extract_answer(r["response"], getattr(grader, "fallback", True),
-                                            getattr(grader, "free_text", "off")) if readable else None
+            r["extracted"] = (
+                extract_answer(
+                    r["response"],
+                    getattr(grader, "fallback", True),
+                    getattr(grader, "free_text", "off"),
+                )
+                if readable
+                else None
+            )
             r["boxed"] = readable and last_boxed(r["response"]) is not None
         else:
             r["extracted"] = grader.extract(r["response"]) if hasattr(grader, "extract") else None
@@ -171,7 +230,9 @@ def _metrics(records: list[dict], ks: Sequence[int] | None) -> tuple[int, dict[s
     correct = np.zeros((problems, n))
     for r in records:
         correct[r["problem"], r["sample"]] = r["score"]
-    boxed = {"boxed": float(np.mean([r["boxed"] for r in records]))} if "boxed" in records[0] else {}
+    boxed = (
+        {"boxed": float(np.mean([r["boxed"] for r in records]))} if "boxed" in records[0] else {}
+    )
     return n, {"problems": float(problems), **benchmark_metrics(correct, ks), **boxed}
 
 
@@ -182,29 +243,51 @@ def _result(generations: dict[str, list[dict]], ks, settings: dict) -> EvalResul
         ns.add(n)
     if len(ns) != 1:
         raise ValueError(f"benchmarks have different sample counts {sorted(ns)}")
-    common = [k for k in next(iter(metrics.values())) if k != "problems"
-              and all(k in m for m in metrics.values())]
+    common = [
+        k
+        for k in next(iter(metrics.values()))
+        if k != "problems" and all(k in m for m in metrics.values())
+    ]
     average = {k: float(np.mean([m[k] for m in metrics.values()])) for k in common}
-    return EvalResult(n=ns.pop(), metrics=metrics, average=average, generations=generations, settings=settings)
+    return EvalResult(
+        n=ns.pop(), metrics=metrics, average=average, generations=generations, settings=settings
+    )
 
 
-def eval_mixing(mixing: MixingConfig, engine: RolloutEngine, model_chunks: list, num_real_tokens: int,
-                special_ids=()) -> MixingConfig | None:
+def eval_mixing(
+    mixing: MixingConfig,
+    engine: RolloutEngine,
+    model_chunks: list,
+    num_real_tokens: int,
+    special_ids=(),
+) -> MixingConfig | None:
     """The mixing an evaluation generates with: None (the paper) unless ``mixing.at_eval`` (the
     inference-time ablation) and mixing is enabled; then ``engine`` gets the neighbour table of
     the evaluated weights ``model_chunks`` (a collective of the model-parallel group)."""
     if not (mixing.at_eval and mixing.enabled):
         return None
     if mixing.strategy == "neighbor":
-        engine.set_neighbor_table(neighbor_table_for_model(model_chunks, mixing, num_real_tokens, special_ids).cpu())
+        engine.set_neighbor_table(
+            neighbor_table_for_model(model_chunks, mixing, num_real_tokens, special_ids).cpu()
+        )
     return mixing
 
 
-def evaluate(engine: RolloutEngine, tokenizer, benchmarks: Sequence[Benchmark],
-             params: SamplingParams = PAPER_SAMPLING, grader=None, *,
-             template: TemplateConfig | None = None, ks: Sequence[int] | None = None,
-             out_dir: str | Path | None = None, max_tokens_per_call: int = DEFAULT_TOKENS_PER_CALL,
-             dp_group=None, progress: bool = True, mixing: MixingConfig | None = None) -> EvalResult:
+def evaluate(
+    engine: RolloutEngine,
+    tokenizer,
+    benchmarks: Sequence[Benchmark],
+    params: SamplingParams = PAPER_SAMPLING,
+    grader=None,
+    *,
+    template: TemplateConfig | None = None,
+    ks: Sequence[int] | None = None,
+    out_dir: str | Path | None = None,
+    max_tokens_per_call: int = DEFAULT_TOKENS_PER_CALL,
+    dp_group=None,
+    progress: bool = True,
+    mixing: MixingConfig | None = None,
+) -> EvalResult:
     """Generate ``params.n`` samples per problem, grade, compute metrics.
 
     ``mixing``: None (the paper's evaluation) or the inference-time mixing ablation (see
@@ -225,9 +308,20 @@ def evaluate(engine: RolloutEngine, tokenizer, benchmarks: Sequence[Benchmark],
         params = dataclasses.replace(params, stop_token_ids=[tokenizer.eos_token_id])
     generations = {}
     for bench in benchmarks:
-        prompts = [encode_prompt(prompt_message(p, template), tokenizer, template) for p in bench.problems]
-        samples = _generate(engine, prompts, params, tokenizer, max_tokens_per_call, dp_group, bench.name,
-                            progress, mixing)
+        prompts = [
+            encode_prompt(prompt_message(p, template), tokenizer, template) for p in bench.problems
+        ]
+        samples = _generate(
+            engine,
+            prompts,
+            params,
+            tokenizer,
+            max_tokens_per_call,
+            dp_group,
+            bench.name,
+            progress,
+            mixing,
+        )
         records = _records(bench, samples)
         _grade(records, grader, bench.kind)
         generations[bench.name] = _gather(records, dp_group)
@@ -240,8 +334,13 @@ def evaluate(engine: RolloutEngine, tokenizer, benchmarks: Sequence[Benchmark],
     return result
 
 
-def regrade(run_dir: str | Path, grader, *, ks: Sequence[int] | None = None,
-            out_dir: str | Path | None = None) -> EvalResult:
+def regrade(
+    run_dir: str | Path,
+    grader,
+    *,
+    ks: Sequence[int] | None = None,
+    out_dir: str | Path | None = None,
+) -> EvalResult:
     """Re-grade the saved generations of ``run_dir`` (e.g. after a grader fix) and recompute the
     metrics; reports go to ``out_dir`` (default: ``run_dir`` itself)."""
     generations = read_generations(run_dir)

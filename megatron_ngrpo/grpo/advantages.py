@@ -16,7 +16,9 @@ def group_ids(prompt_index: list[int] | torch.Tensor) -> torch.Tensor:
     return inverse
 
 
-def group_stats(rewards: torch.Tensor, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def group_stats(
+    rewards: torch.Tensor, groups: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per response: its group's mean, unbiased std and size (float64 [N] each).
 
     A group of one has mean 0 and std 1 (reference code: its advantage is its reward)."""
@@ -33,8 +35,9 @@ def group_stats(rewards: torch.Tensor, groups: torch.Tensor) -> tuple[torch.Tens
     return mean[groups], std[groups], count[groups]
 
 
-def compute_advantages(rewards: torch.Tensor, groups: torch.Tensor, kind: str = "grpo",
-                       eps: float = 1e-6) -> torch.Tensor:
+def compute_advantages(
+    rewards: torch.Tensor, groups: torch.Tensor, kind: str = "grpo", eps: float = 1e-6
+) -> torch.Tensor:
     """[N] float32 sequence-level advantages.
 
     ``grpo``: (r − mean) / (std + eps) with the unbiased group std (reference code);
@@ -53,7 +56,11 @@ def zero_variance_groups(rewards: torch.Tensor, groups: torch.Tensor) -> torch.T
     """[N] bool: True for responses whose group has more than one response, all rewards equal."""
     r = rewards.double()
     n_groups = int(groups.max()) + 1 if groups.numel() else 0
-    lo = torch.full((n_groups,), float("inf"), dtype=torch.float64).scatter_reduce(0, groups, r, "amin")
-    hi = torch.full((n_groups,), float("-inf"), dtype=torch.float64).scatter_reduce(0, groups, r, "amax")
+    lo = torch.full((n_groups,), float("inf"), dtype=torch.float64).scatter_reduce(
+        0, groups, r, "amin"
+    )
+    hi = torch.full((n_groups,), float("-inf"), dtype=torch.float64).scatter_reduce(
+        0, groups, r, "amax"
+    )
     count = torch.bincount(groups, minlength=n_groups)
     return ((lo == hi) & (count > 1))[groups]

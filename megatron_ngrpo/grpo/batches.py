@@ -42,11 +42,18 @@ class TokenBatch:
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
-    def from_rollout(cls, batch: RolloutBatch, pad_id: int = 0, replay_mixes: bool = True,
-                     device: torch.device | str = "cpu") -> TokenBatch:
+    def from_rollout(
+        cls,
+        batch: RolloutBatch,
+        pad_id: int = 0,
+        replay_mixes: bool = True,
+        device: torch.device | str = "cpu",
+    ) -> TokenBatch:
         """The replay batch of ``batch``; its mixes are replayed unless ``replay_mixes`` is False."""
         if any(len(p) == 0 for p in batch.prompt_ids):
-            raise ValueError("every response needs a non-empty prompt (the first token is predicted from it)")
+            raise ValueError(
+                "every response needs a non-empty prompt (the first token is predicted from it)"
+            )
         tokens, offsets, lengths = batch.padded(pad_id)
         b, length = tokens.shape
         labels = torch.full_like(tokens, pad_id)
@@ -68,26 +75,35 @@ class TokenBatch:
 
     @property
     def position_ids(self) -> torch.Tensor:
-        return torch.arange(self.seq_len, device=self.tokens.device).unsqueeze(0).expand_as(self.tokens)
+        return (
+            torch.arange(self.seq_len, device=self.tokens.device)
+            .unsqueeze(0)
+            .expand_as(self.tokens)
+        )
 
     def with_extras(self, **extras: torch.Tensor) -> TokenBatch:
         return replace(self, extras={**self.extras, **extras})
 
     def response_values(self, values: torch.Tensor) -> list[torch.Tensor]:
         """Split a [B, L] label-aligned tensor into one [len_r] tensor per response."""
-        return [values[r, int(o) - 1: int(n) - 1] for r, (o, n) in enumerate(zip(self.offsets, self.lengths))]
+        return [
+            values[r, int(o) - 1 : int(n) - 1]
+            for r, (o, n) in enumerate(zip(self.offsets, self.lengths))
+        ]
 
-    def label_aligned(self, per_response: list[list[float]] | list[torch.Tensor],
-                      dtype=torch.float32) -> torch.Tensor:
+    def label_aligned(
+        self, per_response: list[list[float]] | list[torch.Tensor], dtype=torch.float32
+    ) -> torch.Tensor:
         """Inverse of :meth:`response_values`: [B, L] with zeros outside ``mask``."""
         out = torch.zeros(self.tokens.shape, dtype=dtype)
         for r, vals in enumerate(per_response):
             o = int(self.offsets[r])
-            out[r, o - 1: o - 1 + len(vals)] = torch.as_tensor(vals, dtype=dtype)
+            out[r, o - 1 : o - 1 + len(vals)] = torch.as_tensor(vals, dtype=dtype)
         return out.to(self.tokens.device)
 
-    def micro_batch(self, rows: list[int], num_rows: int | None = None,
-                    seq_len: int | None = None) -> TokenBatch:
+    def micro_batch(
+        self, rows: list[int], num_rows: int | None = None, seq_len: int | None = None
+    ) -> TokenBatch:
         """Rows ``rows``, trimmed to their longest row (or padded to ``seq_len``) and padded with
         fully masked dummy rows up to ``num_rows`` (fixed pipeline shapes)."""
         idx = torch.as_tensor(rows, dtype=torch.long)
@@ -107,10 +123,13 @@ class TokenBatch:
         mix = None if self.mix is None else MixBatch(*(take(t) for t in self.mix))
         dummy = torch.zeros(pad_rows, dtype=self.lengths.dtype)
         return TokenBatch(
-            tokens=take(self.tokens), labels=take(self.labels), mask=take(self.mask),
+            tokens=take(self.tokens),
+            labels=take(self.labels),
+            mask=take(self.mask),
             offsets=torch.cat([self.offsets[idx], dummy + 1]),
             lengths=torch.cat([self.lengths[idx], dummy + 1]),
-            mix=mix, extras={k: take(v) for k, v in self.extras.items()},
+            mix=mix,
+            extras={k: take(v) for k, v in self.extras.items()},
         )
 
 
@@ -123,8 +142,9 @@ def _fit(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
 
 
 # ---- micro-batch layout --------------------------------------------------------------------
-def split_rows(lengths: torch.Tensor | list[int], micro_batch_size: int,
-               max_tokens: int = 0) -> list[list[int]]:
+def split_rows(
+    lengths: torch.Tensor | list[int], micro_batch_size: int, max_tokens: int = 0
+) -> list[list[int]]:
     """Row groups of one forward/backward pass each.
 
     ``max_tokens`` 0: consecutive groups of ``micro_batch_size`` rows. Otherwise token-budget
@@ -134,14 +154,20 @@ def split_rows(lengths: torch.Tensor | list[int], micro_batch_size: int,
     """
     lengths = [int(x) for x in lengths]
     if not max_tokens:
-        return [list(range(i, min(i + micro_batch_size, len(lengths))))
-                for i in range(0, len(lengths), micro_batch_size)]
+        return [
+            list(range(i, min(i + micro_batch_size, len(lengths))))
+            for i in range(0, len(lengths), micro_batch_size)
+        ]
     order = sorted(range(len(lengths)), key=lambda r: (-lengths[r], r))
     groups: list[list[int]] = []
     for r in order:
         g = groups[-1] if groups else None
         # Sorted longest first: the group's first row is its longest.
-        if g is not None and len(g) < micro_batch_size and (len(g) + 1) * lengths[g[0]] <= max_tokens:
+        if (
+            g is not None
+            and len(g) < micro_batch_size
+            and (len(g) + 1) * lengths[g[0]] <= max_tokens
+        ):
             g.append(r)
         else:
             groups.append([r])
@@ -163,11 +189,18 @@ class MicroBatchPlan:
     packing: str = ""
 
     @classmethod
-    def make(cls, model_chunks: list, batch: TokenBatch, micro_batch_size: int,
-             max_tokens: int = 0, packing: str = "") -> MicroBatchPlan:
+    def make(
+        cls,
+        model_chunks: list,
+        batch: TokenBatch,
+        micro_batch_size: int,
+        max_tokens: int = 0,
+        packing: str = "",
+    ) -> MicroBatchPlan:
         config = unwrap(model_chunks[0]).config
-        multiple = (config.tensor_model_parallel_size if config.sequence_parallel else 1) * \
-            config.context_parallel_size
+        multiple = (
+            config.tensor_model_parallel_size if config.sequence_parallel else 1
+        ) * config.context_parallel_size
         groups = split_rows(batch.lengths, micro_batch_size, max_tokens)
         pp = ps.get_pipeline_model_parallel_world_size()
         vpp = ps.get_virtual_pipeline_model_parallel_world_size()
@@ -177,7 +210,10 @@ class MicroBatchPlan:
             groups += [[] for _ in range(pp - len(groups) % pp)]
         fixed = None
         if pp > 1 and not _variable_p2p_shapes():
-            fixed = (max(max(len(g) for g in groups), 1), _round_up(int(batch.lengths.max()), multiple))
+            fixed = (
+                max(max(len(g) for g in groups), 1),
+                _round_up(int(batch.lengths.max()), multiple),
+            )
         if packing and pp > 1:
             raise ValueError("sequence packing needs pipeline_parallel = 1")
         return cls(groups, fixed, multiple, packing)

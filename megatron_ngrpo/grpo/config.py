@@ -42,8 +42,14 @@ class DRAConfig:
     def validate(self) -> None:
         if self.embedder not in DRA_EMBEDDERS:
             fail("embedder", self.embedder, f"expected one of {DRA_EMBEDDERS}")
-        if self.embedder == "local_model" and not os.path.isfile(os.path.join(self.model_path, "config.json")):
-            fail("model_path", self.model_path, "embedder = local_model needs a local model directory (config.json)")
+        if self.embedder == "local_model" and not os.path.isfile(
+            os.path.join(self.model_path, "config.json")
+        ):
+            fail(
+                "model_path",
+                self.model_path,
+                "embedder = local_model needs a local model directory (config.json)",
+            )
         if self.max_length < 1:
             fail("max_length", self.max_length, "must be >= 1")
         if self.scope not in ("group", "batch"):
@@ -119,10 +125,18 @@ class GRPOConfig:
         if self.tis_cap is not None and self.tis_cap <= 0:
             fail("tis_cap", self.tis_cap, "must be > 0 (or null to disable)")
         if self.tis_cap is not None and self.mismatch.mode != "off":
-            fail("tis_cap", self.tis_cap, f"set either tis_cap or mismatch.mode (= {self.mismatch.mode!r}), not both")
+            fail(
+                "tis_cap",
+                self.tis_cap,
+                f"set either tis_cap or mismatch.mode (= {self.mismatch.mode!r}), not both",
+            )
         if self.mismatch.mode != "off" and self.old_logprobs != "recompute":
-            fail("mismatch.mode", self.mismatch.mode, "corrects π_old (recomputed) against the engine's "
-                 "log-probs: needs grpo.old_logprobs = recompute")
+            fail(
+                "mismatch.mode",
+                self.mismatch.mode,
+                "corrects π_old (recomputed) against the engine's "
+                "log-probs: needs grpo.old_logprobs = recompute",
+            )
 
     @property
     def correction(self) -> MismatchConfig:

@@ -51,7 +51,7 @@ class TfidfEmbedder:
         counts: dict[int, int] = {}
         for n in range(1, self.ngram + 1):
             for i in range(len(words) - n + 1):
-                h = zlib.crc32(" ".join(words[i:i + n]).encode()) % self.dim
+                h = zlib.crc32(" ".join(words[i : i + n]).encode()) % self.dim
                 counts[h] = counts.get(h, 0) + 1
         return counts
 
@@ -70,8 +70,9 @@ class TfidfEmbedder:
                 rows.append(i)
                 cols.append(h)
                 vals.append(v / norm)
-        return torch.sparse_coo_tensor([rows, cols], vals, (n, self.dim), dtype=torch.float64,
-                                       check_invariants=True).coalesce()
+        return torch.sparse_coo_tensor(
+            [rows, cols], vals, (n, self.dim), dtype=torch.float64, check_invariants=True
+        ).coalesce()
 
 
 def similarity(embeddings: torch.Tensor) -> torch.Tensor:
@@ -79,15 +80,22 @@ def similarity(embeddings: torch.Tensor) -> torch.Tensor:
     if embeddings.is_sparse:
         # One sparse × dense column at a time: never a dense [N, d] matrix.
         e = embeddings.double().coalesce()
-        s = torch.stack([torch.sparse.mm(e, e[i].to_dense().unsqueeze(1)).squeeze(1)
-                         for i in range(e.shape[0])], dim=1)
+        s = torch.stack(
+            [
+                torch.sparse.mm(e, e[i].to_dense().unsqueeze(1)).squeeze(1)
+                for i in range(e.shape[0])
+            ],
+            dim=1,
+        )
         norms = s.diagonal().sqrt().clamp(min=1e-12)
         return s / norms.unsqueeze(0) / norms.unsqueeze(1)
     e = F.normalize(embeddings.double(), dim=-1, eps=1e-12)
     return e @ e.t()
 
 
-def dra_rewards(rewards: torch.Tensor, sim: torch.Tensor, groups: torch.Tensor | None) -> torch.Tensor:
+def dra_rewards(
+    rewards: torch.Tensor, sim: torch.Tensor, groups: torch.Tensor | None
+) -> torch.Tensor:
     """r / (1 + Σ_{j≠i} clip(s_ij, 0, 1)) with j over the group of i (``groups`` [N]) or over all
     rows (``groups`` None). Clipping makes the denominator ≥ 1: the multiplier is in [1/M, 1].
     Returns float32 [N]."""
@@ -118,24 +126,28 @@ class ResponseHiddenMeans:
 
         config = unwrap(model_chunks[0]).config
         if config.context_parallel_size > 1:
-            raise NotImplementedError("grpo.dra.embedder = policy_hidden: context parallelism is not supported")
+            raise NotImplementedError(
+                "grpo.dra.embedder = policy_hidden: context parallelism is not supported"
+            )
         self.chunks, self.batch = model_chunks, batch
         self.plan = MicroBatchPlan.make(model_chunks, batch, micro_batch_size, max_tokens)
         self._sequence_parallel = config.sequence_parallel
         self._micro_batches = None
         self._calls = 0
-        self._out = torch.zeros(batch.num_rows, config.hidden_size, dtype=torch.float32,
-                                device=batch.tokens.device)
+        self._out = torch.zeros(
+            batch.num_rows, config.hidden_size, dtype=torch.float32, device=batch.tokens.device
+        )
         self._handle = None
 
     def __enter__(self) -> ResponseHiddenMeans:
         # lazy: keeps grpo.dra free of megatron-core at import (start-up)
         from megatron.core import parallel_state as ps
 
-
         if ps.is_pipeline_last_stage(ignore_virtual=True) and self._calls == 0:
             self._micro_batches = self.plan.micro_batches(self.batch)
-            self._handle = unwrap(self.chunks[-1]).output_layer.register_forward_pre_hook(self._hook)
+            self._handle = unwrap(self.chunks[-1]).output_layer.register_forward_pre_hook(
+                self._hook
+            )
         return self
 
     def __exit__(self, *exc) -> None:
@@ -159,8 +171,10 @@ class ResponseHiddenMeans:
         hidden = hidden.transpose(0, 1).float()  # [b, s, h]
         cols = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         n = len(rows)
-        resp = ((cols >= mb.offsets[:n, None].to(hidden.device)) &
-                (cols < mb.lengths[:n, None].to(hidden.device))).float()
+        resp = (
+            (cols >= mb.offsets[:n, None].to(hidden.device))
+            & (cols < mb.lengths[:n, None].to(hidden.device))
+        ).float()
         pooled = (hidden[:n] * resp.unsqueeze(-1)).sum(1) / resp.sum(1, keepdim=True).clamp(min=1.0)
         self._out[torch.as_tensor(rows, device=self._out.device)] = pooled.to(self._out.device)
 
@@ -173,15 +187,25 @@ class ResponseHiddenMeans:
 
         captured = [self._calls >= len(self.plan.groups)]
         if ps.get_pipeline_model_parallel_world_size() > 1:
-            dist.broadcast_object_list(captured, src=ps.get_pipeline_model_parallel_last_rank(),
-                                       group=ps.get_pipeline_model_parallel_group())
+            dist.broadcast_object_list(
+                captured,
+                src=ps.get_pipeline_model_parallel_last_rank(),
+                group=ps.get_pipeline_model_parallel_group(),
+            )
         if not captured[0]:
             with self:
-                forward_token_values(self.chunks, self.batch, self.plan,
-                                     lambda mb, logits: logits.new_zeros((1,) + tuple(mb.tokens.shape)))
+                forward_token_values(
+                    self.chunks,
+                    self.batch,
+                    self.plan,
+                    lambda mb, logits: logits.new_zeros((1,) + tuple(mb.tokens.shape)),
+                )
         if ps.get_pipeline_model_parallel_world_size() > 1:
-            dist.broadcast(self._out, src=ps.get_pipeline_model_parallel_last_rank(),
-                           group=ps.get_pipeline_model_parallel_group())
+            dist.broadcast(
+                self._out,
+                src=ps.get_pipeline_model_parallel_last_rank(),
+                group=ps.get_pipeline_model_parallel_group(),
+            )
         return self._out.cpu()
 
 
@@ -203,8 +227,13 @@ class LocalModelEmbedder:
         out = []
         with torch.no_grad():
             for i in range(0, len(texts), self.batch_size):
-                enc = self.tokenizer(texts[i:i + self.batch_size], padding=True, truncation=True,
-                                     max_length=self.max_length, return_tensors="pt")
+                enc = self.tokenizer(
+                    texts[i : i + self.batch_size],
+                    padding=True,
+                    truncation=True,
+                    max_length=self.max_length,
+                    return_tensors="pt",
+                )
                 hidden = self.model(**enc).last_hidden_state.float()
                 mask = enc["attention_mask"].unsqueeze(-1).float()
                 out.append((hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0))

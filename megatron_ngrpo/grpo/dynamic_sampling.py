@@ -40,9 +40,11 @@ class DynamicSamplingExhausted(RuntimeError):
 
 def exhausted_message(found: int, need: int, rounds: int) -> str:
     """The one-line error of ``on_exhausted: error`` (``found``: the fewest any rank found)."""
-    return (f"dynamic sampling: {found} groups with differing rewards after {rounds} generation "
-            f"rounds on some data-parallel rank, {need} needed per rank (raise "
-            f"train.dynamic_sampling.max_gen_batches, or set on_exhausted: partial)")
+    return (
+        f"dynamic sampling: {found} groups with differing rewards after {rounds} generation "
+        f"rounds on some data-parallel rank, {need} needed per rank (raise "
+        f"train.dynamic_sampling.max_gen_batches, or set on_exhausted: partial)"
+    )
 
 
 def choose_groups(informative: list[list[bool]], need: int) -> list[list[int]]:

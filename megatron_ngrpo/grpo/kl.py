@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 
 
-def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3",
-                clamp: float = 10.0) -> torch.Tensor:
+def kl_estimate(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3", clamp: float = 10.0
+) -> torch.Tensor:
     """Elementwise KL estimate, same shape as the inputs; differentiable in ``logprobs``."""
     delta = ref_logprobs - logprobs
     if estimator == "k1":

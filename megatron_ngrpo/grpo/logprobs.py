@@ -31,9 +31,13 @@ from megatron_ngrpo.rollout.types import RolloutBatch
 
 
 # ---- the per-token log-prob op ---------------------------------------------------------------
-def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float,
-                   vocab_limit: int | None = None, with_entropy: bool = False
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def token_logprobs(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    vocab_limit: int | None = None,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(logits / τ)[labels] over the full (TP-split) vocabulary.
 
     ``logits`` [..., V/TP] this rank's vocab partition, ``labels`` [...] global ids. Columns with
@@ -43,16 +47,27 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: floa
     (:mod:`megatron_ngrpo.grpo.token_logprobs`); its backward reuses ``logits`` as the gradient.
     """
     return vocab_parallel_logprobs(
-        logits, labels, temperature, vocab_start=ps.get_tensor_model_parallel_rank() * logits.shape[-1],
-        vocab_limit=vocab_limit, group=ps.get_tensor_model_parallel_group(), with_entropy=with_entropy)
+        logits,
+        labels,
+        temperature,
+        vocab_start=ps.get_tensor_model_parallel_rank() * logits.shape[-1],
+        vocab_limit=vocab_limit,
+        group=ps.get_tensor_model_parallel_group(),
+        with_entropy=with_entropy,
+    )
 
 
 # ---- running micro-batches through megatron's schedule ---------------------------------------
 LossFn = Callable[[TokenBatch, torch.Tensor], tuple]
 
 
-def run_schedule(model_chunks: list, micro_batches: list[TokenBatch], plan: MicroBatchPlan,
-                 loss_fn: LossFn | None, forward_only: bool) -> list:
+def run_schedule(
+    model_chunks: list,
+    micro_batches: list[TokenBatch],
+    plan: MicroBatchPlan,
+    loss_fn: LossFn | None,
+    forward_only: bool,
+) -> list:
     """Run ``micro_batches`` through the model with megatron's (pipelined) schedule.
 
     ``loss_fn(mb, logits)`` is called on the last stage with logits [b, s, V/TP]. In training it
@@ -60,15 +75,20 @@ def run_schedule(model_chunks: list, micro_batches: list[TokenBatch], plan: Micr
     ``loss_fn=None`` the raw logits are not kept and the caller passes a collector instead.
     Returns megatron's forward data store (last stage only; empty elsewhere).
     """
+
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
         if plan.packing:  # PP = 1: the output is the logits
-            kwargs, mix, index = pack(mb.tokens, mb.lengths, mb.mix, plan.seq_multiple, plan.packing)
+            kwargs, mix, index = pack(
+                mb.tokens, mb.lengths, mb.mix, plan.seq_multiple, plan.packing
+            )
             with mixing_inputs(model, mix):
                 output = unpack(model(**kwargs), index, *mb.tokens.shape)
         else:
             with mixing_inputs(model, mb.mix):
-                output = model(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None)
+                output = model(
+                    input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None
+                )
         return output, partial(_call_loss, loss_fn, mb)
 
     seq_length, mbs = plan.shape(micro_batches)
@@ -93,18 +113,28 @@ def _call_loss(loss_fn, mb, output_tensor, non_loss_data=False):
     return loss_fn(mb, output_tensor)
 
 
-def forward_token_values(model_chunks: list, batch: TokenBatch, plan: MicroBatchPlan,
-                         value_fn: Callable[[TokenBatch, torch.Tensor], torch.Tensor],
-                         num_values: int = 1) -> torch.Tensor:
+def forward_token_values(
+    model_chunks: list,
+    batch: TokenBatch,
+    plan: MicroBatchPlan,
+    value_fn: Callable[[TokenBatch, torch.Tensor], torch.Tensor],
+    num_values: int = 1,
+) -> torch.Tensor:
     """Forward-only pass computing ``value_fn(mb, logits) -> [num_values, b, s]`` per micro-batch;
     returns [num_values, B, L] label-aligned float32 values on every pipeline rank (zeros outside
     ``batch.mask``)."""
     micro_batches = plan.micro_batches(batch)
     with torch.no_grad():
-        store = run_schedule(model_chunks, micro_batches, plan,
-                             lambda mb, logits: value_fn(mb, logits).float(), forward_only=True)
-    out = torch.zeros((num_values,) + tuple(batch.tokens.shape), dtype=torch.float32,
-                      device=batch.tokens.device)
+        store = run_schedule(
+            model_chunks,
+            micro_batches,
+            plan,
+            lambda mb, logits: value_fn(mb, logits).float(),
+            forward_only=True,
+        )
+    out = torch.zeros(
+        (num_values,) + tuple(batch.tokens.shape), dtype=torch.float32, device=batch.tokens.device
+    )
     if ps.is_pipeline_last_stage(ignore_virtual=True):
         for g, vals in zip(plan.groups, store):
             if g:
@@ -112,14 +142,24 @@ def forward_token_values(model_chunks: list, batch: TokenBatch, plan: MicroBatch
                 out[:, g, :n] = vals[:, : len(g), :n]
         out = out * batch.mask
     if ps.get_pipeline_model_parallel_world_size() > 1:
-        dist.broadcast(out, src=ps.get_pipeline_model_parallel_last_rank(),
-                       group=ps.get_pipeline_model_parallel_group())
+        dist.broadcast(
+            out,
+            src=ps.get_pipeline_model_parallel_last_rank(),
+            group=ps.get_pipeline_model_parallel_group(),
+        )
     return out
 
 
-def batch_logprobs(model_chunks: list, batch: TokenBatch, temperature: float,
-                   micro_batch_size: int, vocab_limit: int | None = None, max_tokens: int = 0,
-                   with_entropy: bool = False, packing: str = "") -> torch.Tensor:
+def batch_logprobs(
+    model_chunks: list,
+    batch: TokenBatch,
+    temperature: float,
+    micro_batch_size: int,
+    vocab_limit: int | None = None,
+    max_tokens: int = 0,
+    with_entropy: bool = False,
+    packing: str = "",
+) -> torch.Tensor:
     """[B, L] label-aligned log-probs of ``batch`` (and, with ``with_entropy``, [2, B, L] with the
     entropy as the second plane); ``packing``: see :class:`MicroBatchPlan`."""
     plan = MicroBatchPlan.make(model_chunks, batch, micro_batch_size, max_tokens, packing)
@@ -132,9 +172,17 @@ def batch_logprobs(model_chunks: list, batch: TokenBatch, temperature: float,
     return out if with_entropy else out[0]
 
 
-def sequence_logprobs(model_chunks: list, batch: RolloutBatch, temperature: float,
-                      micro_batch_size: int, *, pad_id: int = 0, vocab_limit: int | None = None,
-                      replay_mixes: bool = True, max_tokens: int = 0) -> list[torch.Tensor]:
+def sequence_logprobs(
+    model_chunks: list,
+    batch: RolloutBatch,
+    temperature: float,
+    micro_batch_size: int,
+    *,
+    pad_id: int = 0,
+    vocab_limit: int | None = None,
+    replay_mixes: bool = True,
+    max_tokens: int = 0,
+) -> list[torch.Tensor]:
     """Log-probs of every recorded response token of ``batch`` under ``model_chunks``.
 
     The history is replayed with the batch's mixes (unless ``replay_mixes`` is False); labels are
@@ -146,5 +194,7 @@ def sequence_logprobs(model_chunks: list, batch: RolloutBatch, temperature: floa
     Returns one float32 tensor [len(response_ids[r])] per response, on every pipeline rank.
     """
     tb = TokenBatch.from_rollout(batch, pad_id=pad_id, replay_mixes=replay_mixes, device=device())
-    values = batch_logprobs(model_chunks, tb, temperature, micro_batch_size, vocab_limit, max_tokens)
+    values = batch_logprobs(
+        model_chunks, tb, temperature, micro_batch_size, vocab_limit, max_tokens
+    )
     return [v.cpu() for v in tb.response_values(values)]

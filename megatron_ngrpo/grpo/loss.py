@@ -22,8 +22,13 @@ from megatron_ngrpo.grpo.config import GRPOConfig
 from megatron_ngrpo.grpo.kl import kl_estimate
 
 
-def aggregation_weights(mask: torch.Tensor, active: torch.Tensor, mode: str, max_len: int,
-                        dp_group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, float]:
+def aggregation_weights(
+    mask: torch.Tensor,
+    active: torch.Tensor,
+    mode: str,
+    max_len: int,
+    dp_group: dist.ProcessGroup | None = None,
+) -> tuple[torch.Tensor, float]:
     """Per-token weights [B, L] such that Σ weights·ℓ is the aggregated loss of the mini-batch
     spread over all DP ranks.
 
@@ -55,8 +60,13 @@ def aggregation_weights(mask: torch.Tensor, active: torch.Tensor, mode: str, max
     return w / norm, norm
 
 
-def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                mask: torch.Tensor, cfg: GRPOConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: GRPOConfig,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token clipped surrogate loss [b, s], clipped indicator [b, s] and ratio [b, s].
 
     ``advantages`` [b] (sequence level). ``mask`` [b, s] response tokens (for the GSPO mean).
@@ -80,12 +90,27 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     return loss, clipped, ratio
 
 
-STAT_KEYS = ("loss", "pg_loss", "kl_loss", "tokens", "clipped", "kl", "entropy", "ratio",
-             "abs_log_ratio", "ratio_max")
+STAT_KEYS = (
+    "loss",
+    "pg_loss",
+    "kl_loss",
+    "tokens",
+    "clipped",
+    "kl",
+    "entropy",
+    "ratio",
+    "abs_log_ratio",
+    "ratio_max",
+)
 
 
-def micro_batch_loss(logprobs: torch.Tensor, entropy: torch.Tensor | None, extras: dict,
-                     mask: torch.Tensor, cfg: GRPOConfig) -> tuple[torch.Tensor, dict]:
+def micro_batch_loss(
+    logprobs: torch.Tensor,
+    entropy: torch.Tensor | None,
+    extras: dict,
+    mask: torch.Tensor,
+    cfg: GRPOConfig,
+) -> tuple[torch.Tensor, dict]:
     """The loss of one micro-batch and its statistics.
 
     ``extras``: ``token_weight`` [b, s] (from :func:`aggregation_weights`), ``old_logprobs``
@@ -96,7 +121,9 @@ def micro_batch_loss(logprobs: torch.Tensor, entropy: torch.Tensor | None, extra
     ``abs_log_ratio`` (|log π_θ − log π_old|), plus ``ratio_max``.
     """
     w = extras["token_weight"]
-    pg, clipped, ratio = policy_loss(logprobs, extras["old_logprobs"], extras["advantages"], mask, cfg)
+    pg, clipped, ratio = policy_loss(
+        logprobs, extras["old_logprobs"], extras["advantages"], mask, cfg
+    )
     if "tis_weight" in extras:
         pg = pg * extras["tis_weight"]
     per_token = pg
@@ -111,7 +138,9 @@ def micro_batch_loss(logprobs: torch.Tensor, entropy: torch.Tensor | None, extra
         stats = {
             "loss": loss.detach(),
             "pg_loss": (pg * w).sum(),
-            "kl_loss": ((kl * w).sum() * cfg.kl_coef) if kl is not None and cfg.kl_mode == "loss" else loss.new_zeros(()),
+            "kl_loss": ((kl * w).sum() * cfg.kl_coef)
+            if kl is not None and cfg.kl_mode == "loss"
+            else loss.new_zeros(()),
             "tokens": m.sum(),
             "clipped": (clipped.float() * m).sum(),
             "kl": (kl * m).sum() if kl is not None else m.new_zeros(()),

@@ -74,15 +74,19 @@ class MetricsWriter:
     """``metrics.jsonl`` (one object per step), TensorBoard scalars under ``run_dir`` and the
     configured experiment trackers (grpo/trackers.py: W&B, MLflow), the same scalars in each."""
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True, trackers: TrackersConfig | None = None,
-                 config: dict | None = None):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        tensorboard: bool = True,
+        trackers: TrackersConfig | None = None,
+        config: dict | None = None,
+    ):
         self.active = not dist.is_initialized() or dist.get_rank() == 0
         self.path = Path(run_dir) / "metrics.jsonl"
         self._tb = self._trackers = None
         if self.active:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if tensorboard:
-
                 self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
             if trackers is not None and (trackers.wandb or trackers.mlflow):
                 self._trackers = Trackers(trackers, run_dir, config)

@@ -29,7 +29,16 @@ import torch
 
 from megatron_ngrpo.config_loader import fail
 
-MISMATCH_MODES = ("off", "token-tis", "token-mask", "icepop", "seq-tis", "seq-mask", "seq-mask-tis", "mis")
+MISMATCH_MODES = (
+    "off",
+    "token-tis",
+    "token-mask",
+    "icepop",
+    "seq-tis",
+    "seq-mask",
+    "seq-mask-tis",
+    "mis",
+)
 
 
 @dataclass
@@ -53,8 +62,9 @@ class MismatchConfig:
             fail("log_ratio_clamp", self.log_ratio_clamp, "must be > 0")
 
 
-def correction(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor,
-               cfg: MismatchConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def correction(
+    old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, cfg: MismatchConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token weight [B, L] (0 off ``mask``) and keep mask [B, L] bool (⊆ ``mask``) of a
     mode other than ``off``.
 
@@ -85,8 +95,13 @@ def correction(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor,
     return weight * keep.to(weight.dtype), keep
 
 
-def mismatch_sums(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor,
-                  mixed: torch.Tensor | None, keep: torch.Tensor | None) -> dict[str, float]:
+def mismatch_sums(
+    old: torch.Tensor,
+    rollout: torch.Tensor,
+    mask: torch.Tensor,
+    mixed: torch.Tensor | None,
+    keep: torch.Tensor | None,
+) -> dict[str, float]:
     """Local sums for the mismatch metrics, split into ``mixed`` and ``plain`` positions.
 
     ``mixed`` [B, L] bool: label columns whose input embedding is a recorded mix (None: none).
@@ -112,7 +127,13 @@ def mismatch_sums(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor,
 def mismatch_metrics(sums: dict[str, float]) -> dict[str, float]:
     """``mismatch/{mixed,plain,all}/{logprob_gap,kl,masked_frac}`` from DP-summed
     :func:`mismatch_sums` (0 where a split has no tokens)."""
-    sums = {**sums, **{f"all/{k}": sums[f"mixed/{k}"] + sums[f"plain/{k}"] for k in ("n", "gap", "kl", "masked")}}
+    sums = {
+        **sums,
+        **{
+            f"all/{k}": sums[f"mixed/{k}"] + sums[f"plain/{k}"]
+            for k in ("n", "gap", "kl", "masked")
+        },
+    }
     out = {}
     for name in ("mixed", "plain", "all"):
         n = max(sums[f"{name}/n"], 1.0)

@@ -27,8 +27,9 @@ from megatron_ngrpo.mixing.embedding import MixBatch
 PACKING_MODES = ("mask", "thd")
 
 
-def pack(tokens: torch.Tensor, lengths: torch.Tensor, mix: MixBatch | None, multiple: int, mode: str
-         ) -> tuple[dict, MixBatch | None, torch.Tensor]:
+def pack(
+    tokens: torch.Tensor, lengths: torch.Tensor, mix: MixBatch | None, multiple: int, mode: str
+) -> tuple[dict, MixBatch | None, torch.Tensor]:
     """Pack the real tokens of ``tokens`` [b, s] (row r's first ``lengths[r]``).
 
     Returns the model's keyword arguments (``input_ids`` [1, T], ``position_ids`` [1, T] reset
@@ -49,10 +50,13 @@ def pack(tokens: torch.Tensor, lengths: torch.Tensor, mix: MixBatch | None, mult
     positions = torch.cat([torch.arange(x, device=tokens.device) for x in seg_lengths]).unsqueeze(0)
     kwargs = {"input_ids": input_ids, "position_ids": positions}
     if mode == "mask":
-        seg = torch.repeat_interleave(torch.arange(len(seg_lengths), device=tokens.device),
-                                      torch.tensor(seg_lengths, device=tokens.device))
-        allowed = (seg.unsqueeze(0) == seg.unsqueeze(1)) & torch.ones(total, total, dtype=torch.bool,
-                                                                      device=tokens.device).tril()
+        seg = torch.repeat_interleave(
+            torch.arange(len(seg_lengths), device=tokens.device),
+            torch.tensor(seg_lengths, device=tokens.device),
+        )
+        allowed = (seg.unsqueeze(0) == seg.unsqueeze(1)) & torch.ones(
+            total, total, dtype=torch.bool, device=tokens.device
+        ).tril()
         kwargs["attention_mask"] = (~allowed).view(1, 1, total, total)
     elif mode == "thd":
         # Imported here: megatron-core's TE packing parameters, the GPU path only.
@@ -64,11 +68,17 @@ def pack(tokens: torch.Tensor, lengths: torch.Tensor, mix: MixBatch | None, mult
         longest = max(seg_lengths)
         kwargs["attention_mask"] = None
         kwargs["packed_seq_params"] = PackedSeqParams(
-            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest)
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            max_seqlen_q=longest,
+            max_seqlen_kv=longest,
+        )
     else:
         raise ValueError(f"packing mode {mode!r}")
     packed_mix = None
     if mix is not None:
+
         def one(t: torch.Tensor | None) -> torch.Tensor | None:
             if t is None:
                 return None

@@ -97,9 +97,15 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         return grad, None, None, None, None, None, None
 
 
-def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float,
-                            vocab_start: int = 0, vocab_limit: int | None = None, group=None,
-                            with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def vocab_parallel_logprobs(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    vocab_start: int = 0,
+    vocab_limit: int | None = None,
+    group=None,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(logits / τ)[labels] over the TP-split vocabulary, and optionally the entropy.
 
     ``logits`` [..., V/TP]: this rank's partition, whose first column is global id ``vocab_start``;
@@ -114,6 +120,13 @@ def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperat
     if group is not None and dist.get_world_size(group) == 1:
         group = None
     lead = logits.shape[:-1]
-    lp, ent = _VocabParallelLogProbs.apply(logits.reshape(-1, v_local), labels.reshape(-1), 1.0 / temperature,
-                                          vocab_start, valid, group, with_entropy)
+    lp, ent = _VocabParallelLogProbs.apply(
+        logits.reshape(-1, v_local),
+        labels.reshape(-1),
+        1.0 / temperature,
+        vocab_start,
+        valid,
+        group,
+        with_entropy,
+    )
     return lp.view(lead), (ent.view(lead) if with_entropy else None)

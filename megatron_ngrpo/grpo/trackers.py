@@ -49,7 +49,11 @@ class TrackersConfig:
 
 def _require(name: str) -> None:
     if importlib.util.find_spec(name) is None:
-        fail(name, True, f"the {name} package is not installed (pip install 'megatron_ngrpo[trackers]')")
+        fail(
+            name,
+            True,
+            f"the {name} package is not installed (pip install 'megatron_ngrpo[trackers]')",
+        )
 
 
 def mlflow_key(key: str) -> str:
@@ -70,8 +74,15 @@ class Trackers:
             # lazy: wandb is optional (the trackers extra)
             import wandb  # optional dependency (the trackers extra)
 
-            self._wandb = wandb.init(project=cfg.project, name=name, dir=str(self.run_dir), mode=cfg.wandb_mode,
-                                     id=ids.get("wandb"), resume="allow", config=config)
+            self._wandb = wandb.init(
+                project=cfg.project,
+                name=name,
+                dir=str(self.run_dir),
+                mode=cfg.wandb_mode,
+                id=ids.get("wandb"),
+                resume="allow",
+                config=config,
+            )
             self._wandb.define_metric(STEP_KEY)
             self._wandb.define_metric("*", step_metric=STEP_KEY)
             ids["wandb"] = self._wandb.id
@@ -102,8 +113,10 @@ class Trackers:
             from mlflow.entities import Metric  # optional (the trackers extra)
 
             now = int(time.time() * 1000)
-            self._mlflow.log_batch(self._mlflow_run, metrics=[Metric(mlflow_key(k), float(v), now, step)
-                                                              for k, v in metrics.items()])
+            self._mlflow.log_batch(
+                self._mlflow_run,
+                metrics=[Metric(mlflow_key(k), float(v), now, step) for k, v in metrics.items()],
+            )
 
     def close(self) -> None:
         if self._wandb is not None:

@@ -50,21 +50,32 @@ def wrap_for_training(chunks: list, ddp_config=None) -> list:
     before wrapping), and gradients are finalised (DP all-reduce, tied/PP embedding sync) after
     the last micro-batch."""
 
-
     for c in chunks:  # each virtual-pipeline chunk has its own config object
         unwrap(c).config.calculate_per_token_loss = True
         unwrap(c).config.finalize_model_grads_func = finalize_model_grads
     config = unwrap(chunks[0]).config
     ddp_config = ddp_config or DistributedDataParallelConfig()
-    wrapped = [DistributedDataParallel(config=unwrap(c).config, ddp_config=ddp_config, module=c,
-                                       disable_bucketing=i > 0)
-               for i, c in enumerate(chunks)]
+    wrapped = [
+        DistributedDataParallel(
+            config=unwrap(c).config, ddp_config=ddp_config, module=c, disable_bucketing=i > 0
+        )
+        for i, c in enumerate(chunks)
+    ]
     config.no_sync_func = [c.no_sync for c in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
     return wrapped
 
 
-def update_step(model_chunks: list, batch: TokenBatch, loss_fn, micro_batch_size: int, max_tokens: int = 0,
-                optimizer=None, scheduler=None, step: bool = True, packing: str = "") -> tuple[list[dict], float]:
+def update_step(
+    model_chunks: list,
+    batch: TokenBatch,
+    loss_fn,
+    micro_batch_size: int,
+    max_tokens: int = 0,
+    optimizer=None,
+    scheduler=None,
+    step: bool = True,
+    packing: str = "",
+) -> tuple[list[dict], float]:
     """One update of the GRPO loss and of the supervised warm-start: zero the gradient buffers (and
     ``optimizer``'s gradients: after a step megatron's optimizers leave ``param.grad`` aliasing
     ``main_grad``, which the next backward would add in twice), forward + backward ``batch``
@@ -87,9 +98,17 @@ def update_step(model_chunks: list, batch: TokenBatch, loss_fn, micro_batch_size
     return store, float(grad_norm or 0.0)
 
 
-def loss_and_grads(model_chunks: list, batch: TokenBatch, cfg: GRPOConfig, settings: UpdateSettings,
-                   optimizer=None, with_entropy: bool = True, *, scheduler=None,
-                   step: bool = False) -> dict[str, float]:
+def loss_and_grads(
+    model_chunks: list,
+    batch: TokenBatch,
+    cfg: GRPOConfig,
+    settings: UpdateSettings,
+    optimizer=None,
+    with_entropy: bool = True,
+    *,
+    scheduler=None,
+    step: bool = False,
+) -> dict[str, float]:
     """The GRPO loss through :func:`update_step`: gradients of ``batch``, and with ``step`` the
     optimizer step (skipped when nothing is active anywhere: no signal) and ``scheduler``'s.
     Returns mini-batch statistics reduced over DP (on every rank): ``loss``/``pg_loss``/
@@ -100,18 +119,30 @@ def loss_and_grads(model_chunks: list, batch: TokenBatch, cfg: GRPOConfig, setti
     dp_group = ps.get_data_parallel_group()
     # Tokens a mismatch correction rejected ("keep" False) leave the normaliser too.
     kept = batch.mask & batch.extras["keep"] if "keep" in batch.extras else batch.mask
-    weights, norm = aggregation_weights(kept, batch.extras["active"], cfg.loss_agg,
-                                        settings.max_response_len, dp_group)
+    weights, norm = aggregation_weights(
+        kept, batch.extras["active"], cfg.loss_agg, settings.max_response_len, dp_group
+    )
     batch = batch.with_extras(token_weight=weights)
 
     def loss_fn(mb: TokenBatch, logits: torch.Tensor):
-        lp, ent = token_logprobs(logits, mb.labels, settings.temperature, settings.vocab_limit, with_entropy)
+        lp, ent = token_logprobs(
+            logits, mb.labels, settings.temperature, settings.vocab_limit, with_entropy
+        )
         loss, stats = micro_batch_loss(lp, ent, mb.extras, mb.mask, cfg)
         # num_tokens 0: the loss is already globally normalised (see module docstring).
         return loss, torch.zeros((), dtype=torch.int, device=loss.device), stats
 
-    store, grad_norm = update_step(model_chunks, batch, loss_fn, settings.micro_batch_size, settings.max_tokens,
-                                   optimizer, scheduler, step=step and norm != 0, packing=settings.packing)
+    store, grad_norm = update_step(
+        model_chunks,
+        batch,
+        loss_fn,
+        settings.micro_batch_size,
+        settings.max_tokens,
+        optimizer,
+        scheduler,
+        step=step and norm != 0,
+        packing=settings.packing,
+    )
     return {**_reduce_stats(store, norm), "grad_norm": grad_norm}
 
 
@@ -119,12 +150,13 @@ def _reduce_stats(store: list[dict], norm: float) -> dict[str, float]:
     """Sum the micro-batch statistics (max for ``ratio_max``) of the last pipeline stage, over DP,
     and share them with the whole pipeline."""
 
-
     sums = torch.zeros(len(STAT_KEYS), dtype=torch.float64, device=device())
     if ps.is_pipeline_last_stage(ignore_virtual=True):
         for stats in store:
             for i, k in enumerate(STAT_KEYS):
-                sums[i] = torch.maximum(sums[i], stats[k]) if k == "ratio_max" else sums[i] + stats[k]
+                sums[i] = (
+                    torch.maximum(sums[i], stats[k]) if k == "ratio_max" else sums[i] + stats[k]
+                )
     i_max = STAT_KEYS.index("ratio_max")
     mx = sums[i_max].clone()
     sums[i_max] = 0
@@ -132,13 +164,24 @@ def _reduce_stats(store: list[dict], norm: float) -> dict[str, float]:
     dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
     if ps.get_pipeline_model_parallel_world_size() > 1:
         both = torch.cat([sums, mx.view(1)])
-        dist.broadcast(both, src=ps.get_pipeline_model_parallel_last_rank(),
-                       group=ps.get_pipeline_model_parallel_group())
+        dist.broadcast(
+            both,
+            src=ps.get_pipeline_model_parallel_last_rank(),
+            group=ps.get_pipeline_model_parallel_group(),
+        )
         sums, mx = both[:-1], both[-1]
     s = dict(zip(STAT_KEYS, sums.tolist()))
     tokens = max(s["tokens"], 1.0)
     return {
-        "loss": s["loss"], "pg_loss": s["pg_loss"], "kl_loss": s["kl_loss"],
-        "clip_frac": s["clipped"] / tokens, "kl": s["kl"] / tokens, "entropy": s["entropy"] / tokens,
-        "ratio": s["ratio"] / tokens, "abs_log_ratio": s["abs_log_ratio"] / tokens, "ratio_max": float(mx), "tokens": s["tokens"], "normaliser": norm,
+        "loss": s["loss"],
+        "pg_loss": s["pg_loss"],
+        "kl_loss": s["kl_loss"],
+        "clip_frac": s["clipped"] / tokens,
+        "kl": s["kl"] / tokens,
+        "entropy": s["entropy"] / tokens,
+        "ratio": s["ratio"] / tokens,
+        "abs_log_ratio": s["abs_log_ratio"] / tokens,
+        "ratio_max": float(mx),
+        "tokens": s["tokens"],
+        "normaliser": norm,
     }

@@ -40,15 +40,21 @@ def _key_value(text: str) -> tuple[str, str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ngrpo-launch", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="ngrpo-launch",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("recipes", help="list the recipes")
     m = sub.add_parser("memory", help="expected GPU memory per rank of a recipe")
     m.add_argument("recipe")
     m.add_argument("--nodes", type=int)
-    pl = sub.add_parser("plan", help="build a recipe's model on meta under a simulated process group "
-                                     "of its world size; counts, stages, memory (exit 1: cannot fit/build)")
+    pl = sub.add_parser(
+        "plan",
+        help="build a recipe's model on meta under a simulated process group "
+        "of its world size; counts, stages, memory (exit 1: cannot fit/build)",
+    )
     pl.add_argument("recipe")
     pl.add_argument("overrides", nargs="*", metavar="a.b=c", help="training config overrides")
     pl.add_argument("--nodes", type=int)
@@ -56,26 +62,47 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="run a recipe's task (train, eval, conversion)")
     r.add_argument("recipe")
-    r.add_argument("overrides", nargs="*", metavar="a.b=c",
-                   help="config overrides (last wins); for conversions, extra tool arguments after --")
+    r.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="a.b=c",
+        help="config overrides (last wins); for conversions, extra tool arguments after --",
+    )
     r.add_argument("--task", choices=recipes.TASKS, default="train")
     r.add_argument("--executor", choices=("local", "slurm"), default="local")
-    r.add_argument("--config", action="append", default=[],
-                   help="YAML config of the train/eval entry point (repeatable, later files win)")
-    r.add_argument("--hf-path", help="HF checkpoint directory (default: MODELS_DIR/<recipe's hf_name>)")
-    r.add_argument("--models-dir", default=os.environ.get("NGRPO_MODELS_DIR", "/models"),
-                   help="directory holding the HF checkpoints (env NGRPO_MODELS_DIR; default /models)")
+    r.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        help="YAML config of the train/eval entry point (repeatable, later files win)",
+    )
+    r.add_argument(
+        "--hf-path", help="HF checkpoint directory (default: MODELS_DIR/<recipe's hf_name>)"
+    )
+    r.add_argument(
+        "--models-dir",
+        default=os.environ.get("NGRPO_MODELS_DIR", "/models"),
+        help="directory holding the HF checkpoints (env NGRPO_MODELS_DIR; default /models)",
+    )
     r.add_argument("--checkpoint", help="megatron checkpoint (convert-megatron)")
     r.add_argument("--output", help="output directory (conversions)")
     r.add_argument("--nodes", type=int, help="nodes (within the recipe's range)")
     r.add_argument("--procs-per-node", type=int, help="ranks per node (default: the recipe's)")
-    r.add_argument("--gpus-per-node", type=int, help="GPUs requested per node (default: the recipe's)")
+    r.add_argument(
+        "--gpus-per-node", type=int, help="GPUs requested per node (default: the recipe's)"
+    )
     r.add_argument("--module", help="entry module replacing megatron_ngrpo.train / .eval")
-    r.add_argument("--disaggregated", action="store_true",
-                   help="heterogeneous Slurm job: a rollout group (vLLM servers) + the training group")
+    r.add_argument(
+        "--disaggregated",
+        action="store_true",
+        help="heterogeneous Slurm job: a rollout group (vLLM servers) + the training group",
+    )
     r.add_argument("--rollout-nodes", type=int, help="nodes of the rollout group")
-    r.add_argument("--rollout-args", default="",
-                   help="more options of the rollout servers (python -m megatron_ngrpo.rollout.remote.server)")
+    r.add_argument(
+        "--rollout-args",
+        default="",
+        help="more options of the rollout servers (python -m megatron_ngrpo.rollout.remote.server)",
+    )
     r.add_argument("--title", help="experiment title (default ngrpo-<recipe>-<task>)")
     r.add_argument("--dryrun", action="store_true", help="print the job scripts, submit nothing")
     r.add_argument("--detach", action="store_true", help="return after submission (Slurm)")
@@ -84,18 +111,40 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--partition", default=os.environ.get("NGRPO_SLURM_PARTITION"))
     s.add_argument("--time", help="time limit (default: the recipe's)")
     s.add_argument("--container-image", help="container image (pyxis/enroot)")
-    s.add_argument("--mount", action="append", default=[], metavar="SRC:DST", help="container mount")
-    s.add_argument("--env", action="append", default=[], type=_key_value, metavar="KEY=VALUE",
-                   help="environment variable of the job (e.g. NCCL_SOCKET_IFNAME=ib0)")
-    s.add_argument("--packager", choices=("git", "none"), default=None,
-                   help="git: archive the committed HEAD into the job (Slurm default); "
-                        "none: run this checkout in place (local default)")
-    s.add_argument("--rdzv-port", type=int, default=29500, help="torchrun c10d port on the head node")
-    s.add_argument("--exclusive", action=argparse.BooleanOptionalAction, default=None,
-                   help="whole nodes (default: yes for GPU jobs)")
+    s.add_argument(
+        "--mount", action="append", default=[], metavar="SRC:DST", help="container mount"
+    )
+    s.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        type=_key_value,
+        metavar="KEY=VALUE",
+        help="environment variable of the job (e.g. NCCL_SOCKET_IFNAME=ib0)",
+    )
+    s.add_argument(
+        "--packager",
+        choices=("git", "none"),
+        default=None,
+        help="git: archive the committed HEAD into the job (Slurm default); "
+        "none: run this checkout in place (local default)",
+    )
+    s.add_argument(
+        "--rdzv-port", type=int, default=29500, help="torchrun c10d port on the head node"
+    )
+    s.add_argument(
+        "--exclusive",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="whole nodes (default: yes for GPU jobs)",
+    )
     s.add_argument("--mem", help="memory per node (e.g. 0 = all)")
-    s.add_argument("--group-wait", type=int, default=None,
-                   help="hetjob: seconds between group starts and between monitor checks")
+    s.add_argument(
+        "--group-wait",
+        type=int,
+        default=None,
+        help="hetjob: seconds between group starts and between monitor checks",
+    )
 
     for name in ("status", "logs", "cancel"):
         q = sub.add_parser(name, help=f"{name} of a submitted experiment")
@@ -108,15 +157,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_recipes() -> int:
-    print(f"{'recipe':10} {'nodes':>7} {'GPUs':>5} {'TP':>3} {'PP':>3} {'DP':>3} {'vLLM TP':>7} "
-          f"{'train GiB':>9} {'vLLM GiB':>8}  summary")
+    print(
+        f"{'recipe':10} {'nodes':>7} {'GPUs':>5} {'TP':>3} {'PP':>3} {'DP':>3} {'vLLM TP':>7} "
+        f"{'train GiB':>9} {'vLLM GiB':>8}  summary"
+    )
     for r in recipes.RECIPES.values():
         gpu = r.gpus_per_node > 0  # memory figures are for H100 ranks
         train = f"{r.train_memory().total / GIB:.1f}" if gpu else "-"
-        vllm = f"{r.vllm_memory().reserved / GIB:.1f}" if gpu and r.rollout_engine == "vllm" else "-"
-        print(f"{r.name:10} {f'{r.min_nodes}-{r.max_nodes}':>7} {r.gpus_per_node:>5} {r.tensor_parallel:>3} "
-              f"{r.pipeline_parallel:>3} {r.data_parallel(r.nodes):>3} {r.vllm_tensor_parallel:>7} "
-              f"{train:>9} {vllm:>8}  {r.summary}")
+        vllm = (
+            f"{r.vllm_memory().reserved / GIB:.1f}" if gpu and r.rollout_engine == "vllm" else "-"
+        )
+        print(
+            f"{r.name:10} {f'{r.min_nodes}-{r.max_nodes}':>7} {r.gpus_per_node:>5} {r.tensor_parallel:>3} "
+            f"{r.pipeline_parallel:>3} {r.data_parallel(r.nodes):>3} {r.vllm_tensor_parallel:>7} "
+            f"{train:>9} {vllm:>8}  {r.summary}"
+        )
     return 0
 
 
@@ -127,11 +182,14 @@ def memory_table(recipe: recipes.Recipe, nodes: int | None = None) -> str:
     t, v = recipe.train_memory(nodes), recipe.vllm_memory()
     gib = lambda b: f"{b / GIB:.1f}"  # noqa: E731
     rows = [
-        ("layout", f"{nodes} node(s) × {recipe.procs_per_node}: TP {recipe.tensor_parallel}, "
-                   f"PP {recipe.pipeline_parallel}, DP {recipe.data_parallel(nodes)}, "
-                   f"SP {'on' if recipe.sequence_parallel else 'off'}, "
-                   f"recompute {'full' if recipe.recompute else 'off'}, "
-                   f"{recipe.train_layout(nodes).tokens} tokens/micro-batch"),
+        (
+            "layout",
+            f"{nodes} node(s) × {recipe.procs_per_node}: TP {recipe.tensor_parallel}, "
+            f"PP {recipe.pipeline_parallel}, DP {recipe.data_parallel(nodes)}, "
+            f"SP {'on' if recipe.sequence_parallel else 'off'}, "
+            f"recompute {'full' if recipe.recompute else 'off'}, "
+            f"{recipe.train_layout(nodes).tokens} tokens/micro-batch",
+        ),
         ("parameters on the busiest rank", f"{t.params / 1e9:.3f} B"),
         ("weights (bf16)", gib(t.weights)),
         ("grads (fp32 main grads)", gib(t.grads)),
@@ -141,10 +199,15 @@ def memory_table(recipe: recipes.Recipe, nodes: int | None = None) -> str:
         ("logits + log-prob pass", gib(t.logits)),
         ("CUDA context, NCCL, slack", gib(t.overhead)),
         ("**training total**", f"**{gib(t.total)}**"),
-        ("vLLM reserved (gpu_memory_utilization)",
-         f"{gib(v.reserved)} ({recipe.vllm_gpu_memory_utilization}, vLLM TP {recipe.vllm_tensor_parallel})"),
+        (
+            "vLLM reserved (gpu_memory_utilization)",
+            f"{gib(v.reserved)} ({recipe.vllm_gpu_memory_utilization}, vLLM TP {recipe.vllm_tensor_parallel})",
+        ),
         ("vLLM weights / KV cache", f"{gib(v.weights)} / {gib(v.kv_cache)}"),
-        ("KV capacity", f"{v.kv_tokens:,} tokens = {v.kv_tokens // recipe.seq_len} sequences of {recipe.seq_len}"),
+        (
+            "KV capacity",
+            f"{v.kv_tokens:,} tokens = {v.kv_tokens // recipe.seq_len} sequences of {recipe.seq_len}",
+        ),
         ("**training + vLLM reserved**", f"**{gib(t.total + v.reserved)}**"),
     ]
     lines = [f"| {recipe.name} | GiB per GPU |", "|---|---|"] + [f"| {a} | {b} |" for a, b in rows]
@@ -168,55 +231,97 @@ def make_plan(args: argparse.Namespace):
     from megatron_ngrpo.launch.executors import Cluster
 
     recipe = recipes.get(args.recipe)
-    layout = {k: v for k, v in (("procs_per_node", args.procs_per_node),
-                                 ("gpus_per_node", args.gpus_per_node),
-                                 ("rollout_nodes", args.rollout_nodes)) if v is not None}
+    layout = {
+        k: v
+        for k, v in (
+            ("procs_per_node", args.procs_per_node),
+            ("gpus_per_node", args.gpus_per_node),
+            ("rollout_nodes", args.rollout_nodes),
+        )
+        if v is not None
+    }
     recipe = dataclasses.replace(recipe, **layout)
     packager = args.packager or ("git" if args.executor == "slurm" else "none")
     if args.executor == "local" and packager != "none":
         raise ConfigError("--packager git: the local executor runs this checkout in place")
-    group_wait = {} if args.group_wait is None else dict(group_start_wait=args.group_wait,
-                                                          group_monitor_wait=args.group_wait)
+    group_wait = (
+        {}
+        if args.group_wait is None
+        else dict(group_start_wait=args.group_wait, group_monitor_wait=args.group_wait)
+    )
     home = os.environ.get("NEMORUN_HOME", "")
     if args.executor == "slurm" and not args.container_image and "/nemo_run" in home:
         # NeMo-Run rewrites every "/nemo_run" of a non-container sbatch script to the job directory.
-        raise ConfigError(f"NEMORUN_HOME {home!r}: contains '/nemo_run', which NeMo-Run rewrites in sbatch scripts")
+        raise ConfigError(
+            f"NEMORUN_HOME {home!r}: contains '/nemo_run', which NeMo-Run rewrites in sbatch scripts"
+        )
     for config in args.config:
         if not Path(config).is_file():
             raise ConfigError(f"--config {config!r}: no such file")
     hf_path = args.hf_path or f"{args.models_dir}/{recipe.hf_name}"
     task = recipes.render(
-        recipe, args.task,
+        recipe,
+        args.task,
         hf_path=hf_path,
         configs=tuple(experiment.config_placeholder(i) for i in range(len(args.config))),
-        checkpoint=args.checkpoint, output=args.output, nodes=args.nodes,
-        overrides=tuple(args.overrides), module=args.module, disaggregated=args.disaggregated)
+        checkpoint=args.checkpoint,
+        output=args.output,
+        nodes=args.nodes,
+        overrides=tuple(args.overrides),
+        module=args.module,
+        disaggregated=args.disaggregated,
+    )
     tasks = [task]
     if args.disaggregated:
         if args.executor != "slurm" or args.task != "train":
             raise ConfigError("--disaggregated: only for --task train on --executor slurm")
-        tasks = [recipes.rollout_server(recipe, hf_path, tuple(shlex.split(args.rollout_args))), task]
+        tasks = [
+            recipes.rollout_server(recipe, hf_path, tuple(shlex.split(args.rollout_args))),
+            task,
+        ]
     mounts = list(args.mount)
     if args.executor == "slurm":
         files = slurm_files(args, recipe, hf_path)
         job_files.require_absolute(files)
         if args.container_image:
             mounts = job_files.container_mounts(mounts, files)
-    cluster = Cluster(account=args.account, partition=args.partition, time=args.time,
-                      container_image=args.container_image, container_mounts=mounts,
-                      env=dict(args.env), packager=packager, rdzv_port=args.rdzv_port,
-                      exclusive=args.exclusive, mem=args.mem, **group_wait)
-    return experiment.Plan(title=args.title or f"ngrpo-{recipe.name}-{args.task}", tasks=tasks,
-                           executor=args.executor, cluster=cluster, time=recipe.time,
-                           configs=[Path(c) for c in args.config])
+    cluster = Cluster(
+        account=args.account,
+        partition=args.partition,
+        time=args.time,
+        container_image=args.container_image,
+        container_mounts=mounts,
+        env=dict(args.env),
+        packager=packager,
+        rdzv_port=args.rdzv_port,
+        exclusive=args.exclusive,
+        mem=args.mem,
+        **group_wait,
+    )
+    return experiment.Plan(
+        title=args.title or f"ngrpo-{recipe.name}-{args.task}",
+        tasks=tasks,
+        executor=args.executor,
+        cluster=cluster,
+        time=recipe.time,
+        configs=[Path(c) for c in args.config],
+    )
 
 
-def slurm_files(args: argparse.Namespace, recipe: recipes.Recipe, hf_path: str) -> job_files.JobFiles:
+def slurm_files(
+    args: argparse.Namespace, recipe: recipes.Recipe, hf_path: str
+) -> job_files.JobFiles:
     """What a Slurm job of ``args`` reads and writes outside its job folder (launch/job_files.py):
     the trainer's config paths; for other entry modules and tasks, the model and the options."""
     if args.task == "train" and (args.module or recipes.TRAIN_MODULE) == recipes.TRAIN_MODULE:
-        return job_files.train_files(args.config, [*recipe.model_overrides(hf_path),
-                                                   *recipe.rollout_overrides(args.disaggregated), *args.overrides])
+        return job_files.train_files(
+            args.config,
+            [
+                *recipe.model_overrides(hf_path),
+                *recipe.rollout_overrides(args.disaggregated),
+                *args.overrides,
+            ],
+        )
     reads = {"--hf-path": hf_path, "--checkpoint": args.checkpoint or ""}
     files = job_files.JobFiles(reads={k: v for k, v in reads.items() if os.path.isabs(v)})
     if args.task.startswith("convert") and args.output:
@@ -262,8 +367,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     _print_status(exp._id, status)
     if args.wait:
         return 1 if experiment.failed(status) else 0
-    ended_badly = [n for n, s in status.items()
-                   if s.state not in experiment.PENDING_STATES and s.state != experiment.TERMINAL_OK]
+    ended_badly = [
+        n
+        for n, s in status.items()
+        if s.state not in experiment.PENDING_STATES and s.state != experiment.TERMINAL_OK
+    ]
     return 1 if ended_badly or not status else 0
 
 
@@ -273,7 +381,9 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
     files = experiment.log_files(experiment.load(args.experiment), args.job)
     if not files:
-        print(f"error: no log files for {args.experiment} (job {args.job or 'any'})", file=sys.stderr)
+        print(
+            f"error: no log files for {args.experiment} (job {args.job or 'any'})", file=sys.stderr
+        )
         return 1
     for f in files:
         print(f"==> {f} <==")
@@ -295,11 +405,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     # Everything after "--" goes to the job verbatim (conversion tools' options).
-    passthrough = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[:argv.index("--")] if "--" in argv else argv
+    passthrough = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
     # Overrides may follow options (argparse stops a positional list at the first option).
     args, extra = parser.parse_known_args(argv)
-    if (extra or passthrough) and args.cmd not in ("run", "plan") or any(e.startswith("-") for e in extra):
+    if (
+        (extra or passthrough)
+        and args.cmd not in ("run", "plan")
+        or any(e.startswith("-") for e in extra)
+    ):
         parser.error(f"unrecognized arguments: {' '.join(extra + passthrough)}")
     if args.cmd in ("run", "plan"):
         args.overrides = [*args.overrides, *extra, *passthrough]
@@ -311,7 +425,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.cmd == "plan":
             return cmd_plan(args)
-        return {"run": cmd_run, "status": cmd_status, "logs": cmd_logs, "cancel": cmd_cancel}[args.cmd](args)
+        return {"run": cmd_run, "status": cmd_status, "logs": cmd_logs, "cancel": cmd_cancel}[
+            args.cmd
+        ](args)
     except (ConfigError, LookupError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

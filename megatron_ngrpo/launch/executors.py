@@ -93,12 +93,21 @@ def local_executor(task: TaskSpec, cluster: Cluster) -> run.LocalExecutor:
         raise ValueError(f"task {task.name}: the local executor runs on one node, not {task.nodes}")
     # No shell expands the values here: extend PYTHONPATH now.
     pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    return run.LocalExecutor(ntasks_per_node=task.procs_per_node, launcher="torchrun",
-                             env_vars=job_env(task, cluster, pythonpath))
+    return run.LocalExecutor(
+        ntasks_per_node=task.procs_per_node,
+        launcher="torchrun",
+        env_vars=job_env(task, cluster, pythonpath),
+    )
 
 
-def slurm_executor(task: TaskSpec, cluster: Cluster, time: str, *, launcher: bool = True,
-                   heterogeneous: bool = False) -> run.SlurmExecutor:
+def slurm_executor(
+    task: TaskSpec,
+    cluster: Cluster,
+    time: str,
+    *,
+    launcher: bool = True,
+    heterogeneous: bool = False,
+) -> run.SlurmExecutor:
     """A Slurm executor for ``task``: torchrun over ``task.nodes`` nodes (c10d rendezvous on the
     head node), or one plain task per node (``launcher=False``)."""
     nproc = task.procs_per_node
@@ -134,18 +143,43 @@ def runs_preflight(task: TaskSpec) -> bool:
     return task.command.argv[:3] == ("python", "-m", TRAIN_MODULE)
 
 
-def preflight_line(task: TaskSpec, cluster: Cluster, job_dir: str, het_group: int | None = None) -> str:
+def preflight_line(
+    task: TaskSpec, cluster: Cluster, job_dir: str, het_group: int | None = None
+) -> str:
     """The sbatch line that runs :mod:`megatron_ngrpo.launch.preflight` once on every node of
     ``task``, as its ranks will run (same container, mounts and code), before torchrun starts: a
     failing node prints its one line and the job ends without requeueing."""
-    check = ("python", "-m", PREFLIGHT_MODULE, "--gpus", str(task.gpus_per_node),
-             "--world-size", str(task.nodes * task.procs_per_node), *task.command.argv[3:])
-    srun = ["srun", *([f"--het-group={het_group}"] if het_group is not None else []),
-            f"--nodes={task.nodes}", "--ntasks-per-node=1"]
+    check = (
+        "python",
+        "-m",
+        PREFLIGHT_MODULE,
+        "--gpus",
+        str(task.gpus_per_node),
+        "--world-size",
+        str(task.nodes * task.procs_per_node),
+        *task.command.argv[3:],
+    )
+    srun = [
+        "srun",
+        *([f"--het-group={het_group}"] if het_group is not None else []),
+        f"--nodes={task.nodes}",
+        "--ntasks-per-node=1",
+    ]
     if cluster.container_image:
-        srun += ["--container-image", cluster.container_image, "--container-mounts",
-                 ",".join([*cluster.mounts(), f"{job_dir}:/nemo_run"]), "--container-workdir", "/nemo_run/code"]
+        srun += [
+            "--container-image",
+            cluster.container_image,
+            "--container-mounts",
+            ",".join([*cluster.mounts(), f"{job_dir}:/nemo_run"]),
+            "--container-workdir",
+            "/nemo_run/code",
+        ]
     else:
-        srun += ["--chdir", os.path.join(job_dir, "code") if cluster.packager == "git" else str(REPO)]
-    return (f"{shlex.join([*srun, *check])} || "
-            "{ echo 'pre-flight failed (the line above): torchrun not started'; exit 1; }")
+        srun += [
+            "--chdir",
+            os.path.join(job_dir, "code") if cluster.packager == "git" else str(REPO),
+        ]
+    return (
+        f"{shlex.join([*srun, *check])} || "
+        "{ echo 'pre-flight failed (the line above): torchrun not started'; exit 1; }"
+    )

@@ -70,7 +70,9 @@ def stage_configs(plan: Plan) -> tuple[Plan, Path | None]:
     tasks = [replace(t, command=replace(t.command, argv=swap(t.command.argv))) for t in plan.tasks]
     cluster = plan.cluster
     if cluster.container_image:
-        cluster = replace(cluster, container_mounts=[*cluster.container_mounts, f"{staged}:{staged}"])
+        cluster = replace(
+            cluster, container_mounts=[*cluster.container_mounts, f"{staged}:{staged}"]
+        )
     return replace(plan, tasks=tasks, cluster=cluster), staged
 
 
@@ -82,10 +84,23 @@ def _torchrun_script(task: TaskSpec, group: int, port: int) -> run.Script:
     """torchrun spelled out for hetjob group ``group``: its own first host hosts the c10d store
     (NeMo-Run's launcher would point every group at group 0's head node)."""
     if task.command.argv[0] != "python":
-        raise ValueError(f"task {task.name}: torchrun runs python commands, not {task.command.argv[0]!r}")
-    torchrun = ("-m", "torch.distributed.run", "--nnodes", str(task.nodes),
-                "--nproc-per-node", str(task.procs_per_node), "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", f"{run.ExecutorMacros.group_host(group)}:{port}", "--rdzv-id", "1")
+        raise ValueError(
+            f"task {task.name}: torchrun runs python commands, not {task.command.argv[0]!r}"
+        )
+    torchrun = (
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(task.nodes),
+        "--nproc-per-node",
+        str(task.procs_per_node),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"{run.ExecutorMacros.group_host(group)}:{port}",
+        "--rdzv-id",
+        "1",
+    )
     return _script(Command(("python", *torchrun, *task.command.argv[1:])))
 
 
@@ -93,7 +108,9 @@ def _add(exp: run.Experiment, plan: Plan) -> list[str]:
     """Adds the plan's job(s) to ``exp``; returns the NeMo-Run job names."""
     if plan.executor == "local":
         for task in plan.tasks:
-            exp.add(_script(task.command), executor=local_executor(task, plan.cluster), name=task.name)
+            exp.add(
+                _script(task.command), executor=local_executor(task, plan.cluster), name=task.name
+            )
         return [t.name for t in plan.tasks]
     if not plan.heterogeneous:
         task = plan.tasks[0]
@@ -105,11 +122,15 @@ def _add(exp: run.Experiment, plan: Plan) -> list[str]:
     # The training group finds the rollout group's servers by their registrations in the job
     # directory (recipes.ROLLOUT_URL_DIR), not by host names.
     for group, task in enumerate(plan.tasks):
-        scripts.append(_script(task.command) if task.command.per_node
-                       else _torchrun_script(task, group, plan.cluster.rdzv_port))
+        scripts.append(
+            _script(task.command)
+            if task.command.per_node
+            else _torchrun_script(task, group, plan.cluster.rdzv_port)
+        )
         # No NeMo-Run launcher: one Slurm task per node; torchrun, if any, is spelled out above.
-        executors.append(slurm_executor(task, plan.cluster, plan.time, launcher=False,
-                                        heterogeneous=group == 0))
+        executors.append(
+            slurm_executor(task, plan.cluster, plan.time, launcher=False, heterogeneous=group == 0)
+        )
     name = "-".join(t.name for t in plan.tasks)
     exp.add(scripts, executor=executors, name=name)
     _add_preflight(exp, plan, dict(enumerate(plan.tasks)))
@@ -122,10 +143,15 @@ def _add_preflight(exp: run.Experiment, plan: Plan, tasks: dict[int | None, Task
     job = exp.jobs[-1]
     # A hetjob's JobGroup holds the groups merged into one executor.
     executor = job.executors if hasattr(job, "executors") else job.executor
-    lines = [preflight_line(task, plan.cluster, executor.job_dir, group)
-             for group, task in tasks.items() if runs_preflight(task)]
+    lines = [
+        preflight_line(task, plan.cluster, executor.job_dir, group)
+        for group, task in tasks.items()
+        if runs_preflight(task)
+    ]
     if lines:
-        executor.setup_lines = "\n".join(["# pre-flight (python -m megatron_ngrpo.launch.preflight)", *lines])
+        executor.setup_lines = "\n".join(
+            ["# pre-flight (python -m megatron_ngrpo.launch.preflight)", *lines]
+        )
 
 
 def dryrun(plan: Plan) -> dict[str, str]:
@@ -148,7 +174,9 @@ def dryrun(plan: Plan) -> dict[str, str]:
     return out
 
 
-def submit(plan: Plan, wait: bool = True, follow: BinaryIO | None = None) -> tuple[str, dict[str, JobStatus]]:
+def submit(
+    plan: Plan, wait: bool = True, follow: BinaryIO | None = None
+) -> tuple[str, dict[str, JobStatus]]:
     """Submit the plan; with ``wait`` block until every job ends. Returns the experiment id and
     each job's status. ``follow``: local jobs' logs are copied there as they grow, without
     torchrun's INFO lines (:class:`QuietLog`; the files keep them)."""
@@ -181,8 +209,10 @@ class JobStatus:
 
 
 def statuses(exp: run.Experiment) -> dict[str, JobStatus]:
-    return {name: JobStatus(str(info["status"]), str(info["job_id"]))
-            for name, info in exp.status(return_dict=True).items()}
+    return {
+        name: JobStatus(str(info["status"]), str(info["job_id"]))
+        for name, info in exp.status(return_dict=True).items()
+    }
 
 
 def load(exp_id: str) -> run.Experiment:
@@ -191,16 +221,22 @@ def load(exp_id: str) -> run.Experiment:
     try:
         return run.Experiment.from_id(exp_id) if is_id else run.Experiment.from_title(exp_id)
     except (AssertionError, FileNotFoundError):
-        raise LookupError(f"experiment {exp_id!r} not found under {run.config.get_nemorun_home()}") from None
+        raise LookupError(
+            f"experiment {exp_id!r} not found under {run.config.get_nemorun_home()}"
+        ) from None
 
 
-def wait_for(exp: run.Experiment, poll_s: float = 2.0, unknown_grace_s: float = 60.0) -> dict[str, JobStatus]:
+def wait_for(
+    exp: run.Experiment, poll_s: float = 2.0, unknown_grace_s: float = 60.0
+) -> dict[str, JobStatus]:
     """Poll until no job is pending or running. UNKNOWN counts as pending for
     ``unknown_grace_s``: sacct lists a job only once slurmdbd has recorded it."""
     start = time.monotonic()
     while True:
         status = statuses(exp)
-        waiting = PENDING_STATES + (("UNKNOWN",) if time.monotonic() - start < unknown_grace_s else ())
+        waiting = PENDING_STATES + (
+            ("UNKNOWN",) if time.monotonic() - start < unknown_grace_s else ()
+        )
         if not any(s.state in waiting for s in status.values()):
             return status
         time.sleep(poll_s)
@@ -208,7 +244,9 @@ def wait_for(exp: run.Experiment, poll_s: float = 2.0, unknown_grace_s: float = 
 
 def failed(status: dict[str, JobStatus]) -> list[str]:
     """Jobs that did not succeed (no job at all counts as a failure)."""
-    return [name for name, s in status.items() if s.state != TERMINAL_OK] or ([] if status else ["<none>"])
+    return [name for name, s in status.items() if s.state != TERMINAL_OK] or (
+        [] if status else ["<none>"]
+    )
 
 
 def log_files(exp: run.Experiment, job: str | None = None) -> list[Path]:

@@ -34,24 +34,31 @@ def train_files(configs: list[str], overrides: list[str]) -> JobFiles:
     from megatron_ngrpo.training.job_config import NGRPOConfig
 
     cfg = compose(NGRPOConfig, configs, overrides)
-    reads = {"model.hf_path": cfg.model.hf_path, "tokenizer": cfg.tokenizer,
-             "train.warmstart.path": cfg.train.warmstart.path,
-             **{f"data.train[{i}].path": d.path for i, d in enumerate(cfg.data.train)},
-             **{f"validation.benchmarks[{i}]": b for i, b in enumerate(cfg.validation.benchmarks)}}
+    reads = {
+        "model.hf_path": cfg.model.hf_path,
+        "tokenizer": cfg.tokenizer,
+        "train.warmstart.path": cfg.train.warmstart.path,
+        **{f"data.train[{i}].path": d.path for i, d in enumerate(cfg.data.train)},
+        **{f"validation.benchmarks[{i}]": b for i, b in enumerate(cfg.validation.benchmarks)},
+    }
     if cfg.train.load not in ("", "random"):
         reads["train.load"] = cfg.train.load
     # Registry names (tokenizer, benchmarks, datasets) and paths relative to the packaged code
     # travel with the code; only absolute paths are outside it.
-    return JobFiles(reads={k: v for k, v in reads.items() if os.path.isabs(v)},
-                    writes={"train.run_dir": cfg.train.run_dir})
+    return JobFiles(
+        reads={k: v for k, v in reads.items() if os.path.isabs(v)},
+        writes={"train.run_dir": cfg.train.run_dir},
+    )
 
 
 def require_absolute(files: JobFiles) -> None:
     for name, path in files.writes.items():
         if not os.path.isabs(path):
-            raise ConfigError(f"{name} = {path!r}: relative, so a Slurm job would write it inside its own job "
-                              f"folder and a resubmission would not resume: give an absolute path on shared "
-                              f"storage ({name}=/shared/...)")
+            raise ConfigError(
+                f"{name} = {path!r}: relative, so a Slurm job would write it inside its own job "
+                f"folder and a resubmission would not resume: give an absolute path on shared "
+                f"storage ({name}=/shared/...)"
+            )
 
 
 def _covered(path: str, mounts: list[str]) -> bool:
@@ -69,8 +76,10 @@ def container_mounts(mounts: list[str], files: JobFiles) -> list[str]:
     a written path no mount covers."""
     for name, path in files.writes.items():
         if not _covered(path, mounts):
-            raise ConfigError(f"{name} = {path!r}: not under any --mount of the container, so the job would "
-                              f"write inside the container and lose it (add --mount SRC:DST covering it)")
+            raise ConfigError(
+                f"{name} = {path!r}: not under any --mount of the container, so the job would "
+                f"write inside the container and lose it (add --mount SRC:DST covering it)"
+            )
     extra = []
     for path in files.reads.values():
         if not _covered(path, [*mounts, *extra]):

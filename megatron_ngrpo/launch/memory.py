@@ -99,8 +99,14 @@ class TrainMemory:
 
     @property
     def total(self) -> int:
-        return (self.weights + self.grads + self.optimizer + self.activations
-                + max(self.working, self.logits) + self.overhead)
+        return (
+            self.weights
+            + self.grads
+            + self.optimizer
+            + self.activations
+            + max(self.working, self.logits)
+            + self.overhead
+        )
 
 
 @dataclass(frozen=True)
@@ -120,9 +126,12 @@ class VLLMMemory:
 def layer_params(spec: ArchSpec, tp: int) -> int:
     """Parameters of one transformer layer on one TP rank (norms are replicated)."""
     qkv_out = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
-    sharded = (spec.hidden_size * qkv_out + (qkv_out if spec.qkv_bias else 0)
-               + spec.num_heads * spec.head_dim * spec.hidden_size
-               + 3 * spec.hidden_size * spec.ffn_hidden_size)
+    sharded = (
+        spec.hidden_size * qkv_out
+        + (qkv_out if spec.qkv_bias else 0)
+        + spec.num_heads * spec.head_dim * spec.hidden_size
+        + 3 * spec.hidden_size * spec.ffn_hidden_size
+    )
     replicated = 2 * spec.hidden_size + (2 * spec.head_dim if spec.qk_norm else 0)
     return sharded // tp + replicated
 
@@ -178,7 +187,9 @@ def activation_bytes(spec: ArchSpec, layout: TrainLayout, stage: int = 0) -> int
     if not layout.recompute:
         return layers_in_flight * layer_activation_bytes(spec, layout)
     sp = layout.tp if layout.sequence_parallel else 1
-    return int(layers_in_flight * (layout.param_bytes * _rank_tokens(layout) * spec.hidden_size // sp))
+    return int(
+        layers_in_flight * (layout.param_bytes * _rank_tokens(layout) * spec.hidden_size // sp)
+    )
 
 
 def working_bytes(spec: ArchSpec, layout: TrainLayout) -> int:
@@ -188,7 +199,9 @@ def working_bytes(spec: ArchSpec, layout: TrainLayout) -> int:
     if not layout.recompute:
         return 0
     attention, _, scores = _layer_elements(spec, layout)
-    attention_backward = layout.param_bytes * _rank_tokens(layout) * (attention + UNFUSED_S2_COPIES * scores)
+    attention_backward = (
+        layout.param_bytes * _rank_tokens(layout) * (attention + UNFUSED_S2_COPIES * scores)
+    )
     return int(max(layer_activation_bytes(spec, layout), attention_backward))
 
 
@@ -210,7 +223,9 @@ def train_memory(spec: ArchSpec, layout: TrainLayout) -> TrainMemory:
     most activations) and the last stage (output layer, logits)."""
     best = None
     for stage in sorted({0, layout.pp - 1}):
-        params = stage_params(spec, layout.tp, layout.pp, stage, layout.make_vocab_size_divisible_by)
+        params = stage_params(
+            spec, layout.tp, layout.pp, stage, layout.make_vocab_size_divisible_by
+        )
         mem = TrainMemory(
             params=params,
             weights=layout.param_bytes * params,
@@ -226,8 +241,13 @@ def train_memory(spec: ArchSpec, layout: TrainLayout) -> TrainMemory:
     return best
 
 
-def vllm_memory(spec: ArchSpec, tp: int, gpu_memory_utilization: float,
-                gpu_bytes: int = H100_BYTES, quantization: str | None = None) -> VLLMMemory:
+def vllm_memory(
+    spec: ArchSpec,
+    tp: int,
+    gpu_memory_utilization: float,
+    gpu_bytes: int = H100_BYTES,
+    quantization: str | None = None,
+) -> VLLMMemory:
     """Weights and KV-cache capacity of one vLLM engine rank. ``quantization="fp8"``: vLLM's
     online FP8 stores the transformer layers' linear weights in 1 byte (norms, embedding and
     output matrix stay bf16); the KV cache stays bf16."""
@@ -237,8 +257,15 @@ def vllm_memory(spec: ArchSpec, tp: int, gpu_memory_utilization: float,
     weights = BF16 * model_params(spec) // tp
     if quantization == "fp8":
         qkv_out = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
-        linear = spec.num_layers * spec.hidden_size * (qkv_out + spec.num_heads * spec.head_dim
-                                                       + 3 * spec.ffn_hidden_size)
+        linear = (
+            spec.num_layers
+            * spec.hidden_size
+            * (qkv_out + spec.num_heads * spec.head_dim + 3 * spec.ffn_hidden_size)
+        )
         weights -= (BF16 - FP8) * linear // tp
-    return VLLMMemory(reserved=reserved, weights=weights, kv_bytes_per_token=kv_per_token,
-                      kv_cache=reserved - weights - VLLM_RESERVE_BYTES)
+    return VLLMMemory(
+        reserved=reserved,
+        weights=weights,
+        kv_bytes_per_token=kv_per_token,
+        kv_cache=reserved - weights - VLLM_RESERVE_BYTES,
+    )

@@ -80,7 +80,11 @@ class LayoutPlan:
     def built_total(self) -> int:
         """Σ over TP×PP ranks of the model's parameters, megatron's vocabulary padding removed."""
         spec = self.recipe.spec
-        padding = (self.padded_vocab - spec.vocab_size) * spec.hidden_size * (1 if spec.tied_embeddings else 2)
+        padding = (
+            (self.padded_vocab - spec.vocab_size)
+            * spec.hidden_size
+            * (1 if spec.tied_embeddings else 2)
+        )
         return sum(s.counted for s in self.shards) - padding
 
     @property
@@ -92,8 +96,12 @@ class LayoutPlan:
         return self.gpu_total <= memory.H100_USABLE_BYTES
 
 
-def plan_layout(recipe: recipes.Recipe, nodes: int | None = None, overrides: tuple[str, ...] = (),
-              config: str | None = None) -> LayoutPlan:
+def plan_layout(
+    recipe: recipes.Recipe,
+    nodes: int | None = None,
+    overrides: tuple[str, ...] = (),
+    config: str | None = None,
+) -> LayoutPlan:
     """Validate, build on meta under a fake process group, count and size (see the module
     docstring). Raises :class:`PlanError` when the layout cannot be built or does not fit; a
     layout that does not fit is refused before anything is built."""
@@ -106,32 +114,46 @@ def plan_layout(recipe: recipes.Recipe, nodes: int | None = None, overrides: tup
     cfg = recipe_config(recipe, nodes, overrides, config)
     m = cfg.model
     dp = world // (m.tensor_parallel * m.pipeline_parallel * m.context_parallel)
-    plan = LayoutPlan(recipe=recipe, nodes=nodes, world_size=world, tp=m.tensor_parallel,
-                      pp=m.pipeline_parallel, vpp=m.virtual_pipeline, dp=dp,
-                      padded_vocab=memory.padded_vocab_size(recipe.spec.vocab_size, m.tensor_parallel,
-                                                            m.make_vocab_size_divisible_by),
-                      hf_total=memory.model_params(recipe.spec))
+    plan = LayoutPlan(
+        recipe=recipe,
+        nodes=nodes,
+        world_size=world,
+        tp=m.tensor_parallel,
+        pp=m.pipeline_parallel,
+        vpp=m.virtual_pipeline,
+        dp=dp,
+        padded_vocab=memory.padded_vocab_size(
+            recipe.spec.vocab_size, m.tensor_parallel, m.make_vocab_size_divisible_by
+        ),
+        hf_total=memory.model_params(recipe.spec),
+    )
     plan.layout = train_layout(cfg, dp)
     plan.train = memory.train_memory(recipe.spec, plan.layout)
     if cfg.rollout.engine == "vllm":
         v = cfg.rollout.vllm
-        plan.vllm = memory.vllm_memory(recipe.spec, v.tensor_parallel, v.gpu_memory_utilization,
-                                       quantization=v.quantization)
+        plan.vllm = memory.vllm_memory(
+            recipe.spec, v.tensor_parallel, v.gpu_memory_utilization, quantization=v.quantization
+        )
     if not plan.fits:
-        raise PlanError(f"recipe {recipe.name} on {nodes} node(s): TP {plan.tp}, PP {plan.pp}, DP {dp} needs "
-                        f"{plan.gpu_total / memory.GIB:.1f} GiB per GPU (training {plan.train.total / memory.GIB:.1f}"
-                        f" + vLLM {(plan.vllm.reserved if plan.vllm else 0) / memory.GIB:.1f}), more than "
-                        f"{memory.H100_USABLE_BYTES / memory.GIB:.1f} GiB of an 80 GB H100")
+        raise PlanError(
+            f"recipe {recipe.name} on {nodes} node(s): TP {plan.tp}, PP {plan.pp}, DP {dp} needs "
+            f"{plan.gpu_total / memory.GIB:.1f} GiB per GPU (training {plan.train.total / memory.GIB:.1f}"
+            f" + vLLM {(plan.vllm.reserved if plan.vllm else 0) / memory.GIB:.1f}), more than "
+            f"{memory.H100_USABLE_BYTES / memory.GIB:.1f} GiB of an 80 GB H100"
+        )
     with tempfile.TemporaryDirectory(prefix="ngrpo-plan-") as hf:
         _write_hf_config(recipe, hf)
         # CP ranks hold the same parameters: built as megatron's DP ranks of a CP-less layout.
-        plan.shards = _build_shards(dataclasses.replace(cfg.model, hf_path=hf), world, dp * m.context_parallel)
+        plan.shards = _build_shards(
+            dataclasses.replace(cfg.model, hf_path=hf), world, dp * m.context_parallel
+        )
     _check_counts(plan, cfg)
     return plan
 
 
-def recipe_config(recipe: recipes.Recipe, nodes: int, overrides: tuple[str, ...] = (),
-                  config: str | None = None):
+def recipe_config(
+    recipe: recipes.Recipe, nodes: int, overrides: tuple[str, ...] = (), config: str | None = None
+):
     """The recipe's training config (its YAML, the launcher's overrides, ``overrides``) validated
     at the recipe's world size on ``nodes`` nodes, against the recipe's config.json facts. No
     weights exist here: ``train.load=random`` skips the check that model.hf_path holds them."""
@@ -140,11 +162,21 @@ def recipe_config(recipe: recipes.Recipe, nodes: int, overrides: tuple[str, ...]
     if path is None:
         raise PlanError(f"recipe {recipe.name}: has no training config; pass --config")
     path = Path(path) if Path(path).is_file() else REPO / path
-    with tempfile.TemporaryDirectory(prefix="ngrpo-plan-") as hf, _world_size(recipe.world_size(nodes)):
+    with (
+        tempfile.TemporaryDirectory(prefix="ngrpo-plan-") as hf,
+        _world_size(recipe.world_size(nodes)),
+    ):
         _write_hf_config(recipe, hf)
         try:
-            return load_config([path], [*recipe.model_overrides(hf), *recipe.rollout_overrides(),
-                                        "train.load=random", *overrides])
+            return load_config(
+                [path],
+                [
+                    *recipe.model_overrides(hf),
+                    *recipe.rollout_overrides(),
+                    "train.load=random",
+                    *overrides,
+                ],
+            )
         except ConfigError as e:
             raise PlanError(str(e)) from None
 
@@ -156,10 +188,16 @@ def train_layout(cfg, dp: int) -> memory.TrainLayout:
     longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     tokens = t.max_tokens_per_micro_batch or t.micro_batch_size * longest
     return memory.TrainLayout(
-        tp=m.tensor_parallel, pp=m.pipeline_parallel, dp=dp, tokens=tokens, cp=m.context_parallel,
-        sequence_parallel=m.sequence_parallel and m.tensor_parallel > 1, recompute=m.recompute,
+        tp=m.tensor_parallel,
+        pp=m.pipeline_parallel,
+        dp=dp,
+        tokens=tokens,
+        cp=m.context_parallel,
+        sequence_parallel=m.sequence_parallel and m.tensor_parallel > 1,
+        recompute=m.recompute,
         make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
-        distributed_optimizer=cfg.optim.distributed_optimizer)
+        distributed_optimizer=cfg.optim.distributed_optimizer,
+    )
 
 
 def format_plan(plan: LayoutPlan) -> str:
@@ -181,7 +219,8 @@ def format_plan(plan: LayoutPlan) -> str:
         f"  weights {gib(t.weights)}, grads {gib(t.grads)}, optimizer {gib(t.optimizer)}, "
         f"activations kept {gib(t.activations)}, one layer's backward {gib(t.working)}, "
         f"logits {gib(t.logits)}, overhead {gib(t.overhead)}",
-        f"  training {gib(t.total)}" + (f" + vLLM reserved {gib(plan.vllm.reserved)}" if plan.vllm else "")
+        f"  training {gib(t.total)}"
+        + (f" + vLLM reserved {gib(plan.vllm.reserved)}" if plan.vllm else "")
         + f" = {gib(plan.gpu_total)} of {gib(memory.H100_USABLE_BYTES)} usable: fits",
     ]
     return "\n".join(lines)
@@ -231,17 +270,22 @@ def _build_shards_quietly(model_cfg, world: int, dp: int) -> list[RankShard]:
             dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
             try:
                 # megatron's gloo side groups are not implemented by the fake backend.
-                ps.initialize_model_parallel(tp, pp, model_cfg.virtual_pipeline,
-                                             create_gloo_process_groups=False)
-                assert (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()) == \
-                    (tp_rank, pp_rank), "unexpected megatron rank order"
+                ps.initialize_model_parallel(
+                    tp, pp, model_cfg.virtual_pipeline, create_gloo_process_groups=False
+                )
+                assert (
+                    ps.get_tensor_model_parallel_rank(),
+                    ps.get_pipeline_model_parallel_rank(),
+                ) == (tp_rank, pp_rank), "unexpected megatron rank order"
                 # init_weights: only megatron's initialisation marks weights TP-sharded.
                 with torch.device("meta"):
                     chunks = [unwrap(c) for c in build_model(model_cfg, init_weights=True)]
                 shards.append(_shard(rank, tp_rank, pp_rank, chunks))
             except (AssertionError, RuntimeError, ValueError) as e:
-                raise PlanError(f"TP {tp} × PP {pp} rank {rank}: megatron cannot build it: "
-                                f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+                raise PlanError(
+                    f"TP {tp} × PP {pp} rank {rank}: megatron cannot build it: "
+                    f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                ) from None
             finally:
                 ps.destroy_model_parallel()
                 dist.destroy_process_group()
@@ -267,9 +311,15 @@ def _shard(rank: int, tp_rank: int, pp_rank: int, chunks: list) -> RankShard:
 def _check_counts(plan: LayoutPlan, cfg) -> None:
     spec = plan.recipe.spec
     if plan.built_total != plan.hf_total:
-        raise PlanError(f"megatron builds {plan.built_total:,} parameters (Σ over TP×PP, padding removed), "
-                        f"the HF config has {plan.hf_total:,}")
+        raise PlanError(
+            f"megatron builds {plan.built_total:,} parameters (Σ over TP×PP, padding removed), "
+            f"the HF config has {plan.hf_total:,}"
+        )
     for s in plan.shards:
-        expected = memory.stage_params(spec, plan.tp, plan.pp, s.pp_rank, cfg.model.make_vocab_size_divisible_by)
+        expected = memory.stage_params(
+            spec, plan.tp, plan.pp, s.pp_rank, cfg.model.make_vocab_size_divisible_by
+        )
         if s.params != expected:
-            raise PlanError(f"rank {s.rank} holds {s.params:,} parameters, the memory model expects {expected:,}")
+            raise PlanError(
+                f"rank {s.rank} holds {s.params:,} parameters, the memory model expects {expected:,}"
+            )

@@ -23,9 +23,16 @@ from packaging.requirements import Requirement
 from megatron_ngrpo.config_loader import ConfigError
 
 # Import name -> distribution name of what every training job imports.
-ALWAYS = {"torch": "torch", "megatron.core": "megatron-core", "transformers": "transformers",
-          "tokenizers": "tokenizers", "safetensors": "safetensors", "omegaconf": "omegaconf",
-          "math_verify": "math-verify", "datasets": "datasets"}
+ALWAYS = {
+    "torch": "torch",
+    "megatron.core": "megatron-core",
+    "transformers": "transformers",
+    "tokenizers": "tokenizers",
+    "safetensors": "safetensors",
+    "omegaconf": "omegaconf",
+    "math_verify": "math-verify",
+    "datasets": "datasets",
+}
 VLLM = {"vllm": "vllm"}
 TE = {"transformer_engine.pytorch": "transformer-engine"}
 
@@ -57,14 +64,20 @@ def check_imports(modules: dict[str, str], reqs: dict[str, Requirement]) -> list
         try:
             importlib.import_module(module)
         except Exception as e:  # ImportError, or a package broken on import (TE without its libs)
-            raise PreflightError(f"{module} does not import: {type(e).__name__}: "
-                                 f"{str(e).splitlines()[0] if str(e) else ''}") from None
+            raise PreflightError(
+                f"{module} does not import: {type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}"
+            ) from None
         try:
             version = md.version(dist)
         except md.PackageNotFoundError:
             version = getattr(sys.modules[module.split(".")[0]], "__version__", "?")
         req = reqs.get(dist)
-        if req is not None and version != "?" and not req.specifier.contains(version, prereleases=True):
+        if (
+            req is not None
+            and version != "?"
+            and not req.specifier.contains(version, prereleases=True)
+        ):
             raise PreflightError(f"{dist} {version} is outside the required range {req.specifier}")
         found.append(f"{dist} {version}")
     return found
@@ -100,8 +113,12 @@ def preflight(configs: list[str], overrides: list[str], gpus: int, world_size: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m megatron_ngrpo.launch.preflight", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--gpus", type=int, required=True, help="GPUs this node's ranks use (0: a CPU job)")
+    ap = argparse.ArgumentParser(
+        prog="python -m megatron_ngrpo.launch.preflight", description=__doc__.split("\n\n")[0]
+    )
+    ap.add_argument(
+        "--gpus", type=int, required=True, help="GPUs this node's ranks use (0: a CPU job)"
+    )
     ap.add_argument("--world-size", type=int, default=1, help="ranks in the whole job")
     ap.add_argument("--config", action="append", default=[], metavar="FILE")
     ap.add_argument("overrides", nargs="*", metavar="a.b=c")

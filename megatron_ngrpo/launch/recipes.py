@@ -50,12 +50,22 @@ class ModelShape:
     max_positions: int = 131072
 
     def hf_config(self) -> dict:
-        return dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", num_hidden_layers=self.layers,
-                    hidden_size=self.hidden, intermediate_size=self.ffn, num_attention_heads=self.heads,
-                    num_key_value_heads=self.kv_heads, vocab_size=self.vocab,
-                    tie_word_embeddings=self.tied, rope_theta=self.rope_theta,
-                    rms_norm_eps=self.rms_norm_eps, max_position_embeddings=self.max_positions,
-                    hidden_act="silu", torch_dtype="bfloat16")
+        return dict(
+            architectures=["Qwen2ForCausalLM"],
+            model_type="qwen2",
+            num_hidden_layers=self.layers,
+            hidden_size=self.hidden,
+            intermediate_size=self.ffn,
+            num_attention_heads=self.heads,
+            num_key_value_heads=self.kv_heads,
+            vocab_size=self.vocab,
+            tie_word_embeddings=self.tied,
+            rope_theta=self.rope_theta,
+            rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_positions,
+            hidden_act="silu",
+            torch_dtype="bfloat16",
+        )
 
     def spec(self) -> ArchSpec:
         return ArchSpec.from_dict(self.hf_config(), source="megatron_ngrpo.launch.recipes")
@@ -104,38 +114,59 @@ class Recipe:
     def validate(self, nodes: int) -> None:
         """One-line errors for layouts this recipe cannot take on ``nodes`` nodes."""
         if not self.min_nodes <= nodes <= self.max_nodes:
-            raise ConfigError(f"recipe {self.name}: nodes = {nodes}: expected {self.min_nodes}..{self.max_nodes}")
+            raise ConfigError(
+                f"recipe {self.name}: nodes = {nodes}: expected {self.min_nodes}..{self.max_nodes}"
+            )
         model_parallel = self.tensor_parallel * self.pipeline_parallel
         if self.world_size(nodes) % model_parallel:
-            raise ConfigError(f"recipe {self.name}: {self.world_size(nodes)} ranks not divisible by TP×PP = {model_parallel}")
+            raise ConfigError(
+                f"recipe {self.name}: {self.world_size(nodes)} ranks not divisible by TP×PP = {model_parallel}"
+            )
         if self.procs_per_node % self.vllm_tensor_parallel:
-            raise ConfigError(f"recipe {self.name}: vLLM TP = {self.vllm_tensor_parallel} does not divide {self.procs_per_node} ranks per node")
-        check_layout(self.spec, ModelConfig(tensor_parallel=self.tensor_parallel,
-                                            pipeline_parallel=self.pipeline_parallel))
+            raise ConfigError(
+                f"recipe {self.name}: vLLM TP = {self.vllm_tensor_parallel} does not divide {self.procs_per_node} ranks per node"
+            )
+        check_layout(
+            self.spec,
+            ModelConfig(
+                tensor_parallel=self.tensor_parallel, pipeline_parallel=self.pipeline_parallel
+            ),
+        )
 
     def train_layout(self, nodes: int | None = None) -> memory.TrainLayout:
-        return memory.TrainLayout(tp=self.tensor_parallel, pp=self.pipeline_parallel,
-                                  dp=self.data_parallel(nodes or self.nodes),
-                                  tokens=self.micro_batch_tokens or self.seq_len,
-                                  sequence_parallel=self.sequence_parallel and self.tensor_parallel > 1,
-                                  recompute=self.recompute)
+        return memory.TrainLayout(
+            tp=self.tensor_parallel,
+            pp=self.pipeline_parallel,
+            dp=self.data_parallel(nodes or self.nodes),
+            tokens=self.micro_batch_tokens or self.seq_len,
+            sequence_parallel=self.sequence_parallel and self.tensor_parallel > 1,
+            recompute=self.recompute,
+        )
 
     def train_memory(self, nodes: int | None = None) -> memory.TrainMemory:
         return memory.train_memory(self.spec, self.train_layout(nodes))
 
     def vllm_memory(self) -> memory.VLLMMemory:
-        return memory.vllm_memory(self.spec, self.vllm_tensor_parallel, self.vllm_gpu_memory_utilization)
+        return memory.vllm_memory(
+            self.spec, self.vllm_tensor_parallel, self.vllm_gpu_memory_utilization
+        )
 
     def model_overrides(self, hf_path: str) -> list[str]:
-        return [f"model.hf_path={hf_path}", f"model.tensor_parallel={self.tensor_parallel}",
-                f"model.pipeline_parallel={self.pipeline_parallel}",
-                f"model.sequence_parallel={self.sequence_parallel}", f"model.recompute={self.recompute}"]
+        return [
+            f"model.hf_path={hf_path}",
+            f"model.tensor_parallel={self.tensor_parallel}",
+            f"model.pipeline_parallel={self.pipeline_parallel}",
+            f"model.sequence_parallel={self.sequence_parallel}",
+            f"model.recompute={self.recompute}",
+        ]
 
     def rollout_servers_per_node(self) -> int:
         """vLLM engines per node of the rollout group (data-parallel over the node's GPUs)."""
         if self.gpus_per_node % self.vllm_tensor_parallel:
-            raise ConfigError(f"recipe {self.name}: vLLM TP = {self.vllm_tensor_parallel} does not divide the "
-                              f"rollout group's {self.gpus_per_node} GPUs per node")
+            raise ConfigError(
+                f"recipe {self.name}: vLLM TP = {self.vllm_tensor_parallel} does not divide the "
+                f"rollout group's {self.gpus_per_node} GPUs per node"
+            )
         return max(self.gpus_per_node // self.vllm_tensor_parallel, 1)
 
     def rollout_overrides(self, disaggregated: bool = False) -> list[str]:
@@ -143,51 +174,124 @@ class Recipe:
             # GPU servers: weights go from global rank 0 to every server over NCCL, not as HTTP pushes
             # (base64 of the whole model per server per step, buffered by each worker).
             route = ["rollout.remote.weight_transfer=nccl"] if self.gpus_per_node else []
-            return ["rollout.engine=remote", f"rollout.remote.url_dir={ROLLOUT_URL_DIR}",
-                    f"rollout.remote.num_servers={self.rollout_nodes * self.rollout_servers_per_node()}", *route]
+            return [
+                "rollout.engine=remote",
+                f"rollout.remote.url_dir={ROLLOUT_URL_DIR}",
+                f"rollout.remote.num_servers={self.rollout_nodes * self.rollout_servers_per_node()}",
+                *route,
+            ]
         out = [f"rollout.engine={self.rollout_engine}"]
         if self.rollout_engine == "vllm":
-            out += [f"rollout.vllm.tensor_parallel={self.vllm_tensor_parallel}",
-                    f"rollout.vllm.gpu_memory_utilization={self.vllm_gpu_memory_utilization}",
-                    f"rollout.vllm.max_model_len={self.seq_len}"]
+            out += [
+                f"rollout.vllm.tensor_parallel={self.vllm_tensor_parallel}",
+                f"rollout.vllm.gpu_memory_utilization={self.vllm_gpu_memory_utilization}",
+                f"rollout.vllm.max_model_len={self.seq_len}",
+            ]
         return out
 
 
-_H100 = dict(procs_per_node=8, gpus_per_node=8, sequence_parallel=True, recompute=True,
-             seq_len=4096 + 8192, micro_batch_tokens=2 * (4096 + 8192), rollout_engine="vllm")
+_H100 = dict(
+    procs_per_node=8,
+    gpus_per_node=8,
+    sequence_parallel=True,
+    recompute=True,
+    seq_len=4096 + 8192,
+    micro_batch_tokens=2 * (4096 + 8192),
+    rollout_engine="vllm",
+)
 
-RECIPES: dict[str, Recipe] = {r.name: r for r in [
-    Recipe(
-        name="r1-1.5b", summary="DeepSeek-R1-Distill-Qwen-1.5B, 1 node × 8 H100",
-        hf_name="DeepSeek-R1-Distill-Qwen-1.5B",
-        # Untied (unlike Qwen2.5-1.5B): the published card's 1.78 B parameters.
-        shape=ModelShape(layers=28, hidden=1536, ffn=8960, heads=12, kv_heads=2, vocab=151936, tied=False),
-        config="configs/ngrpo_r1_1.5b.yaml", nodes=1, min_nodes=1, max_nodes=2, tensor_parallel=1, pipeline_parallel=1,
-        vllm_tensor_parallel=1, vllm_gpu_memory_utilization=0.35, time="24:00:00", **_H100),
-    Recipe(
-        name="r1-7b", summary="DeepSeek-R1-Distill-Qwen-7B, 2-4 nodes × 8 H100",
-        hf_name="DeepSeek-R1-Distill-Qwen-7B",
-        shape=ModelShape(layers=28, hidden=3584, ffn=18944, heads=28, kv_heads=4, vocab=152064, tied=False),
-        config="configs/ngrpo_r1_7b.yaml", nodes=2, min_nodes=2, max_nodes=4, tensor_parallel=4, pipeline_parallel=1,
-        vllm_tensor_parallel=2, vllm_gpu_memory_utilization=0.4, time="48:00:00", **_H100),
-    Recipe(
-        name="r1-14b", summary="DeepSeek-R1-Distill-Qwen-14B, 4-8 nodes × 8 H100",
-        hf_name="DeepSeek-R1-Distill-Qwen-14B",
-        shape=ModelShape(layers=48, hidden=5120, ffn=13824, heads=40, kv_heads=8, vocab=152064, tied=False,
-                         rope_theta=1e6, rms_norm_eps=1e-5),
-        config="configs/ngrpo_r1_14b.yaml", nodes=4, min_nodes=4, max_nodes=8, tensor_parallel=8, pipeline_parallel=1,
-        vllm_tensor_parallel=4, vllm_gpu_memory_utilization=0.4, time="72:00:00", rollout_nodes=2,
-        **_H100),
-    # CPU smoke runs (laptop, CI): testing.tiny's default shape, two gloo ranks with TP 2.
-    Recipe(
-        name="tiny", summary="tiny random Qwen2 (testing.tiny), CPU, 2 ranks, TP 2",
-        hf_name="tiny-qwen2",
-        shape=ModelShape(layers=4, hidden=128, ffn=256, heads=4, kv_heads=2, vocab=512, tied=False),
-        nodes=1, min_nodes=1, max_nodes=2, procs_per_node=2, gpus_per_node=0,
-        tensor_parallel=2, pipeline_parallel=1, sequence_parallel=False, recompute=False,
-        seq_len=256, rollout_engine="megatron", vllm_tensor_parallel=1,
-        vllm_gpu_memory_utilization=0.5, time="00:10:00"),
-]}
+RECIPES: dict[str, Recipe] = {
+    r.name: r
+    for r in [
+        Recipe(
+            name="r1-1.5b",
+            summary="DeepSeek-R1-Distill-Qwen-1.5B, 1 node × 8 H100",
+            hf_name="DeepSeek-R1-Distill-Qwen-1.5B",
+            # Untied (unlike Qwen2.5-1.5B): the published card's 1.78 B parameters.
+            shape=ModelShape(
+                layers=28, hidden=1536, ffn=8960, heads=12, kv_heads=2, vocab=151936, tied=False
+            ),
+            config="configs/ngrpo_r1_1.5b.yaml",
+            nodes=1,
+            min_nodes=1,
+            max_nodes=2,
+            tensor_parallel=1,
+            pipeline_parallel=1,
+            vllm_tensor_parallel=1,
+            vllm_gpu_memory_utilization=0.35,
+            time="24:00:00",
+            **_H100,
+        ),
+        Recipe(
+            name="r1-7b",
+            summary="DeepSeek-R1-Distill-Qwen-7B, 2-4 nodes × 8 H100",
+            hf_name="DeepSeek-R1-Distill-Qwen-7B",
+            shape=ModelShape(
+                layers=28, hidden=3584, ffn=18944, heads=28, kv_heads=4, vocab=152064, tied=False
+            ),
+            config="configs/ngrpo_r1_7b.yaml",
+            nodes=2,
+            min_nodes=2,
+            max_nodes=4,
+            tensor_parallel=4,
+            pipeline_parallel=1,
+            vllm_tensor_parallel=2,
+            vllm_gpu_memory_utilization=0.4,
+            time="48:00:00",
+            **_H100,
+        ),
+        Recipe(
+            name="r1-14b",
+            summary="DeepSeek-R1-Distill-Qwen-14B, 4-8 nodes × 8 H100",
+            hf_name="DeepSeek-R1-Distill-Qwen-14B",
+            shape=ModelShape(
+                layers=48,
+                hidden=5120,
+                ffn=13824,
+                heads=40,
+                kv_heads=8,
+                vocab=152064,
+                tied=False,
+                rope_theta=1e6,
+                rms_norm_eps=1e-5,
+            ),
+            config="configs/ngrpo_r1_14b.yaml",
+            nodes=4,
+            min_nodes=4,
+            max_nodes=8,
+            tensor_parallel=8,
+            pipeline_parallel=1,
+            vllm_tensor_parallel=4,
+            vllm_gpu_memory_utilization=0.4,
+            time="72:00:00",
+            rollout_nodes=2,
+            **_H100,
+        ),
+        # CPU smoke runs (laptop, CI): testing.tiny's default shape, two gloo ranks with TP 2.
+        Recipe(
+            name="tiny",
+            summary="tiny random Qwen2 (testing.tiny), CPU, 2 ranks, TP 2",
+            hf_name="tiny-qwen2",
+            shape=ModelShape(
+                layers=4, hidden=128, ffn=256, heads=4, kv_heads=2, vocab=512, tied=False
+            ),
+            nodes=1,
+            min_nodes=1,
+            max_nodes=2,
+            procs_per_node=2,
+            gpus_per_node=0,
+            tensor_parallel=2,
+            pipeline_parallel=1,
+            sequence_parallel=False,
+            recompute=False,
+            seq_len=256,
+            rollout_engine="megatron",
+            vllm_tensor_parallel=1,
+            vllm_gpu_memory_utilization=0.5,
+            time="00:10:00",
+        ),
+    ]
+}
 
 
 def get(name: str) -> Recipe:
@@ -221,10 +325,19 @@ class TaskSpec:
     env: dict[str, str] = field(default_factory=dict)
 
 
-def render(recipe: Recipe, task: str, *, hf_path: str, configs: tuple[str, ...] = (),
-           checkpoint: str | None = None, output: str | None = None, nodes: int | None = None,
-           overrides: tuple[str, ...] = (), module: str | None = None,
-           disaggregated: bool = False) -> TaskSpec:
+def render(
+    recipe: Recipe,
+    task: str,
+    *,
+    hf_path: str,
+    configs: tuple[str, ...] = (),
+    checkpoint: str | None = None,
+    output: str | None = None,
+    nodes: int | None = None,
+    overrides: tuple[str, ...] = (),
+    module: str | None = None,
+    disaggregated: bool = False,
+) -> TaskSpec:
     """The command of ``task`` for ``recipe``.
 
     train / eval: ``python -m <module> --config FILE... <recipe overrides> <overrides>``; the
@@ -246,9 +359,15 @@ def render(recipe: Recipe, task: str, *, hf_path: str, configs: tuple[str, ...] 
             if "=" not in o or o.startswith("-"):
                 raise ConfigError(f"override {o!r}: expected key.sub=value")
         entry = module or (TRAIN_MODULE if task == "train" else EVAL_MODULE)
-        args = (*(a for c in configs for a in ("--config", c)), *recipe.model_overrides(hf_path),
-                *recipe.rollout_overrides(disaggregated), *overrides)
-        return TaskSpec(task, Command.python(entry, args), nodes, recipe.procs_per_node, recipe.gpus_per_node)
+        args = (
+            *(a for c in configs for a in ("--config", c)),
+            *recipe.model_overrides(hf_path),
+            *recipe.rollout_overrides(disaggregated),
+            *overrides,
+        )
+        return TaskSpec(
+            task, Command.python(entry, args), nodes, recipe.procs_per_node, recipe.gpus_per_node
+        )
     if not output:
         raise ConfigError(f"task {task}: --output DIR is required")
     layout = ("--tp", str(recipe.tensor_parallel), "--pp", str(recipe.pipeline_parallel))
@@ -257,22 +376,55 @@ def render(recipe: Recipe, task: str, *, hf_path: str, configs: tuple[str, ...] 
     else:
         if not checkpoint:
             raise ConfigError("task convert-megatron: --checkpoint DIR is required")
-        args = ("megatron-to-hf", "--input", checkpoint, "--output", output, "--hf-source", hf_path, *layout,
-                *overrides)
+        args = (
+            "megatron-to-hf",
+            "--input",
+            checkpoint,
+            "--output",
+            output,
+            "--hf-source",
+            hf_path,
+            *layout,
+            *overrides,
+        )
     model_parallel = recipe.tensor_parallel * recipe.pipeline_parallel
-    return TaskSpec(task, Command.python(CONVERT_MODULE, args), 1, model_parallel,
-                    min(recipe.gpus_per_node, model_parallel))
+    return TaskSpec(
+        task,
+        Command.python(CONVERT_MODULE, args),
+        1,
+        model_parallel,
+        min(recipe.gpus_per_node, model_parallel),
+    )
 
 
 def rollout_server(recipe: Recipe, hf_path: str, extra: tuple[str, ...] = ()) -> TaskSpec:
     """The rollout group of a disaggregated job: on every node, one rollout server process
     (vLLM with N-GRPO's mixing hook, :mod:`megatron_ngrpo.rollout.remote.server`) running one engine of
     vLLM TP per block of the node's GPUs; ``extra``: more server options."""
-    argv = ("python", "-m", ROLLOUT_SERVER, "--model", hf_path, "--port", str(ROLLOUT_PORT),
-            "--tensor-parallel-size", str(recipe.vllm_tensor_parallel),
-            "--data-parallel-size", str(recipe.rollout_servers_per_node()),
-            "--gpu-memory-utilization", str(ROLLOUT_NODE_GPU_MEMORY_UTILIZATION if recipe.gpus_per_node
-                                            else recipe.vllm_gpu_memory_utilization),
-            "--max-model-len", str(recipe.seq_len), "--url-dir", ROLLOUT_URL_DIR, *extra)
-    return TaskSpec("rollout", Command(argv, per_node=True),
-                    recipe.rollout_nodes, 1, recipe.gpus_per_node)
+    argv = (
+        "python",
+        "-m",
+        ROLLOUT_SERVER,
+        "--model",
+        hf_path,
+        "--port",
+        str(ROLLOUT_PORT),
+        "--tensor-parallel-size",
+        str(recipe.vllm_tensor_parallel),
+        "--data-parallel-size",
+        str(recipe.rollout_servers_per_node()),
+        "--gpu-memory-utilization",
+        str(
+            ROLLOUT_NODE_GPU_MEMORY_UTILIZATION
+            if recipe.gpus_per_node
+            else recipe.vllm_gpu_memory_utilization
+        ),
+        "--max-model-len",
+        str(recipe.seq_len),
+        "--url-dir",
+        ROLLOUT_URL_DIR,
+        *extra,
+    )
+    return TaskSpec(
+        "rollout", Command(argv, per_node=True), recipe.rollout_nodes, 1, recipe.gpus_per_node
+    )

@@ -8,7 +8,9 @@ from __future__ import annotations
 import torch
 
 
-def mix_rows(cand: torch.Tensor, weights: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
+def mix_rows(
+    cand: torch.Tensor, weights: torch.Tensor, noise: torch.Tensor | None = None
+) -> torch.Tensor:
     """Σ_j weights[:, j]·cand[:, j] (+ noise) accumulated in fp32 (fp64 rows: fp64) and rounded
     once to ``cand``'s dtype.
 

@@ -71,7 +71,11 @@ class MixingConfig:
         if self.neighbor_source not in ("input", "output"):
             fail("neighbor_source", self.neighbor_source, "expected 'input' or 'output'")
         if self.temperature is not None and self.temperature <= 0:
-            fail("temperature", self.temperature, "must be > 0 (or null for the sampling temperature)")
+            fail(
+                "temperature",
+                self.temperature,
+                "must be > 0 (or null for the sampling temperature)",
+            )
         if self.emit not in ("anchor", "sample"):
             fail("emit", self.emit, "expected 'anchor' (paper) or 'sample' (reference code)")
         if self.refresh_every < 0:
@@ -79,16 +83,19 @@ class MixingConfig:
         if self.neighbor_lookup not in LOOKUPS:
             fail("neighbor_lookup", self.neighbor_lookup, f"expected one of {LOOKUPS}")
         if self.neighbor_lookup == "on_demand" and self.refresh_every != 1:
-            fail("neighbor_lookup", self.neighbor_lookup,
-                 f"on-demand rows are always the current weights' (refresh_every = {self.refresh_every} "
-                 "keeps a table across updates): set refresh_every: 1 or neighbor_lookup: table")
+            fail(
+                "neighbor_lookup",
+                self.neighbor_lookup,
+                f"on-demand rows are always the current weights' (refresh_every = {self.refresh_every} "
+                "keeps a table across updates): set refresh_every: 1 or neighbor_lookup: table",
+            )
         if self.chunk_size < 1:
             fail("chunk_size", self.chunk_size, "must be >= 1")
         if self.noise_scale < 0:
             fail("noise_scale", self.noise_scale, "must be >= 0")
 
     def lookup_mode(self, positions: int, vocab_size: int, device_type: str = "cpu") -> str:
-        """"table" or "on_demand" for a weight version whose rollouts decode at most
+        """ "table" or "on_demand" for a weight version whose rollouts decode at most
         ``positions`` tokens (sequences × max_new_tokens) over a ``vocab_size`` vocabulary,
         searched on a ``device_type`` ("cpu", "cuda") device.
 

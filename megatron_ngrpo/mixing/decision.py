@@ -74,7 +74,9 @@ def counter_uniform(seed: int, *counters) -> torch.Tensor:
     return _shr(h, 11).double() / float(1 << 53)
 
 
-def gate_uniform(seed: int, key: torch.Tensor | np.ndarray | list, position: torch.Tensor | np.ndarray | list) -> torch.Tensor:
+def gate_uniform(
+    seed: int, key: torch.Tensor | np.ndarray | list, position: torch.Tensor | np.ndarray | list
+) -> torch.Tensor:
     """Uniform [0, 1) float64 per (seed, key, position): a stateless counter-based draw.
 
     ``key`` identifies the sequence (e.g. its rollout index), ``position`` the response-token
@@ -112,7 +114,11 @@ def decide(
         tp_group: tensor-parallel group over which the vocabulary is split.
     """
     anchor = anchors(logits, num_real_tokens, vocab_start, tp_group)
-    ids = table.to(logits.device)[anchor] if torch.is_tensor(table) else table.rows(anchor).to(logits.device)
+    ids = (
+        table.to(logits.device)[anchor]
+        if torch.is_tensor(table)
+        else table.rows(anchor).to(logits.device)
+    )
     cand = _gather_global_columns(logits, ids, vocab_start, tp_group).double()  # [B, k]
     cand = cand.masked_fill(ids >= num_real_tokens, float("-inf"))
     # α in float64 from the k gathered logits: exact softmax of z/τ renormalised on C.
@@ -120,8 +126,12 @@ def decide(
     return MixDecision(mixed=mixed.to(logits.device), anchor=anchor, ids=ids, weights=weights)
 
 
-def anchors(logits: torch.Tensor, num_real_tokens: int, vocab_start: int = 0,
-            tp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def anchors(
+    logits: torch.Tensor,
+    num_real_tokens: int,
+    vocab_start: int = 0,
+    tp_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
     """[B] anchor ids of vocab-parallel logits [B, V_local]: the global argmax over the real ids
     (ties → lower id), as :func:`decide` takes it."""
     # From the raw logits (argmax is τ-invariant; dividing in fp32 first can merge distinct
@@ -148,12 +158,16 @@ def _global_argmax(z: torch.Tensor, vocab_start: int, group) -> torch.Tensor:
     global_max = local_max.clone()
     dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
     big = torch.iinfo(torch.long).max
-    cand = torch.where(local_max == global_max, local_arg + vocab_start, torch.full_like(local_arg, big))
+    cand = torch.where(
+        local_max == global_max, local_arg + vocab_start, torch.full_like(local_arg, big)
+    )
     dist.all_reduce(cand, op=dist.ReduceOp.MIN, group=group)
     return cand
 
 
-def _gather_global_columns(z: torch.Tensor, ids: torch.Tensor, vocab_start: int, group) -> torch.Tensor:
+def _gather_global_columns(
+    z: torch.Tensor, ids: torch.Tensor, vocab_start: int, group
+) -> torch.Tensor:
     """z[b, ids[b, j]] for global ids [B, k], across vocab partitions (one SUM all-reduce)."""
     v_local = z.shape[1]
     local = ids - vocab_start if vocab_start else ids

@@ -49,8 +49,13 @@ class MixBatch(NamedTuple):
     noise: torch.Tensor | None = None
 
     @classmethod
-    def from_record(cls, record: MixRecord, offsets: torch.Tensor, seq_len: int,
-                    device: torch.device | str = "cpu") -> MixBatch:
+    def from_record(
+        cls,
+        record: MixRecord,
+        offsets: torch.Tensor,
+        seq_len: int,
+        device: torch.device | str = "cpu",
+    ) -> MixBatch:
         """Dense form of ``record`` for a right-padded batch whose response ``s`` starts at
         column ``offsets[s]``."""
         ids, weights, mask = record.to_dense(offsets, seq_len)
@@ -113,29 +118,51 @@ class MixingVocabParallelEmbedding(VocabParallelEmbedding):
         ``main_grad``: with grad enabled and an fp32-or-wider ``main_grad`` (a 16-bit one would
         round every row addition; the dense path rounds once)."""
         w = self.weight
-        if not (torch.is_grad_enabled() and w.requires_grad and hasattr(w, "grad_added_to_main_grad")):
+        if not (
+            torch.is_grad_enabled() and w.requires_grad and hasattr(w, "grad_added_to_main_grad")
+        ):
             return None
         return w if w.main_grad.dtype in (torch.float32, torch.float64) else None
 
-    def _mixed_local_rows(self, input_: torch.Tensor, mix: MixBatch | None, rows: torch.Tensor | None,
-                          grad_param: torch.nn.Parameter | None) -> torch.Tensor:
+    def _mixed_local_rows(
+        self,
+        input_: torch.Tensor,
+        mix: MixBatch | None,
+        rows: torch.Tensor | None,
+        grad_param: torch.nn.Parameter | None,
+    ) -> torch.Tensor:
         """This rank's share [B, S, h] of E[input_] with flat positions ``rows`` [M] (None: no
         position) replaced by Σ w·E[ids] (+ noise on TP rank 0)."""
         b, s = input_.shape
         ids, outside = self._localise(input_.reshape(-1))
         if rows is None:
             rows = ids.new_empty(0)
-            cand_ids, cand_outside, cand_w = ids.new_empty(0, 1), None, ids.new_empty(0, 1, dtype=torch.float32)
+            cand_ids, cand_outside, cand_w = (
+                ids.new_empty(0, 1),
+                None,
+                ids.new_empty(0, 1, dtype=torch.float32),
+            )
         else:
-            cand_ids, cand_outside = self._localise(mix.ids.reshape(b * s, -1).index_select(0, rows))
+            cand_ids, cand_outside = self._localise(
+                mix.ids.reshape(b * s, -1).index_select(0, rows)
+            )
             cand_w = mix.weights.reshape(b * s, -1).index_select(0, rows).float()
         if cand_outside is not None:
             cand_w = cand_w.masked_fill(cand_outside, 0.0)
         noise = None
         if mix is not None and mix.noise is not None and self.tp_group.rank() == 0:
             noise = mix.noise.reshape(b * s, -1).index_select(0, rows)
-        out = _MixedLookup.apply(self.weight, ids, outside, rows, cand_ids, cand_w, noise,
-                                 self.embedding_grad, grad_param)
+        out = _MixedLookup.apply(
+            self.weight,
+            ids,
+            outside,
+            rows,
+            cand_ids,
+            cand_w,
+            noise,
+            self.embedding_grad,
+            grad_param,
+        )
         return out.view(b, s, -1)
 
 
@@ -215,8 +242,12 @@ class _MixedLookup(torch.autograd.Function):
                 # embedding_bag over the output gradient (torch has no weighted scatter-add). Same
                 # step time as a select, then a multiply and a scatter per candidate column, in
                 # two ops instead of 2 + 2k.
-                scaled = F.embedding_bag(rows.repeat_interleave(cand_ids.shape[1]).unsqueeze(1), grad, mode="sum",
-                                         per_sample_weights=cand_w.to(grad.dtype).reshape(-1, 1))
+                scaled = F.embedding_bag(
+                    rows.repeat_interleave(cand_ids.shape[1]).unsqueeze(1),
+                    grad,
+                    mode="sum",
+                    per_sample_weights=cand_w.to(grad.dtype).reshape(-1, 1),
+                )
                 _add_rows(target, cand_dest, scaled, sink)
             if param is None:
                 grad_weight = target[:sink].to(ctx.weight_dtype)
@@ -262,8 +293,14 @@ def _bag_lookup(weight, ids, outside, rows, cand_ids, cand_w) -> torch.Tensor:
     (m, k), n = cand_ids.shape, ids.shape[0]
     sizes = torch.ones_like(ids).index_fill_(0, rows, k)
     first = sizes.cumsum(0).sub_(sizes)  # offset of each position's bag
-    slots = (first.index_select(0, rows).unsqueeze(1) + torch.arange(k, device=ids.device)).reshape(-1)
-    flat = ids.new_empty(n + m * (k - 1)).index_copy_(0, first, ids).index_copy_(0, slots, cand_ids.reshape(-1))
+    slots = (first.index_select(0, rows).unsqueeze(1) + torch.arange(k, device=ids.device)).reshape(
+        -1
+    )
+    flat = (
+        ids.new_empty(n + m * (k - 1))
+        .index_copy_(0, first, ids)
+        .index_copy_(0, slots, cand_ids.reshape(-1))
+    )
     per_sample = weight.new_ones(flat.shape[0])
     if outside is not None:
         per_sample.index_copy_(0, first, (~outside).to(weight.dtype))

@@ -65,9 +65,9 @@ def input_roundoff(device: torch.device) -> float:
     except RuntimeError:
         legacy, tf32 = None, False
     if mode == "bf16" or legacy == "medium":
-        return 2.0 ** -8
+        return 2.0**-8
     if mode == "tf32" or legacy == "high" or tf32:
-        return 2.0 ** -11
+        return 2.0**-11
     return 0.0
 
 

@@ -59,7 +59,9 @@ def build_neighbor_table(
         on every rank: row v = [v, n_1, ..., n_{k-1}] ordered by decreasing similarity, ties to
         the lower id; n_j != v and never excluded.
     """
-    weight_local, vocab_size, exclude = _checked(weight_local, vocab_start, k, metric, exclude, chunk_size, tp_group)
+    weight_local, vocab_size, exclude = _checked(
+        weight_local, vocab_start, k, metric, exclude, chunk_size, tp_group
+    )
     device = weight_local.device
     start, stop = rows if rows is not None else (0, vocab_size)
     if not 0 <= start < stop <= vocab_size:
@@ -70,17 +72,29 @@ def build_neighbor_table(
         return anchors.unsqueeze(1)
     with torch.no_grad():
         keys = _keys(weight_local, vocab_start, metric, exclude, tp_group)
-        if metric in PRODUCT_METRICS and (start, stop) == (0, vocab_size) and not group_active(tp_group) \
-                and not group_active(dp_group):
+        if (
+            metric in PRODUCT_METRICS
+            and (start, stop) == (0, vocab_size)
+            and not group_active(tp_group)
+            and not group_active(dp_group)
+        ):
             nbrs = symmetric_neighbors(keys, k - 1, chunk_size)
         else:
             my_start, my_stop = _dp_share(start, stop, dp_group)
             parts = [
-                chunk_neighbors(keys, torch.arange(c0, min(c0 + chunk_size, my_stop), device=device), k - 1,
-                                 tp_group)
+                chunk_neighbors(
+                    keys,
+                    torch.arange(c0, min(c0 + chunk_size, my_stop), device=device),
+                    k - 1,
+                    tp_group,
+                )
                 for c0 in range(my_start, my_stop, chunk_size)
             ]
-            mine = torch.cat(parts) if parts else torch.zeros(0, k - 1, dtype=torch.long, device=device)
+            mine = (
+                torch.cat(parts)
+                if parts
+                else torch.zeros(0, k - 1, dtype=torch.long, device=device)
+            )
             nbrs = _dp_gather(mine, stop - start, dp_group)
     return torch.cat([anchors.unsqueeze(1), nbrs], dim=1)
 
@@ -109,11 +123,21 @@ def neighbor_table_for_model(
     tp_group = ps.get_tensor_model_parallel_group() if parallel else None
     dp_group = ps.get_data_parallel_group() if parallel else None
     pp_group = ps.get_pipeline_model_parallel_group() if parallel else None
-    m = _model_matrix(model_chunk, cfg, num_real_tokens, special_ids, output_weight, tp_group, pp_group)
+    m = _model_matrix(
+        model_chunk, cfg, num_real_tokens, special_ids, output_weight, tp_group, pp_group
+    )
     table = None
     if m.weight is not None:
-        table = build_neighbor_table(m.weight.detach(), m.vocab_start, cfg.k, cfg.metric, m.exclude,
-                                     cfg.chunk_size, tp_group, dp_group)
+        table = build_neighbor_table(
+            m.weight.detach(),
+            m.vocab_start,
+            cfg.k,
+            cfg.metric,
+            m.exclude,
+            cfg.chunk_size,
+            tp_group,
+            dp_group,
+        )
     if m.pp_src is None:
         return table
     if table is None:
@@ -140,19 +164,32 @@ class NeighborLookup:
     engine that never mixes pays nothing). A new weight version needs a new lookup.
     """
 
-    def __init__(self, weight_local: torch.Tensor | None, vocab_start: int, k: int, metric: str = "cosine",
-                 exclude: torch.Tensor | None = None, chunk_size: int = 1024,
-                 tp_group: dist.ProcessGroup | None = None, pp_group: dist.ProcessGroup | None = None,
-                 pp_src: int | None = None, vocab_size: int | None = None, device=None):
+    def __init__(
+        self,
+        weight_local: torch.Tensor | None,
+        vocab_start: int,
+        k: int,
+        metric: str = "cosine",
+        exclude: torch.Tensor | None = None,
+        chunk_size: int = 1024,
+        tp_group: dist.ProcessGroup | None = None,
+        pp_group: dist.ProcessGroup | None = None,
+        pp_src: int | None = None,
+        vocab_size: int | None = None,
+        device=None,
+    ):
         self.k, self.metric, self.chunk_size = k, metric, chunk_size
         self.tp_group, self.pp_group, self.pp_src = tp_group, pp_group, pp_src
         self.vocab_start, self.exclude = vocab_start, exclude
         if weight_local is not None:
-            self.weight, vocab_size, self.exclude = _checked(weight_local, vocab_start, k, metric, exclude,
-                                                             chunk_size, tp_group)
+            self.weight, vocab_size, self.exclude = _checked(
+                weight_local, vocab_start, k, metric, exclude, chunk_size, tp_group
+            )
             device = self.weight.device
         elif pp_src is None or vocab_size is None:
-            raise ValueError("NeighborLookup without weight_local needs pp_src and vocab_size (another stage's rows)")
+            raise ValueError(
+                "NeighborLookup without weight_local needs pp_src and vocab_size (another stage's rows)"
+            )
         else:
             self.weight = None
         self.vocab_size = vocab_size
@@ -176,10 +213,13 @@ class NeighborLookup:
         if self.weight is not None and self.k > 1:
             with torch.no_grad():
                 if self._keys is None:
-                    self._keys = _keys(self.weight, self.vocab_start, self.metric, self.exclude, self.tp_group)
+                    self._keys = _keys(
+                        self.weight, self.vocab_start, self.metric, self.exclude, self.tp_group
+                    )
                 for c0 in range(0, new.numel(), self.chunk_size):
-                    nbrs[c0:c0 + self.chunk_size] = chunk_neighbors(self._keys, new[c0:c0 + self.chunk_size],
-                                                                    self.k - 1, self.tp_group)
+                    nbrs[c0 : c0 + self.chunk_size] = chunk_neighbors(
+                        self._keys, new[c0 : c0 + self.chunk_size], self.k - 1, self.tp_group
+                    )
         if self.pp_src is not None and self.k > 1:
             dist.broadcast(nbrs, src=self.pp_src, group=self.pp_group)
         self.cache[new] = torch.cat([new.unsqueeze(1), nbrs], 1)
@@ -193,15 +233,32 @@ class NeighborLookup:
         return self.cache[ids.to(self.cache.device)]
 
 
-def neighbor_lookup_for_model(model_chunks, cfg: MixingConfig, num_real_tokens: int, special_ids=(),
-                              tp_group=None, pp_group=None) -> NeighborLookup:
+def neighbor_lookup_for_model(
+    model_chunks,
+    cfg: MixingConfig,
+    num_real_tokens: int,
+    special_ids=(),
+    tp_group=None,
+    pp_group=None,
+) -> NeighborLookup:
     """The on-demand :class:`NeighborLookup` of a megatron GPT model's matrix (the one
     :func:`neighbor_table_for_model` tabulates, same exclusions), over the given TP and PP
     groups (an engine's own, which may duplicate megatron's; None = single process)."""
     m = _model_matrix(model_chunks, cfg, num_real_tokens, special_ids, None, tp_group, pp_group)
     weight = None if m.weight is None else m.weight.detach()
-    return NeighborLookup(weight, m.vocab_start, cfg.k, cfg.metric, m.exclude, cfg.chunk_size, tp_group,
-                          pp_group, m.pp_src, m.vocab_size, m.device)
+    return NeighborLookup(
+        weight,
+        m.vocab_start,
+        cfg.k,
+        cfg.metric,
+        m.exclude,
+        cfg.chunk_size,
+        tp_group,
+        pp_group,
+        m.pp_src,
+        m.vocab_size,
+        m.device,
+    )
 
 
 @dataclass
@@ -214,15 +271,23 @@ class _ModelMatrix:
     device: torch.device
 
 
-def _model_matrix(model_chunk, cfg: MixingConfig, num_real_tokens: int, special_ids, output_weight,
-                  tp_group, pp_group) -> _ModelMatrix:
+def _model_matrix(
+    model_chunk,
+    cfg: MixingConfig,
+    num_real_tokens: int,
+    special_ids,
+    output_weight,
+    tp_group,
+    pp_group,
+) -> _ModelMatrix:
     """The neighbour matrix of a megatron model on this rank and where it lives."""
     # lazy: mixing.embedding imports megatron-core (start-up)
     from megatron_ngrpo.mixing.embedding import mixing_embedding
 
     chunks = list(model_chunk) if isinstance(model_chunk, (list, tuple)) else [model_chunk]
-    weight, vocab_start = _source_weight(chunks, cfg.neighbor_source, output_weight, mixing_embedding, unwrap,
-                                         tp_group)
+    weight, vocab_start = _source_weight(
+        chunks, cfg.neighbor_source, output_weight, mixing_embedding, unwrap, tp_group
+    )
     vocab_size = unwrap(chunks[0]).vocab_size
     exclude = exclusion_mask(vocab_size, cfg, num_real_tokens, special_ids)
     device = next(chunks[0].parameters()).device
@@ -231,11 +296,15 @@ def _model_matrix(model_chunk, cfg: MixingConfig, num_real_tokens: int, special_
         last = dist.get_world_size(pp_group) - 1
         pp_src = dist.get_global_rank(pp_group, 0 if cfg.neighbor_source == "input" else last)
     elif weight is None:
-        raise ValueError(f"neighbor_source {cfg.neighbor_source!r}: this model chunk holds no such matrix")
+        raise ValueError(
+            f"neighbor_source {cfg.neighbor_source!r}: this model chunk holds no such matrix"
+        )
     return _ModelMatrix(weight, vocab_start, vocab_size, exclude, pp_src, device)
 
 
-def exclusion_mask(vocab_size: int, cfg: MixingConfig, num_real_tokens: int, special_ids=()) -> torch.Tensor:
+def exclusion_mask(
+    vocab_size: int, cfg: MixingConfig, num_real_tokens: int, special_ids=()
+) -> torch.Tensor:
     """[vocab_size] bool: rows that may never be neighbours under ``cfg``."""
     if not 0 < num_real_tokens <= vocab_size:
         raise ValueError(f"num_real_tokens = {num_real_tokens}: must be in [1, {vocab_size}]")
@@ -251,19 +320,25 @@ def exclusion_mask(vocab_size: int, cfg: MixingConfig, num_real_tokens: int, spe
     return exclude
 
 
-def _checked(weight_local, vocab_start: int, k: int, metric: str, exclude, chunk_size: int, tp_group):
+def _checked(
+    weight_local, vocab_start: int, k: int, metric: str, exclude, chunk_size: int, tp_group
+):
     """The arguments of a neighbour search, checked: (detached weight, V, exclude [V] bool)."""
     if metric not in METRICS:
         raise ValueError(f"metric {metric!r}: expected one of {METRICS}")
     if weight_local.dim() != 2:
-        raise ValueError(f"weight_local: expected [V_local, d], got shape {tuple(weight_local.shape)}")
+        raise ValueError(
+            f"weight_local: expected [V_local, d], got shape {tuple(weight_local.shape)}"
+        )
     if chunk_size < 1:
         raise ValueError(f"chunk_size {chunk_size}: must be >= 1")
     weight_local = weight_local.detach()
     device = weight_local.device
     vocab_size = _check_partitions(weight_local.shape[0], vocab_start, tp_group, device)
     if not 1 <= k < vocab_size:
-        raise ValueError(f"k = {k}: must satisfy 1 <= k < vocabulary size {vocab_size} (k counts the anchor)")
+        raise ValueError(
+            f"k = {k}: must satisfy 1 <= k < vocabulary size {vocab_size} (k counts the anchor)"
+        )
     if exclude is None:
         exclude = torch.zeros(vocab_size, dtype=torch.bool, device=device)
     exclude = exclude.to(device=device, dtype=torch.bool)
@@ -289,7 +364,9 @@ def _check_partitions(v_local: int, vocab_start: int, group, device) -> int:
     """Global vocabulary size; checks the TP partitions are contiguous and cover [0, V)."""
     if not group_active(group):
         if vocab_start != 0:
-            raise ValueError(f"vocab_start = {vocab_start}: must be 0 without a tensor-parallel group")
+            raise ValueError(
+                f"vocab_start = {vocab_start}: must be 0 without a tensor-parallel group"
+            )
         return v_local
     mine = torch.tensor([vocab_start, v_local], dtype=torch.long, device=device)
     parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
@@ -343,8 +420,11 @@ def _source_weight(chunks, source: str, output_weight, mixing_embedding, unwrap,
         for chunk in chunks:
             inner = unwrap(chunk)
             if getattr(inner, "post_process", False):
-                output_weight = inner.shared_embedding_or_output_weight() \
-                    if inner.share_embeddings_and_output_weights else inner.output_layer.weight
+                output_weight = (
+                    inner.shared_embedding_or_output_weight()
+                    if inner.share_embeddings_and_output_weights
+                    else inner.output_layer.weight
+                )
                 break
     if output_weight is None:
         return None, 0

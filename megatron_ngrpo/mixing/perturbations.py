@@ -50,8 +50,14 @@ class NoiseSpec:
     dim: int
 
     @classmethod
-    def from_embedding(cls, weight_local: torch.Tensor, num_real_tokens: int, scale: float,
-                       vocab_start: int = 0, tp_group: dist.ProcessGroup | None = None) -> NoiseSpec:
+    def from_embedding(
+        cls,
+        weight_local: torch.Tensor,
+        num_real_tokens: int,
+        scale: float,
+        vocab_start: int = 0,
+        tp_group: dist.ProcessGroup | None = None,
+    ) -> NoiseSpec:
         """σ = ``scale`` × RMS of the entries of the real rows (ids < ``num_real_tokens``) of the
         vocab-parallel embedding whose local rows ``weight_local`` [V_local, d] start at
         ``vocab_start``; one all-reduce over ``tp_group``."""
@@ -63,7 +69,9 @@ class NoiseSpec:
         return cls(sigma=scale * math.sqrt(float(sq) / (num_real_tokens * d)), dim=d)
 
 
-def gaussian_noise(seed: int, key: torch.Tensor, position: torch.Tensor, spec: NoiseSpec) -> torch.Tensor:
+def gaussian_noise(
+    seed: int, key: torch.Tensor, position: torch.Tensor, spec: NoiseSpec
+) -> torch.Tensor:
     """[B, d] float32 σ·N(0, 1) per (seed, key[b], position[b], dimension), Box–Muller on
     counter-based uniforms."""
     key, position = torch.as_tensor(key).view(-1, 1), torch.as_tensor(position).view(-1, 1)
@@ -74,8 +82,9 @@ def gaussian_noise(seed: int, key: torch.Tensor, position: torch.Tensor, spec: N
     return (spec.sigma * n).float()
 
 
-def global_topk(scores: torch.Tensor, k: int, vocab_start: int = 0,
-                tp_group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def global_topk(
+    scores: torch.Tensor, k: int, vocab_start: int = 0, tp_group: dist.ProcessGroup | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k over the whole (vocab-parallel) vocabulary: values [B, k] and global ids [B, k],
     ordered by (-value, id), ties at the boundary → lower id. ``scores`` [B, V_local] are this
     rank's columns ``vocab_start ..``. Entries of value -inf get id 0 (weight-0 padding)."""
@@ -90,7 +99,9 @@ def global_topk(scores: torch.Tensor, k: int, vocab_start: int = 0,
         dist.all_gather(all_ids, ids.contiguous(), group=tp_group)
         vals, ids = torch.cat(all_vals, 1), torch.cat(all_ids, 1)
     by_id = torch.argsort(ids, dim=1, stable=True)
-    order = torch.gather(by_id, 1, torch.argsort(-torch.gather(vals, 1, by_id), dim=1, stable=True))[:, :k]
+    order = torch.gather(
+        by_id, 1, torch.argsort(-torch.gather(vals, 1, by_id), dim=1, stable=True)
+    )[:, :k]
     vals, ids = torch.gather(vals, 1, order), torch.gather(ids, 1, order)
     return vals, ids.masked_fill(ids == sentinel, 0)
 
@@ -100,18 +111,22 @@ def _local_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     lower column: rows with a finite tie across the k-th value are redone with a stable sort."""
     m = min(k, scores.shape[1])
     vals, cols = torch.topk(scores, m, dim=1)
-    kth = vals[:, m - 1:m]
+    kth = vals[:, m - 1 : m]
     tied = torch.isfinite(kth.squeeze(1)) & ((scores >= kth).sum(1) > m)
     rows = tied.nonzero().squeeze(1)
     if rows.numel():
-        vals[rows], cols[rows] = (t[:, :m] for t in torch.sort(scores[rows], dim=1, descending=True, stable=True))
+        vals[rows], cols[rows] = (
+            t[:, :m] for t in torch.sort(scores[rows], dim=1, descending=True, stable=True)
+        )
     if m < k:
         vals = torch.cat([vals, vals.new_full((vals.shape[0], k - m), float("-inf"))], 1)
         cols = torch.cat([cols, cols.new_zeros(cols.shape[0], k - m)], 1)
     return vals, cols
 
 
-def _scaled(logits: torch.Tensor, temperature: float, num_real_tokens: int, vocab_start: int) -> torch.Tensor:
+def _scaled(
+    logits: torch.Tensor, temperature: float, num_real_tokens: int, vocab_start: int
+) -> torch.Tensor:
     """fp32 z/τ with columns of ids >= num_real_tokens set to -inf."""
     z = logits.float() / temperature
     col_ids = torch.arange(vocab_start, vocab_start + z.shape[1], device=z.device)
@@ -123,35 +138,67 @@ def _check_k(k: int, num_real_tokens: int) -> None:
         raise ValueError(f"k = {k}: must be in [1, num_real_tokens = {num_real_tokens}]")
 
 
-def soft_thinking(logits: torch.Tensor, k: int, temperature: float, mixed: torch.Tensor,
-                  num_real_tokens: int, vocab_start: int = 0,
-                  tp_group: dist.ProcessGroup | None = None) -> MixDecision:
+def soft_thinking(
+    logits: torch.Tensor,
+    k: int,
+    temperature: float,
+    mixed: torch.Tensor,
+    num_real_tokens: int,
+    vocab_start: int = 0,
+    tp_group: dist.ProcessGroup | None = None,
+) -> MixDecision:
     """Top-k truncated Soft Thinking: ids = the k largest z/τ (anchor = argmax first), weights =
     softmax of z/τ on them. ``logits`` [B, V_local] vocab-parallel as in :func:`decision.decide`."""
     _check_k(k, num_real_tokens)
     z = _scaled(logits, temperature, num_real_tokens, vocab_start)
     vals, ids = global_topk(z, k, vocab_start, tp_group)
-    return MixDecision(mixed=mixed.to(z.device), anchor=ids[:, 0].clone(), ids=ids,
-                       weights=torch.softmax(vals, dim=-1))
+    return MixDecision(
+        mixed=mixed.to(z.device),
+        anchor=ids[:, 0].clone(),
+        ids=ids,
+        weights=torch.softmax(vals, dim=-1),
+    )
 
 
-def stht(logits: torch.Tensor, k: int, temperature: float, mixed: torch.Tensor, num_real_tokens: int,
-         noise: NoiseSpec, seed: int, key: torch.Tensor, position: torch.Tensor, vocab_start: int = 0,
-         tp_group: dist.ProcessGroup | None = None) -> MixDecision:
+def stht(
+    logits: torch.Tensor,
+    k: int,
+    temperature: float,
+    mixed: torch.Tensor,
+    num_real_tokens: int,
+    noise: NoiseSpec,
+    seed: int,
+    key: torch.Tensor,
+    position: torch.Tensor,
+    vocab_start: int = 0,
+    tp_group: dist.ProcessGroup | None = None,
+) -> MixDecision:
     """STHT: the :func:`soft_thinking` mixture plus recorded Gaussian noise on mixed rows
     (``noise`` [B, d], zero on unmixed rows). ``key``/``position`` [B] as for the gate."""
     dec = soft_thinking(logits, k, temperature, mixed, num_real_tokens, vocab_start, tp_group)
     dec.noise = torch.zeros(logits.shape[0], noise.dim, device=logits.device)
     rows = dec.mixed.nonzero().squeeze(1)
     if rows.numel():
-        key, position = torch.as_tensor(key).to(rows.device), torch.as_tensor(position).to(rows.device)
+        key, position = (
+            torch.as_tensor(key).to(rows.device),
+            torch.as_tensor(position).to(rows.device),
+        )
         dec.noise[rows] = gaussian_noise(seed, key[rows], position[rows], noise).to(logits.device)
     return dec
 
 
-def gumbel(logits: torch.Tensor, k: int, temperature: float, mixed: torch.Tensor, num_real_tokens: int,
-           seed: int, key: torch.Tensor, position: torch.Tensor, vocab_start: int = 0,
-           tp_group: dist.ProcessGroup | None = None) -> MixDecision:
+def gumbel(
+    logits: torch.Tensor,
+    k: int,
+    temperature: float,
+    mixed: torch.Tensor,
+    num_real_tokens: int,
+    seed: int,
+    key: torch.Tensor,
+    position: torch.Tensor,
+    vocab_start: int = 0,
+    tp_group: dist.ProcessGroup | None = None,
+) -> MixDecision:
     """Gumbel Soft-Thinking: candidates = top-k of z/T + Gumbel(0, 1) (drawn on mixed rows only;
     unmixed rows get the noise-free top-k), weights = softmax of the clean z/T on them."""
     _check_k(k, num_real_tokens)
@@ -166,8 +213,12 @@ def gumbel(logits: torch.Tensor, k: int, temperature: float, mixed: torch.Tensor
         perturbed[rows] += -torch.log(-torch.log(u))
     _, ids = global_topk(perturbed, k, vocab_start, tp_group)
     clean = _gather_global_columns(z, ids, vocab_start, tp_group)
-    return MixDecision(mixed=mixed.to(z.device), anchor=ids[:, 0].clone(), ids=ids,
-                       weights=torch.softmax(clean, dim=-1))
+    return MixDecision(
+        mixed=mixed.to(z.device),
+        anchor=ids[:, 0].clone(),
+        ids=ids,
+        weights=torch.softmax(clean, dim=-1),
+    )
 
 
 def decide_for_strategy(
@@ -205,8 +256,15 @@ def decide_for_strategy(
             raise ValueError("strategy 'neighbor' needs the neighbour table")
         return decide(logits, table, tau, mixed, num_real_tokens, vocab_start, tp_group)
     if strategy == "none":
-        return soft_thinking(logits, 1, tau, torch.zeros_like(mixed, dtype=torch.bool),
-                             num_real_tokens, vocab_start, tp_group)
+        return soft_thinking(
+            logits,
+            1,
+            tau,
+            torch.zeros_like(mixed, dtype=torch.bool),
+            num_real_tokens,
+            vocab_start,
+            tp_group,
+        )
     if strategy == "soft_thinking":
         return soft_thinking(logits, cfg.k, tau, mixed, num_real_tokens, vocab_start, tp_group)
     if key is None or position is None:
@@ -214,9 +272,30 @@ def decide_for_strategy(
     if strategy == "stht":
         if noise is None:
             raise ValueError("strategy 'stht' needs a NoiseSpec (NoiseSpec.from_embedding)")
-        return stht(logits, cfg.k, tau, mixed, num_real_tokens, noise, seed, key, position,
-                    vocab_start, tp_group)
+        return stht(
+            logits,
+            cfg.k,
+            tau,
+            mixed,
+            num_real_tokens,
+            noise,
+            seed,
+            key,
+            position,
+            vocab_start,
+            tp_group,
+        )
     if strategy == "gumbel":
-        return gumbel(logits, cfg.k, cfg.gumbel_temperature, mixed, num_real_tokens, seed, key,
-                      position, vocab_start, tp_group)
+        return gumbel(
+            logits,
+            cfg.k,
+            cfg.gumbel_temperature,
+            mixed,
+            num_real_tokens,
+            seed,
+            key,
+            position,
+            vocab_start,
+            tp_group,
+        )
     raise ValueError(f"mixing.strategy {strategy!r}: unknown")

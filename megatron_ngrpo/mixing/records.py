@@ -48,14 +48,18 @@ class MixRecord:
         )
 
     @classmethod
-    def from_lists(cls, per_seq: list[list[tuple[int, list[int], list[float]]]], k: int) -> MixRecord:
+    def from_lists(
+        cls, per_seq: list[list[tuple[int, list[int], list[float]]]], k: int
+    ) -> MixRecord:
         """Build from ``per_seq[s] = [(pos, ids, weights), ...]``; shorter id lists are padded
         with weight-0 entries, weights are renormalised to sum to 1."""
         seq, pos, ids, wts = [], [], [], []
         for s, entries in enumerate(per_seq):
             for p, i, w in entries:
                 if len(i) != len(w) or not 1 <= len(i) <= k:
-                    raise ValueError(f"mix at seq {s} pos {p}: {len(i)} ids, {len(w)} weights, k={k}")
+                    raise ValueError(
+                        f"mix at seq {s} pos {p}: {len(i)} ids, {len(w)} weights, k={k}"
+                    )
                 total = float(sum(w))
                 seq.append(s)
                 pos.append(int(p))
@@ -79,7 +83,9 @@ class MixRecord:
         k = max(r.k for r in records)
         offset, parts = 0, []
         for r in records:
-            parts.append((r.seq + offset, r.pos, _pad_k(r.ids, k, 0), _pad_k(r.weights, k, 0.0), r.noise))
+            parts.append(
+                (r.seq + offset, r.pos, _pad_k(r.ids, k, 0), _pad_k(r.weights, k, 0.0), r.noise)
+            )
             offset += r.num_seqs
         noises = [p[4] for p in parts]
         has_noise = any(n is not None for n in noises)
@@ -142,7 +148,9 @@ class MixRecord:
         if len(self):
             col = torch.as_tensor(offsets, dtype=torch.long)[self.seq] + self.pos
             if int(col.max()) >= seq_len:
-                raise ValueError(f"mix position {int(col.max())} outside a batch of length {seq_len}")
+                raise ValueError(
+                    f"mix position {int(col.max())} outside a batch of length {seq_len}"
+                )
             ids[self.seq, col] = self.ids
             weights[self.seq, col] = self.weights.float()
             mask[self.seq, col] = True
@@ -152,7 +160,9 @@ class MixRecord:
         """Raise ValueError on records that cannot belong to responses of these lengths."""
         lengths = torch.as_tensor(response_lengths, dtype=torch.long)
         if len(lengths) != self.num_seqs:
-            raise ValueError(f"records for {self.num_seqs} sequences, {len(lengths)} responses given")
+            raise ValueError(
+                f"records for {self.num_seqs} sequences, {len(lengths)} responses given"
+            )
         if not len(self):
             return
         if int(self.seq.min()) < 0 or int(self.seq.max()) >= self.num_seqs:
@@ -173,16 +183,25 @@ class MixRecord:
     # ---- serialisation ------------------------------------------------------------------
     def to_json(self) -> dict:
         """Plain lists, for JSONL dumps of generations."""
-        d = {"seq": self.seq, "pos": self.pos, "ids": self.ids, "weights": self.weights,
-             "num_seqs": self.num_seqs}
+        d = {
+            "seq": self.seq,
+            "pos": self.pos,
+            "ids": self.ids,
+            "weights": self.weights,
+            "num_seqs": self.num_seqs,
+        }
         if self.noise is not None:
             d["noise"] = self.noise
         return {k: (v.tolist() if torch.is_tensor(v) else v) for k, v in d.items()}
 
     def _take(self, index: torch.Tensor, new_seq: torch.Tensor, num_seqs: int) -> MixRecord:
         return MixRecord(
-            seq=new_seq, pos=self.pos[index], ids=self.ids[index], weights=self.weights[index],
-            num_seqs=num_seqs, noise=None if self.noise is None else self.noise[index],
+            seq=new_seq,
+            pos=self.pos[index],
+            ids=self.ids[index],
+            weights=self.weights[index],
+            num_seqs=num_seqs,
+            noise=None if self.noise is None else self.noise[index],
         )
 
 

@@ -57,10 +57,10 @@ from megatron_ngrpo.mixing import gemm_cpu
 _MARGIN = {torch.float32: 2, torch.bfloat16: 14}
 _SYMMETRIC_MARGIN = {torch.float32: 2, torch.bfloat16: 6}
 # Unit roundoff of a bf16 value (8 significant bits).
-_U_BF16 = 2.0 ** -8
+_U_BF16 = 2.0**-8
 _NORM_EPS = 1e-12
 # Id of "no candidate" (-inf score) entries: above every id, exact in float64.
-_SENTINEL = 2 ** 53
+_SENTINEL = 2**53
 # Key rows scored per matmul (the output block stays in cache); a multiple of _TOPK_BLOCK.
 _KEY_BLOCK = 1024
 # Keys per block of the two-stage top-k.
@@ -87,18 +87,22 @@ class Keys:
             norms = self._prepare_bf16(weight)
         self.norm32 = norms
         self.sq32 = norms * norms if metric == "l2" else None
-        self.excluded = exclude[vocab_start:vocab_start + self.n].nonzero().squeeze(1)
+        self.excluded = exclude[vocab_start : vocab_start + self.n].nonzero().squeeze(1)
         # Largest key magnitude (L2 for dot/l2, L1 for l1) for the error bound, from fp32 sums
         # (relative error < 1e-4 even for d = 10^4, absorbed by the slack below).
         self.max_l2 = float(norms.max()) * (1 + 1e-4) if self.n else 0.0
-        self.max_l1 = float(weight.float().abs().sum(1).max()) * (1 + 1e-4) if metric == "l1" and self.n else 0.0
+        self.max_l1 = (
+            float(weight.float().abs().sum(1).max()) * (1 + 1e-4)
+            if metric == "l1" and self.n
+            else 0.0
+        )
         self.finite = math.isfinite(self.max_l2) and math.isfinite(self.max_l1)
         # |fl(q·r) - q·r| ≤ (γ_d + (1+γ_d)(2u_in + u_in²))·Σ|q_i r_i|, Σ|q_i r_i| ≤ ‖q‖‖r‖: fp32
         # accumulation (γ_d = d·2^-24 / (1 - d·2^-24)) of products of inputs first rounded to a
         # unit roundoff u_in (TF32 / bf16 matmul modes on GPU; 0 for IEEE fp32 products).
         # ``gamma``: γ_d with a safety factor 4 (any summation order, normalisation rounding);
         # ``u_mm``: the input-rounding term, exact as stated (2.02 covers u² and (1+γ_d)).
-        self.gamma = 4.0 * (self.dim + 8) * 2.0 ** -24
+        self.gamma = 4.0 * (self.dim + 8) * 2.0**-24
         self.u_mm = 2.02 * gemm_cpu.input_roundoff(weight.device)
         self._buf: torch.Tensor | None = None
 
@@ -109,7 +113,9 @@ class Keys:
         1e-4 as below. Returns the raw rows' fp32 norms [V_l]."""
         n, dev = self.n, weight.device
         self.wmm = torch.empty(n, self.dim, dtype=self.screen, device=dev)
-        norms, key_norm, self.wmm_norm, self.round_err = (torch.empty(n, device=dev) for _ in range(4))
+        norms, key_norm, self.wmm_norm, self.round_err = (
+            torch.empty(n, device=dev) for _ in range(4)
+        )
         for i in range(0, n, _KEY_BLOCK):
             rows = slice(i, min(i + _KEY_BLOCK, n))
             b = weight[rows].float()
@@ -118,19 +124,32 @@ class Keys:
                 b = b / norms[rows].clamp_min(_NORM_EPS).unsqueeze(1)
             self.wmm[rows] = b
             lo = self.wmm[rows].float()
-            key_norm[rows], self.wmm_norm[rows], self.round_err[rows] = b.norm(dim=1), lo.norm(dim=1), (lo - b).norm(dim=1)
-        key_norm, self.wmm_norm, self.round_err = (t.double() * (1 + 1e-4) for t in (key_norm, self.wmm_norm, self.round_err))
+            key_norm[rows], self.wmm_norm[rows], self.round_err[rows] = (
+                b.norm(dim=1),
+                lo.norm(dim=1),
+                (lo - b).norm(dim=1),
+            )
+        key_norm, self.wmm_norm, self.round_err = (
+            t.double() * (1 + 1e-4) for t in (key_norm, self.wmm_norm, self.round_err)
+        )
         self.key_max, self.wmm_max, self.round_max = (
-            float(t.max()) if n else 0.0 for t in (key_norm, self.wmm_norm, self.round_err))
+            float(t.max()) if n else 0.0 for t in (key_norm, self.wmm_norm, self.round_err)
+        )
         return norms
 
     def _out(self, c: int) -> torch.Tensor:
         """Reused [V_l, c] score buffer (fresh pages for every chunk cost page faults)."""
         if self._buf is None or self._buf.shape[1] < c:
             self._buf = torch.empty(self.n, c, dtype=self.screen, device=self.raw.device)
-        return self._buf[:, :c] if self._buf.shape[1] == c else self._buf.view(-1)[:self.n * c].view(self.n, c)
+        return (
+            self._buf[:, :c]
+            if self._buf.shape[1] == c
+            else self._buf.view(-1)[: self.n * c].view(self.n, c)
+        )
 
-    def bound(self, q32: torch.Tensor, own: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    def bound(
+        self, q32: torch.Tensor, own: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """For query rows q32 [c, d]: the right-hand side of the score matmul qt [d, c] in the
         screen dtype (None for l1), the per-query shift [c] (float64, score ≈ screen score +
         shift) and the error bound tol [c] (float64) of one screen score (before its rounding
@@ -141,7 +160,9 @@ class Keys:
             return self._bound_bf16(q32, own)
         return self._bound_fp32(q32, own)
 
-    def _bound_fp32(self, q32: torch.Tensor, own: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    def _bound_fp32(
+        self, q32: torch.Tensor, own: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         q64 = q32.double()
         shift = torch.zeros(q32.shape[0], dtype=torch.float64, device=q32.device)
         if self.metric == "cosine":  # unit rows (to within the slack of 3γ)
@@ -152,11 +173,16 @@ class Keys:
             return q32.T, shift, (self.gamma + self.u_mm) * q64.norm(dim=1) * self.max_l2
         if self.metric == "l2":  # -|q-r|² = 2q·r - |r|² - |q|²; |q|² is a per-query shift
             qn = q64.norm(dim=1)
-            tol = self.gamma * (2.0 * qn * self.max_l2 + self.max_l2 ** 2 + qn * qn) + 2.0 * self.u_mm * qn * self.max_l2
+            tol = (
+                self.gamma * (2.0 * qn * self.max_l2 + self.max_l2**2 + qn * qn)
+                + 2.0 * self.u_mm * qn * self.max_l2
+            )
             return q32.T, -(q64 * q64).sum(1), tol
         return None, shift, self.gamma * (q64.abs().sum(1) + self.max_l1)  # cdist: no matmul
 
-    def _bound_bf16(self, q32: torch.Tensor, own: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _bound_bf16(
+        self, q32: torch.Tensor, own: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`bound` of the bf16 screen (cosine, dot): q̂·r̂ accumulated in fp32 (products of bf16
         values are exact in fp32), then rounded once to bf16 (checked on oneDNN's kernels). With
         q, r the fp32 rows (normalised under cosine), |q̂·r̂ - q·r| ≤ ‖q̂ - q‖‖r‖ + ‖q̂‖‖r̂ - r‖
@@ -188,8 +214,9 @@ class Keys:
             s = s / self.norm32[cols].clamp_min(_NORM_EPS)
         return s, tol
 
-    def screen_scores(self, q32: torch.Tensor, ids: torch.Tensor, first: int = 0,
-                      own: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    def screen_scores(
+        self, q32: torch.Tensor, ids: torch.Tensor, first: int = 0, own: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """Screen scores of queries with global ids ``ids`` [c] (rows q32 [c, d]) against the
         local keys ``first ..`` (``own``: the queries are local key rows, see `bound`).
 
@@ -219,19 +246,27 @@ class Keys:
             keys = slice(first + blk.start, first + blk.stop)
             o = out[blk]
             if self.metric == "l1":
-                o.copy_(torch.cdist(self.wmm[keys].unsqueeze(0), q32.unsqueeze(0), p=1).squeeze(0)).neg_()
+                o.copy_(
+                    torch.cdist(self.wmm[keys].unsqueeze(0), q32.unsqueeze(0), p=1).squeeze(0)
+                ).neg_()
             else:
                 gemm_cpu.mm_into(self.wmm[keys], qt, o)
                 if self.metric == "l2":
                     o.mul_(2.0).sub_(self.sq32[keys].unsqueeze(1))
             if ex_at[bi + 1] > ex_at[bi]:
-                out.index_fill_(0, excluded[ex_at[bi]:ex_at[bi + 1]], float("-inf"))
+                out.index_fill_(0, excluded[ex_at[bi] : ex_at[bi + 1]], float("-inf"))
             if own_at[bi + 1] > own_at[bi]:
-                out[own[own_at[bi]:own_at[bi + 1]], cols[own_at[bi]:own_at[bi + 1]]] = float("-inf")
+                out[own[own_at[bi] : own_at[bi + 1]], cols[own_at[bi] : own_at[bi + 1]]] = float(
+                    "-inf"
+                )
             full = (blk.stop - blk.start) // _TOPK_BLOCK
             if full:
                 b0 = blk.start // _TOPK_BLOCK
-                torch.amax(o[:full * _TOPK_BLOCK].view(full, _TOPK_BLOCK, c), 1, out=maxima[b0:b0 + full])
+                torch.amax(
+                    o[: full * _TOPK_BLOCK].view(full, _TOPK_BLOCK, c),
+                    1,
+                    out=maxima[b0 : b0 + full],
+                )
         return out, maxima, shift, tol
 
     def scores64(self, q: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
@@ -241,8 +276,16 @@ class Keys:
             return torch.zeros(cols.shape, dtype=torch.float64, device=q.device)
         step = max(1, _BLOCK_BYTES // (8 * max(1, cols.shape[1]) * self.dim))
         # Key norms (cosine) from the gathered rows: a query slice needs few of the V_l rows.
-        return torch.cat([pair_scores64(q[i:i + step].double().unsqueeze(-2), self.raw[cols[i:i + step]].double(),
-                                        self.metric) for i in range(0, q.shape[0], step)])
+        return torch.cat(
+            [
+                pair_scores64(
+                    q[i : i + step].double().unsqueeze(-2),
+                    self.raw[cols[i : i + step]].double(),
+                    self.metric,
+                )
+                for i in range(0, q.shape[0], step)
+            ]
+        )
 
 
 def pair_scores64(q: torch.Tensor, r: torch.Tensor, metric: str) -> torch.Tensor:
@@ -290,8 +333,9 @@ def _query_rows(keys: Keys, ids: torch.Tensor, tp_group) -> torch.Tensor:
     return q
 
 
-def _local_topk(keys: Keys, q32: torch.Tensor, ids: torch.Tensor, kk: int,
-                exact_scores: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+def _local_topk(
+    keys: Keys, q32: torch.Tensor, ids: torch.Tensor, kk: int, exact_scores: bool
+) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Exact local top-kk of the queries ``ids`` [c] (rows q32): float64 scores [c, kk] (-inf
     where fewer allowed local rows; None unless ``exact_scores``) and global ids [c, kk]
     (ordered by (-score, id); id = _SENTINEL for -inf entries)."""
@@ -300,8 +344,9 @@ def _local_topk(keys: Keys, q32: torch.Tensor, ids: torch.Tensor, kk: int,
     return _certify(keys, q32, vals, cols, shift, tol, kk, lambda r: st[:, r].T, exact_scores)
 
 
-def _certify(keys: Keys, q32, vals, cols, shift, tol, kk: int, screen_rows,
-             exact_scores: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+def _certify(
+    keys: Keys, q32, vals, cols, shift, tol, kk: int, screen_rows, exact_scores: bool
+) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Exact top-kk ids [c, kk] (and, with ``exact_scores``, their float64 scores) from the
     screen top-m candidates ``vals``/``cols`` [c, m] (sorted by decreasing value; m ≥ kk unless
     the partition is smaller) of queries q32 [c, d].
@@ -322,10 +367,12 @@ def _certify(keys: Keys, q32, vals, cols, shift, tol, kk: int, screen_rows,
     v, c, t = vals, cols, tol
     if vals.dtype == torch.bfloat16:
         s, t = keys.rescore32(q32, cols)
-        v, pos = torch.sort(s.masked_fill_(torch.isneginf(vals), float("-inf")), dim=1, descending=True)
+        v, pos = torch.sort(
+            s.masked_fill_(torch.isneginf(vals), float("-inf")), dim=1, descending=True
+        )
         c = torch.gather(cols, 1, pos)
     t = t.unsqueeze(1)
-    apart = (_lower(v[:, :kk], t) > _upper(v[:, 1:kk + 1], t)) | torch.isneginf(v[:, 1:kk + 1])
+    apart = (_lower(v[:, :kk], t) > _upper(v[:, 1 : kk + 1], t)) | torch.isneginf(v[:, 1 : kk + 1])
     lead = _lower(v[:, kk - 1], t.squeeze(1)) > ceiling
     fast = apart.all(1) & lead & torch.isfinite(v[:, kk - 1])
     slow = (~fast).nonzero().squeeze(1)
@@ -335,14 +382,24 @@ def _certify(keys: Keys, q32, vals, cols, shift, tol, kk: int, screen_rows,
         scores = torch.empty(ids.shape, dtype=torch.float64, device=ids.device)
         scores[fast] = keys.scores64(q32[fast], c[fast, :kk])
     if slow.numel():
-        s64, ids[slow] = _certify64(keys, q32[slow], vals[slow], cols[slow], shift[slow], tol[slow], kk,
-                                    lambda r: screen_rows(slow[r]))
+        s64, ids[slow] = _certify64(
+            keys,
+            q32[slow],
+            vals[slow],
+            cols[slow],
+            shift[slow],
+            tol[slow],
+            kk,
+            lambda r: screen_rows(slow[r]),
+        )
         if exact_scores:
             scores[slow] = s64
     return scores, ids
 
 
-def _certify64(keys: Keys, q32, vals, cols, shift, tol, kk: int, screen_rows) -> tuple[torch.Tensor, torch.Tensor]:
+def _certify64(
+    keys: Keys, q32, vals, cols, shift, tol, kk: int, screen_rows
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_certify` by float64 re-scoring of the candidates, and the near-tie fallback on
     the rows the certificate does not cover (``screen_rows(r)`` → their screen scores
     [len(r), V_l] against every local key, excluded keys and self at -inf)."""
@@ -367,7 +424,8 @@ def _certify64(keys: Keys, q32, vals, cols, shift, tol, kk: int, screen_rows) ->
     retry = (~certified).nonzero().squeeze(1)
     if retry.numel():
         out_scores[retry], out_ids[retry] = _rescore_above(
-            keys, q32[retry], screen_rows(retry), (bound - shift)[retry], tol[retry], kk, sentinel)
+            keys, q32[retry], screen_rows(retry), (bound - shift)[retry], tol[retry], kk, sentinel
+        )
     return out_scores, out_ids
 
 
@@ -392,7 +450,9 @@ def symmetric_neighbors(keys: Keys, kk: int, chunk: int) -> torch.Tensor:
     for c0 in range(0, n, chunk):
         c1 = min(c0 + chunk, n)
         c = c1 - c0
-        st, maxima, _, _ = keys.screen_scores(keys.raw[c0:c1].float(), torch.arange(c0, c1, device=dev), c0, own=True)
+        st, maxima, _, _ = keys.screen_scores(
+            keys.raw[c0:c1].float(), torch.arange(c0, c1, device=dev), c0, own=True
+        )
         vals, cols = _blocked_topk(st, maxima, min(m, n - c0))
         _merge_topk(run_v, run_i, slice(c0, c1), vals, cols + c0)
         if c1 == n:
@@ -411,15 +471,26 @@ def symmetric_neighbors(keys: Keys, kk: int, chunk: int) -> torch.Tensor:
         q32 = keys.raw[c0:c1].float()
         ids = torch.arange(c0, c1, device=dev)
         _, shift, tol = keys.bound(q32, ids)
-        _, out[c0:c1] = _certify(keys, q32, run_v[c0:c1], run_i[c0:c1], shift, tol, kk,
-                                 lambda r: keys.screen_scores(q32[r], ids[r], own=True)[0].T, exact_scores=False)
+        _, out[c0:c1] = _certify(
+            keys,
+            q32,
+            run_v[c0:c1],
+            run_i[c0:c1],
+            shift,
+            tol,
+            kk,
+            lambda r: keys.screen_scores(q32[r], ids[r], own=True)[0].T,
+            exact_scores=False,
+        )
     ex = keys.excluded
     for i in range(0, ex.numel(), chunk):
-        out[ex[i:i + chunk]] = chunk_neighbors(keys, ex[i:i + chunk], kk, None)
+        out[ex[i : i + chunk]] = chunk_neighbors(keys, ex[i : i + chunk], kk, None)
     return out
 
 
-def _merge_topk(run_v: torch.Tensor, run_i: torch.Tensor, rows, vals: torch.Tensor, ids: torch.Tensor) -> None:
+def _merge_topk(
+    run_v: torch.Tensor, run_i: torch.Tensor, rows, vals: torch.Tensor, ids: torch.Tensor
+) -> None:
     """run_v/run_i[rows] ← the top-m of their union with candidates vals/ids [r, ≤m]."""
     m = run_v.shape[1]
     v = torch.cat([run_v[rows], vals], 1)
@@ -460,7 +531,7 @@ def _upper(v: torch.Tensor, tol: torch.Tensor) -> torch.Tensor:
     if v.dtype != torch.bfloat16:
         return v.double() + tol
     v = v.double()
-    return v * torch.where(v >= 0, 1 + _U_BF16, 1 - _U_BF16) + (tol + 2.0 ** -120)
+    return v * torch.where(v >= 0, 1 + _U_BF16, 1 - _U_BF16) + (tol + 2.0**-120)
 
 
 def _lower(v: torch.Tensor, tol: torch.Tensor) -> torch.Tensor:
@@ -468,10 +539,12 @@ def _lower(v: torch.Tensor, tol: torch.Tensor) -> torch.Tensor:
     if v.dtype != torch.bfloat16:
         return v.double() - tol
     v = v.double()
-    return v * torch.where(v >= 0, 1 - _U_BF16, 1 + _U_BF16) - (tol + 2.0 ** -120)
+    return v * torch.where(v >= 0, 1 - _U_BF16, 1 + _U_BF16) - (tol + 2.0**-120)
 
 
-def _blocked_topk(st: torch.Tensor, maxima: torch.Tensor | None, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _blocked_topk(
+    st: torch.Tensor, maxima: torch.Tensor | None, m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-m values [c, m] and key indices [c, m] per query (column) of contiguous transposed
     scores st [n, c], from the maxima [n // _TOPK_BLOCK, c] of its key blocks: the m blocks
     with the largest maxima (plus the ragged tail) contain a top-m set (any other key scores ≤
@@ -484,9 +557,11 @@ def _blocked_topk(st: torch.Tensor, maxima: torch.Tensor | None, m: int) -> tupl
         return vals.T, idx.T
     nb = maxima.shape[0]
     if nb * _TOPK_BLOCK < n:
-        maxima = torch.cat([maxima, st[nb * _TOPK_BLOCK:].amax(0, keepdim=True)], 0)
+        maxima = torch.cat([maxima, st[nb * _TOPK_BLOCK :].amax(0, keepdim=True)], 0)
     blocks = torch.topk(maxima.T, m, dim=1).indices  # [c, m]
-    keys = (blocks.unsqueeze(-1) * _TOPK_BLOCK + torch.arange(_TOPK_BLOCK, device=st.device)).reshape(c, -1)
+    keys = (
+        blocks.unsqueeze(-1) * _TOPK_BLOCK + torch.arange(_TOPK_BLOCK, device=st.device)
+    ).reshape(c, -1)
     inside = keys < n
     flat = keys.clamp_max(n - 1) * c + torch.arange(c, device=st.device).unsqueeze(1)
     vals, pos = torch.topk(st.reshape(-1)[flat].masked_fill_(~inside, float("-inf")), m, dim=1)

@@ -40,8 +40,12 @@ class ModelConfig:
         if not self.hf_path:
             fail("hf_path", self.hf_path, "required: a directory with a Hugging Face config.json")
         if not (Path(self.hf_path) / "config.json").is_file():
-            fail("hf_path", self.hf_path, f"no config.json in this directory (looked for "
-                 f"{(Path(self.hf_path) / 'config.json').resolve()})")
+            fail(
+                "hf_path",
+                self.hf_path,
+                f"no config.json in this directory (looked for "
+                f"{(Path(self.hf_path) / 'config.json').resolve()})",
+            )
         if self.context_parallel < 1:
             fail("context_parallel", self.context_parallel, "must be >= 1")
         if self.tensor_parallel < 1 or self.pipeline_parallel < 1:
@@ -77,8 +81,11 @@ def real_token_count(num_real_tokens: int | None, vocab_size: int, tokenizer=Non
         return vocab_size
     count = tokenizer_id_count(tokenizer)
     if count > vocab_size:
-        fail("tokenizer", getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__,
-             f"has {count} token ids, more than the model's vocab_size = {vocab_size}")
+        fail(
+            "tokenizer",
+            getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__,
+            f"has {count} token ids, more than the model's vocab_size = {vocab_size}",
+        )
     return count
 
 
@@ -104,6 +111,8 @@ def use_te(cfg: ModelConfig) -> bool:
         return False
     why = transformer_engine_error()
     if why:
-        raise ConfigError(f"model.layer_spec = {cfg.layer_spec!r}: Transformer Engine does not import on this "
-                          f"GPU machine ({why}); install it, or set model.layer_spec=local for megatron's local spec")
+        raise ConfigError(
+            f"model.layer_spec = {cfg.layer_spec!r}: Transformer Engine does not import on this "
+            f"GPU machine ({why}); install it, or set model.layer_spec=local for megatron's local spec"
+        )
     return True

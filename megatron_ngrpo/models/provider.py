@@ -20,11 +20,17 @@ def check_layout(spec: ArchSpec, cfg: ModelConfig) -> None:
     """One-line errors for parallel layouts the architecture cannot take."""
     tp, pp = cfg.tensor_parallel, cfg.pipeline_parallel
     if spec.num_heads % tp:
-        raise ConfigError(f"model.tensor_parallel = {tp}: does not divide num_attention_heads = {spec.num_heads}")
+        raise ConfigError(
+            f"model.tensor_parallel = {tp}: does not divide num_attention_heads = {spec.num_heads}"
+        )
     if spec.num_kv_heads % tp and tp % spec.num_kv_heads:
-        raise ConfigError(f"model.tensor_parallel = {tp}: incompatible with num_key_value_heads = {spec.num_kv_heads}")
+        raise ConfigError(
+            f"model.tensor_parallel = {tp}: incompatible with num_key_value_heads = {spec.num_kv_heads}"
+        )
     if spec.ffn_hidden_size % tp:
-        raise ConfigError(f"model.tensor_parallel = {tp}: does not divide intermediate_size = {spec.ffn_hidden_size}")
+        raise ConfigError(
+            f"model.tensor_parallel = {tp}: does not divide intermediate_size = {spec.ffn_hidden_size}"
+        )
     stages = pp * (cfg.virtual_pipeline or 1)
     if spec.num_layers % stages:
         raise ConfigError(
@@ -32,7 +38,9 @@ def check_layout(spec: ArchSpec, cfg: ModelConfig) -> None:
             f"num_hidden_layers = {spec.num_layers}"
         )
     if cfg.num_real_tokens is not None and not 0 < cfg.num_real_tokens <= spec.vocab_size:
-        raise ConfigError(f"model.num_real_tokens = {cfg.num_real_tokens}: must be in [1, vocab_size={spec.vocab_size}]")
+        raise ConfigError(
+            f"model.num_real_tokens = {cfg.num_real_tokens}: must be in [1, vocab_size={spec.vocab_size}]"
+        )
 
 
 def params_dtype(cfg: ModelConfig) -> torch.dtype:
@@ -113,15 +121,26 @@ def layer_spec(spec: ArchSpec, cfg: ModelConfig, config, vp_stage: int | None):
 
     if use_te(cfg):
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
-    local = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+    local = gpt_layer_specs.get_gpt_layer_local_spec(
+        qk_layernorm=spec.qk_norm, normalization="RMSNorm"
+    )
     local.submodules.input_layernorm = SequenceParallelRMSNorm
     local.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
     layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[local] * layers, layer_norm=SequenceParallelRMSNorm)
+    return TransformerBlockSubmodules(
+        layer_specs=[local] * layers, layer_norm=SequenceParallelRMSNorm
+    )
 
 
-def build_gpt(spec: ArchSpec, cfg: ModelConfig, pre_process: bool, post_process: bool,
-              vp_stage: int | None = None, init_weights: bool = True, pg_collection=None):
+def build_gpt(
+    spec: ArchSpec,
+    cfg: ModelConfig,
+    pre_process: bool,
+    post_process: bool,
+    vp_stage: int | None = None,
+    init_weights: bool = True,
+    pg_collection=None,
+):
     """One GPTModel chunk for the current (TP, PP[, VPP]) rank, with the mixing embedding;
     ``pg_collection``: its process groups (default megatron's)."""
     # lazy: keeps models.provider free of megatron-core at import (start-up)
@@ -134,7 +153,9 @@ def build_gpt(spec: ArchSpec, cfg: ModelConfig, pre_process: bool, post_process:
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(spec, cfg, config, vp_stage),
-        vocab_size=padded_vocab_size(spec.vocab_size, cfg.tensor_parallel, cfg.make_vocab_size_divisible_by),
+        vocab_size=padded_vocab_size(
+            spec.vocab_size, cfg.tensor_parallel, cfg.make_vocab_size_divisible_by
+        ),
         max_sequence_length=cfg.max_seq_len or spec.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,
@@ -170,7 +191,7 @@ def zero_padded_vocab_rows(model, vocab_size: int) -> None:
     for w in weights:
         first = start * w.shape[0]
         if first + w.shape[0] > vocab_size:
-            w[max(vocab_size - first, 0):].zero_()
+            w[max(vocab_size - first, 0) :].zero_()
 
 
 def build_model(cfg: ModelConfig, init_weights: bool = True, pg_collection=None) -> list:
@@ -188,12 +209,17 @@ def build_model(cfg: ModelConfig, init_weights: bool = True, pg_collection=None)
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
-        chunks.append(build_gpt(
-            spec, cfg,
-            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-            vp_stage=stage, init_weights=init_weights, pg_collection=pg_collection,
-        ))
+        chunks.append(
+            build_gpt(
+                spec,
+                cfg,
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+                vp_stage=stage,
+                init_weights=init_weights,
+                pg_collection=pg_collection,
+            )
+        )
     if torch.cuda.is_available():
         chunks = [c.cuda() for c in chunks]
     if params_dtype(cfg) != torch.float32:

@@ -7,5 +7,13 @@ from megatron_ngrpo.rewards.graders import build_grader, register_grader
 from megatron_ngrpo.rewards.math_grader import MathGrader
 from megatron_ngrpo.rewards.registry import RewardFunction, Rewards, build_reward
 
-__all__ = ["ChoiceGrader", "MathGrader", "RewardConfig", "RewardFunction", "Rewards", "build_grader",
-           "build_reward", "register_grader"]
+__all__ = [
+    "ChoiceGrader",
+    "MathGrader",
+    "RewardConfig",
+    "RewardFunction",
+    "Rewards",
+    "build_grader",
+    "build_reward",
+    "register_grader",
+]

@@ -34,7 +34,9 @@ class ChoiceGrader(Closing):
 
     def extract(self, text: str) -> str | None:
         tail = text[-TAIL_CHARS:]
-        patterns = [self._answer] if self.mode == "paper" else [self._answer, self._boxed, self._bare]
+        patterns = (
+            [self._answer] if self.mode == "paper" else [self._answer, self._boxed, self._bare]
+        )
         for pattern in patterns:
             matches = pattern.findall(tail)
             if matches:
@@ -54,4 +56,3 @@ class ChoiceGrader(Closing):
 
     def close(self) -> None:
         pass
-

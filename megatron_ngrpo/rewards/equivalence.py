@@ -75,9 +75,14 @@ def answers_match(pred: str, gold: str, soft_timeout_s: int = 5) -> bool:
         return False
     pred_num, gold_num = to_number(pred_norm), to_number(gold_norm)
     if pred_num is not None and gold_num is not None:
-        return numbers_close(pred_num, gold_num, written_as_decimal(pred_norm) or written_as_decimal(gold_norm))
-    return _math_verify_match(as_list(pred_norm) or strip_math_delimiters(pred),
-                              as_list(gold_norm) or strip_math_delimiters(gold), soft_timeout_s)
+        return numbers_close(
+            pred_num, gold_num, written_as_decimal(pred_norm) or written_as_decimal(gold_norm)
+        )
+    return _math_verify_match(
+        as_list(pred_norm) or strip_math_delimiters(pred),
+        as_list(gold_norm) or strip_math_delimiters(gold),
+        soft_timeout_s,
+    )
 
 
 def _parse_boxed(answer: str, timeout_s: int) -> list:
@@ -85,8 +90,11 @@ def _parse_boxed(answer: str, timeout_s: int) -> list:
     from math_verify import LatexExtractionConfig, parse
 
     # Wrapped in \boxed{} (as the reference does with the gold), LaTeX extraction only.
-    return parse(f"\\boxed{{{answer}}}", extraction_config=[LatexExtractionConfig(boxed_match_priority=0)],
-                 parsing_timeout=timeout_s)
+    return parse(
+        f"\\boxed{{{answer}}}",
+        extraction_config=[LatexExtractionConfig(boxed_match_priority=0)],
+        parsing_timeout=timeout_s,
+    )
 
 
 _GOLD_CACHE: dict[str, list] = {}
@@ -174,8 +182,14 @@ def exact_rational(expr) -> Fraction | None:
         return None
 
 
-def grade_response(response: str, golds: Sequence[str], fallback: bool = True,
-                   soft_timeout_s: int = 5, box_rule: str = "last", free_text: str = "off") -> float:
+def grade_response(
+    response: str,
+    golds: Sequence[str],
+    fallback: bool = True,
+    soft_timeout_s: int = 5,
+    box_rule: str = "last",
+    free_text: str = "off",
+) -> float:
     """1.0 if the response's final answer (``box_rule`` "last": the last box; "any": any of its
     boxes, see :func:`~megatron_ngrpo.rewards.extract.candidate_answers`; ``free_text``: the
     chat-model rule when there is no box) matches any of the gold alternatives, else 0.0.

@@ -38,7 +38,11 @@ def boxed_answers(text: str) -> list[str]:
         content, end = box
         if answers and m.start() < prev_end:  # a box inside the previous one: the inner wins
             answers[-1] = content
-        elif answers and m.start() - prev_end <= _MAX_JOINER and _JOINER.fullmatch(text, prev_end, m.start()):
+        elif (
+            answers
+            and m.start() - prev_end <= _MAX_JOINER
+            and _JOINER.fullmatch(text, prev_end, m.start())
+        ):
             answers[-1] = f"{answers[-1]}, {content}"
         else:
             answers.append(content)
@@ -54,8 +58,10 @@ def last_boxed(text: str) -> str | None:
 
 _BOX_RE = re.compile("|".join(re.escape(c) for c in _BOX_COMMANDS))
 # What may stand between two boxes of one list answer.
-_JOINER = re.compile(r"(?:[\s$,]|\\[()\[\]]|\\q?quad)*(?:(?:and|or|\\text\{\s*(?:and|or)\s*\})"
-                     r"(?:[\s$,]|\\[()\[\]]|\\q?quad)*)?")
+_JOINER = re.compile(
+    r"(?:[\s$,]|\\[()\[\]]|\\q?quad)*(?:(?:and|or|\\text\{\s*(?:and|or)\s*\})"
+    r"(?:[\s$,]|\\[()\[\]]|\\q?quad)*)?"
+)
 _MAX_JOINER = 40
 # A brace-less box argument is one short token ("\boxed 5").
 _MAX_BARE_ARGUMENT = 64
@@ -95,7 +101,7 @@ def _box_argument(text: str, i: int, match: dict[int, int]) -> tuple[str, int] |
     close = match.get(i)
     if close is None:
         return None
-    content = text[i + 1:close].strip()
+    content = text[i + 1 : close].strip()
     return (content, close + 1) if content else None
 
 
@@ -107,7 +113,7 @@ def fallback_answer(text: str) -> str | None:
         pos = lower.rfind(phrase)
         if pos < 0:
             continue
-        tail = text[pos + len(phrase):pos + len(phrase) + 2000].lstrip(" :*")
+        tail = text[pos + len(phrase) : pos + len(phrase) + 2000].lstrip(" :*")
         stop = _FALLBACK_STOP.search(tail)
         answer = tail[: stop.start()] if stop else tail
         answer = answer.strip().strip("*").strip()
@@ -146,14 +152,20 @@ def extract_answer(text: str, fallback: bool = True, free_text: str = "off") -> 
 FREE_TEXT_RULES = ("off", "phrases", "last_number")
 FREE_TEXT_TAIL = 4000
 # The last of these phrases (case-insensitive) introduces the answer; GSM8K's "#### 18" included.
-_ANSWER_PHRASE = re.compile(r"final answer is|final answer\s*:|the answer is|answer is|answer\s*:|####",
-                            re.IGNORECASE)
+_ANSWER_PHRASE = re.compile(
+    r"final answer is|final answer\s*:|the answer is|answer is|answer\s*:|####", re.IGNORECASE
+)
 # Math spans, inline ones on one line (math-verify's reading); bounded length keeps the scan linear.
-_MATH_SPAN = re.compile(r"\$\$(?P<a>[^$]{1,500}?)\$\$|(?<!\\)\$(?P<b>(?:[^$\n\\]|\\.){1,500}?)\$"
-                        r"|\\\((?P<c>[^\n]{1,500}?)\\\)|\\\[(?P<d>.{1,500}?)\\\]", re.S)
+_MATH_SPAN = re.compile(
+    r"\$\$(?P<a>[^$]{1,500}?)\$\$|(?<!\\)\$(?P<b>(?:[^$\n\\]|\\.){1,500}?)\$"
+    r"|\\\((?P<c>[^\n]{1,500}?)\\\)|\\\[(?P<d>.{1,500}?)\\\]",
+    re.S,
+)
 # A number in prose: thousands groups, decimals, a/b fractions, a unicode minus; not the end of a word.
-_NUMBER = re.compile(r"(?<![A-Za-z\d.])[-\u2212]?(?:\d{1,3}(?:,\d{3})+|\d+|(?=\.\d))(?:\.\d+)?(?:/\d+)?"
-                     r"(?![\d.]?\d|,\d)")
+_NUMBER = re.compile(
+    r"(?<![A-Za-z\d.])[-\u2212]?(?:\d{1,3}(?:,\d{3})+|\d+|(?=\.\d))(?:\.\d+)?(?:/\d+)?"
+    r"(?![\d.]?\d|,\d)"
+)
 # A word of prose (not a LaTeX command): the phrase's text is a sentence, its number is the answer.
 _PROSE_WORD = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{3,}")
 # A whole response this short, on one line and without prose, is the answer itself ("\frac{10}{9}").
@@ -182,7 +194,11 @@ def free_text_answer(text: str, last_number: bool = True) -> str | None:
     if 0 < len(bare) <= _MAX_BARE_RESPONSE and "\n" not in bare and not _PROSE_WORD.search(bare):
         return bare
     span = _last_match(_MATH_SPAN.finditer(tail))
-    number = _last_match(_NUMBER.finditer(tail, span.end() if span is not None else 0)) if last_number else None
+    number = (
+        _last_match(_NUMBER.finditer(tail, span.end() if span is not None else 0))
+        if last_number
+        else None
+    )
     if number is not None:
         return number.group()
     if span is not None:
@@ -195,12 +211,14 @@ def _phrase_answer(text: str) -> str | None:
     phrase = _last_match(_ANSWER_PHRASE.finditer(text))
     if phrase is None:
         return None
-    after = text[phrase.end():].lstrip(" :*\t")
+    after = text[phrase.end() :].lstrip(" :*\t")
     span = _MATH_SPAN.match(after)
     if span is not None:
         return next(g for g in span.groups() if g is not None).strip() or None
     stop = _FALLBACK_STOP.search(after)
-    answer = (after[: stop.start()] if stop else after).strip().strip("*").strip().rstrip(".").strip()
+    answer = (
+        (after[: stop.start()] if stop else after).strip().strip("*").strip().rstrip(".").strip()
+    )
     if _PROSE_WORD.search(answer):  # a sentence without a number is no answer: the next rule
         number = _NUMBER.search(answer)
         return number.group() if number is not None else None
@@ -212,8 +230,9 @@ BOX_RULES = ("last", "any")
 MAX_ANY_BOXES = 8
 
 
-def candidate_answers(text: str, fallback: bool = True, box_rule: str = "last",
-                      free_text: str = "off") -> list[str]:
+def candidate_answers(
+    text: str, fallback: bool = True, box_rule: str = "last", free_text: str = "off"
+) -> list[str]:
     """The answers a response is graded on: ``box_rule`` "last" (evaluation) gives the final
     answer of :func:`extract_answer`; "any" (the reference's training reward, math-verify style:
     any boxed answer that matches counts) gives up to ``MAX_ANY_BOXES`` boxed answers, last first,
@@ -226,8 +245,11 @@ def candidate_answers(text: str, fallback: bool = True, box_rule: str = "last",
     answers = boxed_answers(text)[::-1][:MAX_ANY_BOXES]
     if answers or not (fallback or free_text != "off"):
         return answers
-    answer = (free_text_answer(text, free_text == "last_number") if free_text != "off"
-              else fallback_answer(text))
+    answer = (
+        free_text_answer(text, free_text == "last_number")
+        if free_text != "off"
+        else fallback_answer(text)
+    )
     return [] if answer is None else [answer]
 
 

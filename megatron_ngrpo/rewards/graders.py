@@ -10,9 +10,15 @@ from megatron_ngrpo.rewards.math_grader import MathGrader
 
 
 def _math(cfg) -> MathGrader:
-    return MathGrader(timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb, workers=cfg.workers,
-                      max_response_chars=cfg.max_response_chars, fallback=cfg.fallback,
-                      box_rule=cfg.box_rule, free_text=cfg.free_text)
+    return MathGrader(
+        timeout_s=cfg.timeout_s,
+        memory_mb=cfg.memory_mb,
+        workers=cfg.workers,
+        max_response_chars=cfg.max_response_chars,
+        fallback=cfg.fallback,
+        box_rule=cfg.box_rule,
+        free_text=cfg.free_text,
+    )
 
 
 def _mcq(cfg) -> ChoiceGrader:

@@ -27,13 +27,22 @@ class MathGrader(Closing):
     Use as a context manager (or call :meth:`close`) to stop the workers.
     """
 
-    def __init__(self, timeout_s: float = 10.0, memory_mb: int = 2048, workers: int = 4,
-                 max_response_chars: int = 200_000, fallback: bool = True, box_rule: str = "last",
-                 free_text: str = "off"):
+    def __init__(
+        self,
+        timeout_s: float = 10.0,
+        memory_mb: int = 2048,
+        workers: int = 4,
+        max_response_chars: int = 200_000,
+        fallback: bool = True,
+        box_rule: str = "last",
+        free_text: str = "off",
+    ):
         if box_rule not in BOX_RULES:
             raise ValueError(f"MathGrader box_rule {box_rule!r}: expected one of {BOX_RULES}")
         if free_text not in FREE_TEXT_RULES:
-            raise ValueError(f"MathGrader free_text {free_text!r}: expected one of {FREE_TEXT_RULES}")
+            raise ValueError(
+                f"MathGrader free_text {free_text!r}: expected one of {FREE_TEXT_RULES}"
+            )
         self.max_response_chars = max_response_chars
         self.fallback = fallback
         self.box_rule = box_rule
@@ -41,8 +50,13 @@ class MathGrader(Closing):
         # math-verify's signal timeouts (whole seconds) stop the common slow cases gently,
         # before the pool has to kill and replace the worker.
         self._soft_timeout_s = max(1, int(timeout_s / 3))
-        self._pool = GuardedPool(workers, timeout_s, memory_mb,
-                                 preload=["megatron_ngrpo.rewards.equivalence"], warmup=warm_up)
+        self._pool = GuardedPool(
+            workers,
+            timeout_s,
+            memory_mb,
+            preload=["megatron_ngrpo.rewards.equivalence"],
+            warmup=warm_up,
+        )
 
     @property
     def failures(self) -> dict[str, int]:
@@ -53,16 +67,27 @@ class MathGrader(Closing):
         scores = [0.0] * len(items)
         todo, args = [], []
         for i, (text, gold) in enumerate(items):
-            golds = [gold] if isinstance(gold, str) else list(gold) if isinstance(gold, (list, tuple)) else []
-            if (not isinstance(text, str) or len(text) > self.max_response_chars or not golds
-                    or not all(isinstance(g, str) for g in golds)):
+            golds = (
+                [gold]
+                if isinstance(gold, str)
+                else list(gold)
+                if isinstance(gold, (list, tuple))
+                else []
+            )
+            if (
+                not isinstance(text, str)
+                or len(text) > self.max_response_chars
+                or not golds
+                or not all(isinstance(g, str) for g in golds)
+            ):
                 continue
             todo.append(i)
-            args.append((text, golds, self.fallback, self._soft_timeout_s, self.box_rule, self.free_text))
+            args.append(
+                (text, golds, self.fallback, self._soft_timeout_s, self.box_rule, self.free_text)
+            )
         for i, score in zip(todo, self._pool.map(grade_response, args, default=0.0)):
             scores[i] = score
         return scores
 
     def close(self) -> None:
         self._pool.close()
-

@@ -29,16 +29,55 @@ _LEFT_RIGHT = re.compile(r"\\(?:left|right|big|Big|bigg|Bigg)(?![a-zA-Z])\s*")
 _SPACING = re.compile(r"\\[!,;: ]|\\q?quad(?![a-zA-Z])|~|\\displaystyle(?![a-zA-Z])")
 _DEGREES = re.compile(r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|\\circ|°|\\degree(?![a-zA-Z])")
 _TEXT_WRAP = re.compile(
-    r"\\(?:text|textbf|textit|textrm|texttt|mathrm|mathbf|mathit|mbox|operatorname)\s*\{([^{}]*)\}")
+    r"\\(?:text|textbf|textit|textrm|texttt|mathrm|mathbf|mathit|mbox|operatorname)\s*\{([^{}]*)\}"
+)
 _UNITS = (
-    "degrees?", "radians?", "cm", "mm", "km", "meters?", "centimeters?", "kilometers?",
-    "inch(?:es)?", "feet", "foot", "ft", "yards?", "miles?", "cents?", "dollars?", "units?",
-    "square units", "sq units", "hours?", "hrs?", "minutes?", "mins?", "seconds?", "sec", "days?",
-    "weeks?", "years?", "mph", "km/h", "kg", "grams?", "pounds?", "lbs?", "ounces?", "liters?",
-    "ml", "people", "students", "ways", "points", "kcal",
+    "degrees?",
+    "radians?",
+    "cm",
+    "mm",
+    "km",
+    "meters?",
+    "centimeters?",
+    "kilometers?",
+    "inch(?:es)?",
+    "feet",
+    "foot",
+    "ft",
+    "yards?",
+    "miles?",
+    "cents?",
+    "dollars?",
+    "units?",
+    "square units",
+    "sq units",
+    "hours?",
+    "hrs?",
+    "minutes?",
+    "mins?",
+    "seconds?",
+    "sec",
+    "days?",
+    "weeks?",
+    "years?",
+    "mph",
+    "km/h",
+    "kg",
+    "grams?",
+    "pounds?",
+    "lbs?",
+    "ounces?",
+    "liters?",
+    "ml",
+    "people",
+    "students",
+    "ways",
+    "points",
+    "kcal",
 )
 _TRAILING_UNIT = re.compile(
-    r"^(?P<value>.*?[\d}])\s+(?:" + "|".join(_UNITS) + r")(?:\s*\^\s*\{?\d\}?)?\s*$")
+    r"^(?P<value>.*?[\d}])\s+(?:" + "|".join(_UNITS) + r")(?:\s*\^\s*\{?\d\}?)?\s*$"
+)
 _ASSIGNMENT = re.compile(r"^[a-zA-Z](?:_\{?\w+\}?)?\s*(?:=|\\in)\s*(?P<rhs>[^=]+)$")
 _FRAC_SHORT = (
     (re.compile(r"\\frac\s*(\d)\s*(\d)"), r"\\frac{\1}{\2}"),
@@ -64,28 +103,54 @@ _NUM = r"(?:\d+\.?\d*|\.\d+)"
 _DECIMAL = re.compile(rf"^[+-]?{_NUM}$")
 _SCI_E = re.compile(rf"^(?P<m>[+-]?{_NUM})[eE](?P<e>[+-]?\d+)$")
 _SCI_TIMES = re.compile(
-    rf"^(?:(?P<m>[+-]?{_NUM})(?:\\times|\\cdot|\*|×))?10\^(?:\{{(?P<e1>[+-]?\d+)\}}|(?P<e2>[+-]?\d))$")
+    rf"^(?:(?P<m>[+-]?{_NUM})(?:\\times|\\cdot|\*|×))?10\^(?:\{{(?P<e1>[+-]?\d+)\}}|(?P<e2>[+-]?\d))$"
+)
 _FRAC = re.compile(r"^(?P<s>[+-]?)\\frac\{(?P<a>\d+\.?\d*)\}\{(?P<b>\d+\.?\d*)\}$")
 _SLASH = re.compile(rf"^(?P<a>[+-]?{_NUM})/(?P<b>{_NUM})$")
 _MIXED = re.compile(r"^(?P<s>[+-]?)(?P<w>\d+)\\frac\{(?P<a>\d+)\}\{(?P<b>\d+)\}$")
 
 
 # Unicode math as plain-text answers write it, in LaTeX (a space ends a command before a letter).
-_UNICODE_SYMBOLS = str.maketrans({
-    "\u2212": "-", "\u2013": "-", "\u00d7": r"\times ", "\u22c5": r"\cdot ", "\u00b7": r"\cdot ",
-    "\u00f7": r"\div ", "\u03c0": r"\pi ", "\u221e": r"\infty ", "\u2264": r"\le ", "\u2265": r"\ge ",
-    "\u2260": r"\ne ", "\u00b1": r"\pm ", "\u2213": r"\mp ", "\u2248": r"\approx ", "\u2208": r"\in ",
-    "\u222a": r"\cup ", "\u2229": r"\cap ", "\u2205": r"\emptyset ", "\u03b8": r"\theta ",
-    "\u00bd": r"\frac{1}{2}", "\u2153": r"\frac{1}{3}", "\u2154": r"\frac{2}{3}", "\u00bc": r"\frac{1}{4}",
-    "\u00be": r"\frac{3}{4}",
-})
-_SUPERSCRIPTS = str.maketrans("\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077\u2078\u2079\u207b",
-                              "0123456789-")
-_SUBSCRIPTS = str.maketrans("\u2080\u2081\u2082\u2083\u2084\u2085\u2086\u2087\u2088\u2089", "0123456789")
+_UNICODE_SYMBOLS = str.maketrans(
+    {
+        "\u2212": "-",
+        "\u2013": "-",
+        "\u00d7": r"\times ",
+        "\u22c5": r"\cdot ",
+        "\u00b7": r"\cdot ",
+        "\u00f7": r"\div ",
+        "\u03c0": r"\pi ",
+        "\u221e": r"\infty ",
+        "\u2264": r"\le ",
+        "\u2265": r"\ge ",
+        "\u2260": r"\ne ",
+        "\u00b1": r"\pm ",
+        "\u2213": r"\mp ",
+        "\u2248": r"\approx ",
+        "\u2208": r"\in ",
+        "\u222a": r"\cup ",
+        "\u2229": r"\cap ",
+        "\u2205": r"\emptyset ",
+        "\u03b8": r"\theta ",
+        "\u00bd": r"\frac{1}{2}",
+        "\u2153": r"\frac{1}{3}",
+        "\u2154": r"\frac{2}{3}",
+        "\u00bc": r"\frac{1}{4}",
+        "\u00be": r"\frac{3}{4}",
+    }
+)
+_SUPERSCRIPTS = str.maketrans(
+    "\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077\u2078\u2079\u207b", "0123456789-"
+)
+_SUBSCRIPTS = str.maketrans(
+    "\u2080\u2081\u2082\u2083\u2084\u2085\u2086\u2087\u2088\u2089", "0123456789"
+)
 _SUPERSCRIPT_RUN = re.compile("[\u2070\u00b9\u00b2\u00b3\u2074-\u2079\u207b]+")
 _SUBSCRIPT_RUN = re.compile("[\u2080-\u2089]+")
 # √2, √x, √(x+1), √{..}; ∛ likewise. The argument is one number, letter or bracket group (no nesting).
-_UNICODE_ROOT = re.compile(r"([\u221a\u221b])\s*(\d+(?:\.\d+)?|[A-Za-z]|\([^()]{0,200}\)|\{[^{}]{0,200}\})")
+_UNICODE_ROOT = re.compile(
+    r"([\u221a\u221b])\s*(\d+(?:\.\d+)?|[A-Za-z]|\([^()]{0,200}\)|\{[^{}]{0,200}\})"
+)
 
 
 def unicode_to_latex(s: str) -> str:

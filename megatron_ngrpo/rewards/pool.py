@@ -33,8 +33,10 @@ logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 120.0
 # Exit status of a worker that found itself re-importing the caller's main script.
 _REIMPORT_EXIT = 87
-_REIMPORT_ERROR = ("grading workers re-run the main script on start-up and it builds a grader again: "
-                   "put the script's code under `if __name__ == \"__main__\":`")
+_REIMPORT_ERROR = (
+    "grading workers re-run the main script on start-up and it builds a grader again: "
+    'put the script\'s code under `if __name__ == "__main__":`'
+)
 
 
 def _check_not_bootstrapping() -> None:
@@ -82,8 +84,9 @@ def _worker_main(conn, memory_mb: int, warmup: Callable | None) -> None:
 class _Worker:
     def __init__(self, ctx, memory_mb: int, warmup: Callable | None):
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_worker_main, args=(child, memory_mb, warmup), daemon=True,
-                                   name="ngrpo-grader")
+        self.process = ctx.Process(
+            target=_worker_main, args=(child, memory_mb, warmup), daemon=True, name="ngrpo-grader"
+        )
         self.process.start()
         child.close()
         self.started = time.monotonic()
@@ -107,12 +110,20 @@ class GuardedPool(Closing):
     before it takes tasks (not on a task's clock).
     """
 
-    def __init__(self, workers: int, timeout_s: float, memory_mb: int,
-                 preload: Sequence[str] = (), warmup: Callable | None = None):
+    def __init__(
+        self,
+        workers: int,
+        timeout_s: float,
+        memory_mb: int,
+        preload: Sequence[str] = (),
+        warmup: Callable | None = None,
+    ):
         _check_not_bootstrapping()
         if workers < 1 or timeout_s <= 0 or memory_mb < 64:
-            raise ValueError(f"GuardedPool(workers={workers}, timeout_s={timeout_s}, "
-                             f"memory_mb={memory_mb}): need workers >= 1, timeout > 0, >= 64 MiB")
+            raise ValueError(
+                f"GuardedPool(workers={workers}, timeout_s={timeout_s}, "
+                f"memory_mb={memory_mb}): need workers >= 1, timeout > 0, >= 64 MiB"
+            )
         self.timeout_s = timeout_s
         self._memory_mb = memory_mb
         self._warmup = warmup
@@ -157,9 +168,13 @@ class GuardedPool(Closing):
                         fail(worker, "error", f"send: {type(e).__name__}")
                         self._replace(worker)
             waiting = [w for w in self._workers if w in busy or not w.ready]
-            deadlines = [d for _, d in busy.values()] + [w.started + START_TIMEOUT_S for w in waiting if not w.ready]
+            deadlines = [d for _, d in busy.values()] + [
+                w.started + START_TIMEOUT_S for w in waiting if not w.ready
+            ]
             timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else 0.0
-            ready = set(wait([w.conn for w in waiting] + [w.process.sentinel for w in waiting], timeout))
+            ready = set(
+                wait([w.conn for w in waiting] + [w.process.sentinel for w in waiting], timeout)
+            )
             now = time.monotonic()
             for worker in waiting:
                 if worker.conn in ready:
@@ -177,8 +192,10 @@ class GuardedPool(Closing):
                         worker.process.join(timeout=5)
                         if worker.process.exitcode == _REIMPORT_EXIT:
                             raise RuntimeError(_REIMPORT_ERROR)
-                        raise RuntimeError(f"grading worker failed to start ({value}); "
-                                           f"is memory_mb = {self._memory_mb} enough to import sympy?")
+                        raise RuntimeError(
+                            f"grading worker failed to start ({value}); "
+                            f"is memory_mb = {self._memory_mb} enough to import sympy?"
+                        )
                     continue
                 if status == "ok":
                     results[busy.pop(worker)[0]] = value
@@ -205,4 +222,3 @@ class GuardedPool(Closing):
                 worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
                 worker.kill()
             self._workers = []
-

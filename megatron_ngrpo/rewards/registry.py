@@ -32,12 +32,19 @@ class RewardFunction(Closing):
         self.cfg = cfg
         self.max_response_tokens = cfg.max_response_tokens or max_response_tokens or 0
         if cfg.overlong == "soft" and self.max_response_tokens <= cfg.overlong_buffer:
-            raise ValueError(f"overlong = soft needs max_response_tokens "
-                             f"({self.max_response_tokens}) > overlong_buffer ({cfg.overlong_buffer})")
+            raise ValueError(
+                f"overlong = soft needs max_response_tokens "
+                f"({self.max_response_tokens}) > overlong_buffer ({cfg.overlong_buffer})"
+            )
         self.grader = build_grader(cfg)
 
-    def __call__(self, texts: Sequence[str], golds: Sequence, lengths: Sequence[int] | None = None,
-                 finish_reasons: Sequence[str] | None = None) -> Rewards:
+    def __call__(
+        self,
+        texts: Sequence[str],
+        golds: Sequence,
+        lengths: Sequence[int] | None = None,
+        finish_reasons: Sequence[str] | None = None,
+    ) -> Rewards:
         if len(texts) != len(golds):
             raise ValueError(f"{len(texts)} responses but {len(golds)} gold answers")
         correct = self.grader.score_batch(list(zip(texts, golds)))
@@ -45,13 +52,17 @@ class RewardFunction(Closing):
         terms: dict[str, list[float]] = {}
         cfg = self.cfg
         if cfg.format_weight:
-            terms["format"] = [cfg.format_weight * format_reward(t, cfg.format_think_close) for t in texts]
+            terms["format"] = [
+                cfg.format_weight * format_reward(t, cfg.format_think_close) for t in texts
+            ]
         if cfg.overlong == "soft":
             if lengths is None:
                 raise ValueError("overlong = soft needs the response lengths")
-            terms["overlong"] = [cfg.overlong_weight * soft_overlong_penalty(n, self.max_response_tokens,
-                                                                             cfg.overlong_buffer)
-                                 for n in lengths]
+            terms["overlong"] = [
+                cfg.overlong_weight
+                * soft_overlong_penalty(n, self.max_response_tokens, cfg.overlong_buffer)
+                for n in lengths
+            ]
         for values in terms.values():
             total = [a + b for a, b in zip(total, values)]
         if cfg.overlong == "zero":
@@ -62,7 +73,6 @@ class RewardFunction(Closing):
 
     def close(self) -> None:
         self.grader.close()
-
 
 
 def build_reward(cfg: RewardConfig, max_response_tokens: int | None = None) -> RewardFunction:

@@ -60,35 +60,57 @@ class VLLMConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             fail("gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")
         if self.max_model_len < 0:
-            fail("max_model_len", self.max_model_len, "must be >= 0 (0 = the model's limit, at most "
-                 f"{DEFAULT_MAX_MODEL_LEN})")
+            fail(
+                "max_model_len",
+                self.max_model_len,
+                f"must be >= 0 (0 = the model's limit, at most {DEFAULT_MAX_MODEL_LEN})",
+            )
         if self.sleep_level not in (0, 1, 2):
             fail("sleep_level", self.sleep_level, "expected 0, 1 or 2")
         if self.weight_transfer == "nccl_m2n":
-            fail("weight_transfer", self.weight_transfer, "not wired: vLLM's shard-to-shard engine needs "
-                 "per-parameter placements, and Megatron's fused QKV / gate-up shards are not slices of one HF "
-                 "tensor (use nccl)")
+            fail(
+                "weight_transfer",
+                self.weight_transfer,
+                "not wired: vLLM's shard-to-shard engine needs "
+                "per-parameter placements, and Megatron's fused QKV / gate-up shards are not slices of one HF "
+                "tensor (use nccl)",
+            )
         if self.weight_transfer not in ("gloo", "ipc", "nccl", "reload"):
             fail("weight_transfer", self.weight_transfer, "expected gloo, ipc, nccl or reload")
         # Colocated engines only (rollout.engine=vllm, evaluation): routes that cannot work there.
         if self.weight_transfer == "nccl":
-            fail("weight_transfer", self.weight_transfer, "cannot work colocated: the trainer rank and its "
-                 "vLLM worker share one GPU and NCCL refuses two ranks on one device (use ipc with "
-                 "in_process=false, gloo or reload; nccl is rollout.remote.weight_transfer's route)")
+            fail(
+                "weight_transfer",
+                self.weight_transfer,
+                "cannot work colocated: the trainer rank and its "
+                "vLLM worker share one GPU and NCCL refuses two ranks on one device (use ipc with "
+                "in_process=false, gloo or reload; nccl is rollout.remote.weight_transfer's route)",
+            )
         if self.weight_transfer == "ipc" and self.in_process:
-            fail("weight_transfer", self.weight_transfer, "cannot work with in_process=true: the CUDA IPC "
-                 "handle would be opened in the process that made it, which CUDA refuses (use "
-                 "in_process=false on one rank, gloo or reload)")
+            fail(
+                "weight_transfer",
+                self.weight_transfer,
+                "cannot work with in_process=true: the CUDA IPC "
+                "handle would be opened in the process that made it, which CUDA refuses (use "
+                "in_process=false on one rank, gloo or reload)",
+            )
         if self.sync_bucket_mb <= 0:
             fail("sync_bucket_mb", self.sync_bucket_mb, "must be > 0")
         if self.verify_weights and self.weight_transfer != "gloo":
-            fail("verify_weights", self.verify_weights, "checks tensors on the gloo route only "
-                 "(rollout.vllm.weight_transfer=gloo)")
+            fail(
+                "verify_weights",
+                self.verify_weights,
+                "checks tensors on the gloo route only (rollout.vllm.weight_transfer=gloo)",
+            )
         if self.quantization not in (None, "fp8"):
             fail("quantization", self.quantization, "expected null or 'fp8'")
         if not self.enforce_eager:
             # CUDA-graph replay would bypass the hook's per-step overwrite of input embeddings.
-            fail("enforce_eager", self.enforce_eager, "must be true: CUDA graphs bypass the mixing hook")
+            fail(
+                "enforce_eager",
+                self.enforce_eager,
+                "must be true: CUDA graphs bypass the mixing hook",
+            )
 
 
 @dataclass
@@ -134,8 +156,12 @@ class RemoteConfig:
         if self.weight_transfer not in ("http", "gloo", "nccl"):
             fail("weight_transfer", self.weight_transfer, "expected http, gloo or nccl")
         if self.verify_weights and self.weight_transfer == "nccl":
-            fail("verify_weights", self.verify_weights, "no per-tensor check on vLLM's nccl engine "
-                 "(rollout.remote.weight_transfer=http or gloo)")
+            fail(
+                "verify_weights",
+                self.verify_weights,
+                "no per-tensor check on vLLM's nccl engine "
+                "(rollout.remote.weight_transfer=http or gloo)",
+            )
 
 
 @dataclass
@@ -162,8 +188,11 @@ class RolloutConfig:
             fail("temperature", self.temperature, "must be > 0 for RL rollouts")
         SamplingParams.from_config(self).validate(fail)
         if self.engine == EngineName.remote and bool(self.remote.urls) == bool(self.remote.url_dir):
-            fail("remote.urls", self.remote.urls, "rollout.engine=remote needs either rollout.remote.urls "
-                 "or rollout.remote.url_dir")
+            fail(
+                "remote.urls",
+                self.remote.urls,
+                "rollout.engine=remote needs either rollout.remote.urls or rollout.remote.url_dir",
+            )
 
 
 def check_vllm_layout(rollout: RolloutConfig, world_size: int) -> None:
@@ -174,20 +203,33 @@ def check_vllm_layout(rollout: RolloutConfig, world_size: int) -> None:
         return
     tp = rollout.vllm.tensor_parallel
     if world_size > 1 and world_size % tp:
-        fail("rollout.vllm.tensor_parallel", tp, f"must divide the world size {world_size} "
-             f"(each block of {tp} ranks is one colocated vLLM engine)")
+        fail(
+            "rollout.vllm.tensor_parallel",
+            tp,
+            f"must divide the world size {world_size} "
+            f"(each block of {tp} ranks is one colocated vLLM engine)",
+        )
     if world_size > 1 and not rollout.vllm.in_process:
-        fail("rollout.vllm.in_process", rollout.vllm.in_process,
-             "colocated vLLM in a multi-rank job runs in-process (one worker per rank)")
+        fail(
+            "rollout.vllm.in_process",
+            rollout.vllm.in_process,
+            "colocated vLLM in a multi-rank job runs in-process (one worker per rank)",
+        )
 
 
-def vllm_max_model_len(cfg: VLLMConfig, max_positions: int, field: str = "rollout.vllm.max_model_len") -> int:
+def vllm_max_model_len(
+    cfg: VLLMConfig, max_positions: int, field: str = "rollout.vllm.max_model_len"
+) -> int:
     """The engine's max_model_len: ``cfg.max_model_len``, or for 0 the model's
     ``max_position_embeddings`` capped at :data:`DEFAULT_MAX_MODEL_LEN`. A length beyond the
     model's positions is a one-line ConfigError here, not vLLM's pydantic traceback on every rank."""
     if not cfg.max_model_len:
         return min(DEFAULT_MAX_MODEL_LEN, max_positions)
     if cfg.max_model_len > max_positions:
-        fail(field, cfg.max_model_len, f"above the model's max_position_embeddings {max_positions} "
-             f"(config.json); set at most {max_positions}, or 0 for that")
+        fail(
+            field,
+            cfg.max_model_len,
+            f"above the model's max_position_embeddings {max_positions} "
+            f"(config.json); set at most {max_positions}, or 0 for that",
+        )
     return cfg.max_model_len

@@ -28,8 +28,9 @@ def tokenizer_kwargs(tokenizer) -> dict:
     }
 
 
-def build_engine(cfg, model_chunks, tokenizer=None, seed: int = 0,
-                 beside_trainer: bool = False) -> RolloutEngine:
+def build_engine(
+    cfg, model_chunks, tokenizer=None, seed: int = 0, beside_trainer: bool = False
+) -> RolloutEngine:
     """The engine of ``cfg.rollout`` (any config with ``rollout`` and ``model`` sections: the
     trainer's or the evaluation's) for the policy ``model_chunks``.
 
@@ -43,15 +44,26 @@ def build_engine(cfg, model_chunks, tokenizer=None, seed: int = 0,
     or resumed policy is what vLLM samples from)."""
     kwargs = tokenizer_kwargs(tokenizer)
     # Every engine samples the ids the trainer's tokenizer knows (model.num_real_tokens resolved).
-    model_cfg = replace(cfg.model, num_real_tokens=real_token_count(
-        cfg.model.num_real_tokens, ArchSpec.from_hf(cfg.model.hf_path).vocab_size, tokenizer))
+    model_cfg = replace(
+        cfg.model,
+        num_real_tokens=real_token_count(
+            cfg.model.num_real_tokens, ArchSpec.from_hf(cfg.model.hf_path).vocab_size, tokenizer
+        ),
+    )
     if beside_trainer and cfg.rollout.engine == EngineName.vllm:
-        raise ValueError("colocated vLLM adopts the trainer's devices and process groups: it cannot "
-                         "generate beside the trainer (rollout.engine = megatron or remote)")
+        raise ValueError(
+            "colocated vLLM adopts the trainer's devices and process groups: it cannot "
+            "generate beside the trainer (rollout.engine = megatron or remote)"
+        )
     if cfg.rollout.engine == EngineName.megatron:
         if beside_trainer:
-            return MegatronEngine.from_config(replace(cfg.rollout, separate_copy=True), model_chunks, model_cfg,
-                                              groups=duplicate_model_parallel_groups(), **kwargs)
+            return MegatronEngine.from_config(
+                replace(cfg.rollout, separate_copy=True),
+                model_chunks,
+                model_cfg,
+                groups=duplicate_model_parallel_groups(),
+                **kwargs,
+            )
         return MegatronEngine.from_config(cfg.rollout, model_chunks, model_cfg, **kwargs)
     if cfg.rollout.engine == EngineName.remote:
         # Beside the trainer as it is: the servers hold their own weights, the client's
@@ -59,7 +71,6 @@ def build_engine(cfg, model_chunks, tokenizer=None, seed: int = 0,
 
         engine = RemoteEngine.from_config(cfg.rollout, model_cfg, tokenizer)
     else:
-
         # Colocated in a multi-rank job every rank builds its engine here, at the same point
         # (vLLM creates its groups collectively over the trainer's world group).
         tok_path = getattr(tokenizer, "name_or_path", None) or None

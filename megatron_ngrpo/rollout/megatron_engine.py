@@ -79,7 +79,9 @@ from megatron_ngrpo.rollout.types import (
 
 # Separates the sampling draws from the mixing gate's draws of the same (seed, key, position).
 _SAMPLE_SALT = 0x5D588B656C078965
-_STOP_WINDOW_EXTRA = 4  # tokens decoded beyond the longest stop text (tokens may decode to < 1 char)
+_STOP_WINDOW_EXTRA = (
+    4  # tokens decoded beyond the longest stop text (tokens may decode to < 1 char)
+)
 _RUNNING, _STOP, _LENGTH = 0, 1, 2
 
 
@@ -112,12 +114,21 @@ class MegatronEngine(RolloutEngine):
 
     neighbors_on_demand = True
 
-    def __init__(self, model_chunks, num_real_tokens: int, *, eos_token_ids: Sequence[int] = (),
-                 decode: Callable[[list[int]], str] | None = None, special_ids: Sequence[int] = (),
-                 neighbor_table: torch.Tensor | None = None, max_batch_size: int = 0,
-                 max_seq_len: int | None = None, separate_copy: bool = False, model_cfg=None,
-                 groups=None):
-
+    def __init__(
+        self,
+        model_chunks,
+        num_real_tokens: int,
+        *,
+        eos_token_ids: Sequence[int] = (),
+        decode: Callable[[list[int]], str] | None = None,
+        special_ids: Sequence[int] = (),
+        neighbor_table: torch.Tensor | None = None,
+        max_batch_size: int = 0,
+        max_seq_len: int | None = None,
+        separate_copy: bool = False,
+        model_cfg=None,
+        groups=None,
+    ):
 
         if separate_copy and model_cfg is None:
             raise ValueError("MegatronEngine(separate_copy=True) needs model_cfg to build the copy")
@@ -136,7 +147,6 @@ class MegatronEngine(RolloutEngine):
         self._src: int | None = None
         self.groups = groups or ProcessGroupCollection.use_mpu_process_groups(["tp", "pp", "mp"])
         if separate_copy:
-
             self.chunks = build_model(model_cfg, pg_collection=groups)
             self._copy_weights(model_chunks)
         else:
@@ -151,8 +161,14 @@ class MegatronEngine(RolloutEngine):
         built from ``model_cfg``; kwargs as in the constructor (decode, eos_token_ids, ...)."""
 
         num_real = model_cfg.num_real_tokens or ArchSpec.from_hf(model_cfg.hf_path).vocab_size
-        return cls(model_chunks, num_real, max_batch_size=rollout_cfg.max_batch_size,
-                   separate_copy=rollout_cfg.separate_copy, model_cfg=model_cfg, **kwargs)
+        return cls(
+            model_chunks,
+            num_real,
+            max_batch_size=rollout_cfg.max_batch_size,
+            separate_copy=rollout_cfg.separate_copy,
+            model_cfg=model_cfg,
+            **kwargs,
+        )
 
     # ---- RolloutEngine ----------------------------------------------------------------------
     def sync_weights(self, model_chunks=None) -> None:
@@ -170,14 +186,23 @@ class MegatronEngine(RolloutEngine):
         refreshes every ``mixing.refresh_every`` updates; None = build it from the weights."""
         self._fixed_table = table
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, mixing=None,
-                 keys: list[int] | None = None) -> RolloutBatch:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        mixing=None,
+        keys: list[int] | None = None,
+    ) -> RolloutBatch:
         mixing = active_mixing(mixing)
         self._validate(prompts, params, mixing, keys)
         keys = list(range(len(prompts))) if keys is None else [int(k) for k in keys]
         row_prompts = [list(prompts[i]) for i in range(len(prompts)) for _ in range(params.n)]
         row_keys = sequence_keys(keys, params.n)
-        aux = self._mixing_aux(mixing, len(row_prompts) * params.max_new_tokens) if mixing is not None else {}
+        aux = (
+            self._mixing_aux(mixing, len(row_prompts) * params.max_new_tokens)
+            if mixing is not None
+            else {}
+        )
         if self._src is None:
             self._src = _decider_rank(self.groups.mp)
         order = sorted(range(len(row_prompts)), key=lambda r: len(row_prompts[r]))
@@ -185,36 +210,62 @@ class MegatronEngine(RolloutEngine):
         out = _Outputs(len(row_prompts), mixing.k if mixing is not None else 1, aux.get("noise"))
         with self._generation_mode():
             for start in range(0, len(order), size):
-                rows = order[start:start + size]
-                self._generate_rows(rows, [row_prompts[r] for r in rows], [row_keys[r] for r in rows],
-                                    params, mixing, aux, out)
+                rows = order[start : start + size]
+                self._generate_rows(
+                    rows,
+                    [row_prompts[r] for r in rows],
+                    [row_keys[r] for r in rows],
+                    params,
+                    mixing,
+                    aux,
+                    out,
+                )
         texts = None
         if self.decode is not None:
-            texts = [_truncate_at_stop(self.decode(r), params.stop) if f == "stop" else self.decode(r)
-                     for r, f in zip(out.responses, out.finish)]
+            texts = [
+                _truncate_at_stop(self.decode(r), params.stop) if f == "stop" else self.decode(r)
+                for r, f in zip(out.responses, out.finish)
+            ]
         return RolloutBatch(
-            prompt_ids=row_prompts, response_ids=out.responses, logprobs=out.logprobs,
-            finish_reasons=out.finish, mixes=out.record(),
-            prompt_index=[i for i in range(len(prompts)) for _ in range(params.n)], texts=texts,
+            prompt_ids=row_prompts,
+            response_ids=out.responses,
+            logprobs=out.logprobs,
+            finish_reasons=out.finish,
+            mixes=out.record(),
+            prompt_index=[i for i in range(len(prompts)) for _ in range(params.n)],
+            texts=texts,
         )
 
     # ---- validation (no collectives) --------------------------------------------------------
     def _validate(self, prompts, params: SamplingParams, mixing, keys) -> None:
         table = self._fixed_table
-        validate_request(prompts, params, keys, self.max_seq_len, self.num_real_tokens, "the model's max length",
-                         mixing, None if table is None else table.shape[1])
+        validate_request(
+            prompts,
+            params,
+            keys,
+            self.max_seq_len,
+            self.num_real_tokens,
+            "the model's max length",
+            mixing,
+            None if table is None else table.shape[1],
+        )
         if (params.stop or (mixing is not None and mixing.stop_after)) and self.decode is None:
-            raise ValueError("generate: stop strings / mixing.stop_after need the engine's decode callable")
+            raise ValueError(
+                "generate: stop strings / mixing.stop_after need the engine's decode callable"
+            )
         if mixing is not None:
             if mixing.k > self.num_real_tokens:
-                raise ValueError(f"mixing.k = {mixing.k}: more than the {self.num_real_tokens} real tokens")
+                raise ValueError(
+                    f"mixing.k = {mixing.k}: more than the {self.num_real_tokens} real tokens"
+                )
 
     # ---- weights and neighbour table --------------------------------------------------------
     def _copy_weights(self, model_chunks) -> None:
         with torch.no_grad():
             for own, src in zip(self.chunks, model_chunks, strict=True):
-                for (name, p), (src_name, q) in zip(unwrap(own).state_dict().items(),
-                                                    unwrap(src).state_dict().items(), strict=True):
+                for (name, p), (src_name, q) in zip(
+                    unwrap(own).state_dict().items(), unwrap(src).state_dict().items(), strict=True
+                ):
                     if name != src_name:
                         raise ValueError(f"separate copy: parameter {name} vs {src_name}")
                     if torch.is_tensor(p):
@@ -228,14 +279,34 @@ class MegatronEngine(RolloutEngine):
         if mixing.strategy == "neighbor":
             if self._fixed_table is not None:
                 return {"table": self._fixed_table.to(self._device)}
-            mode = mixing.lookup_mode(positions, unwrap(self.chunks[0]).vocab_size, self._device.type)
-            key = (mode, mixing.k, mixing.metric, mixing.neighbor_source, mixing.exclude_special,
-                   mixing.exclude_padded, tuple(mixing.exclude_ids), mixing.chunk_size)
+            mode = mixing.lookup_mode(
+                positions, unwrap(self.chunks[0]).vocab_size, self._device.type
+            )
+            key = (
+                mode,
+                mixing.k,
+                mixing.metric,
+                mixing.neighbor_source,
+                mixing.exclude_special,
+                mixing.exclude_padded,
+                tuple(mixing.exclude_ids),
+                mixing.chunk_size,
+            )
             if key not in self._derived:
-                self._derived[key] = neighbor_lookup_for_model(
-                    self.chunks, mixing, self.num_real_tokens, self.special_ids, self.groups.tp, self.groups.pp) \
-                    if mode == "on_demand" else \
-                    neighbor_table_for_model(self.chunks, mixing, self.num_real_tokens, self.special_ids).to(self._device)
+                self._derived[key] = (
+                    neighbor_lookup_for_model(
+                        self.chunks,
+                        mixing,
+                        self.num_real_tokens,
+                        self.special_ids,
+                        self.groups.tp,
+                        self.groups.pp,
+                    )
+                    if mode == "on_demand"
+                    else neighbor_table_for_model(
+                        self.chunks, mixing, self.num_real_tokens, self.special_ids
+                    ).to(self._device)
+                )
             return {"table": self._derived[key]}
         if mixing.strategy == "stht":
             key = ("noise", mixing.noise_scale)
@@ -250,19 +321,20 @@ class MegatronEngine(RolloutEngine):
         sigma = torch.zeros(1, dtype=torch.float64, device=self._device)
         emb = mixing_embedding(self.chunks[0])
         if emb is not None:
-            spec = NoiseSpec.from_embedding(emb.weight, self.num_real_tokens, scale,
-                                            emb.vocab_start_index, self.groups.tp)
+            spec = NoiseSpec.from_embedding(
+                emb.weight, self.num_real_tokens, scale, emb.vocab_start_index, self.groups.tp
+            )
             sigma.fill_(spec.sigma)
         if ps.get_pipeline_model_parallel_world_size() > 1:
-            dist.broadcast(sigma, src=ps.get_pipeline_model_parallel_first_rank(),
-                           group=self.groups.pp)
+            dist.broadcast(
+                sigma, src=ps.get_pipeline_model_parallel_first_rank(), group=self.groups.pp
+            )
         return NoiseSpec(sigma=float(sigma), dim=self.config.hidden_size)
 
     # ---- the generation loop ----------------------------------------------------------------
     @contextlib.contextmanager
     def _generation_mode(self):
         """eval(), no_grad and no sequence parallelism (static inference does not take it)."""
-
 
         training = [c.training for c in self.chunks]
         sp = bool(self.config.sequence_parallel)
@@ -279,8 +351,9 @@ class MegatronEngine(RolloutEngine):
                 if sp:
                     set_model_to_sequence_parallel(unwrap(c), True)
 
-    def _generate_rows(self, rows, prompts, keys, params: SamplingParams, mixing, aux: dict,
-                       out: _Outputs) -> None:
+    def _generate_rows(
+        self, rows, prompts, keys, params: SamplingParams, mixing, aux: dict, out: _Outputs
+    ) -> None:
         """Generate the responses of ``rows`` (indices into ``out``) in one static batch."""
 
         b = len(rows)
@@ -317,29 +390,37 @@ class MegatronEngine(RolloutEngine):
             mix = None
             if bool(mixed.any()):
                 k = (packed.shape[1] - 4) // 2
-                mix = MixBatch(ids=packed[:, 4:4 + k].long().unsqueeze(1).to(self._device),
-                               weights=packed[:, 4 + k:].float().unsqueeze(1).to(self._device),
-                               mask=mixed.unsqueeze(1).to(self._device),
-                               noise=None if noise is None else noise.unsqueeze(1).to(self._device))
-            logits = self._forward(tokens[live, col:col + 1], ctx, mix)
+                mix = MixBatch(
+                    ids=packed[:, 4 : 4 + k].long().unsqueeze(1).to(self._device),
+                    weights=packed[:, 4 + k :].float().unsqueeze(1).to(self._device),
+                    mask=mixed.unsqueeze(1).to(self._device),
+                    noise=None if noise is None else noise.unsqueeze(1).to(self._device),
+                )
+            logits = self._forward(tokens[live, col : col + 1], ctx, mix)
             col += 1
 
     def _forward(self, tokens: torch.Tensor, ctx, mix: MixBatch | None) -> torch.Tensor | None:
         """One KV-cached step over all chunks of this rank: tokens [B, s] → last-position logits
         [B, V] (gathered over TP) on the last pipeline stage, None elsewhere."""
 
-
         b, s = tokens.shape
         tokens = tokens.to(self._device)
-        pos = torch.arange(ctx.sequence_len_offset, ctx.sequence_len_offset + s,
-                           device=self._device).unsqueeze(0).expand(b, s)
-        comm_dtype = torch.float32 if self.config.fp32_residual_connection else self.config.params_dtype
+        pos = (
+            torch.arange(ctx.sequence_len_offset, ctx.sequence_len_offset + s, device=self._device)
+            .unsqueeze(0)
+            .expand(b, s)
+        )
+        comm_dtype = (
+            torch.float32 if self.config.fp32_residual_connection else self.config.params_dtype
+        )
         pp_group = self.groups.pp
         out = None
         for chunk in self.chunks:
             inner = unwrap(chunk)
             if not inner.pre_process:
-                buf = torch.empty(s, b, self.config.hidden_size, dtype=comm_dtype, device=self._device)
+                buf = torch.empty(
+                    s, b, self.config.hidden_size, dtype=comm_dtype, device=self._device
+                )
                 recv_from_prev_pipeline_rank_(buf, pp_group)
                 inner.set_input_tensor(buf)
             with mixing_inputs(chunk, mix):
@@ -358,14 +439,23 @@ class MegatronEngine(RolloutEngine):
         dist.broadcast(packed, src=self._src, group=group)
         return packed
 
-    def _decide(self, logits, live, producing, col, state: _RowState, params: SamplingParams,
-                mixing, aux: dict) -> torch.Tensor:
+    def _decide(
+        self,
+        logits,
+        live,
+        producing,
+        col,
+        state: _RowState,
+        params: SamplingParams,
+        mixing,
+        aux: dict,
+    ) -> torch.Tensor:
         """Tokens, log-probs, mixes and finish codes of the rows in ``live`` → packed [B, 4+2k]
         float64: token, log-prob, mixed, finish code, ids (k), weights (k)."""
         b = len(live)
         k = mixing.k if mixing is not None else 1
         z = logits.float()  # fp32 logits are masked in place: they are this step's own tensor
-        z[:, self.num_real_tokens:] = float("-inf")
+        z[:, self.num_real_tokens :] = float("-inf")
         temp = params.temperature
         scaled = z / (temp if temp > 0 else 1.0)
         t = state.column(live, col)
@@ -381,24 +471,34 @@ class MegatronEngine(RolloutEngine):
                 sel = torch.nonzero(mixed).flatten()
                 rows = sel.to(z.device)
                 dec = decide_for_strategy(
-                    mixing, logits[rows], mixed[sel], temperature=temp if temp > 0 else 1.0,
-                    num_real_tokens=self.num_real_tokens, table=aux.get("table"),
-                    noise=aux.get("noise"), seed=params.seed,
-                    key=torch.tensor(state.keys)[live[sel]], position=t[sel])
+                    mixing,
+                    logits[rows],
+                    mixed[sel],
+                    temperature=temp if temp > 0 else 1.0,
+                    num_real_tokens=self.num_real_tokens,
+                    table=aux.get("table"),
+                    noise=aux.get("noise"),
+                    seed=params.seed,
+                    key=torch.tensor(state.keys)[live[sel]],
+                    position=t[sel],
+                )
                 if mixing.emit == "anchor":
                     token[rows] = dec.anchor
-                packed[rows, 4:4 + k] = dec.ids.double()
-                packed[rows, 4 + k:] = dec.weights.double()
+                packed[rows, 4 : 4 + k] = dec.ids.double()
+                packed[rows, 4 + k :] = dec.weights.double()
         packed[:, 0] = token.double()
-        packed[:, 1] = (scaled.gather(1, token.unsqueeze(1)).squeeze(1)
-                        - torch.logsumexp(scaled, dim=-1)).double()
+        packed[:, 1] = (
+            scaled.gather(1, token.unsqueeze(1)).squeeze(1) - torch.logsumexp(scaled, dim=-1)
+        ).double()
         finish, mix_stop = self._finish(token.cpu(), live, producing, t, state, params, mixing)
         mixed &= ~mix_stop
         packed[:, 2] = mixed.double().to(z.device)
         packed[:, 3] = finish.double().to(z.device)
         return packed
 
-    def _ensure_rows(self, lookup: NeighborLookup, logits, live, producing, col, state: _RowState) -> None:
+    def _ensure_rows(
+        self, lookup: NeighborLookup, logits, live, producing, col, state: _RowState
+    ) -> None:
         """On-demand neighbours: the decider sends the anchors of this step's gated rows over
         the model-parallel group (one broadcast of [B] ids, -1 = none) and every rank searches
         the rows not cached yet (collective over TP, broadcast over PP), so that the decision
@@ -407,7 +507,7 @@ class MegatronEngine(RolloutEngine):
         if dist.get_rank() == self._src:
             mixed = state.gated(live, producing, state.column(live, col))
             rows = torch.nonzero(mixed).flatten().to(logits.device)
-            ids[:rows.numel()] = anchors(logits[rows], self.num_real_tokens).to(self._device)
+            ids[: rows.numel()] = anchors(logits[rows], self.num_real_tokens).to(self._device)
         if dist.get_world_size(self.groups.mp) > 1:
             dist.broadcast(ids, src=self._src, group=self.groups.mp)
         lookup.ensure(ids[ids >= 0])
@@ -442,7 +542,9 @@ def _decider_rank(group) -> int:
     stage, TP rank 0."""
 
     me = dist.get_rank()
-    mine = ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+    mine = (
+        ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+    )
     if dist.get_world_size(group) == 1:
         return me
 
@@ -494,7 +596,9 @@ class _Outputs:
     responses: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     finish: list = field(default_factory=list)
-    mixes: list = field(default_factory=list)  # (seq [N], pos [N], ids [N,k], weights [N,k], noise [N,d])
+    mixes: list = field(
+        default_factory=list
+    )  # (seq [N], pos [N], ids [N,k], weights [N,k], noise [N,d])
 
     def __post_init__(self):
         self.responses = [[] for _ in range(self.num_rows)]
@@ -505,9 +609,14 @@ class _Outputs:
         if not self.mixes:
             return MixRecord.empty(self.num_rows, self.k)
         seq, pos, ids, w, noise = zip(*self.mixes)
-        return MixRecord(seq=torch.cat(seq), pos=torch.cat(pos), ids=torch.cat(ids), weights=torch.cat(w),
-                         num_seqs=self.num_rows,
-                         noise=None if self.noise is None else torch.cat(noise)).sorted()
+        return MixRecord(
+            seq=torch.cat(seq),
+            pos=torch.cat(pos),
+            ids=torch.cat(ids),
+            weights=torch.cat(w),
+            num_seqs=self.num_rows,
+            noise=None if self.noise is None else torch.cat(noise),
+        ).sorted()
 
 
 @dataclass
@@ -555,10 +664,17 @@ class _RowState:
     def response(self, i: int, last: int) -> list[int]:
         """The last ``last`` response tokens of batch row ``i``."""
         end = int(self.plen[i] + self.ntok[i])
-        return self.tokens[i, max(int(self.plen[i]), end - last): end].tolist()
+        return self.tokens[i, max(int(self.plen[i]), end - last) : end].tolist()
 
-    def apply(self, packed: torch.Tensor, live: torch.Tensor, producing: torch.Tensor, col: int,
-              out: _Outputs, seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def apply(
+        self,
+        packed: torch.Tensor,
+        live: torch.Tensor,
+        producing: torch.Tensor,
+        col: int,
+        out: _Outputs,
+        seed: int,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Record the broadcast step of rows ``live`` (packed as in ``_decide``) into ``out``;
         returns the mixed flag [len(live)] (CPU) and, for STHT, the noise [len(live), d] (zero
         on unmixed rows), redrawn here from the decision's counters (seed, key, t)."""
@@ -587,5 +703,5 @@ class _RowState:
                 drawn = gaussian_noise(seed, keys, pos, out.noise)
                 noise = torch.zeros(len(live), out.noise.dim)
                 noise[m] = drawn
-            out.mixes.append((seq, pos, cpu[m, 4:4 + k].long(), cpu[m, 4 + k:].float(), drawn))
+            out.mixes.append((seq, pos, cpu[m, 4 : 4 + k].long(), cpu[m, 4 + k :].float(), drawn))
         return mixed, noise

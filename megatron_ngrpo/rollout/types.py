@@ -58,15 +58,19 @@ class SamplingParams(SamplingFields):
     seed: int = 0
 
     @classmethod
-    def from_config(cls, section, eos_token_id: int | None = None, seed: int | None = None) -> SamplingParams:
+    def from_config(
+        cls, section, eos_token_id: int | None = None, seed: int | None = None
+    ) -> SamplingParams:
         """The one builder from a config section (the training job's ``rollout``, the evaluation
         CLI's and in-training validation's ``sampling``): its :class:`SamplingFields`, and
         ``stop`` / ``seed`` where it has them; ``seed`` overrides the section's. Responses also
         stop at ``eos_token_id`` (the tokenizer's EOS)."""
-        return cls(**{f.name: getattr(section, f.name) for f in fields(SamplingFields)},
-                   stop=list(getattr(section, "stop", [])),
-                   stop_token_ids=[eos_token_id] if eos_token_id is not None else [],
-                   seed=seed if seed is not None else getattr(section, "seed", 0))
+        return cls(
+            **{f.name: getattr(section, f.name) for f in fields(SamplingFields)},
+            stop=list(getattr(section, "stop", [])),
+            stop_token_ids=[eos_token_id] if eos_token_id is not None else [],
+            seed=seed if seed is not None else getattr(section, "seed", 0),
+        )
 
     def validate(self, fail=None) -> None:
         """The one rule for sampling settings. ``fail(field, value, why)`` raises (default: a
@@ -118,14 +122,18 @@ class RolloutBatch:
         n = len(self.response_ids)
         for name in ("prompt_ids", "logprobs", "finish_reasons", "prompt_index"):
             if len(getattr(self, name)) != n:
-                raise ValueError(f"RolloutBatch.{name} has {len(getattr(self, name))} entries, expected {n}")
+                raise ValueError(
+                    f"RolloutBatch.{name} has {len(getattr(self, name))} entries, expected {n}"
+                )
         for r, (toks, lps) in enumerate(zip(self.response_ids, self.logprobs)):
             if len(toks) != len(lps):
                 raise ValueError(f"response {r}: {len(toks)} tokens but {len(lps)} log-probs")
         self.mixes.validate(self.response_lengths, vocab_size)
         v = self.policy_version
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-            raise ValueError(f"RolloutBatch.policy_version = {v!r}: expected a step number >= 0 or None")
+            raise ValueError(
+                f"RolloutBatch.policy_version = {v!r}: expected a step number >= 0 or None"
+            )
 
     def select_prompts(self, indices: list[int]) -> RolloutBatch:
         """The responses of the prompts at ``indices`` (in that order), renumbered 0..len-1."""
@@ -139,9 +147,11 @@ class RolloutBatch:
             response_ids=[self.response_ids[r] for r in rows],
             logprobs=[self.logprobs[r] for r in rows],
             finish_reasons=[self.finish_reasons[r] for r in rows],
-            mixes=self.mixes.select(rows), prompt_index=new_index,
+            mixes=self.mixes.select(rows),
+            prompt_index=new_index,
             texts=None if self.texts is None else [self.texts[r] for r in rows],
-            policy_version=self.policy_version)
+            policy_version=self.policy_version,
+        )
 
     @staticmethod
     def cat(batches: list[RolloutBatch]) -> RolloutBatch:
@@ -151,17 +161,24 @@ class RolloutBatch:
         for b in batches:
             index += [i + offset for i in b.prompt_index]
             offset += max(b.prompt_index, default=-1) + 1
-        texts = None if any(b.texts is None for b in batches) else [t for b in batches for t in b.texts]
+        texts = (
+            None if any(b.texts is None for b in batches) else [t for b in batches for t in b.texts]
+        )
         versions = {b.policy_version for b in batches}
         if len(versions) > 1:
-            raise ValueError(f"RolloutBatch.cat: batches of different policy versions {sorted(versions, key=str)}")
+            raise ValueError(
+                f"RolloutBatch.cat: batches of different policy versions {sorted(versions, key=str)}"
+            )
         return RolloutBatch(
             prompt_ids=[x for b in batches for x in b.prompt_ids],
             response_ids=[x for b in batches for x in b.response_ids],
             logprobs=[x for b in batches for x in b.logprobs],
             finish_reasons=[x for b in batches for x in b.finish_reasons],
-            mixes=MixRecord.cat([b.mixes for b in batches]), prompt_index=index, texts=texts,
-            policy_version=versions.pop() if versions else None)
+            mixes=MixRecord.cat([b.mixes for b in batches]),
+            prompt_index=index,
+            texts=texts,
+            policy_version=versions.pop() if versions else None,
+        )
 
     def padded(self, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Right-padded prompt+response batch: ``tokens`` [B, L] int64, ``offsets`` [B] (prompt
@@ -175,8 +192,16 @@ class RolloutBatch:
         return tokens, offsets, lengths
 
 
-def validate_request(prompts: list[list[int]], params: SamplingParams, keys, max_len: int,
-                     num_real_tokens: int, limit_name: str, mixing=None, table_width: int | None = None) -> None:
+def validate_request(
+    prompts: list[list[int]],
+    params: SamplingParams,
+    keys,
+    max_len: int,
+    num_real_tokens: int,
+    limit_name: str,
+    mixing=None,
+    table_width: int | None = None,
+) -> None:
     """The checks every engine makes before generating (no collectives): one ValueError naming
     the request index or the mixing field (``mixing``: the enabled MixingConfig, or None;
     ``table_width``: columns of the given neighbour table the engine mixes with, None when it
@@ -185,14 +210,18 @@ def validate_request(prompts: list[list[int]], params: SamplingParams, keys, max
     if mixing is not None:
         mixing.validate()
         if mixing.strategy == "neighbor" and table_width not in (None, mixing.k):
-            raise ValueError(f"mixing.k = {mixing.k} but the neighbour table has {table_width} columns")
+            raise ValueError(
+                f"mixing.k = {mixing.k} but the neighbour table has {table_width} columns"
+            )
     if keys is not None and len(keys) != len(prompts):
         raise ValueError(f"generate: {len(keys)} keys for {len(prompts)} prompts")
     for i, p in enumerate(prompts):
         if len(p) == 0:
             raise ValueError(f"prompt {i}: empty")
         if len(p) >= max_len:
-            raise ValueError(f"prompt {i}: {len(p)} tokens, no room for a response within {limit_name} {max_len}")
+            raise ValueError(
+                f"prompt {i}: {len(p)} tokens, no room for a response within {limit_name} {max_len}"
+            )
         bad = [t for t in p if not 0 <= int(t) < num_real_tokens]
         if bad:
             raise ValueError(f"prompt {i}: token id {bad[0]} outside [0, {num_real_tokens})")
@@ -212,8 +241,13 @@ class RolloutEngine(abc.ABC):
     neighbors_on_demand: bool = False
 
     @abc.abstractmethod
-    def generate(self, prompts: list[list[int]], params: SamplingParams, mixing=None,
-                 keys: list[int] | None = None) -> RolloutBatch:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        mixing=None,
+        keys: list[int] | None = None,
+    ) -> RolloutBatch:
         """Prompts (token-id lists) → :class:`RolloutBatch` of ``len(prompts) * params.n``
         responses; ``mixing`` None or disabled generates plainly (evaluation); ``keys`` (one int
         per prompt, default its index; the trainer passes global prompt indices) seed the

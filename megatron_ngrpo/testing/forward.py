@@ -32,7 +32,9 @@ def megatron_logits(chunks: list, tokens: torch.Tensor) -> torch.Tensor | None:
             if vstage == pp * len(chunks) - 1:
                 out = res
             elif pp > 1:
-                dist.send(res.contiguous(), dist.get_global_rank(group, (vstage + 1) % pp), group=group)
+                dist.send(
+                    res.contiguous(), dist.get_global_rank(group, (vstage + 1) % pp), group=group
+                )
             else:
                 hidden = res
     return out

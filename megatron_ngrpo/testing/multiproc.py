@@ -52,7 +52,9 @@ def run_cases() -> None:
         except Exception:  # a failed case is reported, the remaining cases still run
             value, error = None, traceback.format_exc()
             # Also now: if the failure left a collective half-done, the gather below can hang.
-            print(f"rank {dist.get_rank()}: case {name} failed:\n{error}", file=sys.stderr, flush=True)
+            print(
+                f"rank {dist.get_rank()}: case {name} failed:\n{error}", file=sys.stderr, flush=True
+            )
         errors = [None] * dist.get_world_size()
         dist.all_gather_object(errors, error)
         failed = {r: e for r, e in enumerate(errors) if e}
@@ -68,19 +70,38 @@ def shared_tmpdir(prefix: str) -> str:
     return broadcast_from_rank0(tempfile.mkdtemp(prefix=prefix) if dist.get_rank() == 0 else None)
 
 
-def launch(script: str | Path, nproc: int, timeout: int = 900, env: dict | None = None,
-           only: list[str] | None = None) -> dict[str, dict]:
+def launch(
+    script: str | Path,
+    nproc: int,
+    timeout: int = 900,
+    env: dict | None = None,
+    only: list[str] | None = None,
+) -> dict[str, dict]:
     """Run ``script`` under torchrun with ``nproc`` processes and return its per-case results."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "results.json"
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-            str(script), "--out", str(out),
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(nproc),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            str(script),
+            "--out",
+            str(out),
         ]
         if only:
             cmd += ["--only", ",".join(only)]
-        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": worker_pythonpath(), **(env or {})}
+        full_env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": worker_pythonpath(),
+            **(env or {}),
+        }
         proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
         if not out.exists():
             raise RuntimeError(

@@ -16,12 +16,16 @@ SENTENCES = (
 
 
 def models_dir() -> Path:
-    return Path(os.environ.get("NGRPO_MODELS") or Path.home() / ".cache" / "megatron_ngrpo" / "models")
+    return Path(
+        os.environ.get("NGRPO_MODELS") or Path.home() / ".cache" / "megatron_ngrpo" / "models"
+    )
 
 
 def real_model_dir(name: str = SMOLLM2) -> Path:
     """The model's HF folder; FileNotFoundError (one line) when it has not been built."""
     path = models_dir() / name
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"real model {name}: no HF folder at {path} (run scripts/setup_real_model.sh)")
+        raise FileNotFoundError(
+            f"real model {name}: no HF folder at {path} (run scripts/setup_real_model.sh)"
+        )
     return path

@@ -16,7 +16,7 @@ def similarity_matrix64(weight: torch.Tensor, metric: str, rows=None) -> torch.T
     w = weight.detach().double()
     norms = torch.linalg.vector_norm(w, dim=-1).clamp_min(1e-12)
     out = []
-    for a in (range(w.shape[0]) if rows is None else rows):
+    for a in range(w.shape[0]) if rows is None else rows:
         q = w[a]
         if metric == "cosine":
             out.append((q * w).sum(-1) / (norms[a] * norms))
@@ -31,13 +31,20 @@ def similarity_matrix64(weight: torch.Tensor, metric: str, rows=None) -> torch.T
     return torch.stack(out)
 
 
-def neighbor_table64(weight: torch.Tensor, k: int, metric: str = "cosine",
-                     exclude: torch.Tensor | None = None, rows=None) -> torch.Tensor:
+def neighbor_table64(
+    weight: torch.Tensor,
+    k: int,
+    metric: str = "cosine",
+    exclude: torch.Tensor | None = None,
+    rows=None,
+) -> torch.Tensor:
     """[V, k] table (or the rows ``rows``): row v = v then the k-1 most similar allowed rows ≠ v,
     ordered by (-score, id)."""
     rows = torch.tensor(list(range(weight.shape[0]) if rows is None else rows), dtype=torch.long)
     s = similarity_matrix64(weight, metric, rows.tolist())
-    banned = torch.zeros(weight.shape[0], dtype=torch.bool) if exclude is None else exclude.cpu().bool()
+    banned = (
+        torch.zeros(weight.shape[0], dtype=torch.bool) if exclude is None else exclude.cpu().bool()
+    )
     # A stable descending sort keeps equal scores in id order: the (-score, id) order over the
     # whole row (a Python sort of V tuples per row cost ~20 s at V = 3000).
     order = torch.sort(s, dim=1, descending=True, stable=True).indices
@@ -47,9 +54,14 @@ def neighbor_table64(weight: torch.Tensor, k: int, metric: str = "cosine",
     return torch.cat([rows.unsqueeze(1), order[first].view(len(rows), k - 1)], 1)
 
 
-def mixed_embedding64(weight: torch.Tensor, tokens: torch.Tensor, ids: torch.Tensor | None = None,
-                      weights: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-                      noise: torch.Tensor | None = None) -> torch.Tensor:
+def mixed_embedding64(
+    weight: torch.Tensor,
+    tokens: torch.Tensor,
+    ids: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    noise: torch.Tensor | None = None,
+) -> torch.Tensor:
     """float64 input embeddings [B, S, d]: E[tokens], and Σ_j weights[..., j]·E[ids[..., j]]
     (+ noise) where ``mask``; the reference of the mixing embedding (differentiable in
     ``weight``)."""
@@ -76,8 +88,10 @@ def decide64(logits: torch.Tensor, table: torch.Tensor, temperature: float, num_
     for row in z:
         best = max(range(num_real_tokens), key=lambda v: (float(row[v]), -v))
         cand = table[best].tolist()
-        e = torch.tensor([float(row[c]) if c < num_real_tokens else float("-inf") for c in cand],
-                         dtype=torch.float64)
+        e = torch.tensor(
+            [float(row[c]) if c < num_real_tokens else float("-inf") for c in cand],
+            dtype=torch.float64,
+        )
         weights.append(torch.softmax(e, 0))
         anchors.append(best)
         ids.append(cand)
@@ -99,7 +113,11 @@ def topk_mixture64(logits: torch.Tensor, k: int, temperature: float, num_real_to
 def splitmix_uniform64(seed: int, key, position):
     """numpy uint64 splitmix64 specification of the gate's counter-based uniform draw."""
 
-    m1, m2, golden = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15)
+    m1, m2, golden = (
+        np.uint64(0xBF58476D1CE4E5B9),
+        np.uint64(0x94D049BB133111EB),
+        np.uint64(0x9E3779B97F4A7C15),
+    )
 
     def mix(x):
         x = x + golden
@@ -148,12 +166,15 @@ def local_shards(model, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
         apply_factory_merges,
     )
 
-    factories, _ = extract_matching_values(model.sharded_state_dict(), lambda x: isinstance(x, ShardedTensorFactory))
+    factories, _ = extract_matching_values(
+        model.sharded_state_dict(), lambda x: isinstance(x, ShardedTensorFactory)
+    )
     sd = model.sharded_state_dict()
     apply_factories(sd)
     sd = {k: v for k, v in sd.items() if any(isinstance(x, ShardedTensor) for x in _leaves(v))}
     loaded = dict_list_map_inplace(
-        lambda x: full[x.key][x.global_slice()].clone() if isinstance(x, ShardedTensor) else x, sd)
+        lambda x: full[x.key][x.global_slice()].clone() if isinstance(x, ShardedTensor) else x, sd
+    )
     return apply_factory_merges(loaded, factories)
 
 

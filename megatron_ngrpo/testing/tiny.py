@@ -11,17 +11,27 @@ from pathlib import Path
 
 _ARCH = {
     "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"]),
-    "llama": dict(model_type="llama", architectures=["LlamaForCausalLM"], attention_bias=False,
-                  mlp_bias=False),
-    "qwen3": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], attention_bias=False,
-                  head_dim=32),
+    "llama": dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], attention_bias=False, mlp_bias=False
+    ),
+    "qwen3": dict(
+        model_type="qwen3", architectures=["Qwen3ForCausalLM"], attention_bias=False, head_dim=32
+    ),
 }
 
 
-def tiny_hf_config(arch: str = "qwen2", vocab_size: int = 512, hidden_size: int = 128,
-                   num_layers: int = 4, num_heads: int = 4, num_kv_heads: int = 2,
-                   intermediate_size: int = 256, tied: bool = False, max_pos: int = 1024,
-                   **extra) -> dict:
+def tiny_hf_config(
+    arch: str = "qwen2",
+    vocab_size: int = 512,
+    hidden_size: int = 128,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 256,
+    tied: bool = False,
+    max_pos: int = 1024,
+    **extra,
+) -> dict:
     """A config.json dict of a tiny model of ``arch`` (qwen2, llama or qwen3)."""
     cfg = dict(
         _ARCH[arch],
@@ -43,14 +53,20 @@ def tiny_hf_config(arch: str = "qwen2", vocab_size: int = 512, hidden_size: int 
         use_cache=True,
     )
     if arch == "llama":
-        cfg["rope_scaling"] = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        cfg["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        }
     cfg.update(extra)
     return cfg
 
 
-def write_tiny_hf(path: str | Path, arch: str = "qwen2", weights: bool = True, seed: int = 0,
-                  **kwargs) -> Path:
+def write_tiny_hf(
+    path: str | Path, arch: str = "qwen2", weights: bool = True, seed: int = 0, **kwargs
+) -> Path:
     """Write config.json (and random safetensors weights from transformers) to ``path``."""
 
     path = Path(path)
@@ -81,6 +97,13 @@ def in_megatron_ddp(module, tp: int):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer import TransformerConfig
 
-    cfg = TransformerConfig(num_layers=1, hidden_size=module.embedding_dim, num_attention_heads=tp,
-                            tensor_model_parallel_size=tp, use_cpu_initialization=True)
-    return DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module)
+    cfg = TransformerConfig(
+        num_layers=1,
+        hidden_size=module.embedding_dim,
+        num_attention_heads=tp,
+        tensor_model_parallel_size=tp,
+        use_cpu_initialization=True,
+    )
+    return DistributedDataParallel(
+        cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module
+    )

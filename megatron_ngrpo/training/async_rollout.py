@@ -75,8 +75,10 @@ def check_staleness(step: int, version: int, max_staleness: int, on_stale: str) 
         return True
     if on_stale == "drop":
         return False
-    raise StaleRolloutError(f"rollout of policy version {version} at step {step}: staleness "
-                            f"{step - version} > train.async.max_staleness = {max_staleness}")
+    raise StaleRolloutError(
+        f"rollout of policy version {version} at step {step}: staleness "
+        f"{step - version} > train.async.max_staleness = {max_staleness}"
+    )
 
 
 @dataclass
@@ -110,7 +112,9 @@ class RolloutProducer:
         keep_weights: snapshot the generating weights at each launch (old log-probs recomputed).
     """
 
-    def __init__(self, engine: RolloutEngine, max_staleness: int, on_stale: str, keep_weights: bool):
+    def __init__(
+        self, engine: RolloutEngine, max_staleness: int, on_stale: str, keep_weights: bool
+    ):
         self.engine = engine
         self.max_staleness = max_staleness
         self.on_stale = on_stale
@@ -119,8 +123,18 @@ class RolloutProducer:
         self._idle_since: float | None = None
         self._stats = _zero_stats()
 
-    def launch(self, version: int, chunks: list, table, prompts: list[list[int]], params, mixing,
-               examples: list, keys: list[int], data_before: dict) -> None:
+    def launch(
+        self,
+        version: int,
+        chunks: list,
+        table,
+        prompts: list[list[int]],
+        params,
+        mixing,
+        examples: list,
+        keys: list[int],
+        data_before: dict,
+    ) -> None:
         """Load ``chunks``' weights (policy ``version``) and ``table`` into the engine, then
         generate ``prompts`` on the second thread. Collective (every rank, same point)."""
         if self._job is not None:
@@ -132,23 +146,35 @@ class RolloutProducer:
         self.engine.sync_weights(chunks)
         if table is not None:
             self.engine.set_neighbor_table(table)
-        job = InFlight(version, examples, keys, data_before,
-                       WeightSnapshot(chunks) if self.keep_weights else None)
+        job = InFlight(
+            version,
+            examples,
+            keys,
+            data_before,
+            WeightSnapshot(chunks) if self.keep_weights else None,
+        )
         stream = None
         if torch.cuda.is_available():
             # NCCL collectives of two communicators queued on one stream in different orders
             # on two ranks would deadlock: the producer gets its own stream, after the copy.
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
-        job.thread = threading.Thread(target=self._generate, args=(job, prompts, params, mixing, stream),
-                                      name="rollout-producer", daemon=True)
+        job.thread = threading.Thread(
+            target=self._generate,
+            args=(job, prompts, params, mixing, stream),
+            name="rollout-producer",
+            daemon=True,
+        )
         self._job = job
         job.thread.start()
 
     def _generate(self, job: InFlight, prompts, params, mixing, stream) -> None:
         start = time.perf_counter()
         try:
-            with background_thread(), torch.cuda.stream(stream) if stream else contextlib.nullcontext():
+            with (
+                background_thread(),
+                torch.cuda.stream(stream) if stream else contextlib.nullcontext(),
+            ):
                 job.rollout = self.engine.generate(prompts, params, mixing=mixing, keys=job.keys)
             job.rollout.policy_version = job.version
         except BaseException as e:  # re-raised on the trainer's thread by take()
@@ -168,8 +194,10 @@ class RolloutProducer:
         self._stats["generation_s"] += job.seconds
         self._idle_since = job.finished_at
         if job.error is not None:
-            raise RuntimeError(f"rollout of policy version {job.version} failed: "
-                               f"{type(job.error).__name__}: {job.error}") from job.error
+            raise RuntimeError(
+                f"rollout of policy version {job.version} failed: "
+                f"{type(job.error).__name__}: {job.error}"
+            ) from job.error
 
     def take(self, step: int) -> InFlight | None:
         """Step ``step``'s rollouts: None when nothing is in flight (the first step); a job with
@@ -177,7 +205,9 @@ class RolloutProducer:
         prompts); raises :class:`StaleRolloutError` with ``on_stale: error``."""
         self.settle()
         job, self._job = self._job, None
-        if job is not None and not check_staleness(step, job.version, self.max_staleness, self.on_stale):
+        if job is not None and not check_staleness(
+            step, job.version, self.max_staleness, self.on_stale
+        ):
             self._stats["dropped"] += 1
             job.rollout = job.snapshot = None
         return job
@@ -197,9 +227,13 @@ class RolloutProducer:
             return None
         self.settle()
         job = self._job
-        return {"version": job.version, "keys": job.keys, "data_before": job.data_before,
-                "rollout": dataclasses.asdict(job.rollout),
-                "weights": job.snapshot.saved if job.snapshot is not None else None}
+        return {
+            "version": job.version,
+            "keys": job.keys,
+            "data_before": job.data_before,
+            "rollout": dataclasses.asdict(job.rollout),
+            "weights": job.snapshot.saved if job.snapshot is not None else None,
+        }
 
     def load_state_dict(self, state: dict, examples: list) -> None:
         """Make ``state`` (from :meth:`state_dict`) the in-flight rollout; ``examples``: its
@@ -207,28 +241,42 @@ class RolloutProducer:
         saved = dict(state["rollout"])
         saved["mixes"] = MixRecord(**saved["mixes"])
         weights = state["weights"]
-        self._job = InFlight(int(state["version"]), examples, list(state["keys"]), state["data_before"],
-                             WeightSnapshot(saved=weights) if weights is not None else None,
-                             rollout=RolloutBatch(**saved))
+        self._job = InFlight(
+            int(state["version"]),
+            examples,
+            list(state["keys"]),
+            state["data_before"],
+            WeightSnapshot(saved=weights) if weights is not None else None,
+            rollout=RolloutBatch(**saved),
+        )
 
     def close(self) -> None:
         self.engine.close()
 
 
 def _zero_stats() -> dict[str, float]:
-    return {"training_waits_generation_s": 0.0, "generation_waits_training_s": 0.0,
-            "generation_s": 0.0, "dropped": 0.0}
+    return {
+        "training_waits_generation_s": 0.0,
+        "generation_waits_training_s": 0.0,
+        "generation_s": 0.0,
+        "dropped": 0.0,
+    }
 
 
-def build_rollouts(cfg, chunks: list, tokenizer, seed: int) -> tuple[RolloutEngine, RolloutProducer | None]:
+def build_rollouts(
+    cfg, chunks: list, tokenizer, seed: int
+) -> tuple[RolloutEngine, RolloutProducer | None]:
     """The trainer's engine and, for ``train.async.max_staleness`` > 0, the producer that owns
     it: a built-in engine on a separate weight copy with duplicated model-parallel groups, or
     the client of the rollout servers (collective). Synchronous training gets
     ``rollout.factory.build_engine``'s engine."""
     a = cfg.train.async_
-    engine = build_engine(cfg, chunks, tokenizer=tokenizer, seed=seed, beside_trainer=bool(a.max_staleness))
+    engine = build_engine(
+        cfg, chunks, tokenizer=tokenizer, seed=seed, beside_trainer=bool(a.max_staleness)
+    )
     if not a.max_staleness:
         return engine, None
-    producer = RolloutProducer(engine, a.max_staleness, a.on_stale,
-                               keep_weights=cfg.grpo.old_logprobs == "recompute")
+    producer = RolloutProducer(
+        engine, a.max_staleness, a.on_stale, keep_weights=cfg.grpo.old_logprobs == "recompute"
+    )
     return engine, producer

@@ -50,11 +50,20 @@ from megatron_ngrpo.conversion.checkpoint import (
 
 # The distributed optimizer's checkpoint format (ignored by the other optimizers): model space,
 # gathered over DP with gloo onto DP rank 0's CPU (not all-gathered on every GPU).
-_DISTOPT_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable",
-                   "distrib_optim_fully_reshardable_mem_efficient": True}
+_DISTOPT_FORMAT = {
+    "distrib_optim_sharding_type": "fully_reshardable",
+    "distrib_optim_fully_reshardable_mem_efficient": True,
+}
 
-__all__ = ["checkpoint_meta", "iter_dir", "latest_checkpoint", "load_training_checkpoint",
-           "save_training_checkpoint", "read_meta", "resolve_checkpoint"]
+__all__ = [
+    "checkpoint_meta",
+    "iter_dir",
+    "latest_checkpoint",
+    "load_training_checkpoint",
+    "save_training_checkpoint",
+    "read_meta",
+    "resolve_checkpoint",
+]
 
 
 def iter_dir(run_dir: str | Path, step: int) -> Path:
@@ -70,9 +79,18 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return path if (path / META_FILE).is_file() else None
 
 
-def save_training_checkpoint(run_dir: str | Path, step: int, chunks: list, meta: dict, optimizer,
-                             trainer_state: dict, keep_last: int = 0, protect: tuple[str, ...] = (),
-                             rank_state: dict | None = None, async_queue=None) -> Path:
+def save_training_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    chunks: list,
+    meta: dict,
+    optimizer,
+    trainer_state: dict,
+    keep_last: int = 0,
+    protect: tuple[str, ...] = (),
+    rank_state: dict | None = None,
+    async_queue=None,
+) -> Path:
     """Write ``run_dir/iter_<step>`` atomically (collective), point ``latest`` at it and delete
     all but the newest ``keep_last`` (0 = keep all; names in ``protect`` are kept).
     ``rank_state``: this rank's own object (None on every rank, or given on every rank).
@@ -82,18 +100,26 @@ def save_training_checkpoint(run_dir: str | Path, step: int, chunks: list, meta:
     # lazy: keeps training.checkpoint free of megatron-core at import (start-up)
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-
     final = iter_dir(run_dir, step)
     distopt = _is_distributed(optimizer)
     if distopt:
         _allocate_adam_state(optimizer)
-    extra = {"rng_state": _rank_object(ShardedObject, "rng_state", _rng_state()), "trainer": trainer_state,
-             "optimizer": optimizer.sharded_state_dict(_sharded_state_dict(chunks), is_loading=False,
-                                                       metadata=_DISTOPT_FORMAT)}
+    extra = {
+        "rng_state": _rank_object(ShardedObject, "rng_state", _rng_state()),
+        "trainer": trainer_state,
+        "optimizer": optimizer.sharded_state_dict(
+            _sharded_state_dict(chunks), is_loading=False, metadata=_DISTOPT_FORMAT
+        ),
+    }
     if rank_state is not None:
         extra["rank_state"] = _rank_object(ShardedObject, "rank_state", rank_state)
-    meta = {**meta, "step": step, "world_size": dist.get_world_size(), "distributed_optimizer": distopt,
-            "rank_state": rank_state is not None}
+    meta = {
+        **meta,
+        "step": step,
+        "world_size": dist.get_world_size(),
+        "distributed_optimizer": distopt,
+        "rank_state": rank_state is not None,
+    }
     publish = functools.partial(_publish, run_dir, final.name, keep_last, protect)
     if async_queue is not None:
         request = save_megatron_checkpoint_async(chunks, final, meta, extra=extra, overwrite=True)
@@ -124,26 +150,30 @@ def load_training_checkpoint(path: str | Path, chunks: list, optimizer) -> dict:
     # lazy: keeps training.checkpoint free of megatron-core at import (start-up)
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-
     meta = read_meta(path)
     distopt = _is_distributed(optimizer)
     if distopt != bool(meta.get("distributed_optimizer")):
-        raise ValueError(f"{path}: saved with optim.distributed_optimizer = "
-                         f"{bool(meta.get('distributed_optimizer'))}, resuming with {distopt}")
+        raise ValueError(
+            f"{path}: saved with optim.distributed_optimizer = "
+            f"{bool(meta.get('distributed_optimizer'))}, resuming with {distopt}"
+        )
     same_world = meta.get("world_size") == dist.get_world_size()
     extra = {"trainer": {}}
     if meta.get("rank_state"):
         if not same_world:
-            raise ValueError(f"{path}: holds per-rank state (a one-step-off rollout in flight) of "
-                             f"{meta.get('world_size')} ranks; resume with the same layout (now "
-                             f"{dist.get_world_size()} ranks)")
+            raise ValueError(
+                f"{path}: holds per-rank state (a one-step-off rollout in flight) of "
+                f"{meta.get('world_size')} ranks; resume with the same layout (now "
+                f"{dist.get_world_size()} ranks)"
+            )
         extra["rank_state"] = _rank_object(ShardedObject, "rank_state", None)
     if same_world:
         extra["rng_state"] = _rank_object(ShardedObject, "rng_state", None)
     if distopt:
         _allocate_adam_state(optimizer)
-    extra["optimizer"] = optimizer.sharded_state_dict(_sharded_state_dict(chunks), is_loading=True,
-                                                      metadata=_DISTOPT_FORMAT)
+    extra["optimizer"] = optimizer.sharded_state_dict(
+        _sharded_state_dict(chunks), is_loading=True, metadata=_DISTOPT_FORMAT
+    )
     _, loaded = load_megatron_checkpoint(chunks, path, extra=extra)
     if distopt:
         _load_distopt(optimizer, loaded["optimizer"])
@@ -181,8 +211,11 @@ def _allocate_adam_state(optimizer) -> None:
         for group in o.optimizer.param_groups:
             for p in group["params"]:
                 if not o.optimizer.state[p]:
-                    o.optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
-                                            "exp_avg_sq": torch.zeros_like(p)}
+                    o.optimizer.state[p] = {
+                        "step": torch.tensor(0.0),
+                        "exp_avg": torch.zeros_like(p),
+                        "exp_avg_sq": torch.zeros_like(p),
+                    }
 
 
 def _load_distopt(optimizer, loaded: dict) -> None:
@@ -202,8 +235,12 @@ def _rng_state() -> dict:
     # lazy: keeps training.checkpoint free of megatron-core at import (start-up)
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    state = {"python": random.getstate(), "numpy": np.random.get_state(),
-             "torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state

@@ -78,7 +78,9 @@ class AsyncConfig:
 
     def validate(self) -> None:
         if self.max_staleness not in (0, 1):
-            fail("max_staleness", self.max_staleness, "expected 0 (synchronous) or 1 (one-step-off)")
+            fail(
+                "max_staleness", self.max_staleness, "expected 0 (synchronous) or 1 (one-step-off)"
+            )
         if self.on_stale not in ("error", "drop"):
             fail("on_stale", self.on_stale, "expected 'error' or 'drop'")
 
@@ -136,8 +138,15 @@ class TrainConfig:
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
 
     def validate(self) -> None:
-        for name in ("prompts_per_step", "mini_batch_prompts", "epochs_per_rollout",
-                     "micro_batch_size", "num_epochs", "keep_last", "log_every"):
+        for name in (
+            "prompts_per_step",
+            "mini_batch_prompts",
+            "epochs_per_rollout",
+            "micro_batch_size",
+            "num_epochs",
+            "keep_last",
+            "log_every",
+        ):
             if getattr(self, name) < 1:
                 fail(name, getattr(self, name), "must be >= 1")
         if self.dist_timeout_s < 1:
@@ -146,8 +155,11 @@ class TrainConfig:
             if getattr(self, name) < 0:
                 fail(name, getattr(self, name), "must be >= 0")
         if self.prompts_per_step % self.mini_batch_prompts:
-            fail("mini_batch_prompts", self.mini_batch_prompts,
-                 f"must divide prompts_per_step = {self.prompts_per_step}")
+            fail(
+                "mini_batch_prompts",
+                self.mini_batch_prompts,
+                f"must divide prompts_per_step = {self.prompts_per_step}",
+            )
         if self.reference not in ("swap", "copy"):
             fail("reference", self.reference, "expected 'swap' or 'copy'")
         if not self.run_dir:

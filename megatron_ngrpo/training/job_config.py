@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from megatron_ngrpo.architecture import ArchSpec
-from megatron_ngrpo.config_loader import ConfigError, fail, launch_world_size, load
+from megatron_ngrpo.config_loader import fail, launch_world_size, load
 from megatron_ngrpo.conversion.hf_io import check_hf_folder
 from megatron_ngrpo.data.config import DataConfig
 from megatron_ngrpo.data.datasets import require_local_files
@@ -57,40 +57,72 @@ class NGRPOConfig:
         if self.rollout.engine == "vllm":
             vllm_max_model_len(self.rollout.vllm, spec.max_position_embeddings)
         if self.train.async_.max_staleness and self.rollout.engine == "vllm":
-            fail("train.async.max_staleness", self.train.async_.max_staleness,
-                 "one-step-off rollouts need an engine beside the trainer's groups: rollout.engine = "
-                 "megatron (a separate weight copy) or remote (rollout servers), not colocated vllm")
+            fail(
+                "train.async.max_staleness",
+                self.train.async_.max_staleness,
+                "one-step-off rollouts need an engine beside the trainer's groups: rollout.engine = "
+                "megatron (a separate weight copy) or remote (rollout servers), not colocated vllm",
+            )
         if self.train.pack_sequences and self.model.pipeline_parallel > 1:
-            fail("train.pack_sequences", True, "needs model.pipeline_parallel = 1 (stages would exchange "
-                 "packed activations of varying length)")
+            fail(
+                "train.pack_sequences",
+                True,
+                "needs model.pipeline_parallel = 1 (stages would exchange "
+                "packed activations of varying length)",
+            )
         if self.train.async_save and self.train.async_.max_staleness:
-            fail("train.async_save", True, "forks a writer process per save, which would copy this process "
-                 "while its one-step-off rollout thread runs: with train.async.max_staleness = 0 only")
+            fail(
+                "train.async_save",
+                True,
+                "forks a writer process per save, which would copy this process "
+                "while its one-step-off rollout thread runs: with train.async.max_staleness = 0 only",
+            )
         if self.train.dynamic_sampling.enabled and self.train.async_.max_staleness:
-            fail("train.dynamic_sampling.enabled", True, "refills a step by generating more with the "
-                 "current weights: synchronous rollouts only (train.async.max_staleness = 0)")
-        if self.train.async_.max_staleness and self.rollout.engine == "megatron" and torch.cuda.is_available():
-            fail("train.async.max_staleness", self.train.async_.max_staleness,
-                 "the one-step-off Megatron engine is not measured on GPU (its second thread shares the "
-                 "device, two NCCL communicators per group, CUDA RNG-tracker forks unguarded): use "
-                 "rollout.engine=remote, or max_staleness=0")
+            fail(
+                "train.dynamic_sampling.enabled",
+                True,
+                "refills a step by generating more with the "
+                "current weights: synchronous rollouts only (train.async.max_staleness = 0)",
+            )
+        if (
+            self.train.async_.max_staleness
+            and self.rollout.engine == "megatron"
+            and torch.cuda.is_available()
+        ):
+            fail(
+                "train.async.max_staleness",
+                self.train.async_.max_staleness,
+                "the one-step-off Megatron engine is not measured on GPU (its second thread shares the "
+                "device, two NCCL communicators per group, CUDA RNG-tracker forks unguarded): use "
+                "rollout.engine=remote, or max_staleness=0",
+            )
         t = self.train
         dp = data_parallel_size(self.model)
         for name in ("prompts_per_step", "mini_batch_prompts"):
             if getattr(t, name) % dp:
-                fail(f"train.{name}", getattr(t, name),
-                     f"must be divisible by the data-parallel size {dp} (world {launch_world_size()} / "
-                     f"TP {self.model.tensor_parallel} / PP {self.model.pipeline_parallel})")
+                fail(
+                    f"train.{name}",
+                    getattr(t, name),
+                    f"must be divisible by the data-parallel size {dp} (world {launch_world_size()} / "
+                    f"TP {self.model.tensor_parallel} / PP {self.model.pipeline_parallel})",
+                )
         per_rank = t.mini_batch_prompts // dp * self.rollout.n
         if not t.max_tokens_per_micro_batch and per_rank % t.micro_batch_size:
-            fail("train.micro_batch_size", t.micro_batch_size,
-                 f"must divide the {per_rank} responses per DP rank of a mini-batch "
-                 f"(mini_batch_prompts / DP × rollout.n)")
+            fail(
+                "train.micro_batch_size",
+                t.micro_batch_size,
+                f"must divide the {per_rank} responses per DP rank of a mini-batch "
+                f"(mini_batch_prompts / DP × rollout.n)",
+            )
         if t.load and t.load != "random":
             _require_checkpoint("train.load", t.load)
         elif not t.load and not any(Path(self.model.hf_path).glob("*.safetensors")):
-            fail("train.load", t.load, f"empty means the HF weights of model.hf_path, but "
-                 f"{self.model.hf_path} has no *.safetensors (use a checkpoint or 'random')")
+            fail(
+                "train.load",
+                t.load,
+                f"empty means the HF weights of model.hf_path, but "
+                f"{self.model.hf_path} has no *.safetensors (use a checkpoint or 'random')",
+            )
         tokenizer_dir = tokenizer_folder(self.tokenizer, self.model.hf_path)
         check_hf_folder(self.model.hf_path, tokenizer_dir=tokenizer_dir, weights=not t.load)
         require_local_files(self.data.train, "data.train")
@@ -101,10 +133,13 @@ class NGRPOConfig:
 def data_parallel_size(model: ModelConfig) -> int:
     mp = model.tensor_parallel * model.pipeline_parallel * model.context_parallel
     if launch_world_size() % mp:
-        fail("model.tensor_parallel", model.tensor_parallel,
-             f"TP {model.tensor_parallel} × PP {model.pipeline_parallel}"
-             f"{f' × CP {model.context_parallel}' if model.context_parallel > 1 else ''} does not divide the "
-             f"world size {launch_world_size()}")
+        fail(
+            "model.tensor_parallel",
+            model.tensor_parallel,
+            f"TP {model.tensor_parallel} × PP {model.pipeline_parallel}"
+            f"{f' × CP {model.context_parallel}' if model.context_parallel > 1 else ''} does not divide the "
+            f"world size {launch_world_size()}",
+        )
     return launch_world_size() // mp
 
 
@@ -115,16 +150,27 @@ def check_device(cfg: NGRPOConfig, gpu: bool | None = None) -> None:
     a machine without GPUs."""
     gpu = torch.cuda.is_available() if gpu is None else gpu
     if cfg.model.context_parallel > 1:
-        fail("model.context_parallel", cfg.model.context_parallel,
-             "not run by this trainer: the replay's sequence split and log-prob gather over CP ranks are "
-             "not written (memory planning only: ngrpo-launch plan)")
+        fail(
+            "model.context_parallel",
+            cfg.model.context_parallel,
+            "not run by this trainer: the replay's sequence split and log-prob gather over CP ranks are "
+            "not written (memory planning only: ngrpo-launch plan)",
+        )
     if cfg.train.pack_sequences and cfg.model.layer_spec == "te" and not gpu:
-        fail("train.pack_sequences", True, "with model.layer_spec = te packs in TE's THD layout, which "
-             "needs a GPU (on CPU use the local spec: block-diagonal attention mask)")
+        fail(
+            "train.pack_sequences",
+            True,
+            "with model.layer_spec = te packs in TE's THD layout, which "
+            "needs a GPU (on CPU use the local spec: block-diagonal attention mask)",
+        )
     v = cfg.rollout.vllm
     if v.quantization and cfg.rollout.engine == "vllm" and not gpu:
-        fail("rollout.vllm.quantization", v.quantization, "FP8 rollouts need a GPU (vLLM's FP8 linear "
-             "kernels are CUDA only; compute capability 8.9+)")
+        fail(
+            "rollout.vllm.quantization",
+            v.quantization,
+            "FP8 rollouts need a GPU (vLLM's FP8 linear "
+            "kernels are CUDA only; compute capability 8.9+)",
+        )
 
 
 def load_config(paths: list[str] | str | None, overrides: list[str] | None = None) -> NGRPOConfig:

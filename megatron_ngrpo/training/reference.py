@@ -24,7 +24,9 @@ class ReferencePolicy:
             self.model = build_model(model_cfg)
             with torch.no_grad():
                 for own, src in zip(self.model, chunks, strict=True):
-                    for p, q in zip(unwrap(own).parameters(), unwrap(src).parameters(), strict=True):
+                    for p, q in zip(
+                        unwrap(own).parameters(), unwrap(src).parameters(), strict=True
+                    ):
                         p.copy_(q)
             for c in self.model:
                 c.requires_grad_(False)

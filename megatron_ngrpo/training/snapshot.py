@@ -16,8 +16,11 @@ class WeightSnapshot:
     ``saved`` (a list per chunk of CPU tensors, e.g. from a checkpoint)."""
 
     def __init__(self, chunks: list | None = None, saved: list[list[torch.Tensor]] | None = None):
-        self.saved = saved if saved is not None else [[p.detach().to("cpu", copy=True) for p in ps]
-                                                      for ps in _params(chunks)]
+        self.saved = (
+            saved
+            if saved is not None
+            else [[p.detach().to("cpu", copy=True) for p in ps] for ps in _params(chunks)]
+        )
 
     @contextlib.contextmanager
     def active(self, chunks: list):

@@ -116,9 +116,15 @@ class Trainer:
     def setup(self) -> None:
 
         cfg = self.cfg
-        init_distributed(cfg.train.dist_timeout_s, trace_dir=str(Path(cfg.train.run_dir) / "nccl_traces"))
-        initialize_model_parallel(cfg.model.tensor_parallel, cfg.model.pipeline_parallel,
-                                  cfg.model.virtual_pipeline, seed=cfg.train.seed)
+        init_distributed(
+            cfg.train.dist_timeout_s, trace_dir=str(Path(cfg.train.run_dir) / "nccl_traces")
+        )
+        initialize_model_parallel(
+            cfg.model.tensor_parallel,
+            cfg.model.pipeline_parallel,
+            cfg.model.virtual_pipeline,
+            seed=cfg.train.seed,
+        )
         self.device = device()
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.spec = ArchSpec.from_hf(cfg.model.hf_path)
@@ -128,12 +134,19 @@ class Trainer:
 
             (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
         self.tokenizer = load_tokenizer(cfg.tokenizer, cfg.model.hf_path)
-        self.num_real_tokens = real_token_count(cfg.model.num_real_tokens, self.spec.vocab_size, self.tokenizer)
+        self.num_real_tokens = real_token_count(
+            cfg.model.num_real_tokens, self.spec.vocab_size, self.tokenizer
+        )
         self.examples = load_train_set(cfg.data, self.tokenizer)
-        self.prompts = PromptBatches(self.examples, cfg.train.prompts_per_step, seed=cfg.data.seed,
-                                     shuffle=cfg.data.shuffle)
-        self.total_steps = cfg.train.max_steps or cfg.train.num_epochs * self.prompts.batches_per_epoch
-        self.updates_per_step = cfg.train.epochs_per_rollout * (cfg.train.prompts_per_step // cfg.train.mini_batch_prompts)
+        self.prompts = PromptBatches(
+            self.examples, cfg.train.prompts_per_step, seed=cfg.data.seed, shuffle=cfg.data.shuffle
+        )
+        self.total_steps = (
+            cfg.train.max_steps or cfg.train.num_epochs * self.prompts.batches_per_epoch
+        )
+        self.updates_per_step = cfg.train.epochs_per_rollout * (
+            cfg.train.prompts_per_step // cfg.train.mini_batch_prompts
+        )
 
         # Re-seed right before building: the random initialisation ("random" load) must not depend
         # on what consumed the generators before (e.g. the datasets cache being cold or warm).
@@ -150,16 +163,26 @@ class Trainer:
         if cfg.train.warmstart.steps and not warm_done:
             self._warmstart(warm_dir)
         # The reference policy is the policy RL starts from (after any warm-start).
-        self.reference = ReferencePolicy(self.chunks, cfg.train.reference, cfg.model) if cfg.grpo.needs_reference else None
+        self.reference = (
+            ReferencePolicy(self.chunks, cfg.train.reference, cfg.model)
+            if cfg.grpo.needs_reference
+            else None
+        )
         self.reward_fn = build_reward(cfg.reward, cfg.rollout.max_new_tokens)
-        self.engine, self.rollouts = build_rollouts(cfg, self.chunks, self.tokenizer, cfg.train.seed)
+        self.engine, self.rollouts = build_rollouts(
+            cfg, self.chunks, self.tokenizer, cfg.train.seed
+        )
         self.settings = UpdateSettings(
-            temperature=cfg.rollout.temperature, micro_batch_size=cfg.train.micro_batch_size,
-            max_tokens=cfg.train.max_tokens_per_micro_batch, vocab_limit=self.num_real_tokens,
+            temperature=cfg.rollout.temperature,
+            micro_batch_size=cfg.train.micro_batch_size,
+            max_tokens=cfg.train.max_tokens_per_micro_batch,
+            vocab_limit=self.num_real_tokens,
             max_response_len=cfg.rollout.max_new_tokens,
-            packing=("thd" if use_te(cfg.model) else "mask") if cfg.train.pack_sequences else "")
-        self.metrics = MetricsWriter(self.run_dir, cfg.train.tensorboard, cfg.train.trackers,
-                                     dataclasses.asdict(cfg))
+            packing=("thd" if use_te(cfg.model) else "mask") if cfg.train.pack_sequences else "",
+        )
+        self.metrics = MetricsWriter(
+            self.run_dir, cfg.train.tensorboard, cfg.train.trackers, dataclasses.asdict(cfg)
+        )
         if cfg.train.async_save:
             # lazy: megatron's async-save machinery, only with train.async_save
             from megatron.core.dist_checkpointing.strategies.async_utils import (
@@ -178,18 +201,33 @@ class Trainer:
         cfg, w = self.cfg, self.cfg.train.warmstart
         template = cfg.data.template
         instruction = template.instruction_or(TRAIN_INSTRUCTION)
-        pairs = load_pairs(w.path, lambda problem: encode_prompt(math_message(problem, instruction),
-                                                                 self.tokenizer, template), self.tokenizer)
-        losses = warmstart(self.chunks, self.optimizer, pairs, w, cfg.train.micro_batch_size, self._pad_id(),
-                           cfg.train.seed, self.num_real_tokens, cfg.train.progress and dist.get_rank() == 0)
+        pairs = load_pairs(
+            w.path,
+            lambda problem: encode_prompt(
+                math_message(problem, instruction), self.tokenizer, template
+            ),
+            self.tokenizer,
+        )
+        losses = warmstart(
+            self.chunks,
+            self.optimizer,
+            pairs,
+            w,
+            cfg.train.micro_batch_size,
+            self._pad_id(),
+            cfg.train.seed,
+            self.num_real_tokens,
+            cfg.train.progress and dist.get_rank() == 0,
+        )
         # RL starts like from a pretrained model: fresh Adam moments (also what a run resumed right
         # after the warm-start has) and the schedule's learning rate.
         for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             o.optimizer.state.clear()
         self.scheduler.step(0)
         logger.info("warm-start: %d steps, NLL %.4f -> %.4f", w.steps, losses[0], losses[-1])
-        save_megatron_checkpoint(self.chunks, warm_dir, checkpoint_meta(cfg.model, warmstart_nll=losses),
-                                 overwrite=True)
+        save_megatron_checkpoint(
+            self.chunks, warm_dir, checkpoint_meta(cfg.model, warmstart_nll=losses), overwrite=True
+        )
 
     def _set_embedding_grad(self, chunks: list) -> None:
         for c in chunks:
@@ -199,42 +237,80 @@ class Trainer:
 
     def _ddp_config(self):
         return DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-            use_distributed_optimizer=self.cfg.optim.distributed_optimizer)
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=self.cfg.optim.distributed_optimizer,
+        )
 
     def _build_optimizer(self):
 
         o = self.cfg.optim
         dtype = params_dtype(self.cfg.model)
-        optimizer = get_megatron_optimizer(OptimizerConfig(
-            optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
-            adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
-            clip_grad=o.clip_grad, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-            params_dtype=dtype, use_distributed_optimizer=o.distributed_optimizer), self.chunks)
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=o.lr,
+                min_lr=o.min_lr,
+                weight_decay=o.weight_decay,
+                adam_beta1=o.adam_beta1,
+                adam_beta2=o.adam_beta2,
+                adam_eps=o.adam_eps,
+                clip_grad=o.clip_grad,
+                bf16=dtype == torch.bfloat16,
+                fp16=dtype == torch.float16,
+                params_dtype=dtype,
+                use_distributed_optimizer=o.distributed_optimizer,
+            ),
+            self.chunks,
+        )
         unwrap(self.chunks[0]).config.grad_scale_func = optimizer.scale_loss
         total = max(self.total_steps * self.updates_per_step, 1)
         scheduler = OptimizerParamScheduler(
-            optimizer, init_lr=0.0 if o.warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
-            lr_warmup_steps=o.warmup_steps, lr_decay_steps=total, lr_decay_style=o.lr_schedule,
-            start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=total,
-            wd_incr_style="constant")
+            optimizer,
+            init_lr=0.0 if o.warmup_steps else o.lr,
+            max_lr=o.lr,
+            min_lr=o.min_lr,
+            lr_warmup_steps=o.warmup_steps,
+            lr_decay_steps=total,
+            lr_decay_style=o.lr_schedule,
+            start_wd=o.weight_decay,
+            end_wd=o.weight_decay,
+            wd_incr_steps=total,
+            wd_incr_style="constant",
+        )
         return optimizer, scheduler
 
     # ---- checkpoints -------------------------------------------------------------------------
     def _trainer_state(self) -> dict:
-        return {"step": self.step, "updates": self.updates, "data": self.prompts.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "neighbor_table": self.table,
-                "table_updates": self.table_updates, "best": self.best}
+        return {
+            "step": self.step,
+            "updates": self.updates,
+            "data": self.prompts.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "neighbor_table": self.table,
+            "table_updates": self.table_updates,
+            "best": self.best,
+        }
 
     def save(self) -> Path:
         meta = checkpoint_meta(self.cfg.model, config=dataclasses.asdict(self.cfg))
         protect = (self.best["checkpoint"],) if self.best else ()
-        if self.async_saves is not None:  # one save in flight at a time: keep_last counts complete ones
+        if (
+            self.async_saves is not None
+        ):  # one save in flight at a time: keep_last counts complete ones
             self.async_saves.maybe_finalize_async_calls(blocking=True)
-        path = save_training_checkpoint(self.run_dir, self.step, self.chunks, meta, self.optimizer,
-                                        self._trainer_state(), self.cfg.train.keep_last, protect,
-                                        rank_state=self.rollouts.state_dict() if self.rollouts else None,
-                                        async_queue=self.async_saves)
+        path = save_training_checkpoint(
+            self.run_dir,
+            self.step,
+            self.chunks,
+            meta,
+            self.optimizer,
+            self._trainer_state(),
+            self.cfg.train.keep_last,
+            protect,
+            rank_state=self.rollouts.state_dict() if self.rollouts else None,
+            async_queue=self.async_saves,
+        )
         if self.async_saves is not None:
             logger.info("checkpoint %s: written in the background", path.name)
         return path
@@ -249,7 +325,9 @@ class Trainer:
         if state.get("rank_state") is not None:  # the one-step-off rollout in flight at the save
             in_flight = state["rank_state"]
             self.prompts.load_state_dict(in_flight["data_before"])
-            if self.rollouts is not None:  # else (resumed synchronous) its prompts are generated again
+            if (
+                self.rollouts is not None
+            ):  # else (resumed synchronous) its prompts are generated again
                 self.rollouts.load_state_dict(in_flight, self._draw_prompts()[0])
         self.metrics.truncate(self.step)
         logger.info("resumed from %s at step %d", path, self.step)
@@ -257,14 +335,20 @@ class Trainer:
     # ---- the loop ----------------------------------------------------------------------------
     def run(self) -> None:
         cfg = self.cfg.train
-        bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step",
-                   disable=not (cfg.progress and dist.get_rank() == 0))
+        bar = tqdm(
+            total=self.total_steps,
+            initial=self.step,
+            desc="train",
+            unit="step",
+            disable=not (cfg.progress and dist.get_rank() == 0),
+        )
         try:
             while self.step < self.total_steps:
                 metrics = self.train_step()
                 self.step += 1
                 validating = self.cfg.validation.every and (
-                    self.step % self.cfg.validation.every == 0 or self.step == self.total_steps)
+                    self.step % self.cfg.validation.every == 0 or self.step == self.total_steps
+                )
                 if validating:
                     metrics.update(self.validate())
                 # The row goes out before the checkpoint: a run killed after the save resumes past
@@ -272,11 +356,19 @@ class Trainer:
                 if self.step % cfg.log_every == 0 or self.step == self.total_steps:
                     self.metrics.write(self.step, metrics)
                 saved = bool(validating) and self._keep_if_best(metrics)
-                if not saved and cfg.save_every and (self.step % cfg.save_every == 0 or self.step == self.total_steps):
+                if (
+                    not saved
+                    and cfg.save_every
+                    and (self.step % cfg.save_every == 0 or self.step == self.total_steps)
+                ):
                     self.save()
-                bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics.get('kl', 0):.4f}")
+                bar.set_postfix(
+                    reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics.get('kl', 0):.4f}"
+                )
                 bar.update()
-                if self.async_saves is not None:  # publish a background save once every writer is done
+                if (
+                    self.async_saves is not None
+                ):  # publish a background save once every writer is done
                     self.async_saves.maybe_finalize_async_calls(blocking=False)
             if self.async_saves is not None:
                 self.async_saves.maybe_finalize_async_calls(blocking=True)
@@ -314,9 +406,14 @@ class Trainer:
                 scores = self._dra(scores, groups, texts, hidden)
             advantages = compute_advantages(scores, groups, cfg.grpo.advantage, cfg.grpo.adv_eps)
             filtering = cfg.grpo.filter_zero_variance or cfg.train.dynamic_sampling.enabled
-            active = (~zero_variance_groups(scores, groups) if filtering
-                      else torch.ones(len(scores), dtype=torch.bool))
-        tb = tb.with_extras(advantages=advantages.to(self.device), active=active.to(self.device), **extras)
+            active = (
+                ~zero_variance_groups(scores, groups)
+                if filtering
+                else torch.ones(len(scores), dtype=torch.bool)
+            )
+        tb = tb.with_extras(
+            advantages=advantages.to(self.device), active=active.to(self.device), **extras
+        )
         if cfg.train.dump_generations:
             self._dump(rollout, texts, rewards, advantages)
 
@@ -334,7 +431,7 @@ class Trainer:
         batch = next(self.prompts)
         per_rank = len(batch) // self.dp_size
         start = self.dp_rank * per_rank
-        return batch[start:start + per_rank], list(range(start, start + per_rank))
+        return batch[start : start + per_rank], list(range(start, start + per_rank))
 
     def _one_step_off(self, timer: PhaseTimer, out: dict):
         """train.async.max_staleness 1 (training/async_rollout.py): this step's rollouts, made
@@ -348,24 +445,41 @@ class Trainer:
         mine, keys = (job.examples, job.keys) if job is not None else self._draw_prompts()
         if job is None or job.rollout is None:
             with timer("rollout"):
-                rollout, generating = self._generate([ex.prompt_ids for ex in mine], keys=keys), None
+                rollout, generating = (
+                    self._generate([ex.prompt_ids for ex in mine], keys=keys),
+                    None,
+                )
         else:
             rollout, generating = job.rollout, job.snapshot
             rollout.validate(self.num_real_tokens)
         if self.step + 1 < self.total_steps:
             before = self.prompts.state_dict()
             ahead, ahead_keys = self._draw_prompts()
-            self.rollouts.launch(self.step, self.chunks, self.table, [ex.prompt_ids for ex in ahead],
-                                 self._sampling(self.step + 1), self._mixing(), examples=ahead,
-                                 keys=ahead_keys, data_before=before)
+            self.rollouts.launch(
+                self.step,
+                self.chunks,
+                self.table,
+                [ex.prompt_ids for ex in ahead],
+                self._sampling(self.step + 1),
+                self._mixing(),
+                examples=ahead,
+                keys=ahead_keys,
+                data_before=before,
+            )
         out.update(self.rollouts.metrics(self.step, rollout.policy_version))
         return mine, rollout, generating
 
     def _score(self, mine: list, rollout) -> tuple:
         """(prompts, rollout, texts, rewards, scores [N] float64) of one generated batch."""
-        texts = rollout.texts or [self.tokenizer.decode(r, skip_special_tokens=True) for r in rollout.response_ids]
-        rewards = self.reward_fn(texts, [mine[i].problem.answers for i in rollout.prompt_index],
-                                 rollout.response_lengths, rollout.finish_reasons)
+        texts = rollout.texts or [
+            self.tokenizer.decode(r, skip_special_tokens=True) for r in rollout.response_ids
+        ]
+        rewards = self.reward_fn(
+            texts,
+            [mine[i].problem.answers for i in rollout.prompt_index],
+            rollout.response_lengths,
+            rollout.finish_reasons,
+        )
         return mine, rollout, texts, rewards, torch.tensor(rewards.total, dtype=torch.float64)
 
     def _refill(self, first: tuple, keys: list[int], timer: PhaseTimer, out: dict) -> tuple:
@@ -385,8 +499,9 @@ class Trainer:
             mine, _ = self._draw_prompts()
             offset = len(rounds) * t.prompts_per_step
             with timer("rollout"):
-                rollout = self._generate([ex.prompt_ids for ex in mine], keys=[k + offset for k in keys],
-                                         sync=False)
+                rollout = self._generate(
+                    [ex.prompt_ids for ex in mine], keys=[k + offset for k in keys], sync=False
+                )
             with timer("reward"):
                 rounds.append(self._score(mine, rollout))
             informative.append(self._informative(rounds[-1]))
@@ -395,20 +510,42 @@ class Trainer:
         if fewest < need:
             if ds.on_exhausted == "error":
                 raise DynamicSamplingExhausted(exhausted_message(int(fewest), need, len(rounds)))
-            logger.warning("step %d: partial batch, %d of %d groups per rank with differing rewards "
-                           "after %d rounds", self.step + 1, int(fewest), need, len(rounds))
+            logger.warning(
+                "step %d: partial batch, %d of %d groups per rank with differing rewards "
+                "after %d rounds",
+                self.step + 1,
+                int(fewest),
+                need,
+                len(rounds),
+            )
         picks = choose_groups(informative, need)
         parts = []
         for (mine, rollout, texts, rewards, _scores), chosen in zip(rounds, picks, strict=True):
             rows = [r for i in chosen for r, p in enumerate(rollout.prompt_index) if p == i]
-            parts.append(([mine[i] for i in chosen], rollout.select_prompts(chosen), [texts[r] for r in rows],
-                          [rewards.total[r] for r in rows], [rewards.correct[r] for r in rows],
-                          {k: [v[r] for r in rows] for k, v in rewards.terms.items()}))
+            parts.append(
+                (
+                    [mine[i] for i in chosen],
+                    rollout.select_prompts(chosen),
+                    [texts[r] for r in rows],
+                    [rewards.total[r] for r in rows],
+                    [rewards.correct[r] for r in rows],
+                    {k: [v[r] for r in rows] for k, v in rewards.terms.items()},
+                )
+            )
         terms = {k: [x for p in parts for x in p[5][k]] for k in rounds[0][3].terms}
-        rewards = dataclasses.replace(rounds[0][3], total=[x for p in parts for x in p[3]],
-                                      correct=[x for p in parts for x in p[4]], terms=terms)
-        return ([ex for p in parts for ex in p[0]], RolloutBatch.cat([p[1] for p in parts]),
-                [x for p in parts for x in p[2]], rewards, torch.tensor(rewards.total, dtype=torch.float64))
+        rewards = dataclasses.replace(
+            rounds[0][3],
+            total=[x for p in parts for x in p[3]],
+            correct=[x for p in parts for x in p[4]],
+            terms=terms,
+        )
+        return (
+            [ex for p in parts for ex in p[0]],
+            RolloutBatch.cat([p[1] for p in parts]),
+            [x for p in parts for x in p[2]],
+            rewards,
+            torch.tensor(rewards.total, dtype=torch.float64),
+        )
 
     @staticmethod
     def _informative(scored: tuple) -> list[bool]:
@@ -429,11 +566,13 @@ class Trainer:
         if self._mixing().neighbor_lookup == "on_demand":  # the engine searches the rows it mixes
             self.table = None
             return False
-        due = self.table is None or (mixing.refresh_every and
-                                     self.updates - self.table_updates >= mixing.refresh_every)
+        due = self.table is None or (
+            mixing.refresh_every and self.updates - self.table_updates >= mixing.refresh_every
+        )
         if due:
-            self.table = neighbor_table_for_model(self.chunks, mixing, self.num_real_tokens,
-                                                  special_token_ids(self.tokenizer)).cpu()
+            self.table = neighbor_table_for_model(
+                self.chunks, mixing, self.num_real_tokens, special_token_ids(self.tokenizer)
+            ).cpu()
             self.table_updates = self.updates
         return bool(due)
 
@@ -444,7 +583,9 @@ class Trainer:
             self.engine.sync_weights(self.chunks)
             if self.table is not None:
                 self.engine.set_neighbor_table(self.table)
-        rollout = self.engine.generate(prompts, self._sampling(self.step), mixing=self._mixing(), keys=keys)
+        rollout = self.engine.generate(
+            prompts, self._sampling(self.step), mixing=self._mixing(), keys=keys
+        )
         self.engine.sleep()
         rollout.policy_version = self.step
         rollout.validate(self.num_real_tokens)
@@ -453,8 +594,11 @@ class Trainer:
     def _sampling(self, step: int):
         """Sampling settings of ``step``'s rollouts (seeded by (seed, step): a resumed run
         regenerates the same responses)."""
-        return SamplingParams.from_config(self.cfg.rollout, self.tokenizer.eos_token_id,
-                                          seed=(self.cfg.train.seed * 1_000_003 + step) % 2**31)
+        return SamplingParams.from_config(
+            self.cfg.rollout,
+            self.tokenizer.eos_token_id,
+            seed=(self.cfg.train.seed * 1_000_003 + step) % 2**31,
+        )
 
     def _mixing(self):
         return active_mixing(self.cfg.mixing)
@@ -469,7 +613,9 @@ class Trainer:
         d = self.cfg.grpo.dra
         if not (d.enabled and d.embedder == "policy_hidden"):
             return None
-        return ResponseHiddenMeans(self.chunks, tb, self.settings.micro_batch_size, self.settings.max_tokens)
+        return ResponseHiddenMeans(
+            self.chunks, tb, self.settings.micro_batch_size, self.settings.max_tokens
+        )
 
     @functools.cached_property
     def _dra_text_embedder(self):
@@ -480,8 +626,15 @@ class Trainer:
         emb = hidden.means() if hidden is not None else self._dra_text_embedder(texts)
         return dra_rewards(scores, similarity(emb), groups if d.scope == "group" else None).double()
 
-    def _logprob_extras(self, tb: TokenBatch, rollout, timer: PhaseTimer, out: dict, hidden=None,
-                        generating: WeightSnapshot | None = None) -> dict:
+    def _logprob_extras(
+        self,
+        tb: TokenBatch,
+        rollout,
+        timer: PhaseTimer,
+        out: dict,
+        hidden=None,
+        generating: WeightSnapshot | None = None,
+    ) -> dict:
         """Old / reference log-probs, mismatch-correction weights and keep mask (grpo/mismatch.py),
         the rollout-vs-trainer mismatch metrics (label-aligned);
         ``hidden`` (DRA's ResponseHiddenMeans) captures the policy's hidden states in the replay;
@@ -493,25 +646,47 @@ class Trainer:
         corr = g.correction
         with timer("old_logprobs"):
             if g.old_logprobs == "recompute":
-                weights = generating.active(self.chunks) if generating else contextlib.nullcontext(self.chunks)
+                weights = (
+                    generating.active(self.chunks)
+                    if generating
+                    else contextlib.nullcontext(self.chunks)
+                )
                 with hidden or contextlib.nullcontext(), weights as chunks:
-                    old = batch_logprobs(chunks, tb, s.temperature, s.micro_batch_size, s.vocab_limit,
-                                         s.max_tokens, packing=s.packing)
+                    old = batch_logprobs(
+                        chunks,
+                        tb,
+                        s.temperature,
+                        s.micro_batch_size,
+                        s.vocab_limit,
+                        s.max_tokens,
+                        packing=s.packing,
+                    )
                 keep = None
                 if corr.mode != "off":
                     extras["tis_weight"], keep = correction(old, engine_lp, mask, corr)
                     extras["keep"] = keep
                 mixed = tb.mix.mask if tb.mix is not None else None
-                out.update(mismatch_metrics(dp_sums(mismatch_sums(old, engine_lp, mask, mixed, keep))))
+                out.update(
+                    mismatch_metrics(dp_sums(mismatch_sums(old, engine_lp, mask, mixed, keep)))
+                )
                 gap = (old - engine_lp).abs() * mask
-                out["logprob_gap/max_abs"] = dp_max({"m": float(gap.max()) if gap.numel() else 0.0})["m"]
+                out["logprob_gap/max_abs"] = dp_max(
+                    {"m": float(gap.max()) if gap.numel() else 0.0}
+                )["m"]
             else:
                 old = engine_lp
         extras["old_logprobs"] = old
         if self.reference is not None:
             with timer("ref_logprobs"), self.reference.active(self.chunks) as ref_chunks:
-                extras["ref_logprobs"] = batch_logprobs(ref_chunks, tb, s.temperature, s.micro_batch_size,
-                                                        s.vocab_limit, s.max_tokens, packing=s.packing)
+                extras["ref_logprobs"] = batch_logprobs(
+                    ref_chunks,
+                    tb,
+                    s.temperature,
+                    s.micro_batch_size,
+                    s.vocab_limit,
+                    s.max_tokens,
+                    packing=s.packing,
+                )
         if corr.mode != "off" and g.old_logprobs != "recompute":  # tis_cap: weights of 1 here
             extras["tis_weight"], extras["keep"] = correction(old, engine_lp, mask, corr)
         return extras
@@ -526,15 +701,28 @@ class Trainer:
         for _ in range(t.epochs_per_rollout):
             for start in range(0, tb.num_rows, rows_per_mini):
                 mini = tb.micro_batch(list(range(start, min(start + rows_per_mini, tb.num_rows))))
-                stats = loss_and_grads(self.chunks, mini, self.cfg.grpo, self.settings, self.optimizer,
-                                       scheduler=self.scheduler, step=True)
+                stats = loss_and_grads(
+                    self.chunks,
+                    mini,
+                    self.cfg.grpo,
+                    self.settings,
+                    self.optimizer,
+                    scheduler=self.scheduler,
+                    step=True,
+                )
                 first = first or stats
                 skipped += stats["normaliser"] == 0  # nothing active anywhere: no signal, no step
                 self.updates += 1
                 n += 1
                 for k, v in stats.items():
-                    totals[k] = max(totals.get(k, v), v) if k == "ratio_max" else totals.get(k, 0.0) + v
-        out = {k: (v if k == "ratio_max" else v / n) for k, v in totals.items() if k not in ("tokens", "normaliser")}
+                    totals[k] = (
+                        max(totals.get(k, v), v) if k == "ratio_max" else totals.get(k, 0.0) + v
+                    )
+        out = {
+            k: (v if k == "ratio_max" else v / n)
+            for k, v in totals.items()
+            if k not in ("tokens", "normaliser")
+        }
         # On the first mini-batch the policy is still the rollout policy: with engine old
         # log-probs, |log-ratio| there is the rollout/trainer gap.
         out["first_update/abs_log_ratio"] = first["abs_log_ratio"]
@@ -545,40 +733,62 @@ class Trainer:
     def _rollout_metrics(self, rollout, rewards, scores, active) -> dict[str, float]:
         lengths = torch.tensor(rollout.response_lengths, dtype=torch.float64)
         local = {
-            "n": float(len(lengths)), "r": float(scores.sum()), "r2": float((scores ** 2).sum()),
-            "raw": float(sum(rewards.total)), "correct": float(sum(rewards.correct)),
-            "len": float(lengths.sum()), "truncated": float(sum(f == "length" for f in rollout.finish_reasons)),
-            "mixed": float(len(rollout.mixes)), "filtered": float((~active).sum()),
+            "n": float(len(lengths)),
+            "r": float(scores.sum()),
+            "r2": float((scores**2).sum()),
+            "raw": float(sum(rewards.total)),
+            "correct": float(sum(rewards.correct)),
+            "len": float(lengths.sum()),
+            "truncated": float(sum(f == "length" for f in rollout.finish_reasons)),
+            "mixed": float(len(rollout.mixes)),
+            "filtered": float((~active).sum()),
         }
         s = dp_sums(local)
         n = max(s["n"], 1.0)
         mean = s["r"] / n
         out = {
-            "reward/mean": mean, "reward/std": max(s["r2"] / n - mean * mean, 0.0) ** 0.5,
-            "reward/raw_mean": s["raw"] / n, "accuracy": s["correct"] / n,
-            "response_length/mean": s["len"] / n, "response_length/truncated_frac": s["truncated"] / n,
-            "mixing/mixed_token_frac": s["mixed"] / max(s["len"], 1.0), "filtered_frac": s["filtered"] / n,
+            "reward/mean": mean,
+            "reward/std": max(s["r2"] / n - mean * mean, 0.0) ** 0.5,
+            "reward/raw_mean": s["raw"] / n,
+            "accuracy": s["correct"] / n,
+            "response_length/mean": s["len"] / n,
+            "response_length/truncated_frac": s["truncated"] / n,
+            "mixing/mixed_token_frac": s["mixed"] / max(s["len"], 1.0),
+            "filtered_frac": s["filtered"] / n,
         }
-        out["response_length/max"] = dp_max({"m": float(lengths.max()) if len(lengths) else 0.0})["m"]
+        out["response_length/max"] = dp_max({"m": float(lengths.max()) if len(lengths) else 0.0})[
+            "m"
+        ]
         return out
 
     def _dump(self, rollout, texts, rewards, advantages) -> None:
-        if ps.get_tensor_model_parallel_rank() or not ps.is_pipeline_first_stage(ignore_virtual=True):
+        if ps.get_tensor_model_parallel_rank() or not ps.is_pipeline_first_stage(
+            ignore_virtual=True
+        ):
             return
         path = self.run_dir / "generations" / f"step{self.step:07d}_dp{self.dp_rank:03d}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("w") as f:
             for i, text in enumerate(texts):
-                f.write(json.dumps({"prompt_index": rollout.prompt_index[i], "text": text,
-                                    "reward": rewards.total[i], "correct": rewards.correct[i],
-                                    "advantage": float(advantages[i]), "finish": rollout.finish_reasons[i],
-                                    "mixes": rollout.mixes.select([i]).to_json()}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "prompt_index": rollout.prompt_index[i],
+                            "text": text,
+                            "reward": rewards.total[i],
+                            "correct": rewards.correct[i],
+                            "advantage": float(advantages[i]),
+                            "finish": rollout.finish_reasons[i],
+                            "mixes": rollout.mixes.select([i]).to_json(),
+                        }
+                    )
+                    + "\n"
+                )
 
     # ---- validation --------------------------------------------------------------------------
     def validate(self) -> dict[str, float]:
         """The validation benchmarks split over the data-parallel ranks; every rank returns the
         same metrics."""
-
 
         v = self.cfg.validation
         benchmarks = load_benchmarks(v.benchmarks, v.limit)
@@ -586,16 +796,32 @@ class Trainer:
             self.rollouts.settle()  # the engine is free: the in-flight batch is kept
         self.engine.wake_up()
         self.engine.sync_weights(self.chunks)
-        out_dir = self.run_dir / "validation" / f"step{self.step:07d}" if dist.get_rank() == 0 else None
+        out_dir = (
+            self.run_dir / "validation" / f"step{self.step:07d}" if dist.get_rank() == 0 else None
+        )
         grader = build_grader(self.cfg.reward)
         try:
             params = SamplingParams.from_config(v.sampling, self.tokenizer.eos_token_id)
-            mixing = eval_mixing(self.cfg.mixing, self.engine, self.chunks, self.num_real_tokens,
-                                 special_token_ids(self.tokenizer))
-            result = evaluate(self.engine, self.tokenizer, benchmarks, params, grader,
-                              template=self.cfg.data.template, out_dir=out_dir,
-                              max_tokens_per_call=v.max_tokens_per_call,
-                              dp_group=ps.get_data_parallel_group(), progress=False, mixing=mixing)
+            mixing = eval_mixing(
+                self.cfg.mixing,
+                self.engine,
+                self.chunks,
+                self.num_real_tokens,
+                special_token_ids(self.tokenizer),
+            )
+            result = evaluate(
+                self.engine,
+                self.tokenizer,
+                benchmarks,
+                params,
+                grader,
+                template=self.cfg.data.template,
+                out_dir=out_dir,
+                max_tokens_per_call=v.max_tokens_per_call,
+                dp_group=ps.get_data_parallel_group(),
+                progress=False,
+                mixing=mixing,
+            )
         finally:
             grader.close()
             self.engine.sleep()
@@ -625,5 +851,10 @@ def best_decision(metrics: dict, best: dict | None, step: int, checkpoint: str) 
     key = next((k for k in metrics if k.startswith("val/mean@")), None)
     decision = None
     if key is not None and (best is None or metrics[key] > best["value"]):
-        decision = {"step": step, "metric": key, "value": float(metrics[key]), "checkpoint": checkpoint}
+        decision = {
+            "step": step,
+            "metric": key,
+            "value": float(metrics[key]),
+            "checkpoint": checkpoint,
+        }
     return broadcast_from_rank0(decision)

@@ -43,16 +43,23 @@ def load_pairs(path: str | Path, render_prompt, tokenizer) -> list[tuple[list[in
     return pairs
 
 
-def warmstart(model_chunks: list, optimizer, pairs: list[tuple[list[int], list[int]]],
-              cfg: WarmstartConfig, micro_batch_size: int, pad_id: int, seed: int,
-              vocab_limit: int | None = None, progress: bool = False) -> list[float]:
+def warmstart(
+    model_chunks: list,
+    optimizer,
+    pairs: list[tuple[list[int], list[int]]],
+    cfg: WarmstartConfig,
+    micro_batch_size: int,
+    pad_id: int,
+    seed: int,
+    vocab_limit: int | None = None,
+    progress: bool = False,
+) -> list[float]:
     """``cfg.steps`` optimizer steps of token-mean NLL on batches of ``pairs`` drawn with
     ``seed`` (same batches on every rank; each DP rank takes its share). Returns the losses.
 
     ``model_chunks`` must be wrapped for training (``grpo.update.wrap_for_training``) so the
     per-micro-batch losses add up to the batch mean and DP gradients are reduced.
     """
-
 
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     gen = torch.Generator().manual_seed(seed)
@@ -62,19 +69,32 @@ def warmstart(model_chunks: list, optimizer, pairs: list[tuple[list[int], list[i
     for _ in tqdm(range(cfg.steps), desc="warm-start", disable=not progress):
         pick = torch.randint(len(pairs), (cfg.batch_size,), generator=gen).tolist()
         mine = [pairs[i] for i in pick[dp_rank::dp_size]]
-        rollout = RolloutBatch(prompt_ids=[p for p, _ in mine], response_ids=[r for _, r in mine],
-                               logprobs=[[0.0] * len(r) for _, r in mine],
-                               finish_reasons=["stop"] * len(mine),
-                               mixes=MixRecord.empty(len(mine), 1), prompt_index=list(range(len(mine))))
+        rollout = RolloutBatch(
+            prompt_ids=[p for p, _ in mine],
+            response_ids=[r for _, r in mine],
+            logprobs=[[0.0] * len(r) for _, r in mine],
+            finish_reasons=["stop"] * len(mine),
+            mixes=MixRecord.empty(len(mine), 1),
+            prompt_index=list(range(len(mine))),
+        )
         batch = TokenBatch.from_rollout(rollout, pad_id=pad_id, device=device())
-        weights, _ = aggregation_weights(batch.mask, torch.ones(len(mine), dtype=torch.bool, device=batch.mask.device),
-                                         "token-mean", 1, ps.get_data_parallel_group())
+        weights, _ = aggregation_weights(
+            batch.mask,
+            torch.ones(len(mine), dtype=torch.bool, device=batch.mask.device),
+            "token-mean",
+            1,
+            ps.get_data_parallel_group(),
+        )
         batch = batch.with_extras(token_weight=weights)
 
         def loss_fn(mb: TokenBatch, logits: torch.Tensor):
             lp, _ = token_logprobs(logits, mb.labels, 1.0, vocab_limit)
             loss = -(lp * mb.extras["token_weight"]).sum()
-            return loss, torch.zeros((), dtype=torch.int, device=loss.device), {"nll": loss.detach()}
+            return (
+                loss,
+                torch.zeros((), dtype=torch.int, device=loss.device),
+                {"nll": loss.detach()},
+            )
 
         store, _ = update_step(model_chunks, batch, loss_fn, micro_batch_size, optimizer=optimizer)
         losses.append(float(sum(s["nll"] for s in store)) if store else float("nan"))

@@ -23,10 +23,18 @@ class ScriptedEngine(RolloutEngine):
         self.calls.append({"n": len(prompts), "keys": keys, "mixing": mixing, "params": params})
         responses, prompt_ids, index = [], [], []
         for i, p in enumerate(prompts):
-            for text in self.script[tuple(p)][:params.n]:
-                ids = self.tokenizer(text, add_special_tokens=False).input_ids + [self.tokenizer.eos_token_id]
+            for text in self.script[tuple(p)][: params.n]:
+                ids = self.tokenizer(text, add_special_tokens=False).input_ids + [
+                    self.tokenizer.eos_token_id
+                ]
                 responses.append(ids)
                 prompt_ids.append(list(p))
                 index.append(i)
-        return RolloutBatch(prompt_ids, responses, [[0.0] * len(r) for r in responses], ["stop"] * len(responses),
-                            MixRecord.empty(len(responses), 1), index)
+        return RolloutBatch(
+            prompt_ids,
+            responses,
+            [[0.0] * len(r) for r in responses],
+            ["stop"] * len(responses),
+            MixRecord.empty(len(responses), 1),
+            index,
+        )

@@ -31,7 +31,10 @@ def _local_weights(worker) -> dict[str, tuple[torch.Tensor, str, list[int]]]:
             if isinstance(m, RowParallelLinear):
                 split, parts = ("cols", []) if pname == "weight" else ("replicated", [])
             elif isinstance(m, ColumnParallelLinear):
-                split, parts = "rows", [s // tp for s in getattr(m, "output_sizes", [t.shape[0] * tp])]
+                split, parts = (
+                    "rows",
+                    [s // tp for s in getattr(m, "output_sizes", [t.shape[0] * tp])],
+                )
             elif isinstance(m, VocabParallelEmbedding):
                 split, parts = "rows", [t.shape[0]]
             else:
@@ -61,11 +64,15 @@ def vllm_weights(llm, group=None) -> dict[str, torch.Tensor]:
             full[name] = torch.cat(ts, dim=1)
         else:  # each rank holds [part_0 shard; part_1 shard; ...]
             pieces = [t.split(parts) for t in ts]
-            full[name] = torch.cat([pieces[r][i] for i in range(len(parts)) for r in range(len(ts))])
+            full[name] = torch.cat(
+                [pieces[r][i] for i in range(len(parts)) for r in range(len(ts))]
+            )
     return full
 
 
-def assert_equal_to_hf(got: dict[str, torch.Tensor], hf: dict[str, torch.Tensor], where: str = "") -> None:
+def assert_equal_to_hf(
+    got: dict[str, torch.Tensor], hf: dict[str, torch.Tensor], where: str = ""
+) -> None:
     """Every vLLM parameter in ``got`` equals the HF tensors it is made of, exactly (vocabulary
     padding rows beyond the HF rows are not compared)."""
     assert got
@@ -75,4 +82,6 @@ def assert_equal_to_hf(got: dict[str, torch.Tensor], hf: dict[str, torch.Tensor]
             if f"{fused}." in name:
                 parts = [name.replace(fused, n) for n in names]
         want = torch.cat([hf[p] for p in parts])
-        assert t.shape[1:] == want.shape[1:] and torch.equal(t[:want.shape[0]], want), f"{where}{name}"
+        assert t.shape[1:] == want.shape[1:] and torch.equal(t[: want.shape[0]], want), (
+            f"{where}{name}"
+        )

@@ -54,8 +54,10 @@ def read_secret(path: str = "", url_dir: str = "") -> str:
         Path(url_dir).mkdir(parents=True, exist_ok=True)
         return new_secret(Path(url_dir) / URL_DIR_SECRET)
     if not path:
-        raise ValueError(f"rollout servers need the job's shared secret: set {SECRET_ENV}, or {SECRET_FILE_ENV} "
-                         f"(client: rollout.remote.secret_file) to a file holding it, or register them in a url dir")
+        raise ValueError(
+            f"rollout servers need the job's shared secret: set {SECRET_ENV}, or {SECRET_FILE_ENV} "
+            f"(client: rollout.remote.secret_file) to a file holding it, or register them in a url dir"
+        )
     try:
         secret = Path(path).read_text().strip()
     except OSError as e:
@@ -84,10 +86,19 @@ class SecretMiddleware:
                 if scope["type"] == "websocket":
                     await send({"type": "websocket.close", "code": 1008})
                     return
-                body = json.dumps({"error": "missing or wrong rollout secret (Authorization: Bearer)"}).encode()
-                await send({"type": "http.response.start", "status": 401,
-                            "headers": [(b"content-type", b"application/json"),
-                                        (b"content-length", str(len(body)).encode())]})
+                body = json.dumps(
+                    {"error": "missing or wrong rollout secret (Authorization: Bearer)"}
+                ).encode()
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 401,
+                        "headers": [
+                            (b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()),
+                        ],
+                    }
+                )
                 await send({"type": "http.response.body", "body": body})
                 return
         await self.app(scope, receive, send)

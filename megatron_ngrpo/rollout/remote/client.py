@@ -141,7 +141,9 @@ class RemoteEngine(RolloutEngine):
     @classmethod
     def from_config(cls, rollout_cfg, model_cfg, tokenizer=None) -> RemoteEngine:
         spec = ArchSpec.from_hf(model_cfg.hf_path)
-        return cls(rollout_cfg.remote, spec, model_cfg.num_real_tokens or spec.vocab_size, tokenizer)
+        return cls(
+            rollout_cfg.remote, spec, model_cfg.num_real_tokens or spec.vocab_size, tokenizer
+        )
 
     # ---- start-up ---------------------------------------------------------------------------
     def _start(self) -> tuple[list[str], int, int]:
@@ -169,7 +171,8 @@ class RemoteEngine(RolloutEngine):
             if time.monotonic() > deadline:
                 raise RolloutServerError(
                     f"rollout servers: {len(files)} of {want} registered in {folder} after "
-                    f"{self.cfg.start_timeout_s:g} s (rollout.remote.start_timeout_s)")
+                    f"{self.cfg.start_timeout_s:g} s (rollout.remote.start_timeout_s)"
+                )
             time.sleep(0.5)
 
     def _info(self, url: str, deadline: float) -> dict:
@@ -181,17 +184,23 @@ class RemoteEngine(RolloutEngine):
                 r = self._session(url).get(f"{url}/version", timeout=self._timeouts())
             except OSError as e:
                 if time.monotonic() > deadline:
-                    raise RolloutServerError(f"rollout server {url}: unreachable after "
-                                             f"{self.cfg.start_timeout_s:g} s ({_short(e)})") from None
+                    raise RolloutServerError(
+                        f"rollout server {url}: unreachable after "
+                        f"{self.cfg.start_timeout_s:g} s ({_short(e)})"
+                    ) from None
                 time.sleep(0.5)
                 continue
             if r.status_code == 401:
-                raise RolloutServerError(f"rollout server {url}: refused the job's shared secret (HTTP 401): "
-                                         f"the servers were started with another one")
+                raise RolloutServerError(
+                    f"rollout server {url}: refused the job's shared secret (HTTP 401): "
+                    f"the servers were started with another one"
+                )
             found = _json(r).get("version") if r.status_code == 200 else None
             if not isinstance(found, str):
-                raise RolloutServerError(f"rollout server {url}: not a vLLM server (GET /version: HTTP "
-                                         f"{r.status_code}); start `python -m megatron_ngrpo.rollout.remote.server`")
+                raise RolloutServerError(
+                    f"rollout server {url}: not a vLLM server (GET /version: HTTP "
+                    f"{r.status_code}); start `python -m megatron_ngrpo.rollout.remote.server`"
+                )
             try:
                 info = self._rpc(url, INFO_METHOD)
             except _Failed as e:
@@ -205,33 +214,52 @@ class RemoteEngine(RolloutEngine):
             try:
                 version = self._get(url, "/weight_info")["weight_version"]
             except _Failed as e:
-                raise RolloutServerError(f"rollout server {url}: GET /weight_info failed: {e}") from None
-            return {**info, "vllm": found, "weight_version": int(version) if str(version).isdigit() else -1}
+                raise RolloutServerError(
+                    f"rollout server {url}: GET /weight_info failed: {e}"
+                ) from None
+            return {
+                **info,
+                "vllm": found,
+                "weight_version": int(version) if str(version).isdigit() else -1,
+            }
 
     def check(self, url: str, info: dict) -> None:
         """One-line :class:`RolloutServerError` unless the server with facts ``info``
         (:meth:`_info`) can serve this trainer."""
         if not supported_vllm(info.get("vllm", "")):
-            raise RolloutServerError(f"rollout server {url}: vLLM {info.get('vllm')}, but the mixing hook "
-                                     f"is written for vLLM {SUPPORTED_VLLM}")
+            raise RolloutServerError(
+                f"rollout server {url}: vLLM {info.get('vllm')}, but the mixing hook "
+                f"is written for vLLM {SUPPORTED_VLLM}"
+            )
         if not str(info.get("hook", "")).startswith("NeighborMix"):
-            raise RolloutServerError(f"rollout server {url}: the mixing hook is not installed in vLLM's "
-                                     f"model runner (hook {info.get('hook')!r})")
+            raise RolloutServerError(
+                f"rollout server {url}: the mixing hook is not installed in vLLM's "
+                f"model runner (hook {info.get('hook')!r})"
+            )
         if info.get("protocol") != wire.PROTOCOL:
-            raise RolloutServerError(f"rollout server {url}: wire protocol {info.get('protocol')}, "
-                                     f"this trainer speaks {wire.PROTOCOL} (different code versions)")
+            raise RolloutServerError(
+                f"rollout server {url}: wire protocol {info.get('protocol')}, "
+                f"this trainer speaks {wire.PROTOCOL} (different code versions)"
+            )
         route = self.cfg.weight_transfer
         if route != "http" and info.get("weight_transfer") != route:
-            raise RolloutServerError(f"rollout server {url}: weight-transfer backend "
-                                     f"{info.get('weight_transfer')!r}, the trainer sends with {route!r} "
-                                     f"(start the servers with --weight-transfer {route}, or "
-                                     f"rollout.remote.weight_transfer=http)")
-        ours = {"vocab_size": self.spec.vocab_size, "hidden_size": self.spec.hidden_size,
-                "num_real_tokens": self.num_real_tokens}
+            raise RolloutServerError(
+                f"rollout server {url}: weight-transfer backend "
+                f"{info.get('weight_transfer')!r}, the trainer sends with {route!r} "
+                f"(start the servers with --weight-transfer {route}, or "
+                f"rollout.remote.weight_transfer=http)"
+            )
+        ours = {
+            "vocab_size": self.spec.vocab_size,
+            "hidden_size": self.spec.hidden_size,
+            "num_real_tokens": self.num_real_tokens,
+        }
         for key, value in ours.items():
             if info.get(key) != value:
-                raise RolloutServerError(f"rollout server {url}: serves a model with {key} = "
-                                         f"{info.get(key)}, the trainer's is {value}")
+                raise RolloutServerError(
+                    f"rollout server {url}: serves a model with {key} = "
+                    f"{info.get(key)}, the trainer's is {value}"
+                )
 
     # ---- HTTP -------------------------------------------------------------------------------
     def _timeouts(self) -> tuple[float, float]:
@@ -258,10 +286,14 @@ class RemoteEngine(RolloutEngine):
         import requests
 
         try:
-            r = getattr(self._session(url), method)(f"{url}{route}", timeout=self._timeouts(), **kwargs)
+            r = getattr(self._session(url), method)(
+                f"{url}{route}", timeout=self._timeouts(), **kwargs
+            )
         except requests.Timeout:
-            raise _Failed(f"no answer within {self.cfg.request_timeout_s:g} s "
-                          f"(rollout.remote.request_timeout_s)") from None
+            raise _Failed(
+                f"no answer within {self.cfg.request_timeout_s:g} s "
+                f"(rollout.remote.request_timeout_s)"
+            ) from None
         except OSError as e:
             raise _Failed(_short(e)) from None
         if r.status_code != 200:
@@ -276,46 +308,77 @@ class RemoteEngine(RolloutEngine):
     def _rpc(self, url: str, method: str, *args) -> object:
         """``collective_rpc(method, *args)`` on the server's workers (string arguments); the
         first worker's result (every worker of a TP group runs it)."""
-        answer = self._post(url, "/collective_rpc", json={"method": method, "args": [str(a) for a in args]})
+        answer = self._post(
+            url, "/collective_rpc", json={"method": method, "args": [str(a) for a in args]}
+        )
         return answer["results"][0]
 
     def _on_all(self, what: str, fn) -> list:
         """``fn(url)`` for every live server concurrently, each retried once; one-line error
         (naming the server and ``what``) otherwise."""
+
         def call(url):
             try:
                 return fn(url)
             except _Failed as first:
                 if not first.retry:
-                    raise RolloutServerError(f"rollout server {url}: {what} failed: {first}") from None
+                    raise RolloutServerError(
+                        f"rollout server {url}: {what} failed: {first}"
+                    ) from None
                 try:
                     return fn(url)
                 except _Failed as e:
-                    raise RolloutServerError(f"rollout server {url}: {what} failed twice: {e}") from None
+                    raise RolloutServerError(
+                        f"rollout server {url}: {what} failed twice: {e}"
+                    ) from None
 
         with ThreadPoolExecutor(len(self.servers)) as pool:
             return list(pool.map(call, self.servers))
 
     # ---- RolloutEngine ----------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams, mixing=None,
-                 keys: list[int] | None = None) -> RolloutBatch:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        mixing=None,
+        keys: list[int] | None = None,
+    ) -> RolloutBatch:
         """As :meth:`RolloutEngine.generate`; a collective of all ranks in a multi-rank job."""
         mixing = active_mixing(mixing)
-        validate_request(prompts, params, keys, self.max_model_len, self.num_real_tokens,
-                         "the servers' max_model_len", mixing, self._table_width)
+        validate_request(
+            prompts,
+            params,
+            keys,
+            self.max_model_len,
+            self.num_real_tokens,
+            "the servers' max_model_len",
+            mixing,
+            self._table_width,
+        )
         if mixing is not None and mixing.strategy == "neighbor" and self._table_width is None:
             # the servers mix with the table they were sent (a server without one would fail in its model runner)
-            raise ValueError("generate: strategy 'neighbor' on rollout servers needs the trainer's neighbour "
-                             "table: call set_neighbor_table first")
+            raise ValueError(
+                "generate: strategy 'neighbor' on rollout servers needs the trainer's neighbour "
+                "table: call set_neighbor_table first"
+            )
         if mixing is not None and mixing.stop_after and self.tokenizer is None:
-            raise ValueError("generate: mixing.stop_after needs the trainer's tokenizer (none was given)")
+            raise ValueError(
+                "generate: mixing.stop_after needs the trainer's tokenizer (none was given)"
+            )
         keys = list(range(len(prompts))) if keys is None else [int(k) for k in keys]
-        by_key = gather_requests(prompts, keys, self.group) if self.group is not None else dict(zip(keys, prompts))
+        by_key = (
+            gather_requests(prompts, keys, self.group)
+            if self.group is not None
+            else dict(zip(keys, prompts))
+        )
         result = None
         if is_rank0():
             ordered = sorted(by_key)
             try:
-                result = (ordered, self._spread([by_key[k] for k in ordered], ordered, params, mixing))
+                result = (
+                    ordered,
+                    self._spread([by_key[k] for k in ordered], ordered, params, mixing),
+                )
             except RolloutServerError as e:
                 result = str(e)
         result = broadcast_from_rank0((result, self.servers), self.group)
@@ -329,10 +392,15 @@ class RemoteEngine(RolloutEngine):
     def _spread(self, prompts, keys, params: SamplingParams, mixing) -> RolloutBatch:
         """One contiguous slice of the prompts per live server, concurrently; responses in order."""
         if not prompts:
-            return RolloutBatch([], [], [], [], MixRecord.empty(0, mixing.k if mixing is not None else 1), [])
+            return RolloutBatch(
+                [], [], [], [], MixRecord.empty(0, mixing.k if mixing is not None else 1), []
+            )
         servers = list(self.servers)
         per = -(-len(prompts) // len(servers))
-        slices = [(i, prompts[s:s + per], keys[s:s + per]) for i, s in enumerate(range(0, len(prompts), per))]
+        slices = [
+            (i, prompts[s : s + per], keys[s : s + per])
+            for i, s in enumerate(range(0, len(prompts), per))
+        ]
 
         def call(item):
             i, p, k = item
@@ -341,17 +409,23 @@ class RemoteEngine(RolloutEngine):
                 return self._generate_on(url, p, k, params, mixing)
             except _Failed as first:
                 if not first.retry:
-                    raise RolloutServerError(f"rollout server {url}: generate failed: {first}") from None
+                    raise RolloutServerError(
+                        f"rollout server {url}: generate failed: {first}"
+                    ) from None
                 others = [s for s in self.servers if s != url]
                 retry = others[i % len(others)] if others else url
                 if others:
                     self.servers = others  # drop it for the rest of the run
-                logger.warning("rollout server %s: generate failed (%s); retrying on %s", url, first, retry)
+                logger.warning(
+                    "rollout server %s: generate failed (%s); retrying on %s", url, first, retry
+                )
                 try:
                     return self._generate_on(retry, p, k, params, mixing)
                 except _Failed as e:
                     after = "twice" if retry == url else f"after {url} failed ({first})"
-                    raise RolloutServerError(f"rollout server {retry}: generate failed {after}: {e}") from None
+                    raise RolloutServerError(
+                        f"rollout server {retry}: generate failed {after}: {e}"
+                    ) from None
 
         with ThreadPoolExecutor(len(slices)) as pool:
             return RolloutBatch.cat(list(pool.map(call, slices)))
@@ -364,17 +438,31 @@ class RemoteEngine(RolloutEngine):
         if mixing is not None:
             if mixing.stop_after:
                 stop_ids = self.tokenizer.encode(mixing.stop_after, add_special_tokens=False)
-            if mixing.strategy == "stht" and self._noise.get(url) != (self.version, mixing.noise_scale):
+            if mixing.strategy == "stht" and self._noise.get(url) != (
+                self.version,
+                mixing.noise_scale,
+            ):
                 self._rpc(url, "nbr_server_set_noise", mixing.noise_scale)
                 self._noise[url] = (self.version, mixing.noise_scale)
 
         def one(i):
-            extra = None if mixing is None else request_options(call, i, keys[i], params.n, params.seed,
-                                                                 mixing, stop_ids)
-            options = sampling_options(params, min(params.max_new_tokens, self.max_model_len - len(prompts[i])),
-                                       extra)
-            return self._post(url, "/inference/v1/generate", json={
-                "request_id": f"{call}-{i}", "token_ids": list(prompts[i]), "sampling_params": options})
+            extra = (
+                None
+                if mixing is None
+                else request_options(call, i, keys[i], params.n, params.seed, mixing, stop_ids)
+            )
+            options = sampling_options(
+                params, min(params.max_new_tokens, self.max_model_len - len(prompts[i])), extra
+            )
+            return self._post(
+                url,
+                "/inference/v1/generate",
+                json={
+                    "request_id": f"{call}-{i}",
+                    "token_ids": list(prompts[i]),
+                    "sampling_params": options,
+                },
+            )
 
         try:
             with ThreadPoolExecutor(min(len(prompts), _MAX_REQUESTS)) as pool:
@@ -386,7 +474,9 @@ class RemoteEngine(RolloutEngine):
             raise
         # Records lost here would be replayed as plain tokens: a failed pop fails the slice.
         records = self._rpc(url, "nbr_mix_pop", call) if mixing is not None else {}
-        return self._batch(prompts, params.n, answers, records, mixing.k if mixing is not None else 1)
+        return self._batch(
+            prompts, params.n, answers, records, mixing.k if mixing is not None else 1
+        )
 
     def _batch(self, prompts, n: int, answers: list[dict], records: dict, k: int) -> RolloutBatch:
         """The batch of one server's answers; :class:`_Failed` (retried) when a response did not
@@ -397,18 +487,26 @@ class RemoteEngine(RolloutEngine):
         for i, answer in enumerate(answers):
             for c in sorted(answer["choices"], key=lambda c: c["index"]):
                 if c["finish_reason"] not in ("stop", "length"):
-                    raise _Failed(f"prompt {i}, sample {c['index']}: vLLM finished with {c['finish_reason']!r}")
+                    raise _Failed(
+                        f"prompt {i}, sample {c['index']}: vLLM finished with {c['finish_reason']!r}"
+                    )
                 stale = {span["version"] for span in c.get("weight_versions") or []} - {want}
                 if stale:
-                    raise _Failed(f"sampled with weight version {sorted(stale)}, the trainer's is {want}")
+                    raise _Failed(
+                        f"sampled with weight version {sorted(stale)}, the trainer's is {want}"
+                    )
                 prompt_ids.append(list(prompts[i]))
                 response_ids.append(list(c["token_ids"]))
                 logprobs.append([float(e["logprob"]) for e in c["logprobs"]["content"]])
                 finish.append(c["finish_reason"])
         return RolloutBatch(
-            prompt_ids=prompt_ids, response_ids=response_ids, logprobs=logprobs, finish_reasons=finish,
+            prompt_ids=prompt_ids,
+            response_ids=response_ids,
+            logprobs=logprobs,
+            finish_reasons=finish,
             mixes=hook_mix_record(records, n, [len(r) for r in response_ids], k),
-            prompt_index=[i for i in range(len(prompts)) for _ in range(n)])
+            prompt_index=[i for i in range(len(prompts)) for _ in range(n)],
+        )
 
     def sync_weights(self, model_chunks) -> None:
         """Push the trainer's weights to every live server as weight version ``self.version + 1``
@@ -426,11 +524,17 @@ class RemoteEngine(RolloutEngine):
         def push(named, last):
             data = base64.b64encode(wire.pack_tensors(named, self.cfg.verify_weights)).decode()
             t = time.perf_counter()
-            answers = self._on_all("weight push", lambda url: self._rpc(
-                url, "nbr_server_receive", data, index, int(last)))
+            answers = self._on_all(
+                "weight push",
+                lambda url: self._rpc(url, "nbr_server_receive", data, index, int(last)),
+            )
             if last:
-                self._on_all("weight version", lambda url: self._post(
-                    url, "/update_weight_version", json={"new_version": str(self.version)}))
+                self._on_all(
+                    "weight version",
+                    lambda url: self._post(
+                        url, "/update_weight_version", json={"new_version": str(self.version)}
+                    ),
+                )
                 stats["load_seconds"] = time.perf_counter() - t
                 stats["verified"] = min(a["verified"] for a in answers)
 
@@ -483,8 +587,11 @@ class RemoteEngine(RolloutEngine):
                 elif error is None:
                     self._senders.pop(fan.url).close()
                     e = fan.error
-                    error = e if isinstance(e, RolloutServerError) else \
-                        f"rollout server {fan.url}: weight transfer failed: {_short(e)}"
+                    error = (
+                        e
+                        if isinstance(e, RolloutServerError)
+                        else f"rollout server {fan.url}: weight transfer failed: {_short(e)}"
+                    )
         else:
             for _ in export:  # the other ranks' share of the collectives
                 pass
@@ -492,9 +599,15 @@ class RemoteEngine(RolloutEngine):
         if error:
             raise RolloutServerError(error)
         verified = stats["tensors"] if self.cfg.verify_weights else 0
-        self.last_sync = {"num_params": stats["params"], "bytes": stats["bytes"], "tensors": stats["tensors"],
-                          "verified": verified, "buckets": stats.get("buckets", 0),
-                          "load_seconds": stats["seconds"], "seconds": time.perf_counter() - t0}
+        self.last_sync = {
+            "num_params": stats["params"],
+            "bytes": stats["bytes"],
+            "tensors": stats["tensors"],
+            "verified": verified,
+            "buckets": stats.get("buckets", 0),
+            "load_seconds": stats["seconds"],
+            "seconds": time.perf_counter() - t0,
+        }
 
     def _sender(self, url: str):
         """The :class:`~megatron_ngrpo.rollout.vllm.weight_transfer.WeightSender` of server ``url``
@@ -504,9 +617,14 @@ class RemoteEngine(RolloutEngine):
 
         if url not in self._senders:
             self._senders[url] = WeightSender(
-                _server_weight_client(self, url), self.cfg.weight_transfer, self.cfg.bucket_mb * 2**20,
-                self.cfg.verify_weights, num_workers=self._workers.get(url, 1),
-                host=self.cfg.transfer_host or socket.gethostname(), timeout_s=self.cfg.request_timeout_s)
+                _server_weight_client(self, url),
+                self.cfg.weight_transfer,
+                self.cfg.bucket_mb * 2**20,
+                self.cfg.verify_weights,
+                num_workers=self._workers.get(url, 1),
+                host=self.cfg.transfer_host or socket.gethostname(),
+                timeout_s=self.cfg.request_timeout_s,
+            )
         return self._senders[url]
 
     def set_neighbor_table(self, table: torch.Tensor) -> None:
@@ -515,8 +633,10 @@ class RemoteEngine(RolloutEngine):
         if is_rank0():
             data = base64.b64encode(wire.pack_tensors([("table", table.to(torch.int32))])).decode()
             try:
-                self._on_all("neighbour table", lambda url: self._rpc(url, "nbr_server_set_table", data,
-                                                                      self.version))
+                self._on_all(
+                    "neighbour table",
+                    lambda url: self._rpc(url, "nbr_server_set_table", data, self.version),
+                )
             except RolloutServerError as e:
                 error = str(e)
         error = broadcast_from_rank0(error, self.group)
@@ -548,7 +668,9 @@ def _server_weight_client(engine: RemoteEngine, url: str):
             try:
                 engine._post(url, f"/{path}", json=json)
             except _Failed as e:
-                raise RolloutServerError(f"rollout server {url}: weight transfer {path} failed: {e}") from None
+                raise RolloutServerError(
+                    f"rollout server {url}: weight transfer {path} failed: {e}"
+                ) from None
 
         def finish_weight_update(self, weight_version: str | None = None) -> None:
             super().finish_weight_update(str(engine.version))

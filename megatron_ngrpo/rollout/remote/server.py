@@ -60,35 +60,64 @@ EXTENSION = "megatron_ngrpo.rollout.remote.server_worker.RolloutServerExtension"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m megatron_ngrpo.rollout.remote.server", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="HF checkpoint directory (config.json, safetensors)")
+    p = argparse.ArgumentParser(
+        prog="python -m megatron_ngrpo.rollout.remote.server",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--model", required=True, help="HF checkpoint directory (config.json, safetensors)"
+    )
     p.add_argument("--tokenizer", help="tokenizer directory (default: the model's, if it has one)")
-    p.add_argument("--num-real-tokens", type=int, help="ids >= this are never sampled (default: the tokenizer's id count, else the HF vocab_size)")
-    p.add_argument("--host", default=_host_address(),
-                   help="address to bind (default: this host's, as its name resolves; 0.0.0.0 binds every interface)")
-    p.add_argument("--secret-file", help=f"file holding the job's shared secret (default: ${SECRET_ENV}, "
-                                         f"${SECRET_FILE_ENV}, else <url-dir>/.rollout_secret)")
+    p.add_argument(
+        "--num-real-tokens",
+        type=int,
+        help="ids >= this are never sampled (default: the tokenizer's id count, else the HF vocab_size)",
+    )
+    p.add_argument(
+        "--host",
+        default=_host_address(),
+        help="address to bind (default: this host's, as its name resolves; 0.0.0.0 binds every interface)",
+    )
+    p.add_argument(
+        "--secret-file",
+        help=f"file holding the job's shared secret (default: ${SECRET_ENV}, "
+        f"${SECRET_FILE_ENV}, else <url-dir>/.rollout_secret)",
+    )
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--advertise-host", default=socket.gethostname(),
-                   help="host name written to --url-dir (default: this host's name)")
+    p.add_argument(
+        "--advertise-host",
+        default=socket.gethostname(),
+        help="host name written to --url-dir (default: this host's name)",
+    )
     p.add_argument("--url-dir", help="register <host>_<port>.url here once serving")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--data-parallel-size", type=int, default=1,
-                   help="engines on this node: one server process each, on consecutive ports, each "
-                        "on its own block of tensor-parallel-size GPUs")
+    p.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engines on this node: one server process each, on consecutive ports, each "
+        "on its own block of tensor-parallel-size GPUs",
+    )
     p.add_argument("--dtype", default="auto", help="auto: bfloat16 on GPU, float32 on CPU")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.6)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=512 * 2**20, help="CPU only")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int)
-    p.add_argument("--weight-transfer", choices=("gloo", "nccl", "none"),
-                   help="vLLM weight-transfer backend (default: nccl on GPU, gloo on CPU at TP 1, none "
-                        "otherwise: HTTP pushes only)")
-    p.add_argument("--start-timeout", type=float, default=1800.0,
-                   help="seconds for vLLM to come up before the hook is installed")
+    p.add_argument(
+        "--weight-transfer",
+        choices=("gloo", "nccl", "none"),
+        help="vLLM weight-transfer backend (default: nccl on GPU, gloo on CPU at TP 1, none "
+        "otherwise: HTTP pushes only)",
+    )
+    p.add_argument(
+        "--start-timeout",
+        type=float,
+        default=1800.0,
+        help="seconds for vLLM to come up before the hook is installed",
+    )
     return p
 
 
@@ -106,25 +135,61 @@ def vllm_arguments(args, extra: list[str]) -> tuple[list[str], int]:
     os.environ[SECRET_ENV] = read_secret(args.secret_file or "", args.url_dir or "")
     gpu, tp = torch.cuda.is_available(), args.tensor_parallel_size
     if gpu and torch.cuda.device_count() % tp:
-        raise RuntimeError(f"--tensor-parallel-size {tp} does not divide the {torch.cuda.device_count()} "
-                           f"visible GPUs")
+        raise RuntimeError(
+            f"--tensor-parallel-size {tp} does not divide the {torch.cuda.device_count()} "
+            f"visible GPUs"
+        )
     # The gloo engine pairs the trainer with one worker: a CPU server of TP > 1 takes HTTP pushes only.
     backend = args.weight_transfer or ("nccl" if gpu else "gloo" if tp == 1 else "none")
     if backend == "gloo" and tp > 1:
-        raise RuntimeError(f"--weight-transfer gloo sends to one worker: --tensor-parallel-size {tp} "
-                           f"needs nccl")
+        raise RuntimeError(
+            f"--weight-transfer gloo sends to one worker: --tensor-parallel-size {tp} needs nccl"
+        )
     tokenizer = load_tokenizer(args.tokenizer, args.model)
-    num_real = real_token_count(args.num_real_tokens, ArchSpec.from_hf(args.model).vocab_size, tokenizer)
+    num_real = real_token_count(
+        args.num_real_tokens, ArchSpec.from_hf(args.model).vocab_size, tokenizer
+    )
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if gpu else "float32")
-    out = ["--model", args.model, "--host", args.host, "--port", str(args.port), "--seed", str(args.seed),
-           "--tensor-parallel-size", str(tp), "--dtype", dtype, "--max-model-len", str(args.max_model_len),
-           "--max-num-seqs", str(args.max_num_seqs), "--worker-extension-cls", EXTENSION,
-           "--logprobs-mode", "raw_logits", "--no-enable-prefix-caching", "--no-async-scheduling",
-           "--enforce-eager", "--enable-scale-out", "--uvicorn-log-level", "warning",
-           "--middleware", f"{SecretMiddleware.__module__}.{SecretMiddleware.__name__}"]
-    out += ["--tokenizer", tokenizer.name_or_path] if tokenizer is not None else ["--skip-tokenizer-init"]
-    out += (["--gpu-memory-utilization", str(args.gpu_memory_utilization)] if gpu
-            else ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)])
+    out = [
+        "--model",
+        args.model,
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+        "--seed",
+        str(args.seed),
+        "--tensor-parallel-size",
+        str(tp),
+        "--dtype",
+        dtype,
+        "--max-model-len",
+        str(args.max_model_len),
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--worker-extension-cls",
+        EXTENSION,
+        "--logprobs-mode",
+        "raw_logits",
+        "--no-enable-prefix-caching",
+        "--no-async-scheduling",
+        "--enforce-eager",
+        "--enable-scale-out",
+        "--uvicorn-log-level",
+        "warning",
+        "--middleware",
+        f"{SecretMiddleware.__module__}.{SecretMiddleware.__name__}",
+    ]
+    out += (
+        ["--tokenizer", tokenizer.name_or_path]
+        if tokenizer is not None
+        else ["--skip-tokenizer-init"]
+    )
+    out += (
+        ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+        if gpu
+        else ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
+    )
     if args.max_num_batched_tokens is not None:
         out += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if backend != "none":
@@ -152,12 +217,18 @@ def install_hook(base: str, num_real_tokens: int, deadline: float, stop: threadi
         if time.monotonic() > deadline:
             raise RuntimeError("vLLM did not answer on /health within --start-timeout")
         time.sleep(0.5)
-    r = requests.post(f"{base}/collective_rpc", timeout=120, headers=bearer(read_secret()),
-                      json={"method": "nbr_mix_install", "args": [str(num_real_tokens)]})
+    r = requests.post(
+        f"{base}/collective_rpc",
+        timeout=120,
+        headers=bearer(read_secret()),
+        json={"method": "nbr_mix_install", "args": [str(num_real_tokens)]},
+    )
     hooks = r.json().get("results") if r.status_code == 200 else None
     if not hooks or not all(str(h).startswith("NeighborMix") for h in hooks):
-        raise RuntimeError(f"the mixing hook is not installed in vLLM's model runner (HTTP {r.status_code}: "
-                           f"{' '.join(r.text.split())[:300]})")
+        raise RuntimeError(
+            f"the mixing hook is not installed in vLLM's model runner (HTTP {r.status_code}: "
+            f"{' '.join(r.text.split())[:300]})"
+        )
     return str(hooks[0])
 
 
@@ -168,8 +239,12 @@ def _start_hook(args, num_real_tokens: int, failed: threading.Event, stop: threa
 
     host = "127.0.0.1" if args.host in ("0.0.0.0", "", "::") else args.host
     try:
-        hook = install_hook(f"http://{host}:{args.port}", num_real_tokens,
-                            time.monotonic() + args.start_timeout, stop)
+        hook = install_hook(
+            f"http://{host}:{args.port}",
+            num_real_tokens,
+            time.monotonic() + args.start_timeout,
+            stop,
+        )
     except Exception as e:  # noqa: BLE001 - one line, then the server stops
         print(f"error: rollout server: {_one_line(e)}", file=sys.stderr, flush=True)
         failed.set()
@@ -178,8 +253,10 @@ def _start_hook(args, num_real_tokens: int, failed: threading.Event, stop: threa
     if not hook:
         return
     # print, not logging: vLLM's logging set-up disables the loggers configured before it
-    print(f"rollout server on {args.host}:{args.port} (vLLM TP {args.tensor_parallel_size}, hook {hook})",
-          flush=True)
+    print(
+        f"rollout server on {args.host}:{args.port} (vLLM TP {args.tensor_parallel_size}, hook {hook})",
+        flush=True,
+    )
     if args.url_dir and not stop.is_set():
         atomic_write(_url_file(args), f"http://{args.advertise_host}:{args.port}")
         print(f"rollout server registered at {_url_file(args)}", flush=True)
@@ -209,14 +286,29 @@ def run_replicas(args, argv: list[str]) -> int:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     devices = visible.split(",") if visible else [str(i) for i in range(tp * dp)]
     if len(devices) < tp * dp:
-        print(f"error: rollout server: {dp} engines of TP {tp} need {tp * dp} GPUs, {len(devices)} visible",
-              file=sys.stderr)
+        print(
+            f"error: rollout server: {dp} engines of TP {tp} need {tp * dp} GPUs, {len(devices)} visible",
+            file=sys.stderr,
+        )
         return 1
     procs = []
     for i in range(dp):
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(devices[i * tp:(i + 1) * tp])}
-        procs.append(subprocess.Popen([sys.executable, "-m", __spec__.name, *argv, "--port", str(args.port + i),
-                                       "--data-parallel-size", "1"], env=env))
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(devices[i * tp : (i + 1) * tp])}
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    __spec__.name,
+                    *argv,
+                    "--port",
+                    str(args.port + i),
+                    "--data-parallel-size",
+                    "1",
+                ],
+                env=env,
+            )
+        )
     stop = lambda *_: [p.send_signal(signal.SIGTERM) for p in procs if p.poll() is None]  # noqa: E731
     signal.signal(signal.SIGTERM, stop)
     while all(p.poll() is None for p in procs):

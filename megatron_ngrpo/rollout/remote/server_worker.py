@@ -42,15 +42,20 @@ class RolloutServerExtension(NeighborMixExtension):
         cfg = runner.vllm_config
         hf = cfg.model_config.hf_config
         state = getattr(runner, "_nm", None)
-        return {"protocol": wire.PROTOCOL,
-                "hook": type(runner).__name__ if isinstance(runner, NeighborMixRunner) else None,
-                "num_real_tokens": None if state is None else state.num_real_tokens,
-                "vocab_size": hf.vocab_size, "hidden_size": hf.hidden_size,
-                "max_model_len": cfg.model_config.max_model_len,
-                "tensor_parallel": cfg.parallel_config.tensor_parallel_size,
-                "weight_transfer": None if cfg.weight_transfer_config is None else cfg.weight_transfer_config.backend,
-                "table_version": getattr(self, "_nbr_table_version", None),
-                "weight_push_held_bytes": getattr(self, "_nbr_held_bytes", 0)}
+        return {
+            "protocol": wire.PROTOCOL,
+            "hook": type(runner).__name__ if isinstance(runner, NeighborMixRunner) else None,
+            "num_real_tokens": None if state is None else state.num_real_tokens,
+            "vocab_size": hf.vocab_size,
+            "hidden_size": hf.hidden_size,
+            "max_model_len": cfg.model_config.max_model_len,
+            "tensor_parallel": cfg.parallel_config.tensor_parallel_size,
+            "weight_transfer": None
+            if cfg.weight_transfer_config is None
+            else cfg.weight_transfer_config.backend,
+            "table_version": getattr(self, "_nbr_table_version", None),
+            "weight_push_held_bytes": getattr(self, "_nbr_held_bytes", 0),
+        }
 
     def nbr_server_set_table(self, data: str, version: str) -> str:
         """Install the trainer's ``[V, k]`` neighbour table (``data``: base64 of
@@ -77,12 +82,19 @@ class RolloutServerExtension(NeighborMixExtension):
         if not scale:
             state.noise = None
             return []
-        emb = next(m for m in self.model_runner.get_model().modules()
-                   if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead))
+        emb = next(
+            m
+            for m in self.model_runner.get_model().modules()
+            if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)
+        )
         group = get_tp_group()
         state.noise = NoiseSpec.from_embedding(
-            emb.weight, state.num_real_tokens, float(scale), emb.shard_indices.org_vocab_start_index,
-            group.device_group if group.world_size > 1 else None)
+            emb.weight,
+            state.num_real_tokens,
+            float(scale),
+            emb.shard_indices.org_vocab_start_index,
+            group.device_group if group.world_size > 1 else None,
+        )
         return [state.noise.sigma, state.noise.dim]
 
     def nbr_server_receive(self, data: str, index: str, last: str) -> dict:

@@ -96,8 +96,17 @@ HOOK = "megatron_ngrpo.rollout.vllm.hook.NeighborMixExtension"
 EMBED_NAME = "model.embed_tokens.weight"
 OUTPUT_NAME = "lm_head.weight"
 # MixingConfig fields the table / noise spec depend on.
-_TABLE_FIELDS = ("strategy", "k", "metric", "neighbor_source", "exclude_special", "exclude_padded",
-                 "exclude_ids", "noise_scale", "chunk_size")
+_TABLE_FIELDS = (
+    "strategy",
+    "k",
+    "metric",
+    "neighbor_source",
+    "exclude_special",
+    "exclude_padded",
+    "exclude_ids",
+    "noise_scale",
+    "chunk_size",
+)
 
 
 class VLLMEngine(RolloutEngine):
@@ -115,18 +124,28 @@ class VLLMEngine(RolloutEngine):
 
     neighbors_on_demand = True
 
-    def __init__(self, hf_path: str | Path, cfg: VLLMConfig | None = None, *,
-                 num_real_tokens: int | None = None, tokenizer: str | Path | None = None,
-                 seed: int = 0):
+    def __init__(
+        self,
+        hf_path: str | Path,
+        cfg: VLLMConfig | None = None,
+        *,
+        num_real_tokens: int | None = None,
+        tokenizer: str | Path | None = None,
+        seed: int = 0,
+    ):
 
         self.cfg = cfg or VLLMConfig()
         self.cfg.validate()
         self.hf_path = str(hf_path)
         self.spec = ArchSpec.from_hf(self.hf_path)
         self.tokenizer = load_tokenizer(tokenizer, self.hf_path)
-        self.num_real_tokens = real_token_count(num_real_tokens, self.spec.vocab_size, self.tokenizer)
+        self.num_real_tokens = real_token_count(
+            num_real_tokens, self.spec.vocab_size, self.tokenizer
+        )
         self.special_ids = special_token_ids(self.tokenizer)
-        self.max_model_len = vllm_max_model_len(self.cfg, self.spec.max_position_embeddings, "max_model_len")
+        self.max_model_len = vllm_max_model_len(
+            self.cfg, self.spec.max_position_embeddings, "max_model_len"
+        )
         self.last_sync: dict = {}
         self._sources: dict[str, torch.Tensor] = {}  # HF name → current matrix for the table
         self._table_key = None
@@ -145,8 +164,9 @@ class VLLMEngine(RolloutEngine):
     def from_config(cls, rollout_cfg, model_cfg, **kwargs) -> VLLMEngine:
         """The engine of ``rollout_cfg.vllm`` for the policy of ``model_cfg`` (its HF directory
         and ``num_real_tokens``); kwargs as in the constructor."""
-        return cls(model_cfg.hf_path, rollout_cfg.vllm, num_real_tokens=model_cfg.num_real_tokens,
-                   **kwargs)
+        return cls(
+            model_cfg.hf_path, rollout_cfg.vllm, num_real_tokens=model_cfg.num_real_tokens, **kwargs
+        )
 
     # ---- construction -----------------------------------------------------------------------
     def _build(self, seed: int):
@@ -164,8 +184,11 @@ class VLLMEngine(RolloutEngine):
         _quiet_expected_vllm_messages(tokenizer if tokenizer != self.hf_path else None)
         gpu = torch.cuda.is_available()
         dtype = self.cfg.dtype if self.cfg.dtype != "auto" else ("bfloat16" if gpu else "float32")
-        memory = ({"gpu_memory_utilization": self.cfg.gpu_memory_utilization} if gpu
-                  else {"kv_cache_memory_bytes": self.cfg.kv_cache_memory_bytes})
+        memory = (
+            {"gpu_memory_utilization": self.cfg.gpu_memory_utilization}
+            if gpu
+            else {"kv_cache_memory_bytes": self.cfg.kv_cache_memory_bytes}
+        )
         kwargs = dict(
             model=self.hf_path,
             tokenizer=tokenizer,
@@ -182,7 +205,9 @@ class VLLMEngine(RolloutEngine):
             worker_extension_cls=HOOK,
             **memory,
         )
-        if self.cfg.quantization:  # refused without a GPU before any process group (job_config.check_device)
+        if (
+            self.cfg.quantization
+        ):  # refused without a GPU before any process group (job_config.check_device)
             kwargs["quantization"] = self.cfg.quantization
         if self.cfg.max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = self.cfg.max_num_batched_tokens
@@ -193,7 +218,9 @@ class VLLMEngine(RolloutEngine):
             # weight sync fills the randomly initialised engine.
             kwargs["load_format"] = "dummy"
         if gpu and self.cfg.sleep_level:
-            kwargs["enable_sleep_mode"] = True  # CPU vLLM refuses sleep mode: sleep()/wake_up() are no-ops there
+            kwargs["enable_sleep_mode"] = (
+                True  # CPU vLLM refuses sleep mode: sleep()/wake_up() are no-ops there
+            )
         if self.cfg.weight_transfer != "reload":
             # lazy: keeps rollout.vllm.engine free of vllm at import (start-up)
             from megatron_ngrpo.rollout.vllm.weight_transfer import register
@@ -223,14 +250,20 @@ class VLLMEngine(RolloutEngine):
         # lazy: vLLM is an optional extra (heavy import)
         from vllm.distributed.parallel_state import get_tp_group
 
-
         if not ps.model_parallel_is_initialized() or check_tp_shards(
-                self.spec, ps.get_tensor_model_parallel_world_size(),
-                ps.get_pipeline_model_parallel_world_size(), self.cfg.tensor_parallel):
+            self.spec,
+            ps.get_tensor_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_world_size(),
+            self.cfg.tensor_parallel,
+        ):
             return None
         self.llm.collective_rpc("nbr_load_tp_shards", args=(True,))
-        logger.info("vLLM weight sync: shard-to-shard, vLLM TP %d from trainer TP %d (vocabulary "
-                    "matrices gathered)", self.cfg.tensor_parallel, ps.get_tensor_model_parallel_world_size())
+        logger.info(
+            "vLLM weight sync: shard-to-shard, vLLM TP %d from trainer TP %d (vocabulary "
+            "matrices gathered)",
+            self.cfg.tensor_parallel,
+            ps.get_tensor_model_parallel_world_size(),
+        )
         return TPShard(self.cfg.tensor_parallel, get_tp_group().rank_in_group)
 
     def close(self) -> None:
@@ -250,8 +283,13 @@ class VLLMEngine(RolloutEngine):
             self._sync_dir = None
 
     # ---- RolloutEngine ----------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams, mixing: MixingConfig | None = None,
-                 keys: list[int] | None = None) -> RolloutBatch:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        mixing: MixingConfig | None = None,
+        keys: list[int] | None = None,
+    ) -> RolloutBatch:
         """As :meth:`RolloutEngine.generate`; colocated in a multi-rank job it is a collective of
         all ranks (:func:`~megatron_ngrpo.rollout.vllm.replicas.generate_on_replicas`)."""
         mixing = active_mixing(mixing)
@@ -263,11 +301,19 @@ class VLLMEngine(RolloutEngine):
                 most = torch.tensor([positions])
                 dist.all_reduce(most, op=dist.ReduceOp.MAX)
                 positions = int(most)
-            self._ensure_strategy(mixing, mixing.lookup_mode(positions, self.spec.vocab_size,
-                                                              "cuda" if torch.cuda.is_available() else "cpu"))
+            self._ensure_strategy(
+                mixing,
+                mixing.lookup_mode(
+                    positions, self.spec.vocab_size, "cuda" if torch.cuda.is_available() else "cpu"
+                ),
+            )
         if self.colocated:
-            return generate_on_replicas(lambda p, k: self._generate(p, params, mixing, k), prompts, keys,
-                                        self.cfg.tensor_parallel)
+            return generate_on_replicas(
+                lambda p, k: self._generate(p, params, mixing, k),
+                prompts,
+                keys,
+                self.cfg.tensor_parallel,
+            )
         return self._generate(prompts, params, mixing, keys)
 
     def _generate(self, prompts, params: SamplingParams, mixing, keys) -> RolloutBatch:
@@ -283,15 +329,27 @@ class VLLMEngine(RolloutEngine):
             extra = None
             if mixing is not None:
                 extra = request_options(call, i, keys[i], params.n, params.seed, mixing, stop_ids)
-            requests.append(VSamplingParams(
-                **sampling_options(params, min(params.max_new_tokens, self.max_model_len - len(p)), extra),
-                detokenize=self.tokenizer is not None))
+            requests.append(
+                VSamplingParams(
+                    **sampling_options(
+                        params, min(params.max_new_tokens, self.max_model_len - len(p)), extra
+                    ),
+                    detokenize=self.tokenizer is not None,
+                )
+            )
         try:
-            outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], requests,
-                                        use_tqdm=False)
+            outputs = self.llm.generate(
+                [{"prompt_token_ids": list(p)} for p in prompts], requests, use_tqdm=False
+            )
         finally:  # the hook forgets this call's requests even when generation failed
-            records = self.llm.collective_rpc("nbr_mix_pop", args=(call,))[0] if mixing is not None else {}
-        return self._batch(prompts, params.n, outputs, records, mixing.k if mixing is not None else 1)
+            records = (
+                self.llm.collective_rpc("nbr_mix_pop", args=(call,))[0]
+                if mixing is not None
+                else {}
+            )
+        return self._batch(
+            prompts, params.n, outputs, records, mixing.k if mixing is not None else 1
+        )
 
     def sync_weights(self, model_chunks) -> None:
         """Load the trainer's weights and refresh the neighbour table.
@@ -315,8 +373,11 @@ class VLLMEngine(RolloutEngine):
             self.push_weights(MegatronSource(model_chunks, self.spec, tp_shards=self.tp_shards))
         self.last_sync["seconds"] = time.perf_counter() - t0
         self.last_sync["tp_shards"] = self.tp_shards is not None
-        logger.info("vLLM weight sync: %.3g M params, %.3f s", self.last_sync["num_params"] / 1e6,
-                    self.last_sync["seconds"])
+        logger.info(
+            "vLLM weight sync: %.3g M params, %.3f s",
+            self.last_sync["num_params"] / 1e6,
+            self.last_sync["seconds"],
+        )
 
     def set_neighbor_table(self, table: torch.Tensor | None) -> None:
         """Use the trainer's neighbour table ([V, k] int ids, one per weight version) instead of
@@ -354,14 +415,20 @@ class VLLMEngine(RolloutEngine):
         if self._worker_in_process:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream()})
         else:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": self._write_safetensors(list(stream()))})
+            self.llm.collective_rpc(
+                "reload_weights", kwargs={"weights_path": self._write_safetensors(list(stream()))}
+            )
         if not count["tensors"]:
             raise ValueError("load_weights: no tensors")
         t1 = time.perf_counter()
         self._sources = sources
         table_seconds = self._refresh_table()
-        self.last_sync = {"load_seconds": t1 - t0, "table_seconds": table_seconds,
-                          "num_params": count["params"], "bytes": count["bytes"]}
+        self.last_sync = {
+            "load_seconds": t1 - t0,
+            "table_seconds": table_seconds,
+            "num_params": count["params"],
+            "bytes": count["bytes"],
+        }
 
     def push_weights(self, source) -> None:
         """Send a vLLM ``WeightSource`` (HF names, the full set) through the weight-transfer
@@ -370,16 +437,24 @@ class VLLMEngine(RolloutEngine):
         from megatron_ngrpo.rollout.vllm.weight_transfer import WeightSender
 
         if self._sender is None:
-            self._sender = WeightSender(self.llm, self.cfg.weight_transfer,
-                                        int(self.cfg.sync_bucket_mb * 2**20), self.cfg.verify_weights,
-                                        num_workers=1 if self.colocated else self.cfg.tensor_parallel)
+            self._sender = WeightSender(
+                self.llm,
+                self.cfg.weight_transfer,
+                int(self.cfg.sync_bucket_mb * 2**20),
+                self.cfg.verify_weights,
+                num_workers=1 if self.colocated else self.cfg.tensor_parallel,
+            )
         sources: dict[str, torch.Tensor] = {}
         stats = self._sender.send(_Keep(source, (EMBED_NAME, OUTPUT_NAME), sources))
         self._sources = sources
         table_seconds = self._refresh_table()
-        self.last_sync = {"load_seconds": stats["seconds"], "table_seconds": table_seconds,
-                          "num_params": stats["params"], "bytes": stats["bytes"],
-                          **({"buckets": stats["buckets"]} if "buckets" in stats else {})}
+        self.last_sync = {
+            "load_seconds": stats["seconds"],
+            "table_seconds": table_seconds,
+            "num_params": stats["params"],
+            "bytes": stats["bytes"],
+            **({"buckets": stats["buckets"]} if "buckets" in stats else {}),
+        }
 
     def _write_safetensors(self, named) -> str:
         # lazy: keeps rollout.vllm.engine free of safetensors at import (start-up)
@@ -411,20 +486,36 @@ class VLLMEngine(RolloutEngine):
         if mixing.strategy == "neighbor" and self._trainer_table is not None:
             table = self._trainer_table
         elif mixing.strategy == "neighbor" and self._table_lookup == "on_demand":
-            exclude = exclusion_mask(self.spec.vocab_size, mixing, self.num_real_tokens, self.special_ids)
-            self.llm.collective_rpc("nbr_mix_set_lookup", args=(
-                mixing.k, mixing.metric, mixing.neighbor_source, exclude.nonzero().flatten().tolist(),
-                self.spec.vocab_size, mixing.chunk_size))
+            exclude = exclusion_mask(
+                self.spec.vocab_size, mixing, self.num_real_tokens, self.special_ids
+            )
+            self.llm.collective_rpc(
+                "nbr_mix_set_lookup",
+                args=(
+                    mixing.k,
+                    mixing.metric,
+                    mixing.neighbor_source,
+                    exclude.nonzero().flatten().tolist(),
+                    self.spec.vocab_size,
+                    mixing.chunk_size,
+                ),
+            )
             return time.perf_counter() - t0
         elif mixing.strategy == "neighbor":
             # V×V scoring: on the GPU when there is one (the checkpoint is read on the CPU)
             weight = self._source_matrix(mixing.neighbor_source).to(
-                "cuda" if torch.cuda.is_available() else "cpu")
-            exclude = exclusion_mask(weight.shape[0], mixing, self.num_real_tokens, self.special_ids)
-            table = build_neighbor_table(weight, 0, mixing.k, mixing.metric, exclude, mixing.chunk_size)
+                "cuda" if torch.cuda.is_available() else "cpu"
+            )
+            exclude = exclusion_mask(
+                weight.shape[0], mixing, self.num_real_tokens, self.special_ids
+            )
+            table = build_neighbor_table(
+                weight, 0, mixing.k, mixing.metric, exclude, mixing.chunk_size
+            )
         if mixing.strategy == "stht":
-            spec = NoiseSpec.from_embedding(self._source_matrix("input"), self.num_real_tokens,
-                                            mixing.noise_scale)
+            spec = NoiseSpec.from_embedding(
+                self._source_matrix("input"), self.num_real_tokens, mixing.noise_scale
+            )
             noise = (spec.sigma, spec.dim)
         if table is not None and not self._worker_in_process:
             path = Path(self._sync_dir_name()) / "neighbors.pt"
@@ -440,7 +531,9 @@ class VLLMEngine(RolloutEngine):
 
     def _sync_dir_name(self) -> str:
         if self._sync_dir is None:
-            self._sync_dir = tempfile.TemporaryDirectory(prefix="ngrpo_vllm_sync_", dir=_shm_or_tmp())
+            self._sync_dir = tempfile.TemporaryDirectory(
+                prefix="ngrpo_vllm_sync_", dir=_shm_or_tmp()
+            )
         return self._sync_dir.name
 
     def _source_matrix(self, source: str) -> torch.Tensor:
@@ -458,18 +551,29 @@ class VLLMEngine(RolloutEngine):
     # ---- validation and results -------------------------------------------------------------
     def _validate(self, prompts, params: SamplingParams, mixing, keys) -> None:
         table = self._trainer_table
-        validate_request(prompts, params, keys, self.max_model_len, self.num_real_tokens, "max_model_len", mixing,
-                         None if table is None else table.shape[1])
+        validate_request(
+            prompts,
+            params,
+            keys,
+            self.max_model_len,
+            self.num_real_tokens,
+            "max_model_len",
+            mixing,
+            None if table is None else table.shape[1],
+        )
         if self.tokenizer is None and (params.stop or (mixing is not None and mixing.stop_after)):
-            raise ValueError("generate: stop strings / mixing.stop_after need a tokenizer (none was found)")
+            raise ValueError(
+                "generate: stop strings / mixing.stop_after need a tokenizer (none was found)"
+            )
 
     def _batch(self, prompts, n: int, outputs, records: dict, k: int) -> RolloutBatch:
         prompt_ids, response_ids, logprobs, finish, texts = [], [], [], [], []
         for i, out in enumerate(outputs):
             for c in sorted(out.outputs, key=lambda c: c.index):
                 if c.finish_reason not in ("stop", "length"):
-                    raise RuntimeError(f"prompt {i}, sample {c.index}: vLLM finished with "
-                                       f"{c.finish_reason!r}")
+                    raise RuntimeError(
+                        f"prompt {i}, sample {c.index}: vLLM finished with {c.finish_reason!r}"
+                    )
                 tokens = list(c.token_ids)
                 prompt_ids.append(list(prompts[i]))
                 response_ids.append(tokens)
@@ -477,8 +581,11 @@ class VLLMEngine(RolloutEngine):
                 finish.append(c.finish_reason)
                 texts.append(c.text)
         return RolloutBatch(
-            prompt_ids=prompt_ids, response_ids=response_ids, logprobs=logprobs,
-            finish_reasons=finish, mixes=hook_mix_record(records, n, [len(r) for r in response_ids], k),
+            prompt_ids=prompt_ids,
+            response_ids=response_ids,
+            logprobs=logprobs,
+            finish_reasons=finish,
+            mixes=hook_mix_record(records, n, [len(r) for r in response_ids], k),
             prompt_index=[i for i in range(len(prompts)) for _ in range(n)],
             texts=texts if self.tokenizer is not None else None,
         )
@@ -517,8 +624,10 @@ def check_vllm_version() -> None:
         except PackageNotFoundError:
             continue
         if not supported_vllm(found):
-            raise RuntimeError(f"vLLM {found} is installed; the mixing hook patches vLLM {SUPPORTED_VLLM}'s "
-                               f"private runner internals (install {dist_name}=={SUPPORTED_VLLM})")
+            raise RuntimeError(
+                f"vLLM {found} is installed; the mixing hook patches vLLM {SUPPORTED_VLLM}'s "
+                f"private runner internals (install {dist_name}=={SUPPORTED_VLLM})"
+            )
         return
     raise RuntimeError("vLLM is not installed (pip install -e '.[vllm]')")
 
@@ -551,8 +660,11 @@ def _rotary_reload(record: logging.LogRecord) -> bool:
     """vLLM's layerwise reload logs "RotaryEmbedding: Failed to load weights" at every sync on
     every rank: the rotary cos/sin cache is computed, never part of a checkpoint, so nothing is
     missing. The same warning for any other layer still shows."""
-    return record.msg == "%s: Failed to load weights" and bool(record.args) \
+    return (
+        record.msg == "%s: Failed to load weights"
+        and bool(record.args)
         and str(record.args[0]).endswith("RotaryEmbedding")
+    )
 
 
 def _tokenizer_config_probe(record: logging.LogRecord) -> bool:
@@ -560,12 +672,15 @@ def _tokenizer_config_probe(record: logging.LogRecord) -> bool:
     and ignores a failure there; but it logs "Error parsing config for <folder>" as an ERROR, twice
     (one retry). A tokenizer folder apart from the model (the shared tokenizers: vocab, merges and
     tokenizer_config.json only) always fails that probe; the model's own config errors still show."""
-    return bool(record.args) and any(str(record.args[0]) == f"Error parsing config for {d}"
-                                     for d in _SEPARATE_TOKENIZERS)
+    return bool(record.args) and any(
+        str(record.args[0]) == f"Error parsing config for {d}" for d in _SEPARATE_TOKENIZERS
+    )
 
 
-_EXPECTED = {"vllm.model_executor.model_loader.reload.layerwise": _rotary_reload,
-             "vllm.transformers_utils.repo_utils": _tokenizer_config_probe}
+_EXPECTED = {
+    "vllm.model_executor.model_loader.reload.layerwise": _rotary_reload,
+    "vllm.transformers_utils.repo_utils": _tokenizer_config_probe,
+}
 
 
 class _ExpectedVLLMMessage(logging.Filter):

@@ -84,9 +84,18 @@ SUPPORTED_VLLM = "0.32.0"
 # ENVIRONMENT.md §4 points here: the table is kept in this one place).
 PRIVATE_TOUCH_POINTS: tuple[tuple[str, str], ...] = (
     # the V1 model runner's step, overridden by NeighborMixRunner (via super())
-    ("vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states", "register / finish opted-in requests"),
-    ("vllm.v1.worker.gpu_model_runner:GPUModelRunner._preprocess", "overlay mixed input embeddings"),
-    ("vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample", "decide before the sampler, fix ids / log-probs"),
+    (
+        "vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states",
+        "register / finish opted-in requests",
+    ),
+    (
+        "vllm.v1.worker.gpu_model_runner:GPUModelRunner._preprocess",
+        "overlay mixed input embeddings",
+    ),
+    (
+        "vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample",
+        "decide before the sampler, fix ids / log-probs",
+    ),
     # the runner's state read in those methods
     ("runner.input_batch.req_id_to_index", "flat row of a request"),
     ("runner.input_batch.num_computed_tokens_cpu", "re-prefill range"),
@@ -104,24 +113,56 @@ PRIVATE_TOUCH_POINTS: tuple[tuple[str, str], ...] = (
     # scheduler output fields and the sampler's output
     ("vllm.v1.core.sched.output:SchedulerOutput.finished_req_ids", "finished requests"),
     ("vllm.v1.core.sched.output:SchedulerOutput.scheduled_new_reqs", "new requests"),
-    ("vllm.v1.core.sched.output:SchedulerOutput.num_scheduled_tokens", "tokens per request this step"),
-    ("vllm.v1.core.sched.output:CachedRequestData.resumed_req_ids", "preempted requests re-prefilled"),
+    (
+        "vllm.v1.core.sched.output:SchedulerOutput.num_scheduled_tokens",
+        "tokens per request this step",
+    ),
+    (
+        "vllm.v1.core.sched.output:CachedRequestData.resumed_req_ids",
+        "preempted requests re-prefilled",
+    ),
     ("vllm.v1.core.sched.output:NewRequestData.sampling_params", "extra_args opt-in"),
     ("vllm.v1.outputs:SamplerOutput.sampled_token_ids", "force anchors"),
     ("vllm.v1.outputs:SamplerOutput.logprobs_tensors", "overwrite log-probs"),
     ("vllm.v1.outputs:LogprobsTensors.selected_token_ranks", "forced anchors' ranks"),
     # weight loading (shard-to-shard sync, the gloo engine)
-    ("vllm.model_executor.model_loader.reload.layerwise:LAYERWISE_INFO", "recorded parameters (shard loaders)"),
-    ("vllm.model_executor.parameter:BasevLLMParameter", "its instance attribute tp_rank: shard-to-shard loading"),
-    ("vllm.model_executor.model_loader.reload:initialize_layerwise_reload", "gloo engine: start a sync"),
-    ("vllm.model_executor.model_loader.reload:finalize_layerwise_reload", "gloo engine: end a sync"),
-    ("vllm.model_executor.model_loader.mtp_validation:disable_mtp_completeness_check", "gloo engine: bucket loads"),
-    ("vllm.distributed.weight_transfer.factory:WeightTransferEngineFactory._registry", "register the gloo engine"),
-    ("vllm.distributed.weight_transfer.factory:WeightTransferTrainerFactory._registry", "register the gloo engine"),
+    (
+        "vllm.model_executor.model_loader.reload.layerwise:LAYERWISE_INFO",
+        "recorded parameters (shard loaders)",
+    ),
+    (
+        "vllm.model_executor.parameter:BasevLLMParameter",
+        "its instance attribute tp_rank: shard-to-shard loading",
+    ),
+    (
+        "vllm.model_executor.model_loader.reload:initialize_layerwise_reload",
+        "gloo engine: start a sync",
+    ),
+    (
+        "vllm.model_executor.model_loader.reload:finalize_layerwise_reload",
+        "gloo engine: end a sync",
+    ),
+    (
+        "vllm.model_executor.model_loader.mtp_validation:disable_mtp_completeness_check",
+        "gloo engine: bucket loads",
+    ),
+    (
+        "vllm.distributed.weight_transfer.factory:WeightTransferEngineFactory._registry",
+        "register the gloo engine",
+    ),
+    (
+        "vllm.distributed.weight_transfer.factory:WeightTransferTrainerFactory._registry",
+        "register the gloo engine",
+    ),
     # colocated engines (rollout/vllm/engine.py)
-    ("vllm.distributed.device_communicators.cpu_communicator:_CPUSHMDistributed.make_group_name",
-     "unique CPU shared-memory names"),
-    ("vllm.v1.engine.core:cleanup_dist_env_and_memory", "keep the trainer's default group at shutdown"),
+    (
+        "vllm.distributed.device_communicators.cpu_communicator:_CPUSHMDistributed.make_group_name",
+        "unique CPU shared-memory names",
+    ),
+    (
+        "vllm.v1.engine.core:cleanup_dist_env_and_memory",
+        "keep the trainer's default group at shutdown",
+    ),
 )
 
 OPTION_KEY = "nbr_mix"
@@ -153,7 +194,11 @@ def missing_touch_points(runner) -> list[str]:
                 continue
             chain = name.split(".")
         for attr in chain:
-            fields = {f.name for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) else set()
+            fields = (
+                {f.name for f in dataclasses.fields(obj)}
+                if dataclasses.is_dataclass(obj)
+                else set()
+            )
             if attr in fields and not hasattr(obj, attr):
                 obj = None  # a dataclass field without a class default: present on every instance
                 break
@@ -164,17 +209,33 @@ def missing_touch_points(runner) -> list[str]:
     return missing
 
 
-def request_options(call: str, index: int, prompt_key: int, n: int, seed: int, mixing: MixingConfig,
-                    stop_ids: list[int]) -> dict:
+def request_options(
+    call: str,
+    index: int,
+    prompt_key: int,
+    n: int,
+    seed: int,
+    mixing: MixingConfig,
+    stop_ids: list[int],
+) -> dict:
     """``extra_args`` of one prompt's request: ``{"nbr_mix": {...}}`` (msgspec-serialisable).
 
     ``call`` tags the generate call (its records are popped by it), ``index`` is the prompt's
     index in the call, ``seed`` seeds the gate (and the baselines' draws).
     """
-    return {OPTION_KEY: dict(call=call, index=int(index), key=int(prompt_key), n=int(n),
-                             seed=int(seed), rate=float(mixing.rate), emit=mixing.emit,
-                             stop_ids=[int(i) for i in stop_ids],
-                             decision={f: getattr(mixing, f) for f in _DECISION_FIELDS})}
+    return {
+        OPTION_KEY: dict(
+            call=call,
+            index=int(index),
+            key=int(prompt_key),
+            n=int(n),
+            seed=int(seed),
+            rate=float(mixing.rate),
+            emit=mixing.emit,
+            stop_ids=[int(i) for i in stop_ids],
+            decision={f: getattr(mixing, f) for f in _DECISION_FIELDS},
+        )
+    }
 
 
 def sampling_options(params, max_tokens: int, extra: dict | None) -> dict:
@@ -182,10 +243,17 @@ def sampling_options(params, max_tokens: int, extra: dict | None) -> dict:
     :class:`~megatron_ngrpo.rollout.types.SamplingParams` (the in-process engine builds
     ``vllm.SamplingParams`` of them, the rollout client sends them as JSON): ``logprobs=0`` returns
     the hook's log-prob of each sampled token, ``extra`` is :func:`request_options` or None."""
-    return dict(n=params.n, temperature=params.temperature, top_p=params.top_p,
-                top_k=params.top_k if params.top_k > 0 else 0, max_tokens=int(max_tokens),
-                stop=list(params.stop) or None, stop_token_ids=list(params.stop_token_ids) or None,
-                logprobs=0, extra_args=extra)
+    return dict(
+        n=params.n,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k if params.top_k > 0 else 0,
+        max_tokens=int(max_tokens),
+        stop=list(params.stop) or None,
+        stop_token_ids=list(params.stop_token_ids) or None,
+        logprobs=0,
+        extra_args=extra,
+    )
 
 
 def hook_mix_record(records: dict, n: int, lengths: list[int], k: int) -> MixRecord:
@@ -208,8 +276,10 @@ def hook_mix_record(records: dict, n: int, lengths: list[int], k: int) -> MixRec
     if not seq:
         return MixRecord.empty(num_seqs, k)
     return MixRecord(
-        seq=torch.tensor(seq, dtype=torch.long), pos=torch.tensor(pos, dtype=torch.long),
-        ids=torch.tensor(ids, dtype=torch.long), weights=torch.tensor(weights, dtype=torch.float32),
+        seq=torch.tensor(seq, dtype=torch.long),
+        pos=torch.tensor(pos, dtype=torch.long),
+        ids=torch.tensor(ids, dtype=torch.long),
+        weights=torch.tensor(weights, dtype=torch.float32),
         num_seqs=num_seqs,
         noise=None if noise[0] is None else torch.tensor(noise, dtype=torch.float32),
     ).sorted()
@@ -293,13 +363,27 @@ class _MixState:
             decision_cfg = MixingConfig(**opts["decision"])
             emit_anchor = opts["emit"] == "anchor"
             r = _Request(
-                req_id=new.req_id, call=opts["call"], index=opts["index"], child=child,
-                key=response_key(opts["key"], child), prompt_len=prompt_len, seed=opts["seed"],
-                gated=[], emit_anchor=emit_anchor, stop_ids=tuple(opts["stop_ids"]),
+                req_id=new.req_id,
+                call=opts["call"],
+                index=opts["index"],
+                child=child,
+                key=response_key(opts["key"], child),
+                prompt_len=prompt_len,
+                seed=opts["seed"],
+                gated=[],
+                emit_anchor=emit_anchor,
+                stop_ids=tuple(opts["stop_ids"]),
                 decision=decision_cfg,
-                group=(opts["seed"], emit_anchor, *(getattr(decision_cfg, f) for f in _DECISION_FIELDS)))
+                group=(
+                    opts["seed"],
+                    emit_anchor,
+                    *(getattr(decision_cfg, f) for f in _DECISION_FIELDS),
+                ),
+            )
             self.requests[new.req_id] = r
-            length = min(new.sampling_params.max_tokens or max_model_len, max_model_len - prompt_len)
+            length = min(
+                new.sampling_params.max_tokens or max_model_len, max_model_len - prompt_len
+            )
             fresh.append((r, opts["rate"], max(length, 0)))
         by_seed: dict = {}
         for item in fresh:
@@ -378,10 +462,17 @@ class NeighborMixRunner:
         # Requests of different k can share a step (two clients of one server): narrower mixes
         # get weight-0 copies of their first candidate, which add an exact 0.
         k = max(len(e[0]) for e in entries)
-        ids = torch.tensor([e[0] + e[0][:1] * (k - len(e[0])) for e in entries], dtype=self.input_ids.gpu.dtype,
-                           device=device)
-        weights = torch.tensor([e[1] + [0.0] * (k - len(e[1])) for e in entries], dtype=torch.float32, device=device)
-        if inputs_embeds is None:  # token-id path: embed the scheduled ids here, with the candidates
+        ids = torch.tensor(
+            [e[0] + e[0][:1] * (k - len(e[0])) for e in entries],
+            dtype=self.input_ids.gpu.dtype,
+            device=device,
+        )
+        weights = torch.tensor(
+            [e[1] + [0.0] * (k - len(e[1])) for e in entries], dtype=torch.float32, device=device
+        )
+        if (
+            inputs_embeds is None
+        ):  # token-id path: embed the scheduled ids here, with the candidates
             # (eager, as VLLMConfig requires: no CUDA graph reads the static inputs_embeds buffer)
             n = num_input_tokens
             emb = self.model.embed_input_ids(torch.cat([self.input_ids.gpu[:n], ids.flatten()]))
@@ -393,7 +484,9 @@ class NeighborMixRunner:
         noise = None
         if noisy:  # rows without noise add an exact 0
             noise = torch.zeros(len(entries), cand.shape[-1], dtype=torch.float32, device=device)
-            noise[noisy] = torch.stack([entries[j][2] for j in noisy]).to(device=device, dtype=torch.float32)
+            noise[noisy] = torch.stack([entries[j][2] for j in noisy]).to(
+                device=device, dtype=torch.float32
+            )
         mix = mix_rows(cand, weights, noise)  # the trainer's arithmetic (mixing/arithmetic.py)
         index = torch.tensor(rows, dtype=torch.long, device=device)
         inputs_embeds.index_copy_(0, index, mix.to(inputs_embeds.dtype))
@@ -438,7 +531,7 @@ class NeighborMixRunner:
         meta = self.input_batch.sampling_metadata
         num_reqs = self.input_batch.num_reqs
         if state.num_real_tokens < logits.shape[1]:  # unused vocab rows are never sampled
-            logits[:, state.num_real_tokens:] = float("-inf")
+            logits[:, state.num_real_tokens :] = float("-inf")
         temp = self._nm_temperatures(meta, num_reqs, logits.device)
         logp = None
         if meta.max_num_logprobs is not None:  # [num_reqs, V] what the trainer recomputes
@@ -489,8 +582,10 @@ class NeighborMixRunner:
             temps = temp.tolist()
             for w in gated:
                 groups.setdefault((temps[w[0]], w[1].group), []).append(w)
-        return stop_rows, [self._nm_decide(logits, members, temperature)
-                           for (temperature, _), members in groups.items()]
+        return stop_rows, [
+            self._nm_decide(logits, members, temperature)
+            for (temperature, _), members in groups.items()
+        ]
 
     def _nm_decide(self, logits: torch.Tensor, members, temperature: float) -> _Group:
         """Decisions of gated rows sharing temperature, seed, emission and strategy settings."""
@@ -500,10 +595,17 @@ class NeighborMixRunner:
         z = logits.index_select(0, rows)
         # keys and positions as lists: only the strategies with draws make tensors of them
         dec = decide_for_strategy(
-            r0.decision, z, torch.ones(len(members), dtype=torch.bool, device=z.device),
-            temperature=temperature, num_real_tokens=state.num_real_tokens, table=state.table,
-            noise=state.noise, seed=r0.seed, key=[m[1].key for m in members],
-            position=[m[2] - m[1].prompt_len for m in members])
+            r0.decision,
+            z,
+            torch.ones(len(members), dtype=torch.bool, device=z.device),
+            temperature=temperature,
+            num_real_tokens=state.num_real_tokens,
+            table=state.table,
+            noise=state.noise,
+            seed=r0.seed,
+            key=[m[1].key for m in members],
+            position=[m[2] - m[1].prompt_len for m in members],
+        )
         group = _Group(members, rows, dec)
         if r0.emit_anchor and r0.decision.strategy == "neighbor":
             group.rank = 1  # the argmax of z (unused rows are -inf): nothing ranks above it
@@ -560,20 +662,26 @@ class NeighborMixExtension:
         if cfg.speculative_config is not None:
             raise ValueError("neighbour mixing in vLLM: speculative decoding is not supported")
         if cfg.model_config.logprobs_mode != "raw_logits":
-            raise ValueError(f"neighbour mixing in vLLM: logprobs_mode must be 'raw_logits', got "
-                             f"{cfg.model_config.logprobs_mode!r} (the hook converts raw logits)")
+            raise ValueError(
+                f"neighbour mixing in vLLM: logprobs_mode must be 'raw_logits', got "
+                f"{cfg.model_config.logprobs_mode!r} (the hook converts raw logits)"
+            )
         if getattr(runner, "use_async_scheduling", False):
             raise ValueError("neighbour mixing in vLLM: async scheduling must be off")
         # lazy: vLLM's runner is imported inside vLLM's worker process (heavy)
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1Runner
 
         if not isinstance(runner, V1Runner):  # Model Runner V2 has none of the patched methods
-            raise ValueError(f"neighbour mixing in vLLM: the model runner is {type(runner).__module__}."
-                             f"{type(runner).__name__}, not the V1 runner the hook patches (VLLM_USE_V2_MODEL_RUNNER=0)")
+            raise ValueError(
+                f"neighbour mixing in vLLM: the model runner is {type(runner).__module__}."
+                f"{type(runner).__name__}, not the V1 runner the hook patches (VLLM_USE_V2_MODEL_RUNNER=0)"
+            )
         missing = missing_touch_points(runner)
         if missing:
-            raise ValueError(f"neighbour mixing in vLLM: this vLLM lacks {len(missing)} of the hook's private touch "
-                             f"points: {', '.join(missing)} (written against vLLM {SUPPORTED_VLLM})")
+            raise ValueError(
+                f"neighbour mixing in vLLM: this vLLM lacks {len(missing)} of the hook's private touch "
+                f"points: {', '.join(missing)} (written against vLLM {SUPPORTED_VLLM})"
+            )
         if not isinstance(runner, NeighborMixRunner):
             cls = type(runner)
             runner.__class__ = type(f"NeighborMix{cls.__name__}", (NeighborMixRunner, cls), {})
@@ -589,8 +697,9 @@ class NeighborMixExtension:
         state.table = None if table is None else table.to(device=state.device, dtype=torch.long)
         state.noise = None if noise is None else NoiseSpec(float(noise[0]), int(noise[1]))
 
-    def nbr_mix_set_lookup(self, k: int, metric: str, source: str, excluded: list[int], num_rows: int,
-                           chunk_size: int) -> None:
+    def nbr_mix_set_lookup(
+        self, k: int, metric: str, source: str, excluded: list[int], num_rows: int, chunk_size: int
+    ) -> None:
         """Search neighbour rows on demand (``mixing.neighbor_lookup``): a
         :class:`~megatron_ngrpo.mixing.neighbors.NeighborLookup` of this worker's vocab shard of
         the input embedding / LM head (``source``) over vLLM's TP group, exact and cached until
@@ -605,17 +714,32 @@ class NeighborMixExtension:
         )
 
         want = ParallelLMHead if source == "output" else VocabParallelEmbedding
-        layer = next((m for m in self.model_runner.get_model().modules()
-                      if isinstance(m, want) and (source == "output" or not isinstance(m, ParallelLMHead))), None)
+        layer = next(
+            (
+                m
+                for m in self.model_runner.get_model().modules()
+                if isinstance(m, want) and (source == "output" or not isinstance(m, ParallelLMHead))
+            ),
+            None,
+        )
         if layer is None:
-            raise ValueError(f"neighbour lookup: the vLLM model has no {want.__name__} ({source!r} matrix)")
+            raise ValueError(
+                f"neighbour lookup: the vLLM model has no {want.__name__} ({source!r} matrix)"
+            )
         exclude = torch.ones(layer.num_embeddings_padded, dtype=torch.bool)
         exclude[:num_rows] = False
         exclude[torch.as_tensor(excluded, dtype=torch.long)] = True
         tp = get_tp_group()
         state = self.model_runner._nm
-        state.table = NeighborLookup(layer.weight.detach(), layer.shard_indices.padded_org_vocab_start_index, k,
-                                     metric, exclude, chunk_size, tp.device_group if tp.world_size > 1 else None)
+        state.table = NeighborLookup(
+            layer.weight.detach(),
+            layer.shard_indices.padded_org_vocab_start_index,
+            k,
+            metric,
+            exclude,
+            chunk_size,
+            tp.device_group if tp.world_size > 1 else None,
+        )
         state.noise = None
 
     def nbr_mix_pop(self, call: str) -> dict:
@@ -660,4 +784,8 @@ class NeighborMixExtension:
         records were popped)."""
         state = self.model_runner._nm
         rows = getattr(state.table, "rows_computed", None)  # on-demand neighbour rows searched
-        return dict(state.stats, tracked=len(state.requests), **({} if rows is None else {"neighbor_rows": rows}))
+        return dict(
+            state.stats,
+            tracked=len(state.requests),
+            **({} if rows is None else {"neighbor_rows": rows}),
+        )

@@ -24,8 +24,9 @@ import torch.distributed as dist
 from megatron_ngrpo.rollout.types import RolloutBatch
 
 
-def gather_requests(prompts: list[list[int]], keys: list[int],
-                    group: dist.ProcessGroup | None = None) -> dict[int, list[int]]:
+def gather_requests(
+    prompts: list[list[int]], keys: list[int], group: dist.ProcessGroup | None = None
+) -> dict[int, list[int]]:
     """Collective over ``group`` (default: all ranks): every rank's ``(key, prompt)`` requests,
     de-duplicated by key (the ranks of one data-parallel group ask for the same prompts)."""
     requests: list = [None] * dist.get_world_size(group)
@@ -38,22 +39,34 @@ def gather_requests(prompts: list[list[int]], keys: list[int],
     return by_key
 
 
-def generate_on_replicas(generate: Callable[[list[list[int]], list[int]], RolloutBatch],
-                         prompts: list[list[int]], keys: list[int], replica_size: int) -> RolloutBatch:
+def generate_on_replicas(
+    generate: Callable[[list[list[int]], list[int]], RolloutBatch],
+    prompts: list[list[int]],
+    keys: list[int],
+    replica_size: int,
+) -> RolloutBatch:
     """Collective over all ranks: ``generate(prompts, keys)`` runs on this rank's replica for its
     share of every rank's requests; returns the responses of this rank's ``prompts`` (prompt-major,
     as ``generate`` returns them)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if world % replica_size:
-        raise ValueError(f"engine replicas of {replica_size} ranks do not tile the world size {world}")
+        raise ValueError(
+            f"engine replicas of {replica_size} ranks do not tile the world size {world}"
+        )
     by_key = gather_requests(prompts, keys)
     ordered = sorted(by_key)
     replicas, replica = world // replica_size, rank // replica_size
     per = -(-len(ordered) // replicas)
-    share = ordered[replica * per:(replica + 1) * per]
+    share = ordered[replica * per : (replica + 1) * per]
     batch = generate([by_key[k] for k in share], share) if share else None
     results: list = [None] * world
     leader = rank % replica_size == 0
     dist.all_gather_object(results, (share, batch) if leader and batch is not None else None)
-    where = {k: (b, i) for item in results if item is not None for i, k in enumerate(item[0]) for b in [item[1]]}
+    where = {
+        k: (b, i)
+        for item in results
+        if item is not None
+        for i, k in enumerate(item[0])
+        for b in [item[1]]
+    }
     return RolloutBatch.cat([where[k][0].select_prompts([where[k][1]]) for k in keys])

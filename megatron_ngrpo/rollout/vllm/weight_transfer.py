@@ -67,8 +67,10 @@ class MegatronSource(base.WeightSource):
         self.chunks, self.spec, self.tp_shards = chunks, spec, tp_shards
 
     def metadata(self) -> list:
-        return [base.ParamMeta(n, dtype, shape)
-                for n, shape, dtype in export_hf_layout(self.chunks, self.spec, self.tp_shards)]
+        return [
+            base.ParamMeta(n, dtype, shape)
+            for n, shape, dtype in export_hf_layout(self.chunks, self.spec, self.tp_shards)
+        ]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         return export_hf_tensors(self.chunks, self.spec, tp_shards=self.tp_shards)
@@ -140,8 +142,10 @@ def _layout(dtypes: list[torch.dtype], shapes: list[list[int]]) -> tuple[list[in
 
 
 def _views(buf: torch.Tensor, dtypes, shapes, offsets) -> list[torch.Tensor]:
-    return [buf[o:o + torch.Size(s).numel() * dt.itemsize].view(dt).view(s)
-            for o, dt, s in zip(offsets, dtypes, shapes)]
+    return [
+        buf[o : o + torch.Size(s).numel() * dt.itemsize].view(dt).view(s)
+        for o, dt, s in zip(offsets, dtypes, shapes)
+    ]
 
 
 class _Staging:
@@ -229,7 +233,9 @@ class GlooWeightTransferEngine(base.WeightTransferEngine[GlooInitInfo, GlooUpdat
         self.group.recv([buf], 0, 0).wait()
         tensors = self._unpack(buf, dtypes, update_info.shapes, offsets)
         if update_info.digests is not None:
-            bad = first_mismatch(zip(update_info.names, tensors), dict(zip(update_info.names, update_info.digests)))
+            bad = first_mismatch(
+                zip(update_info.names, tensors), dict(zip(update_info.names, update_info.digests))
+            )
             if bad:
                 raise WeightSyncError(bad)
         load_bucket(self.model, list(zip(update_info.names, tensors)))
@@ -265,8 +271,14 @@ class GlooTrainerWeightTransferEngine(base.TrainerWeightTransferEngine[GlooTrain
     def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client, source=None):
         engine = cls(client=client, source=source, is_sender=True)
         engine.info = init_info
-        store = dist.TCPStore(init_info.host, init_info.port, 2, is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=init_info.timeout_s))
+        store = dist.TCPStore(
+            init_info.host,
+            init_info.port,
+            2,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=init_info.timeout_s),
+        )
         worker = asdict(GlooInitInfo(init_info.host, store.port, init_info.timeout_s))
         join = _in_thread(client.init_weight_transfer_engine, worker)
         engine.group = _pair_group(init_info.host, store.port, 0, init_info.timeout_s, store=store)
@@ -302,8 +314,12 @@ class GlooTrainerWeightTransferEngine(base.TrainerWeightTransferEngine[GlooTrain
         buf = self.staging.get(size)
         for view, (_, t) in zip(_views(buf, dtypes, shapes, offsets), bucket):
             view.copy_(t)
-        info = GlooUpdateInfo(names=[n for n, _ in bucket], dtype_names=[str(d).split(".")[-1] for d in dtypes],
-                              shapes=shapes, digests=[digest(t) for _, t in bucket] if self.info.verify else None)
+        info = GlooUpdateInfo(
+            names=[n for n, _ in bucket],
+            dtype_names=[str(d).split(".")[-1] for d in dtypes],
+            shapes=shapes,
+            digests=[digest(t) for _, t in bucket] if self.info.verify else None,
+        )
         join = _in_thread(self.client.update_weights, asdict(info))
         self.group.send([buf], 1, 0).wait()
         join()
@@ -330,6 +346,7 @@ def _in_thread(fn, *args):
         th.join()
         if "error" in out:
             raise out["error"]
+
     return join
 
 
@@ -339,7 +356,9 @@ def register() -> None:
     if "gloo" not in _factory.WeightTransferEngineFactory._registry:
         _factory.WeightTransferEngineFactory.register_engine("gloo", GlooWeightTransferEngine)
     if "gloo" not in _factory.WeightTransferTrainerFactory._registry:
-        _factory.WeightTransferTrainerFactory.register_engine("gloo", GlooTrainerWeightTransferEngine)
+        _factory.WeightTransferTrainerFactory.register_engine(
+            "gloo", GlooTrainerWeightTransferEngine
+        )
 
 
 # ---------------------------------------------------------------- the sender
@@ -360,8 +379,16 @@ class WeightSender:
         timeout_s: how long a ``gloo`` transfer waits for the worker (rendezvous, each bucket).
     """
 
-    def __init__(self, llm, route: str, bucket_bytes: int, verify: bool = False, num_workers: int = 1,
-                 host: str = "127.0.0.1", timeout_s: float = 1800.0):
+    def __init__(
+        self,
+        llm,
+        route: str,
+        bucket_bytes: int,
+        verify: bool = False,
+        num_workers: int = 1,
+        host: str = "127.0.0.1",
+        timeout_s: float = 1800.0,
+    ):
         if route not in ("gloo", "ipc", "nccl"):
             raise ValueError(f"weight_transfer = {route!r}: expected gloo, ipc or nccl")
         self.client = LLMClient(llm) if hasattr(llm, "llm_engine") else llm
@@ -372,20 +399,32 @@ class WeightSender:
 
     def _init_info(self):
         if self.route == "gloo":
-            return GlooTrainerInitInfo(rank=0, host=self.host, bucket_bytes=self.bucket_bytes, verify=self.verify,
-                                       timeout_s=self.timeout_s)
+            return GlooTrainerInitInfo(
+                rank=0,
+                host=self.host,
+                bucket_bytes=self.bucket_bytes,
+                verify=self.verify,
+                timeout_s=self.timeout_s,
+            )
         if self.route == "ipc":
             # lazy: vLLM is an optional extra (heavy import)
             from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
-            return IPCTrainerInitInfo(rank=0, packed=True, packed_buffer_size_bytes=self.bucket_bytes)
+            return IPCTrainerInitInfo(
+                rank=0, packed=True, packed_buffer_size_bytes=self.bucket_bytes
+            )
         # lazy: vLLM is an optional extra (heavy import)
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
         from vllm.utils.network_utils import get_open_port
 
-        return NCCLTrainerInitInfo(rank=0, master_address=self.host, master_port=get_open_port(),
-                                   world_size=1 + self.num_workers, packed=True,
-                                   packed_buffer_size_bytes=self.bucket_bytes)
+        return NCCLTrainerInitInfo(
+            rank=0,
+            master_address=self.host,
+            master_port=get_open_port(),
+            world_size=1 + self.num_workers,
+            packed=True,
+            packed_buffer_size_bytes=self.bucket_bytes,
+        )
 
     def send(self, source) -> dict:
         """Push every tensor of ``source`` (a ``WeightSource``); returns seconds, tensors,
@@ -394,14 +433,18 @@ class WeightSender:
         if self.engine is None:
             register()
             self.engine = _factory.WeightTransferTrainerFactory.trainer_init(
-                self._init_info(), client=self.client, source=_Deferred(self))
+                self._init_info(), client=self.client, source=_Deferred(self)
+            )
         self.current = source
         self.engine.send_weights()
         stats = dict(getattr(self.engine, "stats", {}) or {})
         if not stats:  # vLLM's engines count nothing: the layout says what travelled
             meta = source.metadata()
-            stats = {"tensors": len(meta), "params": sum(torch.Size(m.shape).numel() for m in meta),
-                     "bytes": sum(torch.Size(m.shape).numel() * m.dtype.itemsize for m in meta)}
+            stats = {
+                "tensors": len(meta),
+                "params": sum(torch.Size(m.shape).numel() for m in meta),
+                "bytes": sum(torch.Size(m.shape).numel() * m.dtype.itemsize for m in meta),
+            }
         stats["seconds"] = time.perf_counter() - t0
         return stats
 

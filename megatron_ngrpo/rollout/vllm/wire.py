@@ -23,16 +23,22 @@ PROTOCOL = 2
 
 def digest(t: torch.Tensor) -> str:
     """SHA-256 of a tensor's bytes (weight verification after a sync)."""
-    return hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    return hashlib.sha256(
+        t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+    ).hexdigest()
 
 
-def first_mismatch(named: Iterable[tuple[str, torch.Tensor]], expected: Mapping[str, str]) -> str | None:
+def first_mismatch(
+    named: Iterable[tuple[str, torch.Tensor]], expected: Mapping[str, str]
+) -> str | None:
     """One line naming the first tensor of ``named`` whose SHA-256 differs from ``expected``
     (names it lacks are not checked), or None when all match."""
     for name, t in named:
         if name in expected and (got := digest(t)) != expected[name]:
-            return (f"weight sync: {name} {list(t.shape)} arrived with SHA-256 {got[:16]}…, "
-                    f"the trainer sent {expected[name][:16]}…")
+            return (
+                f"weight sync: {name} {list(t.shape)} arrived with SHA-256 {got[:16]}…, "
+                f"the trainer sent {expected[name][:16]}…"
+            )
     return None
 
 
@@ -41,7 +47,9 @@ def pack_tensors(named: list[tuple[str, torch.Tensor]], with_digests: bool = Fal
     tensor, which safetensors refuses); ``with_digests`` adds each tensor's SHA-256 to the
     metadata for the receiver to check."""
     tensors = {n: t.detach().cpu().clone(memory_format=torch.contiguous_format) for n, t in named}
-    meta = {"sha256": json.dumps({n: digest(t) for n, t in tensors.items()})} if with_digests else None
+    meta = (
+        {"sha256": json.dumps({n: digest(t) for n, t in tensors.items()})} if with_digests else None
+    )
     # lazy: keeps rollout.vllm.wire free of safetensors at import (start-up)
     from safetensors.torch import save
 
@@ -55,5 +63,5 @@ def unpack_tensors(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]
     from safetensors.torch import load
 
     (size,) = struct.unpack("<Q", data[:8])  # safetensors: u64 header length, then a JSON header
-    meta = json.loads(data[8:8 + size]).get("__metadata__") or {}
+    meta = json.loads(data[8 : 8 + size]).get("__metadata__") or {}
     return load(data), json.loads(meta.get("sha256", "{}"))
