@@ -13,16 +13,9 @@ RUN=runs/smollm2_arith
 CONFIG=configs/smollm2_135m_arith.yaml
 EVAL=configs/eval/smollm2_arith.yaml
 
-echo "== 1/6 set-up: the model folder"
-if [[ -f scripts/setup_real_model.sh ]]; then
-  bash scripts/setup_real_model.sh
-elif [[ ! -f "$MODEL/config.json" ]]; then
-  echo "smollm2: scripts/setup_real_model.sh is not in this checkout and $MODEL has no config.json;" \
-       "build the SmolLM2-135M-Instruct HF folder there first" >&2
-  exit 1
-else
-  echo "scripts/setup_real_model.sh not found; using the existing $MODEL"
-fi
+echo "== 1/6 set-up: the packages (scripts/setup.sh) and the model folder"
+bash scripts/setup.sh
+bash scripts/setup_real_model.sh
 
 echo "== 2/6 task: the chat-phrased arithmetic problems"
 [[ -f runs/arith_chat/heldout.jsonl ]] || python3 examples/arithmetic/task.py --chat runs/arith_chat

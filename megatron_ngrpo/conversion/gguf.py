@@ -97,6 +97,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, overwrite: bool = Fa
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     # lazy: hf_io imports torch (same reason); this block serves only a build
     from megatron_ngrpo.architecture import ArchSpec
@@ -105,6 +106,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, overwrite: bool = Fa
 
     src, name = str(gguf_path.parent), gguf_path.name
     with atomic_directory(out_dir, overwrite=True, collective=False) as tmp:
+        hf_logging.disable_progress_bar()  # a set-up step prints its one line, not a tensor count
         model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
         # save_pretrained refuses a model loaded from GGUF (its quantizer is marked not
         # serialisable), though the tensors are plain float32 now: written here instead.
