@@ -44,6 +44,8 @@ def _args(argv=None):
     p.add_argument("--micro-batches", type=int, default=4)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--peak-tflops", type=float, default=989.4)
+    # auto = TE on a GPU (refused where TE does not import); local = megatron's local spec
+    p.add_argument("--layer-spec", default="auto", choices=("auto", "te", "local"))
     p.add_argument("--out", default="")
     return p.parse_args(argv)
 
@@ -89,7 +91,11 @@ def main(argv=None) -> dict:
     initialize_model_parallel(1, 1, None, seed=0)
     hf = write_tiny_hf(tempfile.mkdtemp(), weights=False, max_pos=args.seq, **SHAPE)
     chunks = wrap_for_training(
-        build_model(ModelConfig(hf_path=str(hf), dtype="bfloat16", max_seq_len=args.seq))
+        build_model(
+            ModelConfig(
+                hf_path=str(hf), dtype="bfloat16", max_seq_len=args.seq, layer_spec=args.layer_spec
+            )
+        )
     )
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
