@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import tempfile
 import warnings
 from dataclasses import dataclass, field
@@ -36,6 +37,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from megatron_ngrpo.architecture import unwrap
 from megatron_ngrpo.config_loader import ConfigError
+from megatron_ngrpo.data.paths import find_data
+from megatron_ngrpo.data.tokenizer import R1_DISTILL
 from megatron_ngrpo.launch import memory, recipes
 from megatron_ngrpo.models.provider import build_model
 from megatron_ngrpo.training.job_config import load_config
@@ -242,7 +245,12 @@ def _world_size(world: int):
 
 
 def _write_hf_config(recipe: recipes.Recipe, directory: str) -> None:
+    """The stand-in model folder: the recipe's config.json and, because the recipe configs use the
+    model folder's own tokenizer, the tokenizer parts of its family (every shipped recipe is an
+    R1-Distill model: the parts in the repository's data/tokenizers are that tokenizer's)."""
     (Path(directory) / "config.json").write_text(json.dumps(recipe.shape.hf_config()))
+    for part in find_data(Path("tokenizers") / R1_DISTILL).iterdir():
+        shutil.copy(part, directory)
 
 
 def _build_shards(model_cfg, world: int, dp: int) -> list[RankShard]:
