@@ -46,7 +46,9 @@ def test_plan_builds_every_recipe(name, nodes, ranks):
         == int(total.group(2).replace(",", ""))
         == HF_TOTALS[name]
     )
-    rows = re.findall(r"^\s+(\d+)\s+(\d+)\s+(\d+)\s+([\d,]+)\s+(\d+)-(\d+)$", out, re.M)
+    rows = re.findall(
+        r"^\s+(\d+)\s+(\d+)\s+(\d+)\s+([\d,]+)\s+[\d.]+ GiB\s+(\d+)-(\d+)$", out, re.M
+    )
     assert len(rows) == ranks and {int(r[1]) for r in rows} == set(range(ranks))
     assert "fits" in out
 
@@ -56,7 +58,9 @@ def test_plan_shows_the_pipeline_split():
         "r1-14b", "model.tensor_parallel=4", "model.pipeline_parallel=2", "model.virtual_pipeline=2"
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    layers = dict(re.findall(r"^\s+\d+\s+0\s+(\d)\s+[\d,]+\s+(.+)$", proc.stdout, re.M))
+    layers = dict(
+        re.findall(r"^\s+\d+\s+0\s+(\d)\s+[\d,]+\s+[\d.]+ GiB\s+(.+)$", proc.stdout, re.M)
+    )
     assert layers == {"0": "1-12, 25-36", "1": "13-24, 37-48"}
     assert "= 14,770,033,664 = HF total" in proc.stdout
 
@@ -191,3 +195,24 @@ def test_plan_shows_the_new_terms():
     assert re.search(r"^  reference copy [\d.]+ GiB, KV cache [\d.]+ GiB$", proc.stdout, re.M), (
         proc.stdout
     )
+
+
+def test_plan_table_shows_the_sender_on_rank_0_only():
+    """rollout.remote: global rank 0 alone gathers and sends (2 servers × 8 GiB nccl buffers +
+    the 2.0 GiB embedding, above the training step); the other TP ranks show the training peak."""
+    proc = run_plan(
+        "r1-7b",
+        TOKENIZER,
+        "rollout.engine=remote",
+        "rollout.remote.urls=[http://a:1,http://b:2]",
+        "rollout.remote.weight_transfer=nccl",
+        "rollout.remote.bucket_mb=8192",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = re.findall(r"^\s+(\d+)\s+\d+\s+\d+\s+[\d,]+\s+([\d.]+) GiB\s+1-28$", proc.stdout, re.M)
+    m = r7b_memory()
+    static = m.total - training_phase(m)
+    assert [r for r, _ in rows] == ["0", "1", "2", "3"]
+    assert float(rows[0][1]) == round((static + 16 * 2**30 + 2 * 152_064 * 3584) / 2**30, 1)
+    assert {gib for _, gib in rows[1:]} == {f"{m.total / 2**30:.1f}"}
+    assert "weight-sync sender 17.0 GiB" in proc.stdout

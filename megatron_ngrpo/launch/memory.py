@@ -269,32 +269,32 @@ def optimizer_bytes_per_param(layout: TrainLayout) -> float:
     return (ADAM_BYTES + master) / (layout.dp * layout.cp if layout.distributed_optimizer else 1)
 
 
+def stage_memory(spec: ArchSpec, layout: TrainLayout, stage: int, rank0: bool) -> TrainMemory:
+    """Expected memory of a rank on pipeline stage ``stage``; ``rank0``: global rank 0 (the
+    weight-sync sender of rollout.remote)."""
+    params = stage_params(spec, layout.tp, layout.pp, stage, layout.make_vocab_size_divisible_by)
+    return TrainMemory(
+        params=params,
+        weights=layout.param_bytes * params,
+        grads=GRAD_BYTES * params,
+        optimizer=math.ceil(optimizer_bytes_per_param(layout) * params),
+        activations=activation_bytes(spec, layout, stage),
+        working=working_bytes(spec, layout),
+        logits=logits_bytes(spec, layout) if stage == layout.pp - 1 else 0,
+        overhead=layout.overhead,
+        reference=layout.param_bytes * params if layout.reference_copy else 0,
+        engine_copy=layout.param_bytes * params if layout.engine_copy else 0,
+        kv_cache=kv_cache_bytes(spec, layout),
+        kv_beside_training=layout.kv_beside_training,
+        sender=sender_bytes(spec, layout) if rank0 or not layout.sync_rank0_only else 0,
+    )
+
+
 def train_memory(spec: ArchSpec, layout: TrainLayout) -> TrainMemory:
     """Expected training memory of the busiest rank: the larger of the first stage (embedding,
-    most activations) and the last stage (output layer, logits)."""
-    best = None
-    for stage in sorted({0, layout.pp - 1}):
-        params = stage_params(
-            spec, layout.tp, layout.pp, stage, layout.make_vocab_size_divisible_by
-        )
-        mem = TrainMemory(
-            params=params,
-            weights=layout.param_bytes * params,
-            grads=GRAD_BYTES * params,
-            optimizer=math.ceil(optimizer_bytes_per_param(layout) * params),
-            activations=activation_bytes(spec, layout, stage),
-            working=working_bytes(spec, layout),
-            logits=logits_bytes(spec, layout) if stage == layout.pp - 1 else 0,
-            overhead=layout.overhead,
-            reference=layout.param_bytes * params if layout.reference_copy else 0,
-            engine_copy=layout.param_bytes * params if layout.engine_copy else 0,
-            kv_cache=kv_cache_bytes(spec, layout),
-            kv_beside_training=layout.kv_beside_training,
-            sender=sender_bytes(spec, layout) if stage == 0 or not layout.sync_rank0_only else 0,
-        )
-        if best is None or mem.total > best.total:
-            best = mem
-    return best
+    most activations, global rank 0) and the last stage (output layer, logits)."""
+    stages = sorted({0, layout.pp - 1})
+    return max((stage_memory(spec, layout, s, rank0=s == 0) for s in stages), key=lambda m: m.total)
 
 
 def vllm_memory(

@@ -232,11 +232,14 @@ def format_plan(plan: LayoutPlan) -> str:
         f"TP {plan.tp}, PP {plan.pp}{f' (virtual {plan.vpp})' if plan.vpp else ''}, DP {plan.dp}",
         "built on the meta device under a fake process group of that size (local layer spec)",
         f"vocabulary: {r.spec.vocab_size:,} → padded {plan.padded_vocab:,} ({plan.padded_vocab // plan.tp:,} rows per TP rank)",
-        "rank  TP  PP  parameters      layers",
+        "rank  TP  PP  parameters      training   layers",
     ]
     for s in plan.shards:
         span = ", ".join(f"{a}-{b}" for a, b in s.layers) or "-"
-        lines.append(f"{s.rank:>4} {s.tp_rank:>3} {s.pp_rank:>3}  {s.params:>14,}  {span}")
+        mem = memory.stage_memory(r.spec, plan.layout, s.pp_rank, rank0=s.rank == 0).total
+        lines.append(
+            f"{s.rank:>4} {s.tp_rank:>3} {s.pp_rank:>3}  {s.params:>14,}  {gib(mem):>9}  {span}"
+        )
     lines += [
         f"parameters: Σ over TP×PP (padding removed) = {plan.built_total:,} = HF total {plan.hf_total:,}",
         f"memory per GPU (busiest rank, {plan.layout.tokens:,} tokens per micro-batch):",
