@@ -12,8 +12,9 @@
    replicated ones once, the last stage's copy of a tied embedding left out, megatron's vocabulary
    padding removed), must equal the HF total computed from config.json; each rank's count must
    equal the memory model's (:mod:`.memory`).
-4. The memory plan of the busiest rank (:func:`.memory.train_memory`) plus vLLM's reservation
-   must fit an 80 GB H100.
+4. The memory plan of the busiest rank (:func:`.memory.train_memory`: with the config's
+   reference copy, Megatron-engine weight copy and KV cache, weight-sync sender) plus vLLM's
+   reservation must fit an 80 GB H100; the table shows each rank's training memory.
 
 Run it in its own process (the CLI does): the fake default process group stays for the rest of
 the process.
