@@ -24,7 +24,19 @@ Training (megatron-core, fp32 main grads, Adam, 1F1B pipeline), on the busiest r
 * attention: flash / fused attention (TE on GPU) keeps no s² scores. megatron's local layer spec
   (CPU) computes attention unfused: it keeps the softmax input and output (2 × a·s² per sequence)
   and, during that layer's backward, their two gradients (:data:`UNFUSED_S2_COPIES` in all);
-* a fixed 3 GiB on GPU for the CUDA context, NCCL buffers and allocator slack.
+* a fixed 3 GiB on GPU for the CUDA context, NCCL buffers and allocator slack;
+* ``train.reference: copy``: a second model's weights (frozen, no grads), the rank's shard;
+* a separate rollout copy of the weights (the Megatron engine with ``rollout.separate_copy``, or
+  beside the trainer for one-step-off rollouts), the rank's shard;
+* the built-in Megatron engine's KV cache (megatron's ``StaticInferenceContext``): rows ×
+  (prompt + max_new_tokens) × L/PP layers × 2 (k, v) × max(1, g/TP) × d × activation bytes.
+  Synchronous rollouts generate while no training activations exist (a phase of its own); one-step-
+  off rollouts generate beside the training step (added to it);
+* the weight-sync sender (routes with buckets: vLLM's gloo / ipc, rollout.remote's http / gloo /
+  nccl): the bucket of gathered tensors it holds plus one full HF tensor being gathered (the
+  largest: the embedding or an MLP matrix). Colocated vLLM: every rank sends to its own worker;
+  remote: global rank 0 (first stage) only, with one packed buffer per server on the nccl route.
+  Weights are synced between steps, so this is a phase of its own too.
 
 Context parallelism (``cp``) divides every per-token term by cp (each rank holds 1/cp of each
 sequence) and shards the distributed optimizer over DP × CP.
@@ -82,6 +94,17 @@ class TrainLayout:
     # of this length (the s² scores it keeps).
     unfused_seq_len: int = 0
     overhead: int = OVERHEAD_BYTES
+    reference_copy: bool = False  # train.reference: copy (and a KL term that needs it)
+    engine_copy: bool = False  # the Megatron engine generates with a separate weight copy
+    # Megatron engine's KV cache: rows decoded at once on this rank and their longest sequence
+    # (0: no engine on the trainer's devices); generated beside the training step (one-step-off).
+    kv_rows: int = 0
+    kv_seq_len: int = 0
+    kv_beside_training: bool = False
+    # Weight-sync sender: bytes of the buckets it holds (0: no bucketed sender), and whether only
+    # global rank 0 (first stage) sends (rollout.remote) or every rank (colocated vLLM).
+    sync_bucket_bytes: int = 0
+    sync_rank0_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -96,15 +119,25 @@ class TrainMemory:
     working: int  # one layer recomputed during its backward
     logits: int
     overhead: int
+    reference: int = 0  # train.reference: copy
+    engine_copy: int = 0  # the rollout engine's separate weights
+    kv_cache: int = 0  # the Megatron engine's KV cache
+    kv_beside_training: bool = False
+    sender: int = 0  # weight-sync buckets and one gathered tensor
 
     @property
     def total(self) -> int:
+        training = self.activations + max(self.working, self.logits)
+        if self.kv_beside_training:
+            training += self.kv_cache
+        phases = (training, 0 if self.kv_beside_training else self.kv_cache, self.sender)
         return (
             self.weights
             + self.grads
             + self.optimizer
-            + self.activations
-            + max(self.working, self.logits)
+            + self.reference
+            + self.engine_copy
+            + max(phases)
             + self.overhead
         )
 
@@ -212,33 +245,56 @@ def logits_bytes(spec: ArchSpec, layout: TrainLayout) -> int:
     return int(per_element * _rank_tokens(layout) * vocab // layout.tp)
 
 
+def kv_cache_bytes(spec: ArchSpec, layout: TrainLayout) -> int:
+    """The Megatron engine's KV cache on one TP/PP rank: [seq, rows, g_local, d] keys and values
+    per layer of the stage, in the activation dtype."""
+    kv_heads = max(1, spec.num_kv_heads // layout.tp)
+    layers = spec.num_layers // layout.pp
+    per_token = 2 * layers * kv_heads * spec.head_dim * layout.param_bytes
+    return layout.kv_rows * layout.kv_seq_len * per_token
+
+
+def sender_bytes(spec: ArchSpec, layout: TrainLayout) -> int:
+    """The weight-sync sender's peak: its buckets plus the largest full HF tensor being gathered
+    (the embedding / output matrix or one MLP matrix); 0 without a bucketed route."""
+    if not layout.sync_bucket_bytes:
+        return 0
+    largest = spec.hidden_size * max(spec.vocab_size, spec.ffn_hidden_size)
+    return layout.sync_bucket_bytes + layout.param_bytes * largest
+
+
 def optimizer_bytes_per_param(layout: TrainLayout) -> float:
     """Adam's moments plus an fp32 master copy of 16-bit weights, ÷DP×CP when distributed."""
     master = FP32 if layout.param_bytes < FP32 else 0
     return (ADAM_BYTES + master) / (layout.dp * layout.cp if layout.distributed_optimizer else 1)
 
 
+def stage_memory(spec: ArchSpec, layout: TrainLayout, stage: int, rank0: bool) -> TrainMemory:
+    """Expected memory of a rank on pipeline stage ``stage``; ``rank0``: global rank 0 (the
+    weight-sync sender of rollout.remote)."""
+    params = stage_params(spec, layout.tp, layout.pp, stage, layout.make_vocab_size_divisible_by)
+    return TrainMemory(
+        params=params,
+        weights=layout.param_bytes * params,
+        grads=GRAD_BYTES * params,
+        optimizer=math.ceil(optimizer_bytes_per_param(layout) * params),
+        activations=activation_bytes(spec, layout, stage),
+        working=working_bytes(spec, layout),
+        logits=logits_bytes(spec, layout) if stage == layout.pp - 1 else 0,
+        overhead=layout.overhead,
+        reference=layout.param_bytes * params if layout.reference_copy else 0,
+        engine_copy=layout.param_bytes * params if layout.engine_copy else 0,
+        kv_cache=kv_cache_bytes(spec, layout),
+        kv_beside_training=layout.kv_beside_training,
+        sender=sender_bytes(spec, layout) if rank0 or not layout.sync_rank0_only else 0,
+    )
+
+
 def train_memory(spec: ArchSpec, layout: TrainLayout) -> TrainMemory:
     """Expected training memory of the busiest rank: the larger of the first stage (embedding,
-    most activations) and the last stage (output layer, logits)."""
-    best = None
-    for stage in sorted({0, layout.pp - 1}):
-        params = stage_params(
-            spec, layout.tp, layout.pp, stage, layout.make_vocab_size_divisible_by
-        )
-        mem = TrainMemory(
-            params=params,
-            weights=layout.param_bytes * params,
-            grads=GRAD_BYTES * params,
-            optimizer=math.ceil(optimizer_bytes_per_param(layout) * params),
-            activations=activation_bytes(spec, layout, stage),
-            working=working_bytes(spec, layout),
-            logits=logits_bytes(spec, layout) if stage == layout.pp - 1 else 0,
-            overhead=layout.overhead,
-        )
-        if best is None or mem.total > best.total:
-            best = mem
-    return best
+    most activations, global rank 0) and the last stage (output layer, logits)."""
+    stages = sorted({0, layout.pp - 1})
+    return max((stage_memory(spec, layout, s, rank0=s == 0) for s in stages), key=lambda m: m.total)
 
 
 def vllm_memory(

@@ -12,8 +12,9 @@
    replicated ones once, the last stage's copy of a tied embedding left out, megatron's vocabulary
    padding removed), must equal the HF total computed from config.json; each rank's count must
    equal the memory model's (:mod:`.memory`).
-4. The memory plan of the busiest rank (:func:`.memory.train_memory`) plus vLLM's reservation
-   must fit an 80 GB H100.
+4. The memory plan of the busiest rank (:func:`.memory.train_memory`: with the config's
+   reference copy, Megatron-engine weight copy and KV cache, weight-sync sender) plus vLLM's
+   reservation must fit an 80 GB H100; the table shows each rank's training memory.
 
 Run it in its own process (the CLI does): the fake default process group stays for the rest of
 the process.
@@ -186,10 +187,15 @@ def recipe_config(
 
 def train_layout(cfg, dp: int) -> memory.TrainLayout:
     """The memory model's layout of a validated training config on GPU (bf16, flash attention):
-    the micro-batch holds the token budget, or micro_batch_size rows of prompt + response."""
-    m, t = cfg.model, cfg.train
-    longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    the micro-batch holds the token budget, or micro_batch_size rows of prompt + response; the
+    reference copy, the Megatron engine's weight copy and KV cache (all of a DP rank's rollout
+    rows, or max_batch_size of them), the weight-sync sender's buckets."""
+    m, t, r = cfg.model, cfg.train, cfg.rollout
+    longest = cfg.data.max_prompt_tokens + r.max_new_tokens
     tokens = t.max_tokens_per_micro_batch or t.micro_batch_size * longest
+    beside = bool(t.async_.max_staleness)
+    megatron = r.engine == "megatron"
+    rows = t.prompts_per_step // dp * r.n
     return memory.TrainLayout(
         tp=m.tensor_parallel,
         pp=m.pipeline_parallel,
@@ -200,7 +206,26 @@ def train_layout(cfg, dp: int) -> memory.TrainLayout:
         recompute=m.recompute,
         make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
         distributed_optimizer=cfg.optim.distributed_optimizer,
+        reference_copy=t.reference == "copy" and cfg.grpo.needs_reference,
+        engine_copy=megatron and (r.separate_copy or beside),
+        kv_rows=min(rows, r.max_batch_size or rows) if megatron else 0,
+        kv_seq_len=longest if megatron else 0,
+        kv_beside_training=megatron and beside,
+        **_sender(r),
     )
+
+
+def _sender(r) -> dict:
+    """The weight-sync sender's buckets (TrainLayout fields): colocated vLLM's gloo / ipc routes
+    on every rank (``reload`` streams one tensor at a time); rollout.remote on global rank 0, one
+    packed buffer per server on the nccl route."""
+    if r.engine == "vllm" and r.vllm.weight_transfer in ("gloo", "ipc"):
+        return {"sync_bucket_bytes": int(r.vllm.sync_bucket_mb * 2**20)}
+    if r.engine == "remote":
+        servers = len(r.remote.urls) or r.remote.num_servers
+        buckets = servers if r.remote.weight_transfer == "nccl" else 1
+        return {"sync_bucket_bytes": buckets * r.remote.bucket_mb * 2**20, "sync_rank0_only": True}
+    return {}
 
 
 def format_plan(plan: LayoutPlan) -> str:
@@ -211,17 +236,21 @@ def format_plan(plan: LayoutPlan) -> str:
         f"TP {plan.tp}, PP {plan.pp}{f' (virtual {plan.vpp})' if plan.vpp else ''}, DP {plan.dp}",
         "built on the meta device under a fake process group of that size (local layer spec)",
         f"vocabulary: {r.spec.vocab_size:,} → padded {plan.padded_vocab:,} ({plan.padded_vocab // plan.tp:,} rows per TP rank)",
-        "rank  TP  PP  parameters      layers",
+        "rank  TP  PP  parameters      training   layers",
     ]
     for s in plan.shards:
         span = ", ".join(f"{a}-{b}" for a, b in s.layers) or "-"
-        lines.append(f"{s.rank:>4} {s.tp_rank:>3} {s.pp_rank:>3}  {s.params:>14,}  {span}")
+        mem = memory.stage_memory(r.spec, plan.layout, s.pp_rank, rank0=s.rank == 0).total
+        lines.append(
+            f"{s.rank:>4} {s.tp_rank:>3} {s.pp_rank:>3}  {s.params:>14,}  {gib(mem):>9}  {span}"
+        )
     lines += [
         f"parameters: Σ over TP×PP (padding removed) = {plan.built_total:,} = HF total {plan.hf_total:,}",
         f"memory per GPU (busiest rank, {plan.layout.tokens:,} tokens per micro-batch):",
         f"  weights {gib(t.weights)}, grads {gib(t.grads)}, optimizer {gib(t.optimizer)}, "
         f"activations kept {gib(t.activations)}, one layer's backward {gib(t.working)}, "
         f"logits {gib(t.logits)}, overhead {gib(t.overhead)}",
+        *_extra_terms(t, gib),
         f"  training {gib(t.total)}"
         + (f" + vLLM reserved {gib(plan.vllm.reserved)}" if plan.vllm else "")
         + f" = {gib(plan.gpu_total)} of {gib(memory.H100_USABLE_BYTES)} usable: fits",
@@ -230,6 +259,20 @@ def format_plan(plan: LayoutPlan) -> str:
 
 
 # ---- internals -----------------------------------------------------------------------------
+def _extra_terms(t: memory.TrainMemory, gib) -> list[str]:
+    """The busiest rank's rollout / reference / weight-sync terms, on a line of their own when
+    any is present."""
+    kv = "KV cache" + (" (beside training)" if t.kv_beside_training else "")
+    terms = [
+        ("reference copy", t.reference),
+        ("rollout weight copy", t.engine_copy),
+        (kv, t.kv_cache),
+        ("weight-sync sender", t.sender),
+    ]
+    shown = ", ".join(f"{name} {gib(b)}" for name, b in terms if b)
+    return [f"  {shown}"] if shown else []
+
+
 @contextlib.contextmanager
 def _world_size(world: int):
     """WORLD_SIZE as torchrun sets it, for config validation only."""
