@@ -15,6 +15,7 @@ import re
 import sys
 from pathlib import Path
 
+import nemo_run
 import pytest
 from slurm_harness import (
     REPO,
@@ -256,6 +257,11 @@ def test_golden_sbatch(name, dryruns):
     home, runs = dryruns
     rc, out = runs[name].finish()
     assert rc == 0, out[-4000:]
+    check_golden(name, out, home)
+
+
+def check_golden(name: str, out: str, home: Path) -> None:
+    """``out`` of a dry run, from its first script on, equals tests/golden/<name>.sbatch."""
     marker = "# ---- "  # the CLI prints each script after a header line; NeMo-Run's logs precede it
     script = out[out.index(marker) :].split("\n", 1)[1]
     got = normalise(script, home)
@@ -263,6 +269,44 @@ def test_golden_sbatch(name, dryruns):
     if os.environ.get("NGRPO_UPDATE_GOLDEN"):
         path.write_text(got)
     assert got == path.read_text(), f"{path} differs (NGRPO_UPDATE_GOLDEN=1 to regenerate)"
+
+
+# The user scripts launchers/*.py with their site variables set to a golden case's options
+# (GOLDEN_CASES): each renders that case's sbatch; the colocated 14B has its own golden file.
+LAUNCHERS = {
+    "r1_1_5b": ("r1-1.5b", {}),
+    "r1_7b": (
+        "r1-7b",
+        dict(
+            NODES=4,
+            CONTAINER_IMAGE="nvcr.io/nvidia/pytorch:25.01-py3",
+            MOUNTS=["/lustre:/lustre"],
+            ENV={"NCCL_SOCKET_IFNAME": "ib0", "NCCL_IB_HCA": "mlx5"},
+            OVERRIDES=["grpo.kl_coef=0.01", "train.run_dir=/lustre/ngrpo/runs/r1-7b"],
+        ),
+    ),
+    "r1_14b": ("r1-14b-colocated", {}),
+    "r1_14b_disaggregated": ("r1-14b", {}),
+}
+
+
+@pytest.mark.parametrize("name", list(LAUNCHERS))
+def test_launcher_renders_its_golden_sbatch(name, tmp_path, monkeypatch, capsys):
+    golden, settings = LAUNCHERS[name]
+    home = tmp_path / "nemorun_home"
+    monkeypatch.setenv("NEMORUN_HOME", str(home))
+    monkeypatch.setattr(nemo_run.config, "_NEMORUN_HOME", str(home))  # read at its import
+    spec = importlib.util.spec_from_file_location(name, REPO / "launchers" / f"{name}.py")
+    launcher = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(launcher)
+    for key, value in dict(ACCOUNT="acct", PARTITION="gpu", **settings).items():
+        assert hasattr(launcher, key), (name, key)
+        setattr(launcher, key, value)
+    with (tmp_path / "stdin").open("w+") as stdin:
+        # git packaging (invoke) reads stdin, which pytest's capture forbids
+        monkeypatch.setattr("sys.stdin", stdin)
+        assert launcher.main(["--dryrun"]) == 0
+    check_golden(golden, capsys.readouterr().out, home)
 
 
 def test_torchrun_gets_one_rank_per_gpu():
