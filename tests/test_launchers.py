@@ -167,12 +167,37 @@ def test_docs_show_the_computed_tables():
             ["run", "r1-7b", "--executor", "slurm", "--task", "convert-hf", "--output", "out"],
             "--output = 'out': relative",
         ),
+        (
+            ["run", "r1-7b", "--config", "configs/tiny_test.yaml"],
+            "configs/tiny_test.yaml: model.tensor_parallel = 1: recipe r1-7b sets 4",
+        ),
     ],
 )
 def test_cli_rejects_bad_input(argv, message, capsys):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("name", ["r1-1.5b", "r1-7b", "r1-14b"])
+def test_recipe_is_the_layouts_one_source(name, tmp_path):
+    """The recipe's YAML states none of the keys the recipe sets; another file may state them
+    only with the recipe's values, or under an explicit command-line override."""
+    from omegaconf import OmegaConf
+
+    recipe = recipes.get(name)
+    layout = recipe.layout()
+    assert {"model.tensor_parallel", "rollout.vllm.tensor_parallel"} <= set(layout)
+    own = OmegaConf.load(REPO / recipe.config)
+    assert [k for k in layout if OmegaConf.select(own, k) is not None] == []
+    same = tmp_path / "same.yaml"
+    same.write_text(f"model:\n  tensor_parallel: {recipe.tensor_parallel}\n")
+    other = tmp_path / "other.yaml"
+    other.write_text(f"model:\n  tensor_parallel: {recipe.tensor_parallel * 2}\n")
+    recipes.check_configs(recipe, [REPO / recipe.config, same])
+    recipes.check_configs(recipe, [other], ["model.tensor_parallel=2"])
+    with pytest.raises(ConfigError, match=f"^{other}: model.tensor_parallel = "):
+        recipes.check_configs(recipe, [other])
 
 
 # ---- rendered sbatch scripts (golden files) -------------------------------------------------

@@ -258,8 +258,6 @@ def make_plan(args: argparse.Namespace):
     for config in args.config:
         if not Path(config).is_file():
             raise ConfigError(f"--config {config!r}: no such file")
-    if args.task in ("train", "eval"):
-        recipes.check_configs(recipe, args.config, args.overrides)
     hf_path = args.hf_path or f"{args.models_dir}/{recipe.hf_name}"
     task = recipes.render(
         recipe,
@@ -281,6 +279,8 @@ def make_plan(args: argparse.Namespace):
             recipes.rollout_server(recipe, hf_path, tuple(shlex.split(args.rollout_args))),
             task,
         ]
+    if args.task in ("train", "eval"):
+        recipes.check_configs(recipe, args.config, args.overrides)
     mounts = list(args.mount)
     if args.executor == "slurm":
         files = slurm_files(args, recipe, hf_path)

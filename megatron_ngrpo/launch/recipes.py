@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
+import yaml
 from omegaconf import OmegaConf
 
 from megatron_ngrpo.architecture import ArchSpec
@@ -314,7 +315,10 @@ def check_configs(recipe: Recipe, configs, overrides=()) -> None:
     (it comes after the recipe's, so it wins) and lifts the check for that key."""
     explicit = {o.split("=", 1)[0] for o in overrides}
     for path in configs:
-        cfg = OmegaConf.load(path)
+        try:
+            cfg = OmegaConf.load(path)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not YAML ({str(e).splitlines()[0]})") from None
         for key, value in recipe.layout().items():
             got = OmegaConf.select(cfg, key, default=None)
             if key not in explicit and got is not None and str(got) != value:
