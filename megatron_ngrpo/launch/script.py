@@ -4,6 +4,8 @@ options, ``a.b=c`` overrides), so that it wins."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from megatron_ngrpo.launch import cli, recipes
 from megatron_ngrpo.launch.executors import REPO
 
@@ -14,14 +16,14 @@ def slurm(
     account: str,
     partition: str | None,
     container_image: str | None = None,
-    mounts: list[str] = (),
+    mounts: Sequence[str] = (),
     env: dict[str, str] | None = None,
     models_dir: str = "/models",
     nodes: int | None = None,
-    overrides: list[str] = (),
+    overrides: Sequence[str] = (),
     disaggregated: bool = False,
     rollout_nodes: int | None = None,
-    argv: list[str] = (),
+    argv: Sequence[str] = (),
 ) -> int:
     """``ngrpo-launch run RECIPE --executor slurm --config <the recipe's YAML> ...``; returns its
     exit code."""
