@@ -15,6 +15,7 @@ import re
 import sys
 from pathlib import Path
 
+import nemo_run
 import pytest
 from slurm_harness import (
     REPO,
@@ -166,12 +167,37 @@ def test_docs_show_the_computed_tables():
             ["run", "r1-7b", "--executor", "slurm", "--task", "convert-hf", "--output", "out"],
             "--output = 'out': relative",
         ),
+        (
+            ["run", "r1-7b", "--config", "configs/tiny_test.yaml"],
+            "configs/tiny_test.yaml: model.tensor_parallel = 1: recipe r1-7b sets 4",
+        ),
     ],
 )
 def test_cli_rejects_bad_input(argv, message, capsys):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("name", ["r1-1.5b", "r1-7b", "r1-14b"])
+def test_recipe_is_the_layouts_one_source(name, tmp_path):
+    """The recipe's YAML states none of the keys the recipe sets; another file may state them
+    only with the recipe's values, or under an explicit command-line override."""
+    from omegaconf import OmegaConf
+
+    recipe = recipes.get(name)
+    layout = recipe.layout()
+    assert {"model.tensor_parallel", "rollout.vllm.tensor_parallel"} <= set(layout)
+    own = OmegaConf.load(REPO / recipe.config)
+    assert [k for k in layout if OmegaConf.select(own, k) is not None] == []
+    same = tmp_path / "same.yaml"
+    same.write_text(f"model:\n  tensor_parallel: {recipe.tensor_parallel}\n")
+    other = tmp_path / "other.yaml"
+    other.write_text(f"model:\n  tensor_parallel: {recipe.tensor_parallel * 2}\n")
+    recipes.check_configs(recipe, [REPO / recipe.config, same])
+    recipes.check_configs(recipe, [other], ["model.tensor_parallel=2"])
+    with pytest.raises(ConfigError, match=f"^{other}: model.tensor_parallel = "):
+        recipes.check_configs(recipe, [other])
 
 
 # ---- rendered sbatch scripts (golden files) -------------------------------------------------
@@ -256,6 +282,11 @@ def test_golden_sbatch(name, dryruns):
     home, runs = dryruns
     rc, out = runs[name].finish()
     assert rc == 0, out[-4000:]
+    check_golden(name, out, home)
+
+
+def check_golden(name: str, out: str, home: Path) -> None:
+    """``out`` of a dry run, from its first script on, equals tests/golden/<name>.sbatch."""
     marker = "# ---- "  # the CLI prints each script after a header line; NeMo-Run's logs precede it
     script = out[out.index(marker) :].split("\n", 1)[1]
     got = normalise(script, home)
@@ -263,6 +294,44 @@ def test_golden_sbatch(name, dryruns):
     if os.environ.get("NGRPO_UPDATE_GOLDEN"):
         path.write_text(got)
     assert got == path.read_text(), f"{path} differs (NGRPO_UPDATE_GOLDEN=1 to regenerate)"
+
+
+# The user scripts launchers/*.py with their site variables set to a golden case's options
+# (GOLDEN_CASES): each renders that case's sbatch; the colocated 14B has its own golden file.
+LAUNCHERS = {
+    "r1_1_5b": ("r1-1.5b", {}),
+    "r1_7b": (
+        "r1-7b",
+        dict(
+            NODES=4,
+            CONTAINER_IMAGE="nvcr.io/nvidia/pytorch:25.01-py3",
+            MOUNTS=["/lustre:/lustre"],
+            ENV={"NCCL_SOCKET_IFNAME": "ib0", "NCCL_IB_HCA": "mlx5"},
+            OVERRIDES=["grpo.kl_coef=0.01", "train.run_dir=/lustre/ngrpo/runs/r1-7b"],
+        ),
+    ),
+    "r1_14b": ("r1-14b-colocated", {}),
+    "r1_14b_disaggregated": ("r1-14b", {}),
+}
+
+
+@pytest.mark.parametrize("name", list(LAUNCHERS))
+def test_launcher_renders_its_golden_sbatch(name, tmp_path, monkeypatch, capsys):
+    golden, settings = LAUNCHERS[name]
+    home = tmp_path / "nemorun_home"
+    monkeypatch.setenv("NEMORUN_HOME", str(home))
+    monkeypatch.setattr(nemo_run.config, "_NEMORUN_HOME", str(home))  # read at its import
+    spec = importlib.util.spec_from_file_location(name, REPO / "launchers" / f"{name}.py")
+    launcher = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(launcher)
+    for key, value in dict(ACCOUNT="acct", PARTITION="gpu", **settings).items():
+        assert hasattr(launcher, key), (name, key)
+        setattr(launcher, key, value)
+    with (tmp_path / "stdin").open("w+") as stdin:
+        # git packaging (invoke) reads stdin, which pytest's capture forbids
+        monkeypatch.setattr("sys.stdin", stdin)
+        assert launcher.main(["--dryrun"]) == 0
+    check_golden(golden, capsys.readouterr().out, home)
 
 
 def test_torchrun_gets_one_rank_per_gpu():

@@ -65,5 +65,9 @@ def test_vllm_layout_errors_are_one_line(tmp_path, monkeypatch):
     ):
         load_config(
             [REPO / "configs" / "ngrpo_r1_7b.yaml"],
-            [*recipe.model_overrides(str(hf)), "rollout.vllm.tensor_parallel=8"],
+            [
+                *recipe.model_overrides(str(hf)),
+                *recipe.rollout_overrides(),
+                "rollout.vllm.tensor_parallel=8",
+            ],
         )

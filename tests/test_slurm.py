@@ -104,6 +104,7 @@ def jobs(cluster, tmp_path_factory):
         str(overlay),
         "--hf-path",
         str(tmp / "arith" / "model"),
+        "model.tensor_parallel=2",  # tiny_test.yaml's 1 is not the recipe's TP: say which wins
     ]
     smoke = ["--config", str(smoke_config), "--hf-path", str(hf)]
     server = (
@@ -172,6 +173,7 @@ def jobs(cluster, tmp_path_factory):
             "--rdzv-port",
             str(free_port()),
             f"train.run_dir={tmp / 'run-het'}",
+            "model.tensor_parallel=2",
             "train.max_steps=3",
             "rollout.remote.start_timeout_s=400",
         ],

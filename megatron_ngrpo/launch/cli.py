@@ -279,6 +279,8 @@ def make_plan(args: argparse.Namespace):
             recipes.rollout_server(recipe, hf_path, tuple(shlex.split(args.rollout_args))),
             task,
         ]
+    if args.task in ("train", "eval"):
+        recipes.check_configs(recipe, args.config, args.overrides)
     mounts = list(args.mount)
     if args.executor == "slurm":
         files = slurm_files(args, recipe, hf_path)

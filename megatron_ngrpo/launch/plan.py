@@ -172,6 +172,7 @@ def recipe_config(
     ):
         _write_hf_config(recipe, hf)
         try:
+            recipes.check_configs(recipe, [path], overrides)
             return load_config(
                 [path],
                 [

@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
+import yaml
+from omegaconf import OmegaConf
+
 from megatron_ngrpo.architecture import ArchSpec
 from megatron_ngrpo.config_loader import ConfigError
 from megatron_ngrpo.launch import memory
@@ -160,6 +163,12 @@ class Recipe:
             f"model.recompute={self.recompute}",
         ]
 
+    def layout(self) -> dict[str, str]:
+        """The config keys the recipe sets (key -> override value): this table is their one
+        source; the recipe's YAML does not state them (:func:`check_configs`)."""
+        overrides = (*self.model_overrides("")[1:], *self.rollout_overrides())
+        return dict(o.split("=", 1) for o in overrides)
+
     def rollout_servers_per_node(self) -> int:
         """vLLM engines per node of the rollout group (data-parallel over the node's GPUs)."""
         if self.gpus_per_node % self.vllm_tensor_parallel:
@@ -298,6 +307,25 @@ def get(name: str) -> Recipe:
     if name not in RECIPES:
         raise ConfigError(f"recipe {name!r}: unknown (expected one of {', '.join(RECIPES)})")
     return RECIPES[name]
+
+
+def check_configs(recipe: Recipe, configs, overrides=()) -> None:
+    """One-line error where a config file states a key of the recipe's layout otherwise: the
+    recipe's override would replace it silently. A command-line override of the key is explicit
+    (it comes after the recipe's, so it wins) and lifts the check for that key."""
+    explicit = {o.split("=", 1)[0] for o in overrides}
+    for path in configs:
+        try:
+            cfg = OmegaConf.load(path)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not YAML ({str(e).splitlines()[0]})") from None
+        for key, value in recipe.layout().items():
+            got = OmegaConf.select(cfg, key, default=None)
+            if key not in explicit and got is not None and str(got) != value:
+                raise ConfigError(
+                    f"{path}: {key} = {got!r}: recipe {recipe.name} sets {value} "
+                    f"(megatron_ngrpo/launch/recipes.py); drop it from the file or override {key}"
+                )
 
 
 @dataclass(frozen=True)
