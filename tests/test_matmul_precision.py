@@ -1,5 +1,5 @@
-"""The neighbour table's error bound reads the GPU matmul precision (mixing/neighbors.py
-``_input_roundoff``) under torch's legacy flags and torch >= 2.9's ``fp32_precision`` API, where
+"""The neighbour table's error bound reads the GPU matmul precision (mixing/gemm_cpu.py
+``input_roundoff``) under torch's legacy flags and torch >= 2.9's ``fp32_precision`` API, where
 reading a legacy flag after the new API was used raises. Each setting in a fresh process (the
 flags are process-wide); the function reads flags only, so no GPU is needed."""
 
@@ -25,9 +25,9 @@ CASES = [
 @pytest.mark.parametrize("setting,roundoff", CASES, ids=[c[0] or "default" for c in CASES])
 def test_input_roundoff_under_every_precision_api(setting, roundoff):
     code = (
-        "import torch\nfrom megatron_ngrpo.mixing.neighbors import _input_roundoff\n"
+        "import torch\nfrom megatron_ngrpo.mixing.gemm_cpu import input_roundoff\n"
         + setting
-        + "\nprint(repr(_input_roundoff(torch.device('cuda'))), repr(_input_roundoff(torch.device('cpu'))))"
+        + "\nprint(repr(input_roundoff(torch.device('cuda'))), repr(input_roundoff(torch.device('cpu'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
