@@ -22,7 +22,8 @@ _timeout_s = DEFAULT_TIMEOUT_S
 
 # NCCL flight recorder, dumped when a collective times out: each rank writes what it was waiting
 # in to <trace prefix><rank>. torch reads these when a NCCL group is made; set where unset under
-# any of their names (torch's newer TORCH_FR_* ones first), so the user's settings win.
+# any of their names, so the user's settings win; written under torch's newer TORCH_FR_* name
+# (the older one prints a deprecation warning in every process, torch 2.11 and 2.13 alike).
 NCCL_DEBUG_DEFAULTS = {
     ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"): "2000",
     ("TORCH_NCCL_DUMP_ON_TIMEOUT",): "1",
@@ -39,7 +40,7 @@ def set_nccl_debug_defaults(trace_dir: str | None = None) -> None:
         defaults[_TRACE_FILE] = os.path.join(os.path.abspath(trace_dir), "nccl_trace_rank_")
     for names, value in defaults.items():
         if not any(n in os.environ for n in names):
-            os.environ[names[-1]] = value
+            os.environ[names[0]] = value
 
 
 def init_distributed(timeout_s: int = DEFAULT_TIMEOUT_S, trace_dir: str | None = None) -> None:
