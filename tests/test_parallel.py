@@ -43,9 +43,7 @@ def test_nccl_flight_recorder_defaults_keep_the_users(monkeypatch, tmp_path):
         os.environ["TORCH_FR_BUFFER_SIZE"] == "50"
         and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ
     )
-    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(
-        tmp_path / "traces" / "nccl_trace_rank_"
-    )
+    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "traces" / "nccl_trace_rank_")
     assert (tmp_path / "traces").is_dir()
     monkeypatch.delenv("TORCH_NCCL_DUMP_ON_TIMEOUT")
     monkeypatch.delenv("TORCH_FR_BUFFER_SIZE")
