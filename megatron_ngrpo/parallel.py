@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 
 import torch
 import torch.distributed as dist
@@ -189,3 +190,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def local_torchrun(nproc: int) -> list[str]:
+    """The command prefix of a single-node torchrun of ``nproc`` processes on a free loopback port
+    (the script or ``-m module`` and its arguments follow)."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+    ]

@@ -38,19 +38,11 @@ def run(command: str, argv: list[str], nproc: int, fn, **kwargs) -> int:
 
     # lazy: keeps conversion.cli free of torch at import (start-up)
     from megatron_ngrpo.conversion.mapping import ConversionError
-    from megatron_ngrpo.parallel import free_port, is_rank0
+    from megatron_ngrpo.parallel import is_rank0, local_torchrun
 
     if nproc > 1 and "RANK" not in os.environ:
         cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            str(nproc),
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(free_port()),
+            *local_torchrun(nproc),
             "-m",
             "megatron_ngrpo.conversion",
             command,

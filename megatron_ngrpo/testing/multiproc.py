@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megatron_ngrpo.parallel import broadcast_from_rank0, free_port, init_distributed
+from megatron_ngrpo.parallel import broadcast_from_rank0, init_distributed, local_torchrun
 
 _CASES: list[tuple[str, Callable[[], object]]] = []
 
@@ -81,15 +81,7 @@ def launch(
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "results.json"
         cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            str(nproc),
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(free_port()),
+            *local_torchrun(nproc),
             str(script),
             "--out",
             str(out),
