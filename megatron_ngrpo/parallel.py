@@ -62,13 +62,28 @@ def init_distributed(timeout_s: int = DEFAULT_TIMEOUT_S, trace_dir: str | None =
         return
     _timeout_s = timeout_s
     set_nccl_debug_defaults(trace_dir)
-    if "RANK" not in os.environ:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    backend = "nccl" if on_gpu else "gloo"
     if on_gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend="nccl" if on_gpu else "gloo", timeout=collective_timeout())
+    if "RANK" in os.environ or "MASTER_PORT" in os.environ:
+        defaults = {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+        for name, value in defaults.items():
+            os.environ.setdefault(name, value)
+        dist.init_process_group(backend=backend, timeout=collective_timeout())
+        return
+    # One process without a launcher: its store binds port 0 itself (a port picked free and bound
+    # later can be taken in between: EADDRINUSE in CI); MASTER_* name it for later readers.
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=collective_timeout())
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(store.port),
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+    )
+    dist.init_process_group(
+        backend=backend, store=store, rank=0, world_size=1, timeout=collective_timeout()
+    )
 
 
 def collective_timeout() -> datetime.timedelta:

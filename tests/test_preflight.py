@@ -13,6 +13,7 @@ import pytest
 import torch
 from packaging.requirements import Requirement
 
+from megatron_ngrpo.compat import cpu as cpu_compat
 from megatron_ngrpo.config_loader import ConfigError
 from megatron_ngrpo.launch import preflight
 from megatron_ngrpo.models.config import ModelConfig, use_te
@@ -66,6 +67,9 @@ def test_one_line_ok_and_one_line_config_error(task):
 
 
 def test_gpu_count_and_dependencies(task):
+    # The CPU shim (installed by any earlier in-process test) makes device_count() say 1: the count
+    # must not be fooled by it.
+    cpu_compat.install()
     with pytest.raises(
         preflight.PreflightError, match=r"^0 GPU\(s\) visible, the node's ranks need 8$"
     ):

@@ -106,7 +106,8 @@ def preflight(configs: list[str], overrides: list[str], gpus: int, world_size: i
     # lazy: as above (checked by check_imports first)
     import torch
 
-    have = torch.cuda.device_count()
+    # is_available first: on a CPU-only host the CPU shim (compat/cpu.py) makes device_count say 1.
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if have < gpus:
         raise PreflightError(f"{have} GPU(s) visible, the node's ranks need {gpus}")
     return f"preflight ok: Python {sys.version.split()[0]}, {', '.join(found)}, {have} GPU(s), world size {world_size}"
