@@ -1,10 +1,18 @@
 """The seeded study: plain GRPO vs N-GRPO vs its baselines on the arithmetic task, several seeds each.
 
-Every (arm, seed) run is the main job's training (``configs/tiny_cpu.yaml``: supervised warm-start,
-then GRPO with held-out validation) in one process (TP=1) so that runs go two at a time on a
-2-core machine; arms differ only in the exploration strategy, and a seed gives every arm the same
-warm-start and the same prompt order. Then, from the runs' ``metrics.jsonl`` and saved validation
-generations:
+Every (arm, seed) run is one training job of a recipe in one process (TP=1) so that runs go two at
+a time on a 2-core machine; arms differ only in the exploration strategy, and a seed gives every
+arm the same warm-start and the same prompt order. Recipes (``--recipe``):
+
+- ``tiny`` (default): the main job (``configs/tiny_cpu.yaml``: a 2-layer model, supervised
+  warm-start, then GRPO), results in ``examples/study/RESULTS.md``;
+- ``smollm2``: the real pretrained model (``configs/smollm2_135m_arith.yaml``, SmolLM2-135M-Instruct
+  on the chat-phrased task), validated with sampling (n = 4) on every other held-out problem, with
+  each step's generations and mix records dumped; results in ``examples/smollm2/RESULTS.md``.
+
+Runs resume: the same command with a larger ``--steps`` goes on from each run's checkpoint, and
+each run's ``commits.txt`` lists the commit of every piece. Then, from the runs' ``metrics.jsonl``
+and saved validation generations:
 
 - held-out mean@n and pass@n at the last validation, mean ± std over seeds per arm, and a paired
   t-test of each arm against plain GRPO over the seeds (scipy);
@@ -15,6 +23,8 @@ generations:
 - ``results.json`` and ``table.md`` (the table that ``RESULTS.md`` quotes).
 
     python -m examples.study.run_study --out runs/study --seeds 5 --steps 60
+    python -m examples.study.run_study --recipe smollm2 --arms grpo,ngrpo --seeds 3 --steps 10 \
+        --out runs/study_smollm2
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ from pathlib import Path
 
 import yaml
 
-from examples.arithmetic.task import write_task
+from examples.arithmetic.task import write_chat_task, write_task
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -44,17 +54,77 @@ ARMS = {
 }
 
 
-def train_one(out: Path, paths: Path, arm: str, seed: int, steps: int, extra: list[str]) -> Path:
+def write_tiny(task_dir: Path) -> dict:
+    """The tiny recipe's task (model, tokenizer, warm-start data) and its config paths."""
+    write_task(task_dir)
+    return {
+        "tokenizer": str(task_dir / "tokenizer"),
+        "model": {"hf_path": str(task_dir / "model")},
+        "train": {"warmstart": {"path": str(task_dir / "sft.jsonl")}},
+        "data": {"train": [{"path": str(task_dir / "train.jsonl")}]},
+        "validation": {"benchmarks": [str(task_dir / "heldout.jsonl")]},
+    }
+
+
+def write_smollm2(task_dir: Path) -> dict:
+    """The real model's chat task; validation on every other held-out problem (32 per list length)
+    sampled as the rollouts are (n = 4, T = 1), so that pass@n and the diversity metrics mean
+    something and one validation costs about 3 minutes on one core."""
+    write_chat_task(task_dir)
+    rows = (task_dir / "heldout.jsonl").read_text().splitlines()
+    (task_dir / "heldout_study.jsonl").write_text("".join(r + "\n" for r in rows[::2]))
+    return {
+        "data": {"train": [{"path": str(task_dir / "train.jsonl")}]},
+        "validation": {
+            "benchmarks": [str(task_dir / "heldout_study.jsonl")],
+            "every": 5,
+            "sampling": {"n": 4, "temperature": 1.0, "max_new_tokens": 64},
+        },
+        "train": {"dump_generations": True, "save_every": 5, "keep_last": 1},
+    }
+
+
+# Recipe → (config, task writer returning its config paths, plot title).
+RECIPES = {
+    "tiny": (
+        "configs/tiny_cpu.yaml",
+        write_tiny,
+        "max / min task (examples/arithmetic), tiny Qwen2, CPU: mean ± 1 std over seeds",
+    ),
+    "smollm2": (
+        "configs/smollm2_135m_arith.yaml",
+        write_smollm2,
+        "max / min task phrased for chat, SmolLM2-135M-Instruct, CPU: mean ± 1 std over seeds",
+    ),
+}
+
+
+def commit() -> str:
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+    )
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True
+    )
+    return (head.stdout.strip() or "unknown") + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def train_one(
+    out: Path, config: str, paths: Path, arm: str, seed: int, steps: int, extra: list[str]
+) -> Path:
     """One (arm, seed) training run (resumes if its run directory holds a checkpoint)."""
     run_dir = out / "runs" / f"{arm}_seed{seed}"
     log = out / "logs" / f"{arm}_seed{seed}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with (run_dir / "commits.txt").open("a") as f:
+        f.write(f"{commit()} to step {steps}\n")
     cmd = [
         sys.executable,
         "-m",
         "megatron_ngrpo.train",
         "--config",
-        "configs/tiny_cpu.yaml",
+        config,
         "--config",
         str(paths),
         "model.tensor_parallel=1",
@@ -77,7 +147,7 @@ def train_one(out: Path, paths: Path, arm: str, seed: int, steps: int, extra: li
         "LOCAL_WORLD_SIZE",
     }
     env = {**{k: v for k, v in os.environ.items() if k not in launcher}, "OMP_NUM_THREADS": "1"}
-    with log.open("w") as f:
+    with log.open("a") as f:
         proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
     if proc.returncode:
         raise SystemExit(f"run {arm} seed {seed} failed (exit {proc.returncode}): see {log}")
@@ -195,7 +265,7 @@ def table(agg: dict) -> str:
     return "\n".join(lines) + f"\n\nmean ± std over seeds {agg['seeds']}\n"
 
 
-def plot(results: dict[str, dict[int, dict]], path: Path, metric: str) -> None:
+def plot(results: dict[str, dict[int, dict]], path: Path, metric: str, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -211,7 +281,7 @@ def plot(results: dict[str, dict[int, dict]], path: Path, metric: str) -> None:
         ax.fill_between(steps, mean - std, mean + std, alpha=0.2)
     ax.set_xlabel("GRPO step")
     ax.set_ylabel(f"held-out {metric}")
-    ax.set_title("max / min task (examples/arithmetic), tiny Qwen2, CPU: mean ± 1 std over seeds")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -222,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    ap.add_argument("--recipe", choices=list(RECIPES), default="tiny")
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "study")
     ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from {list(ARMS)}")
     ap.add_argument("--seeds", type=int, default=5)
@@ -234,25 +305,18 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"--arms: unknown {unknown}; expected some of {list(ARMS)}")
 
+    config, write, title = RECIPES[args.recipe]
     out = args.out.resolve()
-    task_dir = out / "task"
-    write_task(task_dir)
     paths = out / "task_paths.yaml"
-    paths.write_text(
-        yaml.safe_dump(
-            {
-                "tokenizer": str(task_dir / "tokenizer"),
-                "model": {"hf_path": str(task_dir / "model")},
-                "train": {"warmstart": {"path": str(task_dir / "sft.jsonl")}},
-                "data": {"train": [{"path": str(task_dir / "train.jsonl")}]},
-                "validation": {"benchmarks": [str(task_dir / "heldout.jsonl")]},
-            }
-        )
-    )
+    paths.write_text(yaml.safe_dump(write(out / "task")))
+    # Seed-major order: the arms of one seed run side by side, under the same load.
     jobs = [(arm, seed) for seed in range(args.seeds) for arm in arms]
     with ThreadPoolExecutor(args.parallel) as pool:
         dirs = list(
-            pool.map(lambda j: train_one(out, paths, j[0], j[1], args.steps, args.overrides), jobs)
+            pool.map(
+                lambda j: train_one(out, config, paths, j[0], j[1], args.steps, args.overrides),
+                jobs,
+            )
         )
     results: dict[str, dict[int, dict]] = {arm: {} for arm in arms}
     for (arm, seed), run_dir in zip(jobs, dirs):
@@ -260,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     agg = aggregate(results)
     (out / "results.json").write_text(json.dumps({"aggregate": agg, "runs": results}, indent=1))
     (out / "table.md").write_text(table(agg))
-    plot(results, out / "heldout.png", agg["metric"])
+    plot(results, out / "heldout.png", agg["metric"], title)
     print(table(agg))
     print(f"wrote {out / 'results.json'}, {out / 'table.md'}, {out / 'heldout.png'}")
     return 0
