@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from examples.study import run_study
+from examples.study import mixing_report, run_study
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -36,6 +36,7 @@ def test_study_runs_arms_and_seeds_and_writes_table_and_plot(tmp_path):
         "train.prompts_per_step=8",
         "train.mini_batch_prompts=8",
         "train.save_every=0",
+        "train.dump_generations=true",
     ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -59,6 +60,16 @@ def test_study_runs_arms_and_seeds_and_writes_table_and_plot(tmp_path):
         for arm in ("grpo", "ngrpo")
     }
     assert all(x == 0 for x in mixed["grpo"]) and any(x > 0 for x in mixed["ngrpo"])
+    # The mixing report reads the dumped records back: every mix counted, classes are shares.
+    report = mixing_report.report([out / "runs" / "ngrpo_seed0"], top=3)
+    dumped = [
+        json.loads(line)["mixes"]["pos"]
+        for path in (out / "runs" / "ngrpo_seed0" / "generations").glob("*.jsonl")
+        for line in path.read_text().splitlines()
+    ]
+    assert report["mixes"] == sum(map(len, dumped)) > 0
+    assert sum(v["mixed"] for v in report["clustering"].values()) == pytest.approx(1.0)
+    assert 0.0 < report["alpha0"]["median"] <= 1.0 and len(report["examples"]) <= 3
 
 
 def test_diversity_and_paired_test():
