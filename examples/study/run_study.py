@@ -265,7 +265,9 @@ def table(agg: dict) -> str:
     return "\n".join(lines) + f"\n\nmean ± std over seeds {agg['seeds']}\n"
 
 
-def plot(results: dict[str, dict[int, dict]], path: Path, metric: str, title: str) -> None:
+def plot(
+    results: dict[str, dict[int, dict]], path: Path, metric: str, title: str, base: float | None
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -273,6 +275,8 @@ def plot(results: dict[str, dict[int, dict]], path: Path, metric: str, title: st
     import numpy as np
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    if base is not None:
+        ax.axhline(base, color="gray", linestyle="--", label="untrained model")
     for arm, runs in results.items():
         steps = sorted(next(iter(runs.values()))["curve"])
         ys = np.array([[run["curve"][s] for s in steps] for run in runs.values()], dtype=np.float64)
@@ -298,6 +302,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=60, help="GRPO steps per run")
     ap.add_argument("--parallel", type=int, default=2, help="runs at a time (one core each)")
+    ap.add_argument(
+        "--summarise-only",
+        action="store_true",
+        help="no training: the table, plot and results of the runs as they are in --out",
+    )
+    ap.add_argument(
+        "--baseline",
+        type=Path,
+        help="the untrained model's eval results.json under the validation's settings (a line "
+        "on the plot, a sentence under the table)",
+    )
     ap.add_argument("overrides", nargs="*", help="extra config overrides for every run, a.b=c")
     args = ap.parse_args(argv)
     arms = args.arms.split(",")
@@ -307,25 +322,39 @@ def main(argv: list[str] | None = None) -> int:
 
     config, write, title = RECIPES[args.recipe]
     out = args.out.resolve()
-    paths = out / "task_paths.yaml"
-    paths.write_text(yaml.safe_dump(write(out / "task")))
     # Seed-major order: the arms of one seed run side by side, under the same load.
     jobs = [(arm, seed) for seed in range(args.seeds) for arm in arms]
-    with ThreadPoolExecutor(args.parallel) as pool:
-        dirs = list(
-            pool.map(
-                lambda j: train_one(out, config, paths, j[0], j[1], args.steps, args.overrides),
-                jobs,
+    if args.summarise_only:
+        dirs = [out / "runs" / f"{arm}_seed{seed}" for arm, seed in jobs]
+    else:
+        paths = out / "task_paths.yaml"
+        paths.write_text(yaml.safe_dump(write(out / "task")))
+        with ThreadPoolExecutor(args.parallel) as pool:
+            dirs = list(
+                pool.map(
+                    lambda j: train_one(out, config, paths, j[0], j[1], args.steps, args.overrides),
+                    jobs,
+                )
             )
-        )
     results: dict[str, dict[int, dict]] = {arm: {} for arm in arms}
     for (arm, seed), run_dir in zip(jobs, dirs):
         results[arm][seed] = summarise_run(run_dir)
     agg = aggregate(results)
-    (out / "results.json").write_text(json.dumps({"aggregate": agg, "runs": results}, indent=1))
-    (out / "table.md").write_text(table(agg))
-    plot(results, out / "heldout.png", agg["metric"], title)
-    print(table(agg))
+    text, base = table(agg), None
+    if args.baseline:
+        average = json.loads(args.baseline.read_text())["average"]
+        m = agg["metric"]
+        base = average[m]
+        text += (
+            f"untrained model ({args.baseline}): {m} {base:.3f} ± {average[f'se({m})']:.3f} (s.e.), "
+            f"pass@{m.split('@')[1]} {average['pass@' + m.split('@')[1]]:.3f}\n"
+        )
+    (out / "results.json").write_text(
+        json.dumps({"aggregate": agg, "runs": results, "baseline": base}, indent=1)
+    )
+    (out / "table.md").write_text(text)
+    plot(results, out / "heldout.png", agg["metric"], title, base)
+    print(text)
     print(f"wrote {out / 'results.json'}, {out / 'table.md'}, {out / 'heldout.png'}")
     return 0
 
