@@ -16,6 +16,15 @@ fp32); the result is checked equal to faiss's ids.
 3. Memory: peak RSS growth of a full build (measured first, in a fresh process state).
 4. Qwen2-1.5B shape (V=151936, d=1536): a query slice through the general path, extrapolated to
    the full table (an upper bound for the single-rank path, which does half the matmul work).
+
+``--hf DIR``: a real model's input embedding instead of random rows (SmolLM2-135M-Instruct:
+49,152 × 576). Part 1 then builds the full table once on each side (no interval: one pair costs
+minutes here) and explains every row where faiss's ids differ from ours against the float64
+definition (``testing.reference``): faiss returns the query itself wherever its fp32 score
+falls (not first when a duplicate row ties with it) and orders fp32 near-ties by rounding, while
+ours puts the anchor first and is exact in float64 with ties to the lower id. Part 2 times a
+--queries slice of the real table against faiss with an interval; ``--qwen-queries 0`` skips
+part 4.
 """
 
 from __future__ import annotations
@@ -31,8 +40,10 @@ import numpy as np
 import torch
 
 from bench._timing import compare
+from megatron_ngrpo.conversion.hf_io import HFCheckpoint
 from megatron_ngrpo.mixing.gemm_cpu import screen_dtype
 from megatron_ngrpo.mixing.neighbors import build_neighbor_table
+from megatron_ngrpo.testing.reference import neighbor_table64, similarity_matrix64
 
 
 def rss_mb() -> float:
@@ -92,6 +103,42 @@ def faiss_ids(w: torch.Tensor, k: int, queries: int) -> torch.Tensor:
     return torch.from_numpy(index.search(x[:queries], k)[1])
 
 
+def explain_differences(w: torch.Tensor, ours: torch.Tensor, theirs: torch.Tensor) -> str:
+    """Why the rows where faiss's ids ``theirs`` [V, k] (the query included, wherever it ranks)
+    differ from ``ours`` [V, k] (anchor first): each such row is checked against the float64
+    definition, and faiss's row is put in our convention (self removed, anchor first)."""
+    rows = (ours != theirs).any(1).nonzero().squeeze(1)
+    if not len(rows):
+        return "no row differs from faiss's"
+    k = ours.shape[1]
+    exact = torch.equal(ours[rows], neighbor_table64(w, k, rows=rows.tolist()))
+    self_not_first = int((theirs[rows, 0] != rows).sum())
+    dup = torch.unique(w, dim=0, return_inverse=True, return_counts=True)
+    in_dup_group = dup[2][dup[1]] > 1
+    # faiss's neighbours in our convention: the query removed, the anchor put first.
+    convention = torch.stack(
+        [torch.cat([r.view(1), t[t != r][: k - 1]]) for r, t in zip(rows, theirs[rows])]
+    )
+    still = (convention != ours[rows]).any(1)
+    # The float64 score gap between our pick and faiss's at the first position they differ.
+    gaps = []
+    s64 = similarity_matrix64(w, "cosine", rows[still].tolist())
+    for i, (a, b) in enumerate(zip(ours[rows][still], convention[still])):
+        j = int((a != b).nonzero()[0])
+        if b[j] >= 0:
+            gaps.append(float(s64[i, a[j]] - s64[i, b[j]]))
+    return (
+        f"{len(rows)} rows differ from faiss's; ours equal the float64 definition on all of them: "
+        f"{exact}. faiss has the query not first in {self_not_first} "
+        f"({int(in_dup_group[rows].sum())} of the rows are exact duplicates of another row: "
+        f"{int(in_dup_group.sum())} such rows in the matrix); in our convention (query removed, "
+        f"anchor first) {int(still.sum())} still differ: the float64 score of our pick minus "
+        f"faiss's at the first differing position {min(gaps, default=0):.2e} .. "
+        f"{max(gaps, default=0):.2e} (>= 0: ours is the exact order), of which "
+        f"{sum(g == 0 for g in gaps)} exact ties (ours: the lower id)"
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--vocab", type=int, default=16384)
@@ -102,6 +149,7 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=1024)
     p.add_argument("--qwen-queries", type=int, default=1024)
     p.add_argument("--max-seconds", type=float, default=200.0)
+    p.add_argument("--hf", default="", help="HF folder: its input embedding for parts 1-2")
     args = p.parse_args()
     same_blas_kernels()
     import faiss
@@ -109,6 +157,12 @@ def main() -> None:
     threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
     torch.set_num_threads(threads)
     faiss.omp_set_num_threads(threads)
+    if args.hf:
+        w = HFCheckpoint(args.hf)["model.embed_tokens.weight"].float()
+        (args.vocab, args.dim), args.slice_vocab = w.shape, w.shape[0]
+        print(f"input embedding of {args.hf}: {tuple(w.shape)}", flush=True)
+    else:
+        w = torch.randn(args.vocab, args.dim, generator=torch.Generator().manual_seed(0))
     screen = screen_dtype(torch.device("cpu"), "cosine")
     print(
         f"threads {torch.get_num_threads()}, d={args.dim}, k={args.k}, chunk {args.chunk}, "
@@ -116,38 +170,60 @@ def main() -> None:
         flush=True,
     )
 
-    w = torch.randn(args.vocab, args.dim, generator=torch.Generator().manual_seed(0))
     base = rss_mb()
-    table = build_neighbor_table(w, 0, args.k, "cosine", chunk_size=args.chunk)
-    extra = peak_rss_mb() - base
-    same = torch.equal(table, faiss_ids(w, args.k, args.vocab))
-    print(
-        f"full table V={args.vocab}: identical to faiss: {same}; peak RSS growth {extra:.0f} MiB "
-        f"(bound: scores {screen.itemsize * args.chunk * args.vocab / 2**20:.0f} + normalised copy "
-        f"{screen.itemsize * args.vocab * args.dim / 2**20:.0f} MiB + small buffers)",
-        flush=True,
-    )
-    r = compare(
-        lambda: build_neighbor_table(w, 0, args.k, "cosine", chunk_size=args.chunk),
-        lambda: faiss_ids(w, args.k, args.vocab),
-        kind="rate",
-        label=f"full table V={args.vocab}, throughput ours / faiss",
-        max_seconds=args.max_seconds,
-    )
-    print(r, f"| ours {r.a_cpu:.2f} s, faiss {r.b_cpu:.2f} s (goal >= 1.0)", flush=True)
-    x = torch.nn.functional.normalize(w, dim=1).numpy()
     c0 = time.process_time()
-    np.matmul(x, x.T)
+    table = build_neighbor_table(w, 0, args.k, "cosine", chunk_size=args.chunk)
+    ours_cpu = time.process_time() - c0
+    extra = peak_rss_mb() - base
+    c0 = time.process_time()
+    theirs = faiss_ids(w, args.k, args.vocab)
+    faiss_cpu = time.process_time() - c0
     print(
-        f"for scale: one bare sgemm of all V x V scores (numpy) {time.process_time() - c0:.2f} s cpu",
+        f"full table V={args.vocab}: identical to faiss: {torch.equal(table, theirs)}; peak RSS "
+        f"growth {extra:.0f} MiB (bound: scores {screen.itemsize * args.chunk * args.vocab / 2**20:.0f}"
+        f" + normalised copy {screen.itemsize * args.vocab * args.dim / 2**20:.0f} MiB + small "
+        f"buffers)",
         flush=True,
     )
+    if args.hf:
+        print(explain_differences(w, table, theirs), flush=True)
+        print(
+            f"full table, one build each (no interval): ours {ours_cpu:.1f} s cpu, faiss "
+            f"{faiss_cpu:.1f} s cpu, throughput ratio {faiss_cpu / ours_cpu:.3f}",
+            flush=True,
+        )
+    r = (
+        None
+        if args.hf
+        else compare(
+            lambda: build_neighbor_table(w, 0, args.k, "cosine", chunk_size=args.chunk),
+            lambda: faiss_ids(w, args.k, args.vocab),
+            kind="rate",
+            label=f"full table V={args.vocab}, throughput ours / faiss",
+            max_seconds=args.max_seconds,
+        )
+    )
+    if r is not None:  # random rows: timed, and the bare sgemm (V² fp32 scores) for scale
+        print(r, f"| ours {r.a_cpu:.2f} s, faiss {r.b_cpu:.2f} s (goal >= 1.0)", flush=True)
+        x = torch.nn.functional.normalize(w, dim=1).numpy()
+        c0 = time.process_time()
+        np.matmul(x, x.T)
+        print(
+            f"for scale: one bare sgemm of all V x V scores (numpy) {time.process_time() - c0:.2f} s cpu",
+            flush=True,
+        )
 
-    ws = torch.randn(args.slice_vocab, args.dim, generator=torch.Generator().manual_seed(1))
+    ws = (
+        w
+        if args.hf
+        else torch.randn(args.slice_vocab, args.dim, generator=torch.Generator().manual_seed(1))
+    )
     q = args.queries
     sl = build_neighbor_table(ws, 0, args.k, "cosine", chunk_size=args.chunk, rows=(0, q))
     print(
-        f"query slice {q} of V={args.slice_vocab}: identical to faiss: {torch.equal(sl, faiss_ids(ws, args.k, q))}"
+        f"query slice {q} of V={args.slice_vocab}: identical to faiss: "
+        f"{torch.equal(sl, faiss_ids(ws, args.k, q))} (the full table's rows: "
+        f"{torch.equal(sl, table[:q]) if args.hf else 'n/a'})"
     )
     r = compare(
         lambda: build_neighbor_table(ws, 0, args.k, "cosine", chunk_size=args.chunk, rows=(0, q)),
@@ -158,6 +234,8 @@ def main() -> None:
     )
     print(r, f"| ours {r.a_cpu:.2f} s, faiss {r.b_cpu:.2f} s", flush=True)
 
+    if not args.qwen_queries:
+        return
     v, d, q = 151936, 1536, args.qwen_queries
     wq = torch.randn(v, d, generator=torch.Generator().manual_seed(2))
     base = rss_mb()

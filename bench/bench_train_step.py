@@ -10,18 +10,34 @@ backward of the clipped GRPO loss with KL, global aggregation) and through the f
 ``bench/_timing.py`` (process CPU time; on a shared machine wall time mostly measures waiting for
 a core): median ratio over A B / B A blocks with its 95% interval, repeated until ±1.5% or
 ``--max-seconds``. Results → bench/results/train.md.
+
+``--hf DIR``: the real model of an HF folder (its shapes; weights are not needed for timing)
+instead of the random tiny one; ``--vocab`` etc. are then the folder's. ``--memory``: instead of
+the timing, the peak resident memory of the second train step of the mixed batch (DDP with fp32
+grads, distributed Adam as the trainer builds it, ``loss_and_grads`` + ``optimizer.step``)
+against ``launch.memory.train_memory`` for the same shapes (CPU number formats, megatron's unfused
+local-spec attention, no fixed overhead term: the peak is measured above the resident size before
+the model is built). glibc is told to serve allocations ≥ 64 KiB by mmap and return freed
+memory at once (the process re-executes itself with that environment), so the resident size
+follows the live tensors, as in tests/dist/memory_worker.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
 from bench._timing import compare
+
+# glibc: mmap every allocation >= 64 KiB and give freed memory back at once (--memory).
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 
 
 def _args(argv=None):
@@ -37,32 +53,48 @@ def _args(argv=None):
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--max-seconds", type=float, default=300.0)
     p.add_argument("--out", default="")
-    return p.parse_args(argv)
+    p.add_argument("--hf", default="", help="HF folder of a real model (its shapes)")
+    p.add_argument("--recompute", action="store_true", help="full activation recomputation")
+    p.add_argument("--memory", action="store_true", help="peak memory vs the memory model only")
+    args = p.parse_args(argv)
+    if args.hf:
+        from megatron_ngrpo.architecture import ArchSpec
+
+        args.vocab = ArchSpec.from_hf(args.hf).vocab_size
+    return args
 
 
-def build(args):
+def model_dir(args) -> str:
+    """The HF folder whose config.json gives the shapes: ``--hf`` or a random tiny one."""
+    from megatron_ngrpo.testing.tiny import write_tiny_hf
+
+    if args.hf:
+        return args.hf
+    return str(
+        write_tiny_hf(
+            tempfile.mkdtemp(),
+            weights=False,
+            vocab_size=args.vocab,
+            hidden_size=args.hidden,
+            num_layers=args.layers,
+            num_heads=4,
+            num_kv_heads=2,
+            intermediate_size=2 * args.hidden,
+            max_pos=args.prompt + args.response,
+        )
+    )
+
+
+def build(path: str, recompute: bool, ddp_config=None):
     from megatron_ngrpo.grpo.update import wrap_for_training
     from megatron_ngrpo.models.config import ModelConfig
     from megatron_ngrpo.models.provider import build_model
     from megatron_ngrpo.parallel import init_distributed, initialize_model_parallel
-    from megatron_ngrpo.testing.tiny import write_tiny_hf
 
     init_distributed()
     initialize_model_parallel(1, 1, None, seed=0)
-    hf = write_tiny_hf(
-        tempfile.mkdtemp(),
-        weights=False,
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        num_layers=args.layers,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=2 * args.hidden,
-        max_pos=args.prompt + args.response,
-    )
-    return wrap_for_training(
-        build_model(ModelConfig(hf_path=str(hf), dtype="float32", layer_spec="local"))
-    )
+    cfg = ModelConfig(hf_path=path, dtype="float32", layer_spec="local", recompute=recompute)
+    return wrap_for_training(build_model(cfg), ddp_config)
 
 
 def batch(args):
@@ -111,13 +143,96 @@ def batch(args):
     return mixed, replace(mixed, mix=None), len(rb.mixes) / (b * args.response)
 
 
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+
+def memory(args) -> dict:
+    """Peak resident memory of a train step (the second: Adam allocates its moments in the
+    first) above the resident size before the model was built, and the memory model's total."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron_ngrpo.architecture import ArchSpec, unwrap
+    from megatron_ngrpo.grpo.config import GRPOConfig
+    from megatron_ngrpo.grpo.update import UpdateSettings, loss_and_grads
+    from megatron_ngrpo.launch import memory as model
+
+    mixed, _, _ = batch(args)
+    path = model_dir(args)
+    spec = ArchSpec.from_hf(path)
+    gc.collect()
+    base = _status("VmRSS")
+    chunks = build(
+        path,
+        args.recompute,
+        DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True),
+    )
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=1e-6,
+            clip_grad=1.0,
+            params_dtype=torch.float32,
+            use_distributed_optimizer=True,
+        ),
+        chunks,
+    )
+    unwrap(chunks[0]).config.grad_scale_func = optimizer.scale_loss
+    settings = UpdateSettings(
+        temperature=1.0, micro_batch_size=args.micro_batch, max_response_len=args.response
+    )
+    for _ in range(2):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM
+        loss_and_grads(chunks, mixed, GRPOConfig(), settings, optimizer)
+        optimizer.step()
+    peak = _status("VmHWM") - base
+    seq = args.prompt + args.response
+    layout = model.TrainLayout(
+        tp=1,
+        pp=1,
+        dp=1,
+        tokens=args.micro_batch * seq,
+        sequence_parallel=False,
+        recompute=args.recompute,
+        param_bytes=model.FP32,
+        unfused_seq_len=seq,
+        overhead=0,
+    )
+    m = model.train_memory(spec, layout)
+    mib = {
+        k: getattr(m, k) / 2**20
+        for k in ("weights", "grads", "optimizer", "activations", "working", "logits")
+    }
+    terms = ", ".join(f"{k} {v:.0f}" for k, v in mib.items())
+    print(
+        f"train step peak RSS {peak / 2**20:.0f} MiB vs the memory model {m.total / 2**20:.0f} MiB "
+        f"(ratio {peak / m.total:.3f}; {m.params / 1e6:.1f} M params; terms in MiB: {terms})",
+        flush=True,
+    )
+    return {"peak": peak, "model": m.total, "terms_mib": mib}
+
+
 def main(argv=None) -> dict:
     from megatron_ngrpo.grpo.config import GRPOConfig
     from megatron_ngrpo.grpo.logprobs import batch_logprobs
     from megatron_ngrpo.grpo.update import UpdateSettings, loss_and_grads
 
     args = _args(argv)
-    chunks = build(args)
+    if args.memory:
+        if any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):
+            os.execve(
+                sys.executable,
+                [sys.executable, "-m", "bench.bench_train_step", *sys.argv[1:]],
+                {**os.environ, **MALLOC_ENV},
+            )
+        out = memory(args)
+        if args.out:
+            Path(args.out).write_text(json.dumps(out, indent=1))
+        return out
+    chunks = build(model_dir(args), args.recompute)
     mixed, plain, frac = batch(args)
     cfg = GRPOConfig()
     settings = UpdateSettings(
