@@ -249,7 +249,7 @@ def main(argv=None) -> dict:
         f"{args.prompts} prompts x {args.n} samples x {args.new_tokens} new tokens, "
         f"{args.pairs} timed + 1 warm-up step per side and row"
     )
-    print(f"SmolLM2-135M-Instruct fp32, TRL {trl.__version__}: {sizes}", flush=True)
+    print(f"{Path(ours.cfg.model.hf_path).name} fp32, TRL {trl.__version__}: {sizes}", flush=True)
     out = {"sizes": vars(args), "trl": trl.__version__, "rows": {}}
     for name in engines:
         if name not in built:

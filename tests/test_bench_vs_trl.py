@@ -1,10 +1,10 @@
 """bench/bench_vs_trl.py at its smallest size: both sides take real GRPO steps on the same prompts.
 
-One subprocess (the bench initialises torch.distributed and megatron's state): a tiny random Llama
-with SmolLM2-135M-Instruct's vocabulary and tokenizer (two 135 M trainers in one process need ~6 GiB;
-the real model's figures come from the bench itself), 2 prompts × 2 samples × 4 new tokens, our
-trainer with colocated vLLM against TRL's GRPOTrainer, one warm-up and one timed step per side.
-Skips when TRL is not installed (setup.py extra "peer").
+One subprocess (the bench initialises torch.distributed and megatron's state): a tiny random
+Llama with SmolLM2-135M-Instruct's vocabulary and tokenizer (two 135 M trainers in one process
+need ~6 GiB; the real model's figures come from the bench itself), 2 prompts × 2 samples × 4 new
+tokens, our trainer with colocated vLLM against TRL's GRPOTrainer, one warm-up and one timed step
+per side. Skips when TRL is not installed (setup.py extra "peer").
 """
 
 from __future__ import annotations
