@@ -20,8 +20,8 @@ decay 0.01, gradient clip 1.0, constant schedule.
 * TRL: ``GRPOTrainer.train()`` on a second thread, held by a callback at every step's start
   until the bench asks for one step: a timed TRL step is everything from one step's start to
   the next (transformers ``generate``, reward, loss, backward, optimizer step, logging, the next
-  batch's loading). TRL's vLLM mode is not used: ``vllm_mode="colocate"`` builds a vLLM LLM with
-  a GPU-memory fraction and a NCCL weight sync; on CPU it is not a supported set-up.
+  batch's loading). TRL's vLLM mode is not used: ``vllm_mode="colocate"`` builds a second vLLM LLM
+  (GPU-memory fraction, ``external_launcher``) beside ours; not tried on CPU here (memory).
 
 The sides alternate step by step (``bench/_timing.py`` ``compare``: A B, B A, ...; process CPU
 time, all threads, and wall time), so machine load hits both alike and both advance through the
