@@ -5,14 +5,18 @@ arguments, and its quiet stages show progress bars only while the log keeps ever
 from __future__ import annotations
 
 import io
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from megatron_ngrpo.config_loader import load
+from megatron_ngrpo.eval.__main__ import main as eval_main
 from megatron_ngrpo.eval.config import EvalConfig
+from megatron_ngrpo.train import main as train_main
 from megatron_ngrpo.training.job_config import load_config
 from tools.show_progress import follow
 
@@ -84,3 +88,54 @@ def test_show_progress_keeps_bars_only():
         b"\rtrain:   0%|          | 0/2 [00:00<?, ?step/s]"
         b"\rtrain:  50%|#####     | 1/2 [04:24<04:24, reward=0.172]\n"
     )
+
+
+BAD_ROWS = {
+    "missing": (
+        {"problem": "What is 9 + 1?"},
+        "row 3: answer is null",
+    ),  # JSON lines: a missing key reads as null
+    "ungradable": ({"problem": "What is 9 + 1?", "answer": "{" * 30 + "}" * 30}, "row 3: answer"),
+    "long": ({"problem": "long " * 300, "answer": "2"}, "row 3: field 'problem': prompt of"),
+}
+
+
+@pytest.mark.parametrize("cli", ["train", "eval"])
+@pytest.mark.parametrize("case", sorted(BAD_ROWS))
+def test_clis_refuse_a_bad_task_file_in_one_line(
+    cli, case, real_model, tmp_path, monkeypatch, capsys
+):
+    """Issue #28's bad input on the recipe's CLIs: one line naming the file, row and field, exit
+    status 2, before any process group starts (so nothing runs on a partial data set). The eval
+    CLI has no prompt limit of its own (vLLM's max_model_len refuses a long prompt at generate)."""
+    if cli == "eval" and case == "long":
+        pytest.skip("no prompt limit in the eval CLI")
+    bad, why = BAD_ROWS[case]
+    rows = [{"problem": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(5)]
+    rows.insert(3, bad)
+    path = tmp_path / "task.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setenv("NGRPO_MODELS", str(real_model.parent))
+    if cli == "train":
+        status = train_main(
+            [
+                "--config",
+                str(REPO / "configs" / "smollm2_135m_arith.yaml"),
+                f"data.train=[{{path: {path}}}]",
+                f"validation.benchmarks=[{path}]" if case != "long" else "validation.every=0",
+                f"train.run_dir={tmp_path / 'run'}",
+            ]
+        )
+    else:
+        status = eval_main(
+            [
+                "--config",
+                str(REPO / "configs" / "eval" / "smollm2_arith.yaml"),
+                f"benchmarks=[{path}]",
+                f"output_dir={tmp_path / 'out'}",
+            ]
+        )
+    # (stderr also has the `datasets` library's progress bar of reading the file)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert status == 2 and len(err) == 1 and str(path) in err[0] and why in err[0], err
+    assert not dist.is_initialized() and not (tmp_path / "out").exists()
