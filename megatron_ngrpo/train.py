@@ -45,7 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_ngrpo.training.trainer import Trainer
 
     trainer = Trainer(cfg)
-    trainer.setup()
+    try:
+        trainer.setup()
+    except ConfigError as e:  # the data (DataError): checked before any process group starts
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         trainer.run()
     except DynamicSamplingExhausted as e:  # raised on every rank (the count is all-reduced)

@@ -70,9 +70,13 @@ def main(argv: list[str] | None = None) -> int:
             from megatron_ngrpo.rollout.types import SamplingParams
 
             tokenizer = load_tokenizer(cfg.tokenizer, cfg.model.hf_path)
-            benchmarks = load_benchmarks(
-                list(cfg.benchmarks) + list(cfg.extra_benchmarks), cfg.limit
-            )
+            try:
+                benchmarks = load_benchmarks(
+                    list(cfg.benchmarks) + list(cfg.extra_benchmarks), cfg.limit
+                )
+            except ConfigError as e:  # a bad row (DataError), before any process group starts
+                print(f"error: {e}", file=sys.stderr)
+                return 2
             init_distributed(cfg.dist_timeout_s)
             chunks = build_policy(cfg.model, cfg.checkpoint)
             engine = build_engine(cfg, chunks, tokenizer)

@@ -116,6 +116,16 @@ class Trainer:
     def setup(self) -> None:
 
         cfg = self.cfg
+        # The data first: a bad row or prompt is one line (DataError) before any process group
+        # starts, and no run starts on a partial data set (the held-out files included).
+        self.spec = ArchSpec.from_hf(cfg.model.hf_path)
+        self.tokenizer = load_tokenizer(cfg.tokenizer, cfg.model.hf_path)
+        self.num_real_tokens = real_token_count(
+            cfg.model.num_real_tokens, self.spec.vocab_size, self.tokenizer
+        )
+        self.examples = load_train_set(cfg.data, self.tokenizer)
+        v = cfg.validation
+        self.val_benchmarks = load_benchmarks(v.benchmarks, v.limit) if v.every else []
         init_distributed(
             cfg.train.dist_timeout_s, trace_dir=str(Path(cfg.train.run_dir) / "nccl_traces")
         )
@@ -127,17 +137,11 @@ class Trainer:
         )
         self.device = device()
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-        self.spec = ArchSpec.from_hf(cfg.model.hf_path)
         self.run_dir = Path(cfg.train.run_dir)
         if dist.get_rank() == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
 
             (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
-        self.tokenizer = load_tokenizer(cfg.tokenizer, cfg.model.hf_path)
-        self.num_real_tokens = real_token_count(
-            cfg.model.num_real_tokens, self.spec.vocab_size, self.tokenizer
-        )
-        self.examples = load_train_set(cfg.data, self.tokenizer)
         self.prompts = PromptBatches(
             self.examples, cfg.train.prompts_per_step, seed=cfg.data.seed, shuffle=cfg.data.shuffle
         )
@@ -791,7 +795,7 @@ class Trainer:
         same metrics."""
 
         v = self.cfg.validation
-        benchmarks = load_benchmarks(v.benchmarks, v.limit)
+        benchmarks = self.val_benchmarks
         if self.rollouts is not None:
             self.rollouts.settle()  # the engine is free: the in-flight batch is kept
         self.engine.wake_up()
