@@ -186,7 +186,31 @@ def diversity(records: list[dict]) -> dict[str, float]:
     }
 
 
-def summarise_run(run_dir: Path) -> dict:
+def read_generations(gen_dir: Path) -> list[dict]:
+    return [
+        json.loads(line)
+        for path in sorted(gen_dir.glob("*.jsonl"))
+        for line in path.read_text().splitlines()
+        if line.strip()
+    ]
+
+
+def paired_difference(records: list[dict], base: list[dict]) -> tuple[float, float]:
+    """(mean, standard error) over problems of a run's per-problem mean score minus the untrained
+    model's on the same problems (the validation's generations against the baseline eval's)."""
+    per_problem = lambda rs: {  # noqa: E731
+        p: sum(r["score"] for r in rs if r["problem"] == p)
+        / sum(1 for r in rs if r["problem"] == p)
+        for p in {r["problem"] for r in rs}
+    }
+    cur, ref = per_problem(records), per_problem(base)
+    diffs = [cur[p] - ref[p] for p in sorted(ref)]
+    n = len(diffs)
+    mean = sum(diffs) / n
+    return mean, math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1) / n)
+
+
+def summarise_run(run_dir: Path, base: list[dict] | None = None) -> dict:
     rows = [
         json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line
     ]
@@ -196,14 +220,9 @@ def summarise_run(run_dir: Path) -> dict:
     mean_key = next(k for k in val[-1] if k.startswith("val/mean@"))
     pass_key = mean_key.replace("mean@", "pass@")
     last = val[-1]
-    gen_dir = run_dir / "validation" / f"step{last['step']:07d}" / "generations"
-    records = [
-        json.loads(line)
-        for path in sorted(gen_dir.glob("*.jsonl"))
-        for line in path.read_text().splitlines()
-        if line.strip()
-    ]
+    records = read_generations(run_dir / "validation" / f"step{last['step']:07d}" / "generations")
     return {
+        **({"vs_untrained": paired_difference(records, base)} if base else {}),
         "curve": {r["step"]: r[mean_key] for r in val},
         "mean": last[mean_key],
         "pass": last.get(pass_key, float("nan")),
@@ -336,9 +355,10 @@ def main(argv: list[str] | None = None) -> int:
                     jobs,
                 )
             )
+    base_records = read_generations(args.baseline.parent / "generations") if args.baseline else None
     results: dict[str, dict[int, dict]] = {arm: {} for arm in arms}
     for (arm, seed), run_dir in zip(jobs, dirs):
-        results[arm][seed] = summarise_run(run_dir)
+        results[arm][seed] = summarise_run(run_dir, base_records)
     agg = aggregate(results)
     text, base = table(agg), None
     if args.baseline:
@@ -347,8 +367,14 @@ def main(argv: list[str] | None = None) -> int:
         base = average[m]
         text += (
             f"untrained model ({args.baseline}): {m} {base:.3f} ± {average[f'se({m})']:.3f} (s.e.), "
-            f"pass@{m.split('@')[1]} {average['pass@' + m.split('@')[1]]:.3f}\n"
+            f"pass@{m.split('@')[1]} {average['pass@' + m.split('@')[1]]:.3f}\n\n"
+            f"last validation minus the untrained model, paired by problem (± s.e.):\n"
         )
+        for arm, runs in results.items():
+            text += "".join(
+                f"- {arm} seed {seed}: {r['vs_untrained'][0]:+.3f} ± {r['vs_untrained'][1]:.3f}\n"
+                for seed, r in sorted(runs.items())
+            )
     (out / "results.json").write_text(
         json.dumps({"aggregate": agg, "runs": results, "baseline": base}, indent=1)
     )
