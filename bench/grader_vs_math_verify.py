@@ -2,6 +2,10 @@
 in its wheel and not committed here: pass the path of a checkout of huggingface/Math-Verify).
 
     PYTHONPATH=/path/to/Math-Verify:. python -m bench.grader_vs_math_verify /path/to/Math-Verify [--free-text RULE] [--show]
+    PYTHONPATH=/path/to/Math-Verify:. python -m bench.grader_vs_math_verify /path/to/Math-Verify \
+        --write-suite tests/data/math_verify_suite.jsonl
+
+(the second form writes the cases, one JSON object a line, for ``tests/test_grader_suite.py``)
 
 (its test modules are imported as ``tests.<name>`` from the checkout, hence its place on PYTHONPATH.)
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import re
 import sys
 from pathlib import Path
@@ -29,7 +34,7 @@ from pathlib import Path
 from math_verify import parse, verify
 
 from megatron_ngrpo.rewards import MathGrader
-from megatron_ngrpo.rewards.extract import FREE_TEXT_RULES, extract_answer
+from megatron_ngrpo.rewards.extract import FREE_TEXT_RULES, gold_text_answer
 
 MODULES = (
     "test_all",
@@ -72,13 +77,16 @@ def load_cases(checkout: Path) -> list[dict]:
     return cases
 
 
-def is_free_text(pred: str) -> bool:
-    return "\\boxed" not in pred and "\\fbox" not in pred and not _ONE_MATH_SPAN.fullmatch(pred)
+def group_of(pred: str) -> str:
+    """The case's group: free-text when its pred has no box and is not one math span."""
+    boxed = "\\boxed" in pred or "\\fbox" in pred
+    return "core" if boxed or _ONE_MATH_SPAN.fullmatch(pred) else "free-text"
 
 
 def gold_answer(gold: str) -> str:
+    """Our gold for a case: a gold with a box or a ``$`` is a text, read as math-verify reads it."""
     if "\\boxed" in gold or "$" in gold:
-        return extract_answer(gold, free_text="phrases") or gold
+        return gold_text_answer(gold)
     return gold
 
 
@@ -100,17 +108,31 @@ def main() -> None:
         help="the grader's free_text rule (default last_number)",
     )
     ap.add_argument("--show", action="store_true", help="print the cases we grade wrongly")
+    ap.add_argument(
+        "--write-suite",
+        type=Path,
+        metavar="JSONL",
+        help="write the cases (with their group) to JSONL and stop",
+    )
     args = ap.parse_args()
     if not (args.checkout / "tests" / "test_all.py").is_file():
         sys.exit(
             f"{args.checkout}: no tests/test_all.py (expected a checkout of huggingface/Math-Verify)"
         )
     cases = load_cases(args.checkout)
+    if args.write_suite:
+        with args.write_suite.open("w") as f:
+            for case in cases:
+                f.write(
+                    json.dumps({**case, "group": group_of(case["pred"])}, ensure_ascii=False) + "\n"
+                )
+        print(f"wrote {len(cases)} cases to {args.write_suite}")
+        return
     with MathGrader(timeout_s=30.0, workers=2, free_text=args.free_text) as grader:
         ours = grader.score_batch([(c["pred"], gold_answer(c["gold"])) for c in cases])
     totals: dict[str, list[int]] = {"core": [0, 0, 0], "free-text": [0, 0, 0]}
     for case, score in zip(cases, ours):
-        group = "free-text" if is_free_text(case["pred"]) else "core"
+        group = group_of(case["pred"])
         row = totals[group]
         ok = score == case["expected"]
         row[0] += ok
