@@ -103,7 +103,7 @@ def save_training_checkpoint(
     extra = {
         "rng_state": _rank_object(ShardedObject, "rng_state", _rng_state()),
         "trainer": trainer_state,
-        "optimizer": _optimizer_state(optimizer, chunks)[0],
+        "optimizer": _optimizer_state(optimizer, chunks, is_loading=False)[0],
     }
     if rank_state is not None:
         extra["rank_state"] = _rank_object(ShardedObject, "rank_state", rank_state)
@@ -163,7 +163,7 @@ def load_training_checkpoint(path: str | Path, chunks: list, optimizer) -> dict:
         extra["rank_state"] = _rank_object(ShardedObject, "rank_state", None)
     if same_world:
         extra["rng_state"] = _rank_object(ShardedObject, "rng_state", None)
-    extra["optimizer"], blocks = _optimizer_state(optimizer, chunks)
+    extra["optimizer"], blocks = _optimizer_state(optimizer, chunks, is_loading=True)
     _, loaded = load_megatron_checkpoint(chunks, path, extra=extra)
     if distopt:
         _load_distopt(optimizer, loaded["optimizer"], blocks)
@@ -208,7 +208,7 @@ def _allocate_adam_state(optimizer) -> None:
                     }
 
 
-def _optimizer_state(optimizer, chunks) -> tuple[dict, list]:
+def _optimizer_state(optimizer, chunks, is_loading: bool) -> tuple[dict, list]:
     """The optimizer's sharded state dict, and for the distributed optimizer where each of its
     blocks goes on load: ``(its keys in the state dict, inner optimizer, model param, state name,
     start, end)``, ``[start, end)`` a range of the flat optimizer tensor of that param and state.
@@ -223,7 +223,7 @@ def _optimizer_state(optimizer, chunks) -> tuple[dict, list]:
 
     model_state = _sharded_state_dict(chunks)
     if not _is_distributed(optimizer):
-        return optimizer.sharded_state_dict(model_state), []
+        return optimizer.sharded_state_dict(model_state, is_loading=is_loading), []
     _allocate_adam_state(optimizer)
     model = {
         sh.data: sh for sh in nested_values(extract_sharded_tensors_and_factories(model_state)[0])
