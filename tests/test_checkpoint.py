@@ -1,7 +1,12 @@
-"""Distributed-optimizer checkpoints reshard: saved at 2 ranks (DP 2, TP 2), resumed at DP 4,
-TP 2 × DP 2 and TP 1 × DP 2 (tests/dist/checkpoint_worker.py: real torchrun + gloo, megatron
-DDP + distributed Adam, tiny Qwen2). A resumed run's next update equals the saving layout's own
-continuation: the loss of the updated model and every parameter.
+"""Distributed-optimizer checkpoints are written in parallel and reshard: saved at 2 ranks (DP 2,
+TP 2), resumed at DP 4, TP 2 × DP 2 and TP 1 × DP 2 (tests/dist/checkpoint_worker.py: real
+torchrun + gloo, megatron DDP + distributed Adam, tiny Qwen2). Every rank writes its own part of
+the optimizer state (read from the checkpoint's storage metadata). The resumed
+optimizer state equals the saved one bit for bit in every layout (fp32 main weights and moments,
+assembled through megatron's own model-space view), also with bf16 parameters and fp32 main
+weights, and from a checkpoint in the old gathered format. A resumed run's next update equals
+the saving layout's own continuation: bit for bit in the same layout, else the loss of the
+updated model and every parameter within rounding.
 
 Tolerances: the layouts add the same numbers in another order (DP gradient reduction over 2 or 4
 ranks, TP partial sums of the row-parallel matmuls), so losses differ by fp32 rounding: ≈1e-7
@@ -14,12 +19,17 @@ what was lost before) moves the next loss by ≈ 7e-5 relative and parameters by
 
 from __future__ import annotations
 
+import math
+import random
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 
 from megatron_ngrpo.testing.multiproc import check, launch
+from megatron_ngrpo.training.checkpoint import _blocks, latest_checkpoint
 
 WORKER = Path(__file__).parent / "dist" / "checkpoint_worker.py"
 LR = 1e-2  # the worker's
@@ -28,8 +38,12 @@ PARAM_ATOL = LR / 100
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("distopt")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("distopt")
+
+
+@pytest.fixture(scope="module")
+def results(root) -> dict:
     saved = launch(
         WORKER, 2, timeout=600, env={"NGRPO_CKPT_DIR": str(root), "NGRPO_CKPT_PHASE": "save"}
     )
@@ -46,8 +60,62 @@ def _max_param_diff(got: dict, want: dict) -> float:
     return diff
 
 
+def _written(checkpoint: Path) -> dict[str, dict[int, int]]:
+    """Bytes of optimizer / model tensors in each rank's files (``__<rank>_<n>.distcp``), from the
+    checkpoint's torch.distributed.checkpoint metadata."""
+    out = {"optimizer": defaultdict(int), "model": defaultdict(int)}
+    for index, info in FileSystemReader(str(checkpoint)).read_metadata().storage_data.items():
+        rank = int(info.relative_path.split("_")[2])
+        kind = "optimizer" if index.fqn.startswith("optimizer.") else "model"
+        out[kind][rank] += info.length
+    return out
+
+
+def test_every_rank_writes_its_own_part(results, root):
+    """DP 2: each rank wrote about half the optimizer state (its own DP shard). The control: the
+    old format (gathered onto DP rank 0) has rank 1 write none of it, so this fails if the
+    funnel comes back."""
+    check(results, "dp2_save"), check(results, "old_dp2_save")
+    new, old = _written(latest_checkpoint(root / "dp2")), _written(latest_checkpoint(root / "old"))
+    opt = new["optimizer"]
+    assert sorted(opt) == [0, 1] and all(0.4 < opt[r] / sum(opt.values()) < 0.6 for r in opt), opt
+    assert sum(old["optimizer"].values()) == sum(opt.values())  # the same tensors, ...
+    assert old["optimizer"].get(1, 0) == 0  # ... all written by rank 0
+
+
+def test_blocks_tile_the_range():
+    """Any row-major range of any tensor is cut into ≤ 2·ndim − 1 rectangles, in order."""
+    rng = random.Random(0)
+    for _ in range(2000):
+        shape = tuple(rng.randint(1, 5) for _ in range(rng.randint(1, 4)))
+        n = math.prod(shape)
+        lo = rng.randint(0, n)
+        hi = rng.randint(lo, n)
+        t = torch.arange(n).view(shape)
+        blocks = _blocks(shape, lo, hi)
+        assert len(blocks) <= 2 * len(shape) - 1
+        got = [t[tuple(slice(o, o + s) for o, s in zip(off, size))] for off, size in blocks]
+        assert torch.cat([g.flatten() for g in got] + [t.new_empty(0)]).tolist() == [*range(lo, hi)]
+
+
 def test_same_layout_resume_is_bit_identical(results):
     assert check(results, "dp2_resume_dp2") == check(results, "dp2_save")
+
+
+def test_bf16_resume_with_fp32_main_weights_is_bit_identical(results):
+    """bf16 parameters, fp32 main weights in the distributed optimizer (the GPU path), on CPU:
+    the resumed run equals the uninterrupted one bit for bit, and at DP 4 the optimizer state
+    (main weights included) is the saved one bit for bit."""
+    want = check(results, "bf16_dp2_save")
+    assert check(results, "bf16_dp2_resume_dp2") == want
+    assert check(results, "bf16_dp2_resume_dp4")["state"] == want["state"]
+    assert want["state"] != check(results, "dp2_save")["state"]  # bf16 is another run
+
+
+def test_old_format_checkpoint_loads(results):
+    """A checkpoint written before the parallel format (megatron's gathered
+    ``fully_reshardable``) resumes at DP 4 exactly as the new format's does."""
+    assert check(results, "old_dp2_resume_dp4") == check(results, "dp2_resume_dp4")
 
 
 @pytest.mark.parametrize(
@@ -60,6 +128,7 @@ def test_same_layout_resume_is_bit_identical(results):
 )
 def test_resharded_resume_continues_the_run(results, saved, resumed):
     want, got = check(results, saved), check(results, resumed)
+    assert got["state"] == want["state"]  # the optimizer state, bit for bit
     assert got["steps"] == want["steps"] == [3.0]  # Adam's step counts came back
     assert got["before"] == pytest.approx(want["before"], rel=LOSS_RTOL, abs=0)  # the model did
     assert got["loss"] == pytest.approx(want["loss"], rel=LOSS_RTOL, abs=0)
@@ -69,5 +138,6 @@ def test_resharded_resume_continues_the_run(results, saved, resumed):
 def test_resume_without_optimizer_state_differs(results):
     """The control: the comparisons above can fail."""
     want, got = check(results, "dp2_save"), check(results, "dp2_resume_dp4_without_optimizer_state")
+    assert got["state"] != want["state"]
     assert abs(got["loss"] - want["loss"]) > 10 * LOSS_RTOL * abs(want["loss"])
     assert _max_param_diff(got["params"], want["params"]) > 10 * PARAM_ATOL

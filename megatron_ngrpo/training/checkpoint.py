@@ -6,29 +6,31 @@ data position, neighbour table, LR scheduler, ...) and optionally every rank's o
 
 Optimizer state is saved as sharded tensors in model space (one tensor per parameter and state,
 keyed by the parameter's sharded key), so dist_checkpointing reshards it to any TP/PP/DP layout on
-load, for both optimizers. The distributed optimizer uses megatron's ``fully_reshardable`` format:
-on save its DP shards are gathered (gloo, to CPU on DP rank 0) into whole TP-local tensors; on load
-every rank reads whole tensors (CPU) and keeps its own flat range.
+load, for both optimizers. The distributed optimizer's state is written in parallel: each rank
+writes only its own DP shard, as the row-major blocks that shard's flat range of each parameter
+makes (:func:`_blocks`; no data exchange), and reads the blocks its own range needs in the layout
+it resumes in. The tensors' keys and shapes are those of megatron's ``fully_reshardable`` format
+(which gathers every DP group's state onto DP rank 0 to write it), so checkpoints written in that
+format load too. Megatron's own parallel formats do not fit here: ``dp_reshardable`` cannot
+change TP/PP and ``fully_sharded_model_space`` saves ``flattened_range`` tensors, which
+megatron-core 0.16.1 refuses (docs/ENVIRONMENT.md §2.3).
 
-megatron-core 0.16.1 cannot load that format with torch's Adam (no apex / TE here; reproduced;
-0.19.2 too, docs/ENVIRONMENT.md §2.3), for two reasons worked around in :func:`_load_distopt`:
-
-- ``DistributedOptimizer.state_dict()`` (called by ``sharded_state_dict(is_loading=True)``) reads
-  the ``step`` from the inner optimizer's per-parameter state and asserts there is exactly one
-  (``assert len(steps) == 1``); torch's Adam allocates that state lazily at its first step, so a
-  fresh optimizer fails. Fix: allocate Adam's state (step 0, zero moments: what Adam's first step
-  would allocate) before building the sharded state dict.
-- ``_set_main_param_and_optimizer_states`` copies every key of the inner state, ``step``
-  included, from the loaded tensors, which hold no ``step`` (megatron keeps it in the param
-  groups, as apex / TE FusedAdam do): ``KeyError: 'step'``. Fix: load the param groups, step and
-  grad scaler first, then copy the tensors with ``step`` taken out of the inner state.
+Loading with torch's Adam (no apex / TE here): ``DistributedOptimizer.state_dict()`` reads the
+``step`` from the inner optimizer's per-parameter state and asserts there is exactly one
+(``assert len(steps) == 1``); torch's Adam allocates that state lazily at its first step, so a
+fresh optimizer fails. Fix: allocate Adam's state (step 0, zero moments: what Adam's first step
+would allocate) before building the sharded state dict. The param groups, step and grad scaler
+are loaded with megatron's ``load_state_dict`` (the step goes into every parameter's state from
+the param groups), the tensors are copied into the optimizer's own shards afterwards.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import random
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -48,12 +50,8 @@ from megatron_ngrpo.conversion.checkpoint import (
     write_latest,
 )
 
-# The distributed optimizer's checkpoint format (ignored by the other optimizers): model space,
-# gathered over DP with gloo onto DP rank 0's CPU (not all-gathered on every GPU).
-_DISTOPT_FORMAT = {
-    "distrib_optim_sharding_type": "fully_reshardable",
-    "distrib_optim_fully_reshardable_mem_efficient": True,
-}
+# ``param_state_sharding_type`` of the distributed optimizer's entry (docstring above)
+DISTOPT_FORMAT = "model_space_dp_blocks"
 
 __all__ = [
     "checkpoint_meta",
@@ -102,14 +100,10 @@ def save_training_checkpoint(
 
     final = iter_dir(run_dir, step)
     distopt = _is_distributed(optimizer)
-    if distopt:
-        _allocate_adam_state(optimizer)
     extra = {
         "rng_state": _rank_object(ShardedObject, "rng_state", _rng_state()),
         "trainer": trainer_state,
-        "optimizer": optimizer.sharded_state_dict(
-            _sharded_state_dict(chunks), is_loading=False, metadata=_DISTOPT_FORMAT
-        ),
+        "optimizer": _optimizer_state(optimizer, chunks, is_loading=False)[0],
     }
     if rank_state is not None:
         extra["rank_state"] = _rank_object(ShardedObject, "rank_state", rank_state)
@@ -169,14 +163,10 @@ def load_training_checkpoint(path: str | Path, chunks: list, optimizer) -> dict:
         extra["rank_state"] = _rank_object(ShardedObject, "rank_state", None)
     if same_world:
         extra["rng_state"] = _rank_object(ShardedObject, "rng_state", None)
-    if distopt:
-        _allocate_adam_state(optimizer)
-    extra["optimizer"] = optimizer.sharded_state_dict(
-        _sharded_state_dict(chunks), is_loading=True, metadata=_DISTOPT_FORMAT
-    )
+    extra["optimizer"], blocks = _optimizer_state(optimizer, chunks, is_loading=True)
     _, loaded = load_megatron_checkpoint(chunks, path, extra=extra)
     if distopt:
-        _load_distopt(optimizer, loaded["optimizer"])
+        _load_distopt(optimizer, loaded["optimizer"], blocks)
     else:
         optimizer.load_state_dict(loaded["optimizer"])
     if same_world:
@@ -218,17 +208,155 @@ def _allocate_adam_state(optimizer) -> None:
                     }
 
 
-def _load_distopt(optimizer, loaded: dict) -> None:
-    """Load a ``fully_reshardable`` distributed-optimizer state (megatron's
-    ``load_state_dict`` in two parts, see the module docstring)."""
+def _optimizer_state(optimizer, chunks, is_loading: bool) -> tuple[dict, list]:
+    """The optimizer's sharded state dict, and for the distributed optimizer where each of its
+    blocks goes on load: ``(its keys in the state dict, inner optimizer, model param, state name,
+    start, end)``, ``[start, end)`` a range of the flat optimizer tensor of that param and state.
+
+    Distributed optimizer: per inner optimizer (chained: under its index, as megatron nests them)
+    its ``state_dict()`` (param groups, step, grad scaler) and ``param_state[i][name][j]``: block
+    j of this rank's shard of the i-th parameter's ``name`` (``param``: the fp32 main weights,
+    ``exp_avg``, ``exp_avg_sq``), a view of the optimizer's own tensor."""
+    # lazy: keeps training.checkpoint free of megatron-core at import (start-up)
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+
+    model_state = _sharded_state_dict(chunks)
+    if not _is_distributed(optimizer):
+        return optimizer.sharded_state_dict(model_state, is_loading=is_loading), []
+    _allocate_adam_state(optimizer)
+    model = {
+        sh.data: sh for sh in nested_values(extract_sharded_tensors_and_factories(model_state)[0])
+    }
+    inner = _inner(optimizer)
+    parts, blocks = [], []
+    for n, o in enumerate(inner):
+        param_state = {}
+        for i, (param, rng) in enumerate(_param_ranges(o)):
+            tensors = o._get_main_param_and_optimizer_states(param)
+            param_state[i] = {}
+            names = sorted(tensors.keys() - {"step"})  # megatron keeps the step in param_groups
+            for name in names:
+                flat = tensors[name].detach().view(-1)
+                param_state[i][name] = {}
+                for j, (sh, lo, hi) in enumerate(_param_blocks(model[param], rng.start, rng.end)):
+                    piece = flat[lo - rng.start : hi - rng.start].view(sh.local_shape)
+                    rid = sh.replica_id  # (PP, TP, DP): every DP rank holds its own range
+                    assert len(rid) == 3, f"expected replica_id (PP, TP, DP), got {sh}"
+                    param_state[i][name][j] = replace(
+                        sh,
+                        key=f"optimizer.state.{name}.{sh.key}",
+                        data=piece,
+                        dtype=piece.dtype,
+                        replica_id=(*rid[:2], o.distributed_optimizer_instance_id),
+                    )
+                    path = ((n,) if len(inner) > 1 else ()) + ("param_state", i, name, j)
+                    blocks.append((path, o, param, name, lo - rng.start, hi - rng.start))
+        parts.append(
+            {
+                **o.state_dict(),
+                "param_state": param_state,
+                "param_state_sharding_type": DISTOPT_FORMAT,
+            }
+        )
+    return (parts[0] if len(parts) == 1 else dict(enumerate(parts))), blocks
+
+
+def _param_ranges(o) -> list:
+    """(model param, ``Range`` of its flattened elements in this DP rank's shard) of the
+    distributed optimizer ``o``, in megatron's order."""
+    return [
+        (param, ranges["param"])
+        for gbuf_range_maps in o.gbuf_ranges
+        for gbuf_range_map_for_all_buckets in gbuf_range_maps.values()
+        for gbuf_range_map in gbuf_range_map_for_all_buckets
+        for param, ranges in gbuf_range_map["param_map"].items()
+    ]
+
+
+def _param_blocks(model_sh, start: int, end: int) -> list:
+    """The flat range ``[start, end)`` of a model parameter as (data-less ``ShardedTensor`` of a
+    block in the parameter's global tensor, block start, block end) in row-major order. A
+    factory's tensors (e.g. SwiGLU's two halves) are built on a meta tensor: each is a
+    contiguous view of the parameter, its storage offset its first element's flat index."""
+    # lazy: keeps training.checkpoint free of megatron-core at import (start-up)
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    meta = torch.empty(model_sh.data.shape, dtype=model_sh.data.dtype, device="meta")
+    built = replace(model_sh, data=meta)
+    if isinstance(built, ShardedTensorFactory):
+        built = built.build()
+    out = []
+    for sh in [built] if isinstance(built, ShardedTensor) else nested_values(built):
+        assert isinstance(sh, ShardedTensor) and sh.data.is_contiguous(), sh
+        first = sh.data.storage_offset()
+        lo, hi = max(start, first), min(end, first + sh.data.numel())
+        pre = sh.prepend_axis_num  # folded into the block as size-1 axes
+        for offset, size in _blocks(tuple(sh.data.shape), lo - first, hi - first):
+            block = ShardedTensor(
+                key=sh.key,
+                data=None,
+                dtype=sh.dtype,
+                local_shape=(1,) * pre + size,
+                global_shape=sh.global_shape,
+                global_offset=sh.global_offset[:pre]
+                + tuple(g + o for g, o in zip(sh.global_offset[pre:], offset, strict=True)),
+                axis_fragmentations=None,
+                replica_id=sh.replica_id,
+            )
+            out.append((block, lo, lo + math.prod(size)))
+            lo += math.prod(size)
+    return out
+
+
+def _blocks(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[tuple, tuple]]:
+    """The row-major range ``[lo, hi)`` of a tensor of ``shape`` as consecutive rectangular
+    blocks ``(offset, size)`` (at most 2·ndim − 1): dist_checkpointing stores rectangles only."""
+    if lo >= hi:
+        return []
+    if len(shape) == 1:
+        return [((lo,), (hi - lo,))]
+    row = math.prod(shape[1:])
+    first, end = lo // row, hi // row
+
+    def within(r: int, a: int, b: int) -> list:
+        return [((r, *o), (1, *s)) for o, s in _blocks(shape[1:], a, b)]
+
+    if first == (hi - 1) // row:
+        return within(first, lo - first * row, hi - first * row)
+    out = []
+    if lo % row:
+        out += within(first, lo % row, row)
+        first += 1
+    if end > first:
+        out.append(((first, *(0,) * (len(shape) - 1)), (end - first, *shape[1:])))
+    if hi % row:
+        out += within(end, 0, hi % row)
+    return out
+
+
+@torch.no_grad()
+def _load_distopt(optimizer, loaded: dict, blocks: list) -> None:
+    """Load the distributed optimizer's state: param groups, step and grad scaler with megatron's
+    ``load_state_dict``, then every loaded block into the optimizer's own tensors."""
     inner = _inner(optimizer)
     parts = [loaded] if len(inner) == 1 else [loaded[i] for i in range(len(inner))]
     for o, part in zip(inner, parts, strict=True):
-        o.load_state_dict({k: v for k, v in part.items() if k != "param_state"})
-        steps = {p: s.pop("step") for p, s in o.optimizer.state.items()}
-        o.load_parameter_state_from_fully_reshardable(part["param_state"])
-        for p, step in steps.items():
-            o.optimizer.state[p]["step"] = step.clone()
+        o.load_state_dict(
+            {k: v for k, v in part.items() if k not in ("param_state", "param_state_sharding_type")}
+        )
+        # megatron gives every parameter's state one shared step tensor; torch's Adam adds 1 to
+        # each parameter's in place
+        for state in o.optimizer.state.values():
+            state["step"] = state["step"].clone()
+    for path, o, param, name, lo, hi in blocks:
+        value = loaded
+        for k in path:
+            value = value[k]
+        o._get_main_param_and_optimizer_states(param)[name].detach().view(-1)[lo:hi].copy_(
+            value.reshape(-1)
+        )
 
 
 def _rng_state() -> dict:

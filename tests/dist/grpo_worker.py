@@ -7,6 +7,7 @@ Run by tests/test_grpo.py under torchrun with 4 processes, and the DP×TP×PP = 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -273,6 +274,39 @@ def full_grads(chunks) -> dict[str, torch.Tensor]:
     return out
 
 
+@contextlib.contextmanager
+def layer_probe(chunks):
+    """Pre-hooks on every transformer layer of ``chunks``: ``seq`` collects (sequence length
+    entering the layer, sequence length its attention sees) — with sequence parallelism the
+    layer gets s/TP rows and its column-parallel QKV all-gathers s; ``grad`` / ``no_grad`` count
+    layer forwards with gradients on / off: inside a gradient pass a layer runs without them
+    only as megatron's full recompute runs it (the checkpointed forward, rerun with gradients
+    in the backward)."""
+    from megatron_ngrpo.architecture import unwrap
+
+    seen = {"seq": set(), "grad": 0, "no_grad": 0}
+    entering = []
+
+    def layer_hook(_, args, kwargs):
+        entering.append((args[0] if args else kwargs["hidden_states"]).shape[0])
+        seen["grad" if torch.is_grad_enabled() else "no_grad"] += 1
+
+    def attention_hook(_, args, kwargs):
+        seen["seq"].add((entering[-1], (args[0] if args else kwargs["query"]).shape[0]))
+
+    handles = []
+    for chunk in chunks:
+        for layer in unwrap(chunk).decoder.layers:
+            handles.append(layer.register_forward_pre_hook(layer_hook, with_kwargs=True))
+            attention = layer.self_attention.core_attention
+            handles.append(attention.register_forward_pre_hook(attention_hook, with_kwargs=True))
+    try:
+        yield seen
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def run_layout(tp, pp, vpp=None, max_tokens=0, sp=False, recompute=False):
     from megatron_ngrpo.conversion.checkpoint import load_megatron_checkpoint
     from megatron_ngrpo.grpo.advantages import (
@@ -307,6 +341,8 @@ def run_layout(tp, pp, vpp=None, max_tokens=0, sp=False, recompute=False):
     report["logprob_err"] = lp_err
     settings = UpdateSettings(temperature=TEMP, micro_batch_size=2, max_tokens=max_tokens,
                               vocab_limit=VOCAB, max_response_len=MAX_RESPONSE)
+    probe = layer_probe(chunks)
+    seen = probe.__enter__()
     for name, v in VARIANTS.items():
         ref = refs[name]
         cfg = grpo_cfg(v)
@@ -342,6 +378,16 @@ def run_layout(tp, pp, vpp=None, max_tokens=0, sp=False, recompute=False):
                 assert loss_err < 1e-5, f"{name}: loss {stats['loss']} vs reference {ref['loss']}"
                 assert rel < 1e-5, f"{name}: gradient relative error {rel}"
             report[name] = {"loss_err": loss_err, "grad_rel_err": rel}
+    probe.__exit__(None, None, None)
+    # the features are on, not silently off: SP's s/TP rows, every layer forward recomputed
+    split = tp if sp else 1
+    assert seen["seq"] and all(s * split == full for s, full in seen["seq"]), (
+        f"(layer rows, attention rows) {sorted(seen['seq'])} with sequence_parallel={sp}, TP {tp}")
+    assert seen["grad"] > 0 and seen["no_grad"] == (seen["grad"] if recompute else 0), (
+        f"layer forwards with / without gradients {seen['grad']} / {seen['no_grad']} in the "
+        f"gradient passes, recompute={recompute}")
+    report["layer_rows"] = sorted(seen["seq"])
+    report["recomputed_layer_forwards"] = seen["no_grad"]
     report["seconds"] = time.time() - start
     return report
 
