@@ -94,7 +94,7 @@ RECIPES = {
     "smollm2": (
         "configs/smollm2_135m_arith.yaml",
         write_smollm2,
-        "max / min task phrased for chat, SmolLM2-135M-Instruct, CPU: mean ± 1 std over seeds",
+        "chat max / min task, SmolLM2-135M-Instruct, CPU: mean ± 1 std over seeds",
     ),
 }
 
@@ -299,12 +299,14 @@ def plot(
     for arm, runs in results.items():
         steps = sorted(next(iter(runs.values()))["curve"])
         ys = np.array([[run["curve"][s] for s in steps] for run in runs.values()], dtype=np.float64)
+        if base is not None:  # every arm starts from the same untrained model at step 0
+            steps, ys = [0, *steps], np.concatenate([np.full((len(ys), 1), base), ys], axis=1)
         mean, std = ys.mean(0), ys.std(0, ddof=1) if len(ys) > 1 else np.zeros(len(steps))
         ax.plot(steps, mean, marker="o", label=f"{arm} ({len(ys)} seeds)")
         ax.fill_between(steps, mean - std, mean + std, alpha=0.2)
     ax.set_xlabel("GRPO step")
     ax.set_ylabel(f"held-out {metric}")
-    ax.set_title(title)
+    ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
