@@ -65,14 +65,17 @@ def init_distributed(timeout_s: int = DEFAULT_TIMEOUT_S, trace_dir: str | None =
     backend = "nccl" if on_gpu else "gloo"
     if on_gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    if "RANK" in os.environ or "MASTER_PORT" in os.environ:
+    if _launched():
         defaults = {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
         for name, value in defaults.items():
             os.environ.setdefault(name, value)
         dist.init_process_group(backend=backend, timeout=collective_timeout())
         return
     # One process without a launcher: its store binds port 0 itself (a port picked free and bound
-    # later can be taken in between: EADDRINUSE in CI); MASTER_* name it for later readers.
+    # later can be taken in between). The torchrun variables are written for vLLM's external
+    # launcher, which reads them, and marked as ours (SINGLE_PROCESS_PORT_VAR): a later init in
+    # this process, or a child process inheriting them, would otherwise rendezvous on a port that
+    # is still held (EADDRINUSE in CI).
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=collective_timeout())
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -81,9 +84,22 @@ def init_distributed(timeout_s: int = DEFAULT_TIMEOUT_S, trace_dir: str | None =
         WORLD_SIZE="1",
         LOCAL_RANK="0",
     )
+    os.environ[SINGLE_PROCESS_PORT_VAR] = str(store.port)
     dist.init_process_group(
         backend=backend, store=store, rank=0, world_size=1, timeout=collective_timeout()
     )
+
+
+SINGLE_PROCESS_PORT_VAR = "NGRPO_SINGLE_PROCESS_PORT"
+
+
+def _launched() -> bool:
+    """Whether the torchrun variables come from a launcher (torchrun, srun, a test harness), not
+    from a single-process init of this process or of a parent (they name its port: stale here)."""
+    if "RANK" not in os.environ and "MASTER_PORT" not in os.environ:
+        return False
+    ours = os.environ.get(SINGLE_PROCESS_PORT_VAR)
+    return ours is None or os.environ.get("MASTER_PORT") != ours
 
 
 def collective_timeout() -> datetime.timedelta:

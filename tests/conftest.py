@@ -10,7 +10,6 @@ import pytest
 from megatron_ngrpo.data.paths import REPO_DATA
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 @pytest.fixture(scope="session")

@@ -52,3 +52,53 @@ def test_nccl_flight_recorder_defaults_keep_the_users(monkeypatch, tmp_path):
         os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
         and os.environ["TORCH_FR_BUFFER_SIZE"] == "2000"
     )
+
+
+def test_single_process_init_leaves_no_stale_port(monkeypatch):
+    """A single process without a launcher binds its own port; the torchrun variables it writes
+    (vLLM's external launcher reads them) must not send a child process, or this process's next
+    init, to that port while it is held (EADDRINUSE in CI: the eval CLI and a test's in-process
+    init after an earlier test's)."""
+    import socket
+    import subprocess
+    import sys
+
+    import torch.distributed as dist
+
+    from megatron_ngrpo.parallel import SINGLE_PROCESS_PORT_VAR, init_distributed
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv(SINGLE_PROCESS_PORT_VAR, raising=False)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    init_distributed()
+    try:
+        port = os.environ["MASTER_PORT"]
+        assert os.environ["RANK"] == "0" and os.environ[SINGLE_PROCESS_PORT_VAR] == port
+        child = (
+            "from megatron_ngrpo.parallel import init_distributed; init_distributed(); print('ok')"
+        )
+        r = subprocess.run(
+            [sys.executable, "-c", child], capture_output=True, text=True, timeout=120
+        )
+        assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+        # a launcher's variables are still obeyed: a child told port 0 binds that
+        launched = dict(os.environ, MASTER_PORT="0")
+        r = subprocess.run(
+            [sys.executable, "-c", child], env=launched, capture_output=True, text=True, timeout=120
+        )
+        assert r.returncode == 0, r.stderr[-2000:]
+    finally:
+        dist.destroy_process_group()
+    with socket.socket() as held:  # the old port, taken by someone else since
+        try:
+            held.bind(("127.0.0.1", int(port)))
+            held.listen()
+        except OSError:
+            pass  # still held by the old store: the same case
+        init_distributed()  # a new port, not EADDRINUSE on the stale one
+        try:
+            assert os.environ["MASTER_PORT"] != port
+        finally:
+            dist.destroy_process_group()
