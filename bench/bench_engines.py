@@ -1,22 +1,27 @@
-"""Built-in Megatron engine vs vLLM engine: tokens/s on the same tiny model, same prompts.
+"""Built-in Megatron engine vs vLLM engine: tokens/s on the same model, same prompts.
 
-One process, TP=1, fp32, a tiny random Qwen2 with HF weights (loaded into Megatron through the
-conversion mapping, into vLLM from the files); plain sampling and N-GRPO mixing at ρ=0.1 for each
-engine; vLLM vs built-in timed in interleaved pairs by ``bench/_timing.py`` (tokens per second of
-process CPU time, the machine is shared; median over A B / B A blocks with its 95% interval). Also the
-vLLM weight-sync seconds (Megatron → vLLM) per million parameters.
+One process, TP=1, fp32, HF weights loaded into Megatron through the conversion mapping and into
+vLLM from the files: a tiny random Qwen2 (default) or a real HF folder (``--hf``, e.g.
+SmolLM2-135M-Instruct, prompted with chat-templated arithmetic questions). Timed in interleaved
+pairs by ``bench/_timing.py`` (tokens per second of process CPU time, the machine is shared; median
+over A B / B A blocks with its 95% interval): vLLM vs built-in, plain and with N-GRPO mixing at
+ρ=0.1; mixing vs plain within each engine. Also the vLLM weight-sync seconds (Megatron → vLLM) per
+million parameters, with the neighbour-table rebuild apart.
 
     OMP_NUM_THREADS=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_OMP_THREADS_BIND=nobind \\
-        python -m bench.bench_engines [--max-seconds 300]
+        python -m bench.bench_engines [--max-seconds 300] [--hf ~/.cache/megatron_ngrpo/models/SmolLM2-135M-Instruct]
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import tempfile
+from pathlib import Path
 
 import torch
+from transformers import AutoTokenizer
 
 from bench._timing import compare
 
@@ -30,8 +35,10 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--hf", default="", help="a real HF model folder instead of the tiny model")
     args = ap.parse_args()
 
+    from megatron_ngrpo.architecture import ArchSpec
     from megatron_ngrpo.conversion.loading import build_policy
     from megatron_ngrpo.mixing.config import MixingConfig
     from megatron_ngrpo.models.config import ModelConfig
@@ -42,44 +49,57 @@ def main() -> None:
     from megatron_ngrpo.testing.tiny import write_tiny_hf
 
     tmp = tempfile.TemporaryDirectory()
-    hf = write_tiny_hf(
-        tmp.name,
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        num_layers=args.layers,
-        num_heads=8,
-        num_kv_heads=4,
-        intermediate_size=4 * args.hidden,
-    )
+    if args.hf:
+        hf = Path(args.hf).expanduser()
+        tok = AutoTokenizer.from_pretrained(hf)
+        prompts, eos = chat_prompts(tok, args.prompts), [tok.eos_token_id]
+        kv_bytes = 2**30
+    else:
+        hf = write_tiny_hf(
+            tmp.name,
+            vocab_size=args.vocab,
+            hidden_size=args.hidden,
+            num_layers=args.layers,
+            num_heads=8,
+            num_kv_heads=4,
+            intermediate_size=4 * args.hidden,
+        )
+        gen = torch.Generator().manual_seed(0)
+        prompts = [
+            torch.randint(
+                0, args.vocab, (int(torch.randint(16, 49, (1,), generator=gen)),), generator=gen
+            ).tolist()
+            for _ in range(args.prompts)
+        ]
+        kv_bytes, eos = 256 * 2**20, []
+    spec = ArchSpec.from_hf(hf)
     chunks = build_policy(ModelConfig(hf_path=str(hf), dtype="float32"))
     engines = {
-        "megatron": MegatronEngine(chunks, args.vocab),
-        "vllm": VLLMEngine(hf, VLLMConfig(max_model_len=256, kv_cache_memory_bytes=256 * 2**20)),
+        "megatron": MegatronEngine(chunks, spec.vocab_size, eos_token_ids=eos),
+        "vllm": VLLMEngine(hf, VLLMConfig(max_model_len=256, kv_cache_memory_bytes=kv_bytes)),
     }
-    gen = torch.Generator().manual_seed(0)
-    prompts = [
-        torch.randint(
-            0, args.vocab, (int(torch.randint(16, 49, (1,), generator=gen)),), generator=gen
-        ).tolist()
-        for _ in range(args.prompts)
-    ]
-    params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.new_tokens, seed=0)
+    params = SamplingParams(
+        n=args.n, temperature=1.0, max_new_tokens=args.new_tokens, seed=0, stop_token_ids=eos
+    )
     modes = {"plain": None, "mixed rho=0.1": MixingConfig(rate=0.1)}
 
     def run(e, m):
         return lambda: sum(engines[e].generate(prompts, params, modes[m]).response_lengths)
 
     print(
-        f"model: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; {args.prompts} prompts "
-        f"x n={args.n}, {args.new_tokens} new tokens",
+        f"model: {hf.name if args.hf else 'tiny random Qwen2'}, hidden {spec.hidden_size}, "
+        f"{spec.num_layers} layers, vocab {spec.vocab_size}; {args.prompts} prompts x n={args.n}, "
+        f"up to {args.new_tokens} new tokens",
         flush=True,
     )
-    for m in modes:
+    pairs = [(("vllm", m), ("megatron", m)) for m in modes]
+    pairs += [((e, "mixed rho=0.1"), (e, "plain")) for e in engines]
+    for a, b in pairs:
         r = compare(
-            run("vllm", m),
-            run("megatron", m),
+            run(*a),
+            run(*b),
             kind="rate",
-            label=f"tokens/s vLLM / built-in, {m}",
+            label=f"tokens/s {' '.join(a)} / {' '.join(b)}",
             max_seconds=args.max_seconds,
         )
         print(f"{r} | {1 / r.a_cpu:.0f} vs {1 / r.b_cpu:.0f} tok/s", flush=True)
@@ -97,6 +117,20 @@ def main() -> None:
     )
     engines["vllm"].close()
     tmp.cleanup()
+
+
+def chat_prompts(tok, count: int) -> list[list[int]]:
+    """``count`` chat-templated arithmetic questions (the model's own template), as token ids."""
+    rng = random.Random(0)
+    prompts = []
+    for _ in range(count):
+        nums = [rng.randint(10, 99) for _ in range(rng.randint(2, 4))]
+        q = f"What is the largest of {', '.join(map(str, nums))}? Put the answer in \\boxed{{}}."
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
+        )
+        prompts.append(tok(text, add_special_tokens=False)["input_ids"])
+    return prompts
 
 
 if __name__ == "__main__":
