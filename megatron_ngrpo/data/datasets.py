@@ -398,12 +398,21 @@ def build_prompts(
         if max_prompt_tokens is None or len(ids) <= max_prompt_tokens:
             examples.append(PromptExample(p, ids))
         elif long_prompts == "refuse":
-            raise DataError(
-                f"data source {p.source!r}: {(paths or {}).get(p.source, p.source)}: row {p.row}: "
-                f"field 'problem': prompt of {len(ids)} tokens (templated) > data.max_prompt_tokens "
-                f"= {max_prompt_tokens} (data.long_prompts = refuse)"
+            raise prompt_too_long(
+                p,
+                (paths or {}).get(p.source, p.source),
+                len(ids),
+                f"data.max_prompt_tokens = {max_prompt_tokens} (data.long_prompts = refuse)",
             )
     return examples, len(problems) - len(examples)
+
+
+def prompt_too_long(problem: Problem, path: str, length: int, limit: str) -> DataError:
+    """The one-line error of a templated prompt over a limit (``limit``: its value and name)."""
+    return DataError(
+        f"data source {problem.source!r}: {path}: row {problem.row}: field 'problem': "
+        f"prompt of {length} tokens (templated) > {limit}"
+    )
 
 
 def load_train_set(cfg: DataConfig, tokenizer) -> list[PromptExample]:

@@ -1,6 +1,6 @@
 """`python -m megatron_ngrpo.eval --config FILE.yaml [a.b=c ...]`: evaluate a policy, or re-grade.
 
-The policy comes from ``models.loading.build_policy`` (a Megatron checkpoint, or the HF weights in
+The policy comes from ``conversion.loading.build_policy`` (a Megatron checkpoint, or the HF weights in
 model.hf_path) and the engine from ``rollout.factory.build_engine`` (rollout.engine: megatron | vllm). Under torchrun the problems are split
 over the data-parallel ranks (each model-parallel group generates its share, the graded records
 are gathered) and only rank 0 writes the outputs.
@@ -14,11 +14,23 @@ import logging
 import os
 import sys
 
+from megatron_ngrpo.architecture import ArchSpec
 from megatron_ngrpo.config_loader import ConfigError, load
+from megatron_ngrpo.data.tokenizer import load_tokenizer, special_token_ids
 from megatron_ngrpo.eval.config import EvalConfig
 from megatron_ngrpo.eval.report import to_markdown
-from megatron_ngrpo.eval.runner import eval_mixing, evaluate, load_benchmarks, regrade
+from megatron_ngrpo.eval.runner import (
+    check_prompt_lengths,
+    eval_mixing,
+    evaluate,
+    load_benchmarks,
+    regrade,
+)
+from megatron_ngrpo.models.config import real_token_count
+from megatron_ngrpo.parallel import init_distributed
 from megatron_ngrpo.rewards.graders import build_grader
+from megatron_ngrpo.rollout.config import vllm_max_model_len
+from megatron_ngrpo.rollout.types import SamplingParams
 
 
 def build_graders(reward_cfg) -> dict:
@@ -56,33 +68,24 @@ def main(argv: list[str] | None = None) -> int:
             # lazy: keeps eval.__main__ free of megatron-core at import (start-up)
             from megatron.core import parallel_state as ps
 
-            # lazy: optional dependency probe
-            from megatron_ngrpo.architecture import ArchSpec
+            # lazy: megatron-core again (conversion.loading, rollout.factory import it)
             from megatron_ngrpo.conversion.loading import build_policy
-            from megatron_ngrpo.data.tokenizer import load_tokenizer, special_token_ids
-            from megatron_ngrpo.models.config import real_token_count
-            from megatron_ngrpo.parallel import init_distributed
-
-            # lazy: keeps eval.__main__ free of megatron-core at import (start-up)
             from megatron_ngrpo.rollout.factory import build_engine
 
-            # lazy: optional dependency probe
-            from megatron_ngrpo.rollout.types import SamplingParams
-
             tokenizer = load_tokenizer(cfg.tokenizer, cfg.model.hf_path)
+            spec = ArchSpec.from_hf(cfg.model.hf_path)
             try:
                 benchmarks = load_benchmarks(
                     list(cfg.benchmarks) + list(cfg.extra_benchmarks), cfg.limit
                 )
+                check_prompt_lengths(benchmarks, tokenizer, cfg.template, *prompt_budget(cfg, spec))
             except ConfigError as e:  # a bad row (DataError), before any process group starts
                 print(f"error: {e}", file=sys.stderr)
                 return 2
             init_distributed(cfg.dist_timeout_s)
             chunks = build_policy(cfg.model, cfg.checkpoint)
             engine = build_engine(cfg, chunks, tokenizer)
-            num_real = real_token_count(
-                cfg.model.num_real_tokens, ArchSpec.from_hf(cfg.model.hf_path).vocab_size, tokenizer
-            )
+            num_real = real_token_count(cfg.model.num_real_tokens, spec.vocab_size, tokenizer)
             mixing = eval_mixing(cfg.mixing, engine, chunks, num_real, special_token_ids(tokenizer))
             is_main = int(os.environ.get("RANK", "0")) == 0
             params = SamplingParams.from_config(cfg.sampling, tokenizer.eos_token_id)
@@ -108,6 +111,18 @@ def main(argv: list[str] | None = None) -> int:
     print(to_markdown(result))
     print(f"outputs: {cfg.output_dir}")
     return 0
+
+
+def prompt_budget(cfg: EvalConfig, spec) -> tuple[int, str]:
+    """The longest prompt the engine can take with room for ``sampling.max_new_tokens``, and
+    where that comes from."""
+    if cfg.rollout.engine == "vllm":
+        context = vllm_max_model_len(cfg.rollout.vllm, spec.max_position_embeddings)
+        source = "rollout.vllm.max_model_len"
+    else:
+        context, source = spec.max_position_embeddings, "the model's max_position_embeddings"
+    new = cfg.sampling.max_new_tokens
+    return context - new, f"{source} {context} - sampling.max_new_tokens {new}"
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from megatron_ngrpo.data.config import SourceConfig
-from megatron_ngrpo.data.datasets import Problem, as_source, load_source
+from megatron_ngrpo.data.datasets import Problem, as_source, load_source, prompt_too_long
 from megatron_ngrpo.data.templates import (
     EVAL_INSTRUCTION,
     MCQ_INSTRUCTION,
@@ -56,6 +56,7 @@ DEFAULT_TOKENS_PER_CALL = 2**18
 class Benchmark:
     name: str
     problems: list[Problem]
+    path: str = ""  # the file the problems came from (for errors)
 
     @property
     def kind(self) -> str:
@@ -72,16 +73,34 @@ def load_benchmarks(
     Evaluation files must be clean (``max_bad_fraction`` 0 by default)."""
     benchmarks = []
     for name in names:
-        problems, _ = load_source(
+        problems, report = load_source(
             as_source(name), max_bad_fraction=max_bad_fraction, cache_dir=cache_dir
         )
         benchmarks.append(
             Benchmark(
                 problems[0].source if problems else str(name),
                 problems[:limit] if limit else problems,
+                report.path,
             )
         )
     return benchmarks
+
+
+def check_prompt_lengths(
+    benchmarks: Sequence[Benchmark],
+    tokenizer,
+    template: TemplateConfig,
+    max_tokens: int,
+    limit: str,
+) -> None:
+    """Refuse, in one line naming file, row and field, a benchmark whose templated prompt is over
+    ``max_tokens`` (``limit`` names where that comes from): before any process group starts, not
+    the engine's error on every rank mid-evaluation."""
+    for bench in benchmarks:
+        for p in bench.problems:
+            n = len(encode_prompt(prompt_message(p, template), tokenizer, template))
+            if n > max_tokens:
+                raise prompt_too_long(p, bench.path or p.source, n, f"{max_tokens}: {limit}")
 
 
 def prompt_message(problem: Problem, template: TemplateConfig) -> str:
