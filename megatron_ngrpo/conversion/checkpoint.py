@@ -177,7 +177,8 @@ def _save_strategy(parallel: bool):
     the DP (× CP) group, as megatron-LM's ``--ckpt-fully-parallel-save``; None (megatron's
     default: DP rank 0 writes them) at DP 1, without initialized parallel state (single-process
     conversion) or when not ``parallel``. The distribution is recomputed per save (one metadata
-    all-gather), not cached: the saved entries may differ between saves (``rank_state``)."""
+    all-gather), not cached: one process saves several structures (the trainer's model-only
+    warm-start checkpoint, its training checkpoints)."""
     # lazy: keeps conversion.checkpoint free of megatron-core at import (start-up)
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
