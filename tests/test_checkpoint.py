@@ -1,7 +1,8 @@
 """Distributed-optimizer checkpoints are written in parallel and reshard: saved at 2 ranks (DP 2,
 TP 2), resumed at DP 4, TP 2 × DP 2 and TP 1 × DP 2 (tests/dist/checkpoint_worker.py: real
 torchrun + gloo, megatron DDP + distributed Adam, tiny Qwen2). Every rank writes its own part of
-the optimizer state (read from the checkpoint's storage metadata). The resumed
+the optimizer state and about half the (DP-replicated) model weights (read from the checkpoint's
+storage metadata). The resumed
 optimizer state equals the saved one bit for bit in every layout (fp32 main weights and moments,
 assembled through megatron's own model-space view), also with bf16 parameters and fp32 main
 weights, and from a checkpoint in the old gathered format. A resumed run's next update equals
@@ -21,13 +22,12 @@ from __future__ import annotations
 
 import math
 import random
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 
+from megatron_ngrpo.testing.checkpoint import written_bytes
 from megatron_ngrpo.testing.multiproc import check, launch
 from megatron_ngrpo.training.checkpoint import _blocks, latest_checkpoint
 
@@ -60,27 +60,20 @@ def _max_param_diff(got: dict, want: dict) -> float:
     return diff
 
 
-def _written(checkpoint: Path) -> dict[str, dict[int, int]]:
-    """Bytes of optimizer / model tensors in each rank's files (``__<rank>_<n>.distcp``), from the
-    checkpoint's torch.distributed.checkpoint metadata."""
-    out = {"optimizer": defaultdict(int), "model": defaultdict(int)}
-    for index, info in FileSystemReader(str(checkpoint)).read_metadata().storage_data.items():
-        rank = int(info.relative_path.split("_")[2])
-        kind = "optimizer" if index.fqn.startswith("optimizer.") else "model"
-        out[kind][rank] += info.length
-    return out
-
-
 def test_every_rank_writes_its_own_part(results, root):
-    """DP 2: each rank wrote about half the optimizer state (its own DP shard). The control: the
-    old format (gathered onto DP rank 0) has rank 1 write none of it, so this fails if the
-    funnel comes back."""
+    """DP 2: each rank wrote about half the optimizer state (its own DP shard) and about half the
+    model weights (replicated over DP; megatron's fully parallel save spreads their writes). The
+    control: the old format (optimizer gathered onto DP rank 0, model saved without spreading)
+    has rank 1 write none of either, so this fails if either funnel comes back."""
     check(results, "dp2_save"), check(results, "old_dp2_save")
-    new, old = _written(latest_checkpoint(root / "dp2")), _written(latest_checkpoint(root / "old"))
-    opt = new["optimizer"]
-    assert sorted(opt) == [0, 1] and all(0.4 < opt[r] / sum(opt.values()) < 0.6 for r in opt), opt
-    assert sum(old["optimizer"].values()) == sum(opt.values())  # the same tensors, ...
-    assert old["optimizer"].get(1, 0) == 0  # ... all written by rank 0
+    new = written_bytes(latest_checkpoint(root / "dp2"))
+    old = written_bytes(latest_checkpoint(root / "old"))
+    for kind in ("optimizer", "model"):
+        part = new[kind]
+        assert sorted(part) == [0, 1], (kind, part)
+        assert all(0.4 < part[r] / sum(part.values()) < 0.6 for r in part), (kind, part)
+        assert sum(old[kind].values()) == sum(part.values()), kind  # the same tensors, ...
+        assert old[kind].get(1, 0) == 0, (kind, old[kind])  # ... all written by rank 0
 
 
 def test_blocks_tile_the_range():

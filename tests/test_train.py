@@ -17,6 +17,7 @@ import torch
 
 from megatron_ngrpo.config_loader import ConfigError
 from megatron_ngrpo.parallel import free_port
+from megatron_ngrpo.testing.checkpoint import written_bytes
 from megatron_ngrpo.training.job_config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -413,6 +414,11 @@ def test_sigkill_and_resume_is_bit_identical(task, tmp_path, variant, overrides)
             "checkpoint iter_0000006: written in the background"
             in (tmp_path / "killed.log").read_text()
         )
+    if variant != "async":  # DP 2: each rank wrote about half the model and optimizer tensors
+        written = written_bytes(killed / "iter_0000006")
+        for part in (written["model"], written["optimizer"]):
+            assert sorted(part) == [0, 1], written
+            assert all(0.4 < part[r] / sum(part.values()) < 0.6 for r in part), written
     if variant == "async":
         for run in (straight, killed):
             rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

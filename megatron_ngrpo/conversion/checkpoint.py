@@ -8,6 +8,12 @@ entries (optimizer, RNG, ...). A run directory holds ``iter_0000010/``... and a 
 naming the newest complete one. Everything is written to a hidden sibling directory and renamed
 into place, so a directory that exists is complete.
 
+At data parallelism > 1 the writes are spread over the data-parallel (× context-parallel) group
+(megatron's ``FullyParallelSaveStrategyWrapper``): every tensor replicated over DP (the model
+weights; a non-distributed optimizer's state) is written by one DP rank, the ranks taking about
+equal shares, instead of all by DP rank 0. Only which rank writes a tensor changes, not the
+checkpoint's content, so it loads in any layout as before.
+
 dist_checkpointing reshards on load (any TP/PP/VPP), with one exception handled here: the padded
 vocab size is a multiple of ``make_vocab_size_divisible_by × TP``, so it can differ between the
 writer's and the reader's TP. Then the embedding / output rows are read whole and re-padded.
@@ -123,17 +129,19 @@ def save_megatron_checkpoint(
     extra: dict | None = None,
     aux_from: str | Path | None = None,
     overwrite: bool = False,
+    parallel_save: bool = True,
 ) -> Path:
     """Write a checkpoint of ``model_chunks`` (+ ``extra`` sharded entries) atomically. Every rank
     calls it. ``meta`` from :func:`checkpoint_meta`; tokenizer / generation files are copied from
-    ``aux_from`` (default ``meta["hf_path"]``) when present."""
+    ``aux_from`` (default ``meta["hf_path"]``) when present. ``parallel_save``: spread the writes
+    over the DP group (module docstring); False: DP rank 0 writes every replicated tensor."""
     # lazy: keeps conversion.checkpoint free of megatron-core at import (start-up)
     from megatron.core import dist_checkpointing
 
     directory = Path(directory)
     state = _checkpoint_state(model_chunks, meta, extra)
     with atomic_directory(directory, overwrite=overwrite) as tmp:
-        dist_checkpointing.save(state, str(tmp))
+        dist_checkpointing.save(state, str(tmp), sharded_strategy=_save_strategy(parallel_save))
         _write_files(tmp, directory, meta, aux_from)
     return directory
 
@@ -156,10 +164,36 @@ def save_megatron_checkpoint_async(
     directory = Path(directory)
     state = _checkpoint_state(model_chunks, meta, extra)
     tmp = begin_directory(directory, overwrite=overwrite)
-    request = dist_checkpointing.save(state, str(tmp), async_sharded_save=True)
+    request = dist_checkpointing.save(
+        state, str(tmp), sharded_strategy=_save_strategy(True), async_sharded_save=True
+    )
     _write_files(tmp, directory, meta, None)
     request.add_finalize_fn(lambda: commit_directory(tmp, directory))
     return request
+
+
+def _save_strategy(parallel: bool):
+    """megatron's default save strategy wrapped to spread the writes of DP-replicated tensors over
+    the DP (× CP) group, as megatron-LM's ``--ckpt-fully-parallel-save``; None (megatron's
+    default: DP rank 0 writes them) at DP 1, without initialized parallel state (single-process
+    conversion) or when not ``parallel``. The distribution is recomputed per save (one metadata
+    all-gather), not cached: one process saves several structures (the trainer's model-only
+    warm-start checkpoint, its training checkpoints)."""
+    # lazy: keeps conversion.checkpoint free of megatron-core at import (start-up)
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelSaveStrategyWrapper,
+    )
+
+    if not (parallel and ps.model_parallel_is_initialized()):
+        return None
+    if ps.get_data_parallel_world_size(with_context_parallel=True) == 1:
+        return None
+    return FullyParallelSaveStrategyWrapper(
+        get_default_save_sharded_strategy(),
+        ps.get_data_parallel_group(with_context_parallel=True),
+    )
 
 
 def _checkpoint_state(model_chunks: list, meta: dict, extra: dict | None) -> dict:

@@ -4,12 +4,15 @@
 data position, neighbour table, LR scheduler, ...) and optionally every rank's own
 ``rank_state`` (the one-step-off rollout in flight, training/async_rollout.py).
 
-Optimizer state is saved as sharded tensors in model space (one tensor per parameter and state,
-keyed by the parameter's sharded key), so dist_checkpointing reshards it to any TP/PP/DP layout on
-load, for both optimizers. The distributed optimizer's state is written in parallel: each rank
-writes only its own DP shard, as the row-major blocks that shard's flat range of each parameter
-makes (:func:`_blocks`; no data exchange), and reads the blocks its own range needs in the layout
-it resumes in. The tensors' keys and shapes are those of megatron's ``fully_reshardable`` format
+Every rank writes its part in parallel. Tensors replicated over DP (the model weights, torch
+Adam's state) are spread over the DP ranks, each writing about 1/DP of them (megatron's fully
+parallel save wrapper, sync and async saves: conversion/checkpoint.py). Optimizer state is saved
+as sharded tensors in model space (one tensor per parameter and state, keyed by the parameter's
+sharded key), so dist_checkpointing reshards it to any TP/PP/DP layout on load, for both
+optimizers. The distributed optimizer's state is written in parallel: each rank writes only its
+own DP shard, as the row-major blocks that shard's flat range of each parameter makes
+(:func:`_blocks`; no data exchange), and reads the blocks its own range needs in the layout it
+resumes in. The tensors' keys and shapes are those of megatron's ``fully_reshardable`` format
 (which gathers every DP group's state onto DP rank 0 to write it), so checkpoints written in that
 format load too. Megatron's own parallel formats do not fit here: ``dp_reshardable`` cannot
 change TP/PP and ``fully_sharded_model_space`` saves ``flattened_range`` tensors, which

@@ -216,7 +216,8 @@ def _save_after_two_steps(tp: int, name: str, dtype: torch.dtype = torch.float32
 
 def _save_old_format(name: str) -> None:
     """dp2's checkpoint as save_training_checkpoint wrote it before the parallel format: the
-    distributed optimizer's ``fully_reshardable`` state, gathered (gloo) onto DP rank 0."""
+    distributed optimizer's ``fully_reshardable`` state, gathered (gloo) onto DP rank 0, and the
+    model written by DP rank 0 alone."""
     from megatron_ngrpo.conversion.checkpoint import (
         _sharded_state_dict,
         save_megatron_checkpoint,
@@ -245,7 +246,9 @@ def _save_old_format(name: str) -> None:
         "distributed_optimizer": True,
         "rank_state": False,
     }
-    save_megatron_checkpoint(chunks, iter_dir(ROOT / name, 2), meta, extra=extra, overwrite=True)
+    save_megatron_checkpoint(
+        chunks, iter_dir(ROOT / name, 2), meta, extra=extra, overwrite=True, parallel_save=False
+    )
     if dist.get_rank() == 0:
         write_latest(ROOT / name, iter_dir(ROOT / name, 2).name)
     dist.barrier()
