@@ -17,7 +17,8 @@ MODEL="${NGRPO_MODELS:-$HOME/.cache/megatron_ngrpo/models}/SmolLM2-135M-Instruct
 RUN="${SMOLLM2_RUN:-runs/smollm2_arith}"
 OUT="${SMOLLM2_EVAL_OUT:-outputs/eval}"
 LIMIT="${SMOLLM2_EVAL_LIMIT:-0}"
-SIZE="${LIMIT/#0/}"  # a sized evaluation is kept apart: smollm2_arith_base16
+SIZE="${LIMIT/#0/}"
+SIZE="${SIZE:+_first$SIZE}"  # a sized evaluation is kept apart: smollm2_arith_base_first16
 CONFIG=configs/smollm2_135m_arith.yaml
 EVAL=configs/eval/smollm2_arith.yaml
 mkdir -p "$RUN/logs"
