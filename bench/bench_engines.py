@@ -20,10 +20,10 @@ import statistics
 import tempfile
 from pathlib import Path
 
-import torch
 from transformers import AutoTokenizer
 
 from bench._timing import compare
+from megatron_ngrpo.testing.tiny import random_prompts
 
 
 def main() -> None:
@@ -64,13 +64,7 @@ def main() -> None:
             num_kv_heads=4,
             intermediate_size=4 * args.hidden,
         )
-        gen = torch.Generator().manual_seed(0)
-        prompts = [
-            torch.randint(
-                0, args.vocab, (int(torch.randint(16, 49, (1,), generator=gen)),), generator=gen
-            ).tolist()
-            for _ in range(args.prompts)
-        ]
+        prompts = random_prompts(args.prompts, args.vocab)
         kv_bytes, eos = 256 * 2**20, []
     spec = ArchSpec.from_hf(hf)
     chunks = build_policy(ModelConfig(hf_path=str(hf), dtype="float32"))

@@ -14,9 +14,8 @@ from __future__ import annotations
 import argparse
 import tempfile
 
-import torch
-
 from bench._timing import compare
+from megatron_ngrpo.testing.tiny import random_prompts
 
 
 def main() -> None:
@@ -55,13 +54,7 @@ def main() -> None:
         )
         chunks = build_model(ModelConfig(hf_path=str(hf), dtype="float32"))
     engine = MegatronEngine(chunks, args.vocab)
-    gen = torch.Generator().manual_seed(0)
-    prompts = [
-        torch.randint(
-            0, args.vocab, (int(torch.randint(16, 49, (1,), generator=gen)),), generator=gen
-        ).tolist()
-        for _ in range(args.prompts)
-    ]
+    prompts = random_prompts(args.prompts, args.vocab)
     params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.new_tokens, seed=0)
     modes = {"plain": None, f"mixed rho={args.rate}": MixingConfig(rate=args.rate)}
 

@@ -25,9 +25,8 @@ import shutil
 import statistics
 import tempfile
 
-import torch
-
 from bench._timing import compare
+from megatron_ngrpo.testing.tiny import random_prompts
 
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
@@ -72,13 +71,7 @@ def throughput(args) -> None:
         enable_prefix_caching=False,
         kv_cache_memory_bytes=512 * 2**20,
     )
-    gen = torch.Generator().manual_seed(0)
-    prompts = [
-        torch.randint(
-            3, args.vocab, (int(torch.randint(16, 49, (1,), generator=gen)),), generator=gen
-        ).tolist()
-        for _ in range(args.prompts)
-    ]
+    prompts = random_prompts(args.prompts, args.vocab, low=3)
     params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.new_tokens, seed=0)
     raw_params = VSamplingParams(n=args.n, temperature=1.0, max_tokens=args.new_tokens, logprobs=0)
     mixed = f"mixed rho={args.rate}"

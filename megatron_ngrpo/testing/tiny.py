@@ -89,6 +89,21 @@ def write_tiny_hf(
     return path
 
 
+def random_prompts(count: int, vocab_size: int, low: int = 0, seed: int = 0) -> list[list[int]]:
+    """``count`` prompts of 16 to 48 ids drawn uniformly from ``[low, vocab_size)`` (the benchmarks'
+    prompts for a tiny random model), reproducible from ``seed``."""
+    # lazy: keeps testing.tiny free of torch at import (start-up)
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(
+            low, vocab_size, (int(torch.randint(16, 49, (1,), generator=gen)),), generator=gen
+        ).tolist()
+        for _ in range(count)
+    ]
+
+
 def in_megatron_ddp(module, tp: int):
     """A standalone megatron module (e.g. one embedding) in megatron's DDP as the trainer wraps
     its models: fp32 ``main_grad`` buffers, no overlapped reduction. Its hidden size is
