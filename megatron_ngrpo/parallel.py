@@ -31,6 +31,10 @@ NCCL_DEBUG_DEFAULTS = {
 }
 _TRACE_FILE = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
 
+# Names the port of the store a single-process init bound (init_distributed): torchrun variables
+# naming that port were written by that init, not by a launcher.
+SINGLE_PROCESS_PORT_VAR = "NGRPO_SINGLE_PROCESS_PORT"
+
 
 def set_nccl_debug_defaults(trace_dir: str | None = None) -> None:
     """The flight-recorder defaults above; dumps go to ``trace_dir/nccl_trace_rank_<rank>`` (the
@@ -88,9 +92,6 @@ def init_distributed(timeout_s: int = DEFAULT_TIMEOUT_S, trace_dir: str | None =
     dist.init_process_group(
         backend=backend, store=store, rank=0, world_size=1, timeout=collective_timeout()
     )
-
-
-SINGLE_PROCESS_PORT_VAR = "NGRPO_SINGLE_PROCESS_PORT"
 
 
 def _launched() -> bool:
