@@ -9,7 +9,7 @@ over A B / B A blocks with its 95% interval): vLLM vs built-in, plain and with N
 million parameters, with the neighbour-table rebuild apart.
 
     OMP_NUM_THREADS=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_OMP_THREADS_BIND=nobind \\
-        python -m bench.bench_engines [--max-seconds 300] [--hf ~/.cache/megatron_ngrpo/models/SmolLM2-135M-Instruct]
+        python -m bench.bench_engines [--max-seconds 300] [--hf ~/.cache/megatron_ngrpo/models/SmolLM2-135M-Instruct] [--ignore-eos]
 """
 
 from __future__ import annotations
@@ -36,6 +36,12 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--hf", default="", help="a real HF model folder instead of the tiny model")
+    ap.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="every response runs to --new-tokens (fixed work per call: where samples stop no "
+        "longer varies between calls and modes)",
+    )
     args = ap.parse_args()
 
     from megatron_ngrpo.architecture import ArchSpec
@@ -73,7 +79,12 @@ def main() -> None:
         "vllm": VLLMEngine(hf, VLLMConfig(max_model_len=256, kv_cache_memory_bytes=kv_bytes)),
     }
     params = SamplingParams(
-        n=args.n, temperature=1.0, max_new_tokens=args.new_tokens, seed=0, stop_token_ids=eos
+        n=args.n,
+        temperature=1.0,
+        max_new_tokens=args.new_tokens,
+        seed=0,
+        stop_token_ids=[] if args.ignore_eos else eos,
+        ignore_eos=args.ignore_eos,
     )
     modes = {"plain": None, "mixed rho=0.1": MixingConfig(rate=0.1)}
 
@@ -83,7 +94,7 @@ def main() -> None:
     print(
         f"model: {hf.name if args.hf else 'tiny random Qwen2'}, hidden {spec.hidden_size}, "
         f"{spec.num_layers} layers, vocab {spec.vocab_size}; {args.prompts} prompts x n={args.n}, "
-        f"up to {args.new_tokens} new tokens",
+        f"{'exactly' if args.ignore_eos else 'up to'} {args.new_tokens} new tokens",
         flush=True,
     )
     pairs = [(("vllm", m), ("megatron", m)) for m in modes]

@@ -358,6 +358,20 @@ def test_stop_strings_and_ids(engine):
             assert batch.texts[0].split() == [f"w{t}" for t in ids[: end - 1]]
 
 
+def test_ignore_eos(engine):
+    """``ignore_eos``: the EOS (id 1, sampled now and then by the tiny model) no longer ends a
+    response; every response runs to max_new_tokens (the fixed-work calls of bench_engines)."""
+    for seed in range(8):  # the control: a call whose responses EOS does end
+        params = SamplingParams(n=2, temperature=1.0, max_new_tokens=40, seed=seed)
+        if "stop" in engine.generate(PROMPTS, params).finish_reasons:
+            break
+    else:
+        raise AssertionError("no response ended at EOS in 8 calls")
+    free = engine.generate(PROMPTS, SamplingParams(**vars(params) | {"ignore_eos": True}))
+    assert "stop" not in free.finish_reasons
+    assert all(len(r) == 40 for r in free.response_ids)
+    assert any(1 in r[:-1] for r in free.response_ids)
+
 def test_greedy_matches_hf(engine, hf_model):
     """Without mixing, vLLM greedy = HF greedy of the same weights; log-probs agree (T = 1)."""
     params = SamplingParams(n=1, temperature=0.0, max_new_tokens=24)

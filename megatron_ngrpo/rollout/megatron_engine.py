@@ -518,7 +518,8 @@ class MegatronEngine(RolloutEngine):
         b = len(live)
         finish = torch.full((b,), _RUNNING, dtype=torch.long)
         mix_stop = torch.zeros(b, dtype=torch.bool)
-        stop_ids = torch.tensor(self.eos_token_ids + list(params.stop_token_ids), dtype=torch.long)
+        eos = [] if params.ignore_eos else self.eos_token_ids
+        stop_ids = torch.tensor(eos + list(params.stop_token_ids), dtype=torch.long)
         finish[producing & (t + 1 >= state.limit[live])] = _LENGTH
         finish[producing & torch.isin(token, stop_ids)] = _STOP
         stop_after = mixing.stop_after if mixing is not None else ""

@@ -56,6 +56,9 @@ class SamplingParams(SamplingFields):
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int = 0
+    # Generate max_new_tokens whatever the model's EOS (``stop``/``stop_token_ids`` still apply):
+    # fixed work per call, for benchmarks (vLLM's ``ignore_eos``).
+    ignore_eos: bool = False
 
     @classmethod
     def from_config(

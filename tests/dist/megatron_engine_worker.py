@@ -395,8 +395,12 @@ def stop_strings_and_ids():
     ids = eng.generate(PROMPTS, SamplingParams(**{**base.__dict__, "stop_token_ids": [stop_id]}))
     first = plain.response_ids[0].index(stop_id)
     assert ids.response_ids[0] == plain.response_ids[0][: first + 1] and ids.finish_reasons[0] == "stop"
-    eos = engine(chunks, eos_token_ids=[stop_id]).generate(PROMPTS, base)
+    eos_engine = engine(chunks, eos_token_ids=[stop_id])
+    eos = eos_engine.generate(PROMPTS, base)
     assert eos.response_ids == ids.response_ids and eos.finish_reasons == ids.finish_reasons
+    # ignore_eos: the EOS no longer ends a response (the same samples as without any stop)
+    free = eos_engine.generate(PROMPTS, SamplingParams(**{**base.__dict__, "ignore_eos": True}))
+    assert free.response_ids == plain.response_ids and free.finish_reasons == plain.finish_reasons
     # max length: responses end at the model's max sequence length
     short = engine(chunks, max_seq_len=12).generate(PROMPTS, base)
     for p, r, f in zip(short.prompt_ids, short.response_ids, short.finish_reasons):

@@ -251,6 +251,7 @@ def sampling_options(params, max_tokens: int, extra: dict | None) -> dict:
         max_tokens=int(max_tokens),
         stop=list(params.stop) or None,
         stop_token_ids=list(params.stop_token_ids) or None,
+        ignore_eos=params.ignore_eos,
         logprobs=0,
         extra_args=extra,
     )
