@@ -372,6 +372,7 @@ def test_ignore_eos(engine):
     assert all(len(r) == 40 for r in free.response_ids)
     assert any(1 in r[:-1] for r in free.response_ids)
 
+
 def test_greedy_matches_hf(engine, hf_model):
     """Without mixing, vLLM greedy = HF greedy of the same weights; log-probs agree (T = 1)."""
     params = SamplingParams(n=1, temperature=0.0, max_new_tokens=24)
