@@ -10,7 +10,8 @@ tensors, names and shapes from :mod:`megatron_ngrpo.conversion.mapping`):
   ``bucket_bytes`` packed into one flat byte buffer, the worker unpacks views and loads them with
   ``model.load_weights`` inside vLLM's layerwise reload (as vLLM's ``ipc`` engine does).
   ``verify``: the update info carries each tensor's SHA-256 and the worker checks what it received
-  before loading (one-line :class:`WeightSyncError` naming the tensor).
+  before loading (one-line :class:`WeightSyncError` naming the tensor). The store admits anyone,
+  so both members prove a per-session key before any weights move (:func:`_prove_pair`).
 * ``ipc`` (colocated, GPU) and ``nccl`` (disaggregated, GPU): vLLM's own engines, packed into
   buffers of ``bucket_bytes``. Not measured here (no GPU).
 * ``nccl_m2n`` (vLLM's shard-to-shard engine) is not wired: its trainer engine needs vLLM's
@@ -32,6 +33,9 @@ are gathered.
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
+import secrets
 import threading
 import time
 from collections.abc import Iterator
@@ -114,11 +118,13 @@ class LLMClient:
 
 @dataclass
 class GlooInitInfo(base.WeightTransferInitInfo):
-    """Worker side: where the trainer's TCP store listens."""
+    """Worker side: where the trainer's TCP store listens, and the session key both members
+    prove before any weights move (:func:`_prove_pair`)."""
 
     host: str
     port: int
     timeout_s: float = 1800.0
+    key: str = ""
 
 
 @dataclass
@@ -163,13 +169,57 @@ class _Staging:
         return self.buf[:size]
 
 
-def _pair_group(host: str, port: int, rank: int, timeout_s: float, store=None):
-    """The two-member gloo group (rank 0 trainer, rank 1 vLLM worker)."""
+def _pair_group(host: str, port: int, rank: int, timeout_s: float, key: str, store=None):
+    """The two-member gloo group (rank 0 trainer, rank 1 vLLM worker), its peer proven to hold
+    ``key`` (:func:`_prove_pair`)."""
 
+    if not key:
+        raise WeightSyncError(f"weight-transfer group at {host}:{port}: no session key")
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
         store = dist.TCPStore(host, port, 2, is_master=False, timeout=timeout)
-    return dist.ProcessGroupGloo(store, rank, 2, timeout)
+    group = dist.ProcessGroupGloo(store, rank, 2, timeout)
+    _prove_pair(group, rank, key, f"{host}:{port}")
+    return group
+
+
+_ROLES = (b"trainer", b"worker")
+
+
+def _prove_pair(group, rank: int, key: str, where: str) -> None:
+    """Mutual challenge-response over the new pair group: each member sends a fresh nonce and
+    answers the other's with HMAC-SHA256(key, role + nonce); WeightSyncError (one line) unless
+    the peer's answer is right, before any weights move.
+
+    Why: the TCP store that forms the group takes whoever reaches its port (it has no
+    authentication), so a stranger could join as the worker and receive the weights, or as the
+    trainer and feed them. ``key`` is fresh per transfer session and reaches the worker only
+    over the authenticated control route (the rollout server's secret-guarded HTTP, or an
+    in-process call). Not covered: a man in the middle who rewrites the store's addresses and
+    relays the group's traffic can read the weights (gloo does not encrypt); ``verify`` (digests
+    over the control route) catches any change to them."""
+    mine = torch.frombuffer(bytearray(secrets.token_bytes(32)), dtype=torch.uint8)
+    theirs, answer = torch.empty(32, dtype=torch.uint8), torch.empty(32, dtype=torch.uint8)
+    peer = 1 - rank
+
+    def exchange(out: torch.Tensor, into: torch.Tensor, tag: int) -> None:
+        # rank 0 speaks first: gloo pairs a send with the matching receive by tag
+        ops = [lambda: group.send([out], peer, tag), lambda: group.recv([into], peer, tag)]
+        for op in ops if rank == 0 else ops[::-1]:
+            op().wait()
+
+    def mac(role: bytes, nonce: torch.Tensor) -> bytes:
+        return hmac.new(key.encode(), role + nonce.numpy().tobytes(), hashlib.sha256).digest()
+
+    exchange(mine, theirs, 1)
+    proof = torch.frombuffer(bytearray(mac(_ROLES[rank], theirs)), dtype=torch.uint8)
+    exchange(proof, answer, 2)
+    if not hmac.compare_digest(answer.numpy().tobytes(), mac(_ROLES[peer], mine)):
+        raise WeightSyncError(
+            f"weight-transfer group at {where}: the {_ROLES[peer].decode()} that joined did not "
+            "prove the session key (a process other than the job's reached the rendezvous port); "
+            "no weights sent or received"
+        )
 
 
 def begin_reload(model) -> None:
@@ -205,7 +255,9 @@ class GlooWeightTransferEngine(base.WeightTransferEngine[GlooInitInfo, GlooUpdat
     update_info_cls = GlooUpdateInfo
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
-        self.group = _pair_group(init_info.host, init_info.port, 1, init_info.timeout_s)
+        self.group = _pair_group(
+            init_info.host, init_info.port, 1, init_info.timeout_s, init_info.key
+        )
 
     def start_weight_update(self) -> None:
         begin_reload(self.model)
@@ -279,9 +331,12 @@ class GlooTrainerWeightTransferEngine(base.TrainerWeightTransferEngine[GlooTrain
             wait_for_workers=False,
             timeout=datetime.timedelta(seconds=init_info.timeout_s),
         )
-        worker = asdict(GlooInitInfo(init_info.host, store.port, init_info.timeout_s))
+        key = secrets.token_hex(32)
+        worker = asdict(GlooInitInfo(init_info.host, store.port, init_info.timeout_s, key))
         join = _in_thread(client.init_weight_transfer_engine, worker)
-        engine.group = _pair_group(init_info.host, store.port, 0, init_info.timeout_s, store=store)
+        engine.group = _pair_group(
+            init_info.host, store.port, 0, init_info.timeout_s, key, store=store
+        )
         join()
         engine.store = store
         engine.stats = {}
