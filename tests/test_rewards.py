@@ -90,6 +90,7 @@ def test_fallback_phrases():
         ("The answer is 18 apples in all, not 20.", "18"),
         ("Final Answer: The final answer is $(0, 1)$. I hope it is correct.", "(0, 1)"),
         ("the answer is: **-2.5**", "-2.5"),
+        ('Final Answer: The final answer is "$12$ and $13$". I hope it is correct.', "12, 13"),
         ("The answer is 7. Wait, the answer is 9.", "9"),
         # 2. a whole one-line response without prose
         (r"-\frac{10}{9}", r"-\frac{10}{9}"),
@@ -114,6 +115,16 @@ def test_free_text_rule(text, answer):
     # Off (the default): only boxes and the two fallback phrases.
     assert extract_answer("The answer is 18.") is None
     assert extract_answer("#### 18") is None
+
+
+def test_whitespace_controls_pass_the_guard():
+    """A form feed is whitespace (math-verify's suite has ``"\\frac"`` written without r: a
+    ``\f``); other control characters still fail the guard."""
+    from megatron_ngrpo.rewards.equivalence import answers_match, is_parseable
+
+    assert is_parseable("1\f2\r\v") and not is_parseable("5\x00") and not is_parseable("5\x1b")
+    text = "\\begin{pmatrix}-\\\frac{7}{4}\\end{pmatrix}"
+    assert answers_match(text, text)
 
 
 def test_free_text_phrase_after_the_last_box_wins():

@@ -47,7 +47,7 @@ MAX_NESTING = 24
 
 
 def is_parseable(answer: str) -> bool:
-    """The guard: short, shallow, no control characters."""
+    """The guard: short, shallow, no control characters but whitespace ones."""
     if not answer or len(answer) > MAX_ANSWER_CHARS:
         return False
     depth = 0
@@ -58,7 +58,7 @@ def is_parseable(answer: str) -> bool:
                 return False
         elif ch in "}])":
             depth -= 1
-        elif ch < " " and ch not in "\t\n":
+        elif ch < " " and ch not in "\t\n\r\f\v":  # whitespace controls are whitespace
             return False
     return True
 

@@ -68,6 +68,9 @@ _JOINER = re.compile(
     r"(?:[\s$,]|\\[()\[\]]|\\q?quad)*)?"
 )
 _MAX_JOINER = 40
+_SENTENCE_END = re.compile(r'[\\"\u201d\s]*(?:\.|\n|$)')
+# Numbers in one box joined by a word ("12\text{ and }13"), read as a list in a gold.
+_NUMBERS_JOINED = re.compile(r"\\text\{\s*(?:and|or)\s*\}|\s+(?:and|or)\s+")
 # A brace-less box argument is one short token ("\boxed 5").
 _MAX_BARE_ARGUMENT = 64
 
@@ -217,6 +220,9 @@ def _phrase_answer(text: str) -> str | None:
     if phrase is None:
         return None
     after = text[phrase.end() :].lstrip(" :*\t")
+    listed = _joined_spans(after.lstrip('\\"\u201c'), sentence=True)
+    if listed is not None:  # 'The final answer is "$12$ and $13$".'
+        return listed
     span = _MATH_SPAN.match(after)
     if span is not None:
         return next(g for g in span.groups() if g is not None).strip() or None
@@ -240,17 +246,28 @@ def gold_text_answer(text: str) -> str:
     expressions over the last ``FREE_TEXT_TAIL`` characters."""
     boxes = _boxes(text, _gold_joined)
     if boxes:
+        parts = _NUMBERS_JOINED.split(boxes[-1][1])
+        if len(parts) > 1 and all(_NUMBER.fullmatch(p.strip()) for p in parts):
+            return ", ".join(p.strip() for p in parts)  # "12\text{ and }13" -> "12, 13"
         return boxes[-1][1]
     tail = text[-FREE_TEXT_TAIL:]
-    spans = list(_MATH_SPAN.finditer(tail))
+    return _joined_spans(tail.lstrip()) or extract_answer(text, free_text="phrases") or text
+
+
+def _joined_spans(text: str, sentence: bool = False) -> str | None:
+    """``text`` that is two or more math spans joined only by commas, "and"/"or" and spaces as
+    one list answer ("$1$ and $2$" -> "1, 2"); nothing may follow but a period, or with
+    ``sentence`` the end of its sentence (closing quotes, then a period or a line break)."""
+    spans = list(_MATH_SPAN.finditer(text))
+    rest = text[spans[-1].end() :] if spans else ""
     if (
         len(spans) > 1
-        and not tail[: spans[0].start()].strip()
-        and not tail[spans[-1].end() :].strip(" \t\n.")
-        and all(_JOINER.fullmatch(tail, a.end(), b.start()) for a, b in zip(spans, spans[1:]))
+        and spans[0].start() == 0
+        and (_SENTENCE_END.match(rest) is not None if sentence else not rest.strip(" \t\n."))
+        and all(_JOINER.fullmatch(text, a.end(), b.start()) for a, b in zip(spans, spans[1:]))
     ):
         return ", ".join(next(g for g in m.groups() if g is not None).strip() for m in spans)
-    return extract_answer(text, free_text="phrases") or text
+    return None
 
 
 def _gold_joined(text: str, prev_end: int, start: int) -> bool:
