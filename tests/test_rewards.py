@@ -17,6 +17,7 @@ import pytest
 from megatron_ngrpo.config_loader import ConfigError, load
 from megatron_ngrpo.data.datasets import clean_answers
 from megatron_ngrpo.rewards import ChoiceGrader, MathGrader, RewardConfig, build_reward
+from megatron_ngrpo.rewards.equivalence import answers_match, is_parseable
 from megatron_ngrpo.rewards.extract import extract_answer, fallback_answer, last_boxed
 from megatron_ngrpo.rewards.normalize import normalize, numbers_close, to_number, unicode_to_latex
 from megatron_ngrpo.rewards.pool import _REIMPORT_ERROR, GuardedPool
@@ -120,8 +121,6 @@ def test_free_text_rule(text, answer):
 def test_whitespace_controls_pass_the_guard():
     """A form feed is whitespace (math-verify's suite has ``"\\frac"`` written without r: a
     ``\f``); other control characters still fail the guard."""
-    from megatron_ngrpo.rewards.equivalence import answers_match, is_parseable
-
     assert is_parseable("1\f2\r\v") and not is_parseable("5\x00") and not is_parseable("5\x1b")
     text = "\\begin{pmatrix}-\\\frac{7}{4}\\end{pmatrix}"
     assert answers_match(text, text)
