@@ -74,6 +74,7 @@ def main(argv=None) -> dict:
     from megatron_ngrpo.architecture import unwrap
     from megatron_ngrpo.grpo.batches import TokenBatch
     from megatron_ngrpo.grpo.config import GRPOConfig
+    from megatron_ngrpo.grpo.loss_inputs import LossInputs
     from megatron_ngrpo.grpo.update import (
         UpdateSettings,
         loss_and_grads,
@@ -129,11 +130,13 @@ def main(argv=None) -> dict:
     dev = torch.device("cuda")
     mixed = TokenBatch.from_rollout(rb, device=dev)
     lp = (torch.randn(mixed.tokens.shape, generator=g) * 0.1 - 3.0).to(dev) * mixed.mask
-    mixed = mixed.with_extras(
-        old_logprobs=lp,
-        ref_logprobs=lp + 0.01,
-        advantages=torch.randn(n, generator=g).to(dev),
-        active=torch.ones(n, dtype=torch.bool, device=dev),
+    mixed = mixed.with_inputs(
+        LossInputs(
+            old_logprobs=lp,
+            ref_logprobs=lp + 0.01,
+            advantages=torch.randn(n, generator=g).to(dev),
+            active=torch.ones(n, dtype=torch.bool, device=dev),
+        )
     )
     from dataclasses import replace
 

@@ -102,6 +102,7 @@ def batch(args):
     from dataclasses import replace
 
     from megatron_ngrpo.grpo.batches import TokenBatch
+    from megatron_ngrpo.grpo.loss_inputs import LossInputs
     from megatron_ngrpo.mixing.records import MixRecord
     from megatron_ngrpo.rollout.types import RolloutBatch
 
@@ -134,11 +135,13 @@ def batch(args):
     )
     mixed = TokenBatch.from_rollout(rb)
     lp = torch.randn(mixed.tokens.shape, generator=g) * 0.1 - 3.0
-    mixed = mixed.with_extras(
-        old_logprobs=lp * mixed.mask,
-        ref_logprobs=(lp + 0.01) * mixed.mask,
-        advantages=torch.randn(b, generator=g),
-        active=torch.ones(b, dtype=torch.bool),
+    mixed = mixed.with_inputs(
+        LossInputs(
+            old_logprobs=lp * mixed.mask,
+            ref_logprobs=(lp + 0.01) * mixed.mask,
+            advantages=torch.randn(b, generator=g),
+            active=torch.ones(b, dtype=torch.bool),
+        )
     )
     return mixed, replace(mixed, mix=None), len(rb.mixes) / (b * args.response)
 

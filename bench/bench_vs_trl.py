@@ -165,7 +165,7 @@ def trl_trainer(args, ours: Trainer, prompts: list, total_steps: int, work: Path
     def math_reward(prompts, completions, completion_ids, answers, **_):
         finish = ["stop" if ids and ids[-1] == eos else "length" for ids in completion_ids]
         lengths = [len(ids) for ids in completion_ids]
-        return ours.reward_fn(completions, answers, lengths, finish).total
+        return ours.rollouts.reward_fn(completions, answers, lengths, finish).total
 
     # lazy: datasets comes with TRL's dependencies; only this benchmark builds one
     from datasets import Dataset
@@ -233,12 +233,12 @@ def main(argv=None) -> dict:
     )
     prompts = [ex for _ in range(steps) for ex in next(order)]
     theirs = trl_trainer(args, ours, prompts, steps, work)
-    built = {"vllm" if ours.cfg.rollout.engine == "vllm" else "megatron": ours.engine}
+    built = {"vllm" if ours.cfg.rollout.engine == "vllm" else "megatron": ours.rollouts.engine}
     our_rewards = []
 
     def our_step(name: str):
         def run():
-            ours.engine = built[name]
+            ours.rollouts.engine = built[name]
             out = ours.train_step()
             ours.step += 1
             our_rewards.append((name, out["reward/mean"]))

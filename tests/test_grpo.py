@@ -24,6 +24,7 @@ from megatron_ngrpo.grpo.config import GRPOConfig
 from megatron_ngrpo.grpo.dra import TfidfEmbedder, dra_rewards, similarity
 from megatron_ngrpo.grpo.kl import kl_estimate
 from megatron_ngrpo.grpo.loss import aggregation_weights, policy_loss
+from megatron_ngrpo.grpo.loss_inputs import LossInputs
 from megatron_ngrpo.mixing.records import MixRecord
 from megatron_ngrpo.rollout.types import RolloutBatch
 from megatron_ngrpo.testing.multiproc import check, launch
@@ -241,10 +242,12 @@ def test_gradient_after_an_optimizer_step_is_not_added_twice(tmp_path):
         [0, 0, 1, 1],
     )
     tb = TokenBatch.from_rollout(rb)
-    tb = tb.with_extras(
-        old_logprobs=-3.0 * tb.mask,
-        advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]),
-        active=torch.ones(4, dtype=torch.bool),
+    tb = tb.with_inputs(
+        LossInputs(
+            old_logprobs=-3.0 * tb.mask,
+            advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]),
+            active=torch.ones(4, dtype=torch.bool),
+        )
     )
     settings = UpdateSettings(temperature=1.0, micro_batch_size=2)
     cfg = GRPOConfig(kl_mode="off")

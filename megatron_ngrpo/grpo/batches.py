@@ -11,7 +11,9 @@ parallelism).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+from typing import Self
 
 import torch
 from megatron.core import parallel_state as ps
@@ -22,15 +24,33 @@ from megatron_ngrpo.rollout.types import RolloutBatch
 
 
 @dataclass
+class RowTensors:
+    """Base of the per-row inputs a loss reads (e.g. :class:`~megatron_ngrpo.grpo.loss_inputs.LossInputs`):
+    every tensor field is [B, ...], row-aligned with the :class:`TokenBatch` that carries it, and
+    travels with its rows into micro-batches; None fields stay None."""
+
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Self:
+        """The same inputs with ``fn`` applied to every tensor field."""
+        return replace(
+            self,
+            **{
+                f.name: fn(getattr(self, f.name))
+                for f in fields(self)
+                if isinstance(getattr(self, f.name), torch.Tensor)
+            },
+        )
+
+
+@dataclass
 class TokenBatch:
     """A right-padded replay batch of B rows and L columns.
 
     ``tokens`` [B, L] int64 (prompt then response, then ``pad_id``); ``labels`` [B, L] int64, the
     token of column j+1 (what column j predicts); ``mask`` [B, L] bool, True at columns whose label
     is a response token; ``mix`` the dense mixes (or None); ``offsets`` [B] prompt lengths (column
-    of response token 0); ``lengths`` [B] prompt + response lengths; ``extras`` per-row tensors of
-    shape [B, ...] (e.g. [B, L] old log-probs aligned with ``labels``, [B] advantages) that travel
-    with their rows into micro-batches.
+    of response token 0); ``lengths`` [B] prompt + response lengths; ``inputs`` the loss's per-row
+    inputs (a :class:`RowTensors`, e.g. [B, L] old log-probs aligned with ``labels``, [B]
+    advantages), which travel with their rows into micro-batches.
     """
 
     tokens: torch.Tensor
@@ -39,7 +59,7 @@ class TokenBatch:
     offsets: torch.Tensor
     lengths: torch.Tensor
     mix: MixBatch | None = None
-    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    inputs: RowTensors | None = None
 
     @classmethod
     def from_rollout(
@@ -81,8 +101,8 @@ class TokenBatch:
             .expand_as(self.tokens)
         )
 
-    def with_extras(self, **extras: torch.Tensor) -> TokenBatch:
-        return replace(self, extras={**self.extras, **extras})
+    def with_inputs(self, inputs: RowTensors) -> TokenBatch:
+        return replace(self, inputs=inputs)
 
     def response_values(self, values: torch.Tensor) -> list[torch.Tensor]:
         """Split a [B, L] label-aligned tensor into one [len_r] tensor per response."""
@@ -129,7 +149,7 @@ class TokenBatch:
             offsets=torch.cat([self.offsets[idx], dummy + 1]),
             lengths=torch.cat([self.lengths[idx], dummy + 1]),
             mix=mix,
-            extras={k: take(v) for k, v in self.extras.items()},
+            inputs=None if self.inputs is None else self.inputs.map_rows(take),
         )
 
 
@@ -222,7 +242,7 @@ class MicroBatchPlan:
         out = []
         for g in self.groups:
             if not g:
-                # Dummy micro-batch: only padding rows (zero mask and zero extras, so zero token
+                # Dummy micro-batch: only padding rows (zero mask and zero inputs, so zero token
                 # weights: no loss, no gradient).
                 mb = batch.micro_batch([], *(self.fixed_shape or (1, self.seq_multiple)))
             elif self.fixed_shape:

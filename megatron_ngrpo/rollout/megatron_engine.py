@@ -186,6 +186,10 @@ class MegatronEngine(RolloutEngine):
         refreshes every ``mixing.refresh_every`` updates; None = build it from the weights."""
         self._fixed_table = table
 
+    def neighbor_rows_searched(self) -> int:
+        derived = list(self._derived.values())
+        return sum(v.rows_computed for v in derived if isinstance(v, NeighborLookup))
+
     def generate(
         self,
         prompts: list[list[int]],

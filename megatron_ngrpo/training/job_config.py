@@ -23,7 +23,12 @@ from megatron_ngrpo.mixing.config import MixingConfig
 from megatron_ngrpo.models.config import ModelConfig
 from megatron_ngrpo.models.provider import check_layout
 from megatron_ngrpo.rewards.config import RewardConfig
-from megatron_ngrpo.rollout.config import RolloutConfig, check_vllm_layout, vllm_max_model_len
+from megatron_ngrpo.rollout.config import (
+    EngineName,
+    RolloutConfig,
+    check_vllm_layout,
+    vllm_max_model_len,
+)
 from megatron_ngrpo.training.config import OptimConfig, TrainConfig, ValidationConfig
 
 
@@ -62,6 +67,13 @@ class NGRPOConfig:
                 self.train.async_.max_staleness,
                 "one-step-off rollouts need an engine beside the trainer's groups: rollout.engine = "
                 "megatron (a separate weight copy) or remote (rollout servers), not colocated vllm",
+            )
+        if self.rollout.engine == EngineName.remote and self.mixing.neighbor_lookup == "on_demand":
+            fail(
+                "mixing.neighbor_lookup",
+                "on_demand",
+                "rollout servers mix with the trainer's table only (rollout.engine = remote): "
+                "use table or auto",
             )
         if self.train.pack_sequences and self.model.pipeline_parallel > 1:
             fail(

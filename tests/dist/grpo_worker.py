@@ -316,6 +316,7 @@ def run_layout(tp, pp, vpp=None, max_tokens=0, sp=False, recompute=False):
     )
     from megatron_ngrpo.grpo.batches import TokenBatch
     from megatron_ngrpo.grpo.logprobs import sequence_logprobs
+    from megatron_ngrpo.grpo.loss_inputs import LossInputs
     from megatron_ngrpo.grpo.update import (
         UpdateSettings,
         loss_and_grads,
@@ -352,12 +353,12 @@ def run_layout(tp, pp, vpp=None, max_tokens=0, sp=False, recompute=False):
         active = ~zero_variance_groups(rewards, groups) if cfg.filter_zero_variance else torch.ones(len(rows), dtype=torch.bool)
         tb = TokenBatch.from_rollout(lb, replay_mixes=v["mixes"])
         old = tb.label_aligned([ref["old"][i] for i in rows])
-        extras = dict(old_logprobs=old, ref_logprobs=tb.label_aligned([ref["ref"][i] for i in rows]),
-                      advantages=adv, active=active)
+        inputs = LossInputs(old_logprobs=old, ref_logprobs=tb.label_aligned([ref["ref"][i] for i in rows]),
+                            advantages=adv, active=active)
         if cfg.tis_cap:
             roll = tb.label_aligned([ref["rollout"][i] for i in rows])
-            extras["tis_weight"] = torch.exp(old - roll).clamp(max=cfg.tis_cap) * tb.mask
-        stats = loss_and_grads(chunks, tb.with_extras(**extras), cfg, settings)
+            inputs.tis_weight = torch.exp(old - roll).clamp(max=cfg.tis_cap) * tb.mask
+        stats = loss_and_grads(chunks, tb.with_inputs(inputs), cfg, settings)
         grads = full_grads(chunks)
         if dist.get_rank() == 0:
             loss_err = abs(stats["loss"] - ref["loss"]) / max(abs(ref["loss"]), 1e-3)

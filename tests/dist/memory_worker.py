@@ -49,6 +49,7 @@ def measure(layers, hidden, ffn, heads, kv_heads, vocab, rows, seq_len) -> dict:
     from megatron_ngrpo.architecture import unwrap
     from megatron_ngrpo.grpo.config import GRPOConfig
     from megatron_ngrpo.grpo.batches import TokenBatch
+    from megatron_ngrpo.grpo.loss_inputs import LossInputs
     from megatron_ngrpo.grpo.update import UpdateSettings, loss_and_grads, wrap_for_training
     from megatron_ngrpo.models.config import ModelConfig
     from megatron_ngrpo.models.provider import build_model
@@ -74,7 +75,7 @@ def measure(layers, hidden, ffn, heads, kv_heads, vocab, rows, seq_len) -> dict:
     mask = torch.zeros(rows, seq_len, dtype=torch.bool)
     mask[:, seq_len // 4: -1] = True
     batch = TokenBatch(tokens, torch.roll(tokens, -1, 1), mask, torch.full((rows,), seq_len // 4 + 1),
-                       torch.full((rows,), seq_len), extras=dict(
+                       torch.full((rows,), seq_len), inputs=LossInputs(
                            old_logprobs=torch.full((rows, seq_len), -5.0),
                            ref_logprobs=torch.full((rows, seq_len), -5.0),
                            advantages=torch.randn(rows, generator=g, dtype=torch.float64),

@@ -68,6 +68,7 @@ def _batch():
 def _compare(tp: int, sp: bool) -> dict:
     from megatron_ngrpo.grpo.config import GRPOConfig
     from megatron_ngrpo.grpo.logprobs import batch_logprobs
+    from megatron_ngrpo.grpo.loss_inputs import LossInputs
     from megatron_ngrpo.grpo.update import UpdateSettings, loss_and_grads
 
     chunks, shapes = _setup(tp, sp)
@@ -82,9 +83,9 @@ def _compare(tp: int, sp: bool) -> dict:
     assert lp_err < 1e-5 and float(plain.abs().sum()) > 0, lp_err
 
     g = torch.Generator().manual_seed(9)
-    tb = tb.with_extras(old_logprobs=plain + 0.05 * torch.randn(plain.shape, generator=g) * tb.mask,
-                        advantages=torch.randn(tb.num_rows, generator=g),
-                        active=torch.ones(tb.num_rows, dtype=torch.bool))
+    tb = tb.with_inputs(LossInputs(old_logprobs=plain + 0.05 * torch.randn(plain.shape, generator=g) * tb.mask,
+                                   advantages=torch.randn(tb.num_rows, generator=g),
+                                   active=torch.ones(tb.num_rows, dtype=torch.bool)))
     cfg = GRPOConfig(kl_mode="off")
     grads = []
     for packing in ("", "mask"):

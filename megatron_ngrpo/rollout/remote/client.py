@@ -627,8 +627,12 @@ class RemoteEngine(RolloutEngine):
             )
         return self._senders[url]
 
-    def set_neighbor_table(self, table: torch.Tensor) -> None:
-        """Ship the trainer's ``[V, k]`` table of the current weight version to every server."""
+    def set_neighbor_table(self, table: torch.Tensor | None) -> None:
+        """Ship the trainer's ``[V, k]`` table of the current weight version to every server (None:
+        no table, a neighbour-mixing generate is refused until one is set)."""
+        if table is None:
+            self._table_width = None
+            return
         error = None
         if is_rank0():
             data = base64.b64encode(wire.pack_tensors([("table", table.to(torch.int32))])).decode()

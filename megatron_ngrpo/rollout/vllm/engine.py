@@ -385,6 +385,10 @@ class VLLMEngine(RolloutEngine):
         self._trainer_table = table
         self._table_key = None
 
+    def neighbor_rows_searched(self) -> int:
+        """Rows this rank's worker searched with the lookup of the current weight version."""
+        return int(self.llm.collective_rpc("nbr_mix_stats")[0].get("neighbor_rows", 0))
+
     def sleep(self) -> None:
         """Free the engine's device memory while the trainer runs (vLLM sleep mode, GPU only)."""
         if self.cfg.sleep_level and torch.cuda.is_available():
