@@ -159,6 +159,11 @@ ERRORS = [
         1,
         "'train.async.max_staleness' = 1: one-step-off rollouts need an engine beside the trainer's groups",
     ),
+    (
+        ["rollout.engine=remote", "mixing.neighbor_lookup=on_demand"],
+        1,
+        "'mixing.neighbor_lookup' = 'on_demand': rollout servers mix with the trainer's table only",
+    ),
     (["train.no_such_field=1"], 1, "no_such_field"),
 ]
 
