@@ -23,7 +23,8 @@ setup(
         "psutil",
         "tqdm",
         "einops",
-        "omegaconf>=2.3",
+        # 2.4: Literal annotations in structured configs (the configs' option fields).
+        "omegaconf>=2.4",
         "pyyaml",
         "safetensors",
         "transformers>=4.57",

@@ -62,6 +62,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from megatron_ngrpo import config_loader
 from megatron_ngrpo.architecture import ArchSpec
 from megatron_ngrpo.atomic import atomic_file
 from megatron_ngrpo.conversion.hf_io import HFCheckpoint
@@ -138,7 +139,7 @@ class VLLMEngine(RolloutEngine):
     ):
 
         self.cfg = cfg or VLLMConfig()
-        self.cfg.validate()
+        config_loader.validate(self.cfg)
         self.hf_path = str(hf_path)
         self.spec = ArchSpec.from_hf(self.hf_path)
         self.tokenizer = engine_tokenizer(tokenizer, self.hf_path)
