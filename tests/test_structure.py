@@ -234,3 +234,49 @@ def test_the_vllm_protocol_stands_apart():
     top = [a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names]
     top += [n.module or "" for n in tree.body if isinstance(n, ast.ImportFrom)]
     assert not [m for m in top if m.split(".")[0] == "vllm"], top
+
+
+def _engine_names() -> set[str]:
+    """The values of ``rollout.config.EngineName``, read from its source."""
+    tree = ast.parse((ROOT / "rollout" / "config.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "EngineName")
+    return {
+        n.value.value
+        for n in cls.body
+        if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant)
+    }
+
+
+def _bare_names(source: str, names: set[str]) -> list[int]:
+    """Lines comparing with a string literal in ``names`` (``==``, ``!=``, ``in`` a literal
+    tuple, list or set)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        for op in operands:
+            items = op.elts if isinstance(op, (ast.Tuple, ast.List, ast.Set)) else [op]
+            if any(isinstance(i, ast.Constant) and i.value in names for i in items):
+                found.append(node.lineno)
+                break
+    return found
+
+
+def test_the_engine_name_check_sees_bare_strings():
+    names = {"vllm", "remote"}
+    src = 'a == "vllm"\nb in ("x", "remote")\nc == Engine.vllm\nfor d in ("vllm",): pass\n'
+    assert _bare_names(src, names) == [1, 2]
+    assert {"megatron", "vllm", "remote"} <= _engine_names()
+
+
+def test_engine_names_are_compared_as_engine_names():
+    """``rollout.engine`` is an ``EngineName``: the package compares it with the enum's members,
+    never with bare strings that a renamed engine would silently stop matching."""
+    names = _engine_names()
+    found = {
+        str(p.relative_to(ROOT.parent)): lines
+        for p in sorted(ROOT.rglob("*.py"))
+        if (lines := _bare_names(p.read_text(), names))
+    }
+    assert not found, f"bare engine-name strings compared (use EngineName): {found}"
