@@ -30,8 +30,6 @@ from megatron_ngrpo.launch import job_files, plan, recipes
 from megatron_ngrpo.launch.memory import GIB
 from megatron_ngrpo.rollout.config import EngineName
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 def _key_value(text: str) -> tuple[str, str]:
     if "=" not in text:
