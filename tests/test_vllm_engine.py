@@ -424,16 +424,16 @@ def brute_neighbors(emb: torch.Tensor, anchors: torch.Tensor, k: int) -> torch.T
 def test_weight_sync_from_megatron(engine, model_dir, hf_model):
     """Perturbed Megatron weights → sync → vLLM greedy/log-probs equal HF with those weights, the
     neighbour table follows the new embedding, and mixed rollouts replay exactly through the
-    trainer's Megatron path (grpo.logprobs.sequence_logprobs)."""
+    trainer's Megatron path (tests.support.replay.sequence_logprobs)."""
     from transformers import AutoModelForCausalLM
 
     from megatron_ngrpo.architecture import ArchSpec
     from megatron_ngrpo.conversion.hf_io import HFCheckpoint
     from megatron_ngrpo.conversion.mapping import export_hf_tensors, load_hf_tensors
-    from megatron_ngrpo.grpo.logprobs import sequence_logprobs
     from megatron_ngrpo.models.config import ModelConfig
     from megatron_ngrpo.models.provider import build_model
     from megatron_ngrpo.parallel import init_distributed, initialize_model_parallel
+    from tests.support.replay import sequence_logprobs
 
     init_distributed()
     initialize_model_parallel(1, 1)

@@ -315,7 +315,7 @@ def run_layout(tp, pp, vpp=None, max_tokens=0, sp=False, recompute=False):
         zero_variance_groups,
     )
     from megatron_ngrpo.grpo.batches import TokenBatch
-    from megatron_ngrpo.grpo.logprobs import sequence_logprobs
+    from tests.support.replay import sequence_logprobs
     from megatron_ngrpo.grpo.update import (
         UpdateSettings,
         loss_and_grads,

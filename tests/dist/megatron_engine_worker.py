@@ -4,7 +4,7 @@ One tiny random Qwen2 (GQA, padded vocabulary, fp32) is initialised once at TP=1
 megatron's dist_checkpointing and loaded at every layout (TP=1, 2, 4, PP=2, TP2×PP2), so every
 layout holds the same weights. References are independent of the engine: full (non-cached)
 forwards through megatron's forward-only pipeline schedule, and the trainer's
-``grpo.logprobs.sequence_logprobs``.
+``tests.support.replay.sequence_logprobs``.
 """
 
 from __future__ import annotations
@@ -202,7 +202,7 @@ def _greedy(tp, pp):
 
 
 def _replay(tp, pp):
-    from megatron_ngrpo.grpo.logprobs import sequence_logprobs
+    from tests.support.replay import sequence_logprobs
     from megatron_ngrpo.rollout.types import SamplingParams
 
     chunks = layout(tp, pp)
@@ -263,7 +263,7 @@ def virtual_pipeline_tp1_pp2_vpp2():
 def strategies_replay_tp2_pp2():
     """Soft Thinking, STHT (recorded noise, σ broadcast from the first stage) and Gumbel
     mixtures replay exactly through the full forward and the trainer."""
-    from megatron_ngrpo.grpo.logprobs import sequence_logprobs
+    from tests.support.replay import sequence_logprobs
     from megatron_ngrpo.rollout.types import SamplingParams
 
     chunks = layout(2, 2)

@@ -30,8 +30,8 @@
 * Strategies: ``neighbor`` (N-GRPO) and the baselines ``soft_thinking`` / ``stht`` / ``gumbel``
   (``mixing.perturbations``); the STHT noise scale is computed here from the input embedding.
 * The hook never samples ids ``>= num_real_tokens`` and normalises log-probs over the real ids,
-  like the Megatron engine: replay with ``grpo.logprobs.sequence_logprobs(...,
-  vocab_limit=num_real_tokens)``. ``mixing.stop_after`` is matched on its token ids (the
+  like the Megatron engine: the trainer replays them with ``vocab_limit=num_real_tokens``
+  (``grpo.logprobs.batch_logprobs``). ``mixing.stop_after`` is matched on its token ids (the
   Megatron engine matches decoded text; they agree when the text is one token, e.g.
   ``"</think>"`` in R1-Distill-Qwen).
 
