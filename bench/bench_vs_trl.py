@@ -49,9 +49,9 @@ from examples.arithmetic.task import write_chat_task
 from megatron_ngrpo.data.batches import PromptBatches
 from megatron_ngrpo.rollout.config import EngineName
 from megatron_ngrpo.rollout.factory import build_engine
-from megatron_ngrpo.testing.real_model import real_model_dir
 from megatron_ngrpo.training.job_config import load_config
 from megatron_ngrpo.training.trainer import Trainer
+from tests.harness.real_model import real_model_dir
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = REPO / "configs" / "smollm2_135m_arith.yaml"

@@ -14,8 +14,8 @@ from safetensors import safe_open
 from megatron_ngrpo.config_loader import ConfigError, validate
 from megatron_ngrpo.mixing.config import MixingConfig
 from megatron_ngrpo.mixing.neighbors import NeighborLookup, build_neighbor_table, exclusion_mask
-from megatron_ngrpo.testing.multiproc import check, launch
-from megatron_ngrpo.testing.reference import neighbor_table64
+from tests.harness.multiproc import check, launch
+from tests.harness.reference import neighbor_table64
 
 MODEL = (
     Path(os.environ.get("NGRPO_MODELS", "/root/.cache/megatron_ngrpo/models"))

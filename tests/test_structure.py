@@ -280,3 +280,32 @@ def test_engine_names_are_compared_as_engine_names():
         if (lines := _bare_names(p.read_text(), names))
     }
     assert not found, f"bare engine-name strings compared (use EngineName): {found}"
+
+
+def _outside_imports(source: str, roots: tuple[str, ...]) -> list[str]:
+    """Absolute imports (anywhere in ``source``) of a module under one of ``roots``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        else:
+            continue
+        found += [n for n in names if n.split(".")[0] in roots]
+    return found
+
+
+def test_the_package_never_imports_the_repository_folders():
+    """tests/ (harness, doubles), bench/, examples/ and tools/ are not in the wheel: the package
+    never imports them, not even inside a function."""
+    roots = ("tests", "bench", "examples", "tools", "scripts")
+    assert _outside_imports("def f():\n    from tests.harness import tiny\n", roots) == [
+        "tests.harness"
+    ]
+    found = {
+        str(p.relative_to(ROOT.parent)): names
+        for p in sorted(ROOT.rglob("*.py"))
+        if (names := _outside_imports(p.read_text(), roots))
+    }
+    assert not found, found

@@ -21,7 +21,7 @@ from megatron_ngrpo.mixing.config import MixingConfig
 from megatron_ngrpo.mixing.decision import gate_uniform
 from megatron_ngrpo.rollout.config import VLLMConfig
 from megatron_ngrpo.rollout.types import SamplingParams
-from megatron_ngrpo.testing.tiny import write_tiny_hf
+from tests.harness.tiny import write_tiny_hf
 
 VOCAB = 512
 SPECIAL = [0, 1, 2]  # <s>, </s> (EOS), unk
@@ -502,7 +502,8 @@ def test_weight_sync_verify_catches_corruption(engine, model_dir, monkeypatch):
     """gloo route with verify_weights: a tensor changed on arrival fails the sync in one line
     naming it; the next sync succeeds and the weights equal the sent ones exactly."""
     from megatron_ngrpo.conversion.hf_io import HFCheckpoint
-    from megatron_ngrpo.rollout.vllm.weight_transfer import NamedSource, WeightSyncError
+    from megatron_ngrpo.rollout.vllm.weight_transfer import WeightSyncError
+    from tests.support.vllm_weights import NamedSource
 
     original = list(HFCheckpoint(model_dir).items())
     receiver = engine.llm.collective_rpc(lambda worker: worker.weight_transfer_engine)[0]
@@ -593,7 +594,7 @@ def test_colocated_weights_equal_the_trainers_after_every_sync(layout, nproc):
     colocated engine)."""
     from pathlib import Path
 
-    from megatron_ngrpo.testing.multiproc import check, launch
+    from tests.harness.multiproc import check, launch
 
     results = launch(
         Path(__file__).parent / "dist" / "vllm_sync_worker.py",

@@ -277,10 +277,11 @@ RECIPES: dict[str, Recipe] = {
             rollout_nodes=2,
             **_H100,
         ),
-        # CPU smoke runs (laptop, CI): testing.tiny's default shape, two gloo ranks with TP 2.
+        # CPU smoke runs (laptop, CI): the default shape of tests/harness/tiny.py, two gloo ranks
+        # with TP 2.
         Recipe(
             name="tiny",
-            summary="tiny random Qwen2 (testing.tiny), CPU, 2 ranks, TP 2",
+            summary="tiny random Qwen2 (tests.harness.tiny), CPU, 2 ranks, TP 2",
             hf_name="tiny-qwen2",
             shape=ModelShape(
                 layers=4, hidden=128, ffn=256, heads=4, kv_heads=2, vocab=512, tied=False
