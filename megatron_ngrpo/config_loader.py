@@ -85,7 +85,7 @@ def compose(
         if not isinstance(data, dict):
             raise ConfigError(f"config file {str(path)!r}: top level must be a mapping")
         data = _keyword_fields(_rename_sections(data, renamed, f"config file {str(path)!r}"))
-        _check_input(cls, data, f"config file {str(path)!r}")
+        _check_input(cls, data)
         merged = _merge(merged, OmegaConf.create(data), f"config file {str(path)!r}")
     for item in overrides or []:
         if "=" not in item:
@@ -102,7 +102,7 @@ def compose(
             raise ConfigError(
                 f"override {item!r}: cannot parse the value: {_one_line(e)}"
             ) from None
-        _check_input(cls, OmegaConf.to_container(parsed), f"override {item!r}")
+        _check_input(cls, OmegaConf.to_container(parsed))
         merged = _merge(merged, parsed, f"override {item!r}")
     return OmegaConf.to_object(merged)
 
@@ -171,31 +171,28 @@ def _dataclass_of(annotation) -> type | None:
     return found[0] if found else None
 
 
-def _check_input(cls: type, data, source: str, path: str = "") -> None:
+def _check_input(cls: type, data, path: str = "") -> None:
     """The :func:`choices` fields of ``cls`` in ``data`` (a YAML file's or an override's plain
-    mapping, field names as declared); unknown keys are left to OmegaConf."""
+    mapping, field names as declared); unknown keys are left to OmegaConf. The message is the one
+    :func:`validate` gives (the field's whole path, list indices included)."""
     if not isinstance(data, dict):
         return
     hints = _hints(cls)
     for f in dataclasses.fields(cls):
         if f.name not in data:
             continue
-        value, field = data[f.name], f"{path}{_key_name(f.name)}"
-        annotation = hints[f.name]
+        value, field, annotation = data[f.name], f"{path}{_key_name(f.name)}", hints[f.name]
+        if isinstance(value, str) and value.startswith("${"):
+            continue  # an interpolation: OmegaConf resolves (and checks) it
+        _check_choice(annotation, value, field)
         inner = _dataclass_of(annotation)
-        try:
-            if isinstance(value, str) and value.startswith("${"):
-                continue  # an interpolation: OmegaConf resolves (and checks) it
-            _check_choice(annotation, value, field)
-        except ConfigError as e:
-            raise ConfigError(f"{source}: {e}") from None
         if inner is not None:
-            _check_input(inner, value, source, f"{field}.")
+            _check_input(inner, value, f"{field}.")
         elif typing.get_origin(annotation) is list and isinstance(value, list):
             item = typing.get_args(annotation)[0]
             if dataclasses.is_dataclass(item):
                 for i, v in enumerate(value):
-                    _check_input(item, v, source, f"{field}[{i}].")
+                    _check_input(item, v, f"{field}[{i}].")
 
 
 def to_yaml(obj) -> str:
