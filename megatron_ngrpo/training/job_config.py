@@ -23,7 +23,12 @@ from megatron_ngrpo.mixing.config import MixingConfig
 from megatron_ngrpo.models.config import ModelConfig
 from megatron_ngrpo.models.provider import check_layout
 from megatron_ngrpo.rewards.config import RewardConfig
-from megatron_ngrpo.rollout.config import RolloutConfig, check_vllm_layout, vllm_max_model_len
+from megatron_ngrpo.rollout.config import (
+    EngineName,
+    RolloutConfig,
+    check_vllm_layout,
+    vllm_max_model_len,
+)
 from megatron_ngrpo.training.config import OptimConfig, TrainConfig, ValidationConfig
 
 
@@ -54,9 +59,9 @@ class NGRPOConfig:
         if self.mixing.enabled and self.mixing.k > (self.model.num_real_tokens or spec.vocab_size):
             fail("mixing.k", self.mixing.k, "larger than the vocabulary")
         check_vllm_layout(self.rollout, launch_world_size())
-        if self.rollout.engine == "vllm":
+        if self.rollout.engine == EngineName.vllm:
             vllm_max_model_len(self.rollout.vllm, spec.max_position_embeddings)
-        if self.train.async_.max_staleness and self.rollout.engine == "vllm":
+        if self.train.async_.max_staleness and self.rollout.engine == EngineName.vllm:
             fail(
                 "train.async.max_staleness",
                 self.train.async_.max_staleness,
@@ -86,7 +91,7 @@ class NGRPOConfig:
             )
         if (
             self.train.async_.max_staleness
-            and self.rollout.engine == "megatron"
+            and self.rollout.engine == EngineName.megatron
             and torch.cuda.is_available()
         ):
             fail(
@@ -164,7 +169,7 @@ def check_device(cfg: NGRPOConfig, gpu: bool | None = None) -> None:
             "needs a GPU (on CPU use the local spec: block-diagonal attention mask)",
         )
     v = cfg.rollout.vllm
-    if v.quantization and cfg.rollout.engine == "vllm" and not gpu:
+    if v.quantization and cfg.rollout.engine == EngineName.vllm and not gpu:
         fail(
             "rollout.vllm.quantization",
             v.quantization,
