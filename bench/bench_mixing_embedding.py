@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 
 from bench._timing import compare
-from megatron_ngrpo.testing.multiproc import case, launch, run_cases
-from megatron_ngrpo.testing.tiny import in_megatron_ddp
+from tests.harness.multiproc import case, launch, run_cases
+from tests.harness.tiny import in_megatron_ddp
 
 
 def _args(argv=None):

@@ -20,7 +20,7 @@ fp32); the result is checked equal to faiss's ids.
 ``--hf DIR``: a real model's input embedding instead of random rows (SmolLM2-135M-Instruct:
 49,152 × 576). Part 1 then builds the full table once on each side (no interval: one pair costs
 minutes here) and explains every row where faiss's ids differ from ours against the float64
-definition (``testing.reference``): faiss returns the query itself wherever its fp32 score
+definition (``tests.harness.reference``): faiss returns the query itself wherever its fp32 score
 falls (not first when a duplicate row ties with it) and orders fp32 near-ties by rounding, while
 ours puts the anchor first and is exact in float64 with ties to the lower id. Part 2 times a
 --queries slice of the real table against faiss with an interval; ``--qwen-queries 0`` skips
@@ -43,7 +43,7 @@ from bench._timing import compare
 from megatron_ngrpo.conversion.hf_io import HFCheckpoint
 from megatron_ngrpo.mixing.gemm_cpu import screen_dtype
 from megatron_ngrpo.mixing.neighbors import build_neighbor_table
-from megatron_ngrpo.testing.reference import neighbor_table64, similarity_matrix64
+from tests.harness.reference import neighbor_table64, similarity_matrix64
 
 
 def rss_mb() -> float:

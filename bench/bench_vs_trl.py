@@ -47,10 +47,11 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 from bench._timing import compare, paired_median_ratio
 from examples.arithmetic.task import write_chat_task
 from megatron_ngrpo.data.batches import PromptBatches
+from megatron_ngrpo.rollout.config import EngineName
 from megatron_ngrpo.rollout.factory import build_engine
-from megatron_ngrpo.testing.real_model import real_model_dir
 from megatron_ngrpo.training.job_config import load_config
 from megatron_ngrpo.training.trainer import Trainer
+from tests.harness.real_model import real_model_dir
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = REPO / "configs" / "smollm2_135m_arith.yaml"
@@ -233,7 +234,9 @@ def main(argv=None) -> dict:
     )
     prompts = [ex for _ in range(steps) for ex in next(order)]
     theirs = trl_trainer(args, ours, prompts, steps, work)
-    built = {"vllm" if ours.cfg.rollout.engine == "vllm" else "megatron": ours.rollouts.engine}
+    built = {
+        "vllm" if ours.cfg.rollout.engine == EngineName.vllm else "megatron": ours.rollouts.engine
+    }
     our_rewards = []
 
     def our_step(name: str):

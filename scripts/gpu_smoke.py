@@ -6,7 +6,7 @@ becomes a FAIL row and the next stage still runs:
 * ``env``: Python, torch / CUDA / GPU, and which of megatron-core, transformers, Transformer Engine,
   vLLM, omegaconf, math-verify import (with versions);
 * ``task``: examples/arithmetic's task (character tokenizer, problems) with a tiny Qwen2 written by
-  :func:`megatron_ngrpo.testing.tiny.write_tiny_hf` (random weights, safetensors);
+  :func:`tests.harness.tiny.write_tiny_hf` (random weights, safetensors);
 * ``preflight``: ``python -m megatron_ngrpo.launch.preflight`` on the GRPO stage's config, as every
   rendered job script runs it before torchrun;
 * ``grpo``: 2 GRPO steps of ``configs/tiny_test.yaml`` with neighbour mixing on the built-in Megatron
@@ -106,7 +106,7 @@ def stage_env(args) -> list[dict]:
 
 def stage_task(args) -> list[dict]:
     from examples.arithmetic.task import write_task
-    from megatron_ngrpo.testing.tiny import write_tiny_hf
+    from tests.harness.tiny import write_tiny_hf
 
     root = args.work / "task"
     shape = TASK_MODEL["cpu" if args.cpu else "gpu"]

@@ -65,8 +65,8 @@ def test_plan_accounts_for_fp8_and_context_parallel():
     ],
 )
 def test_gpu_only_options_are_refused_at_start_up(tmp_path, monkeypatch, overrides, message):
-    from megatron_ngrpo.testing.tiny import write_tiny_hf
     from megatron_ngrpo.training.job_config import NGRPOConfig, check_device
+    from tests.harness.tiny import write_tiny_hf
 
     write_tiny_hf(tmp_path, weights=False)
     cfg = NGRPOConfig()

@@ -27,7 +27,8 @@ from megatron_ngrpo.grpo.loss import aggregation_weights, policy_loss
 from megatron_ngrpo.grpo.loss_inputs import LossInputs
 from megatron_ngrpo.mixing.records import MixRecord
 from megatron_ngrpo.rollout.types import RolloutBatch
-from megatron_ngrpo.testing.multiproc import check, launch
+from tests.harness.multiproc import check, launch
+from tests.harness.records import mix_record
 
 WORKER = Path(__file__).parent / "dist" / "grpo_worker.py"
 CASES = [
@@ -151,7 +152,7 @@ def test_aggregation_weights(mode, expected):
 
 # ---- replay batch ------------------------------------------------------------------------------
 def test_token_batch_labels_mask_and_mixes_are_aligned():
-    mixes = MixRecord.from_lists([[(0, [5, 6], [0.5, 0.5])], [(2, [7, 8], [0.9, 0.1])]], k=2)
+    mixes = mix_record([[(0, [5, 6], [0.5, 0.5])], [(2, [7, 8], [0.9, 0.1])]], k=2)
     batch = RolloutBatch(
         [[10, 11], [12]],
         [[20, 21, 22], [23, 24, 25]],
@@ -214,7 +215,7 @@ def test_gradient_after_an_optimizer_step_is_not_added_twice(tmp_path):
     from megatron_ngrpo.models.config import ModelConfig
     from megatron_ngrpo.models.provider import build_model
     from megatron_ngrpo.parallel import init_distributed, initialize_model_parallel
-    from megatron_ngrpo.testing.tiny import write_tiny_hf
+    from tests.harness.tiny import write_tiny_hf
 
     init_distributed()
     initialize_model_parallel(1, 1, None, seed=0)

@@ -49,7 +49,7 @@ def test_parameter_count_matches_the_published_models(name, params):
 def test_parameter_count_matches_transformers():
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from megatron_ngrpo.testing.tiny import tiny_hf_config
+    from tests.harness.tiny import tiny_hf_config
 
     cfg = {k: v for k, v in tiny_hf_config().items() if k != "architectures"}
     with torch.device("meta"):
@@ -515,7 +515,7 @@ CONVERSION_MODULE = importlib.util.find_spec("megatron_ngrpo.conversion.__main__
 def test_local_conversion_job_with_packager_none(tmp_path):
     """A real conversion job through the launcher (local torchrun, 2 ranks = the tiny recipe's TP 2,
     the checkout in place): the HF model becomes a Megatron checkpoint."""
-    from megatron_ngrpo.testing.tiny import write_tiny_hf
+    from tests.harness.tiny import write_tiny_hf
 
     hf = write_tiny_hf(tmp_path / "hf")
     env = {**smoke_env(), "NEMORUN_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}

@@ -15,8 +15,8 @@ from megatron_ngrpo.mixing import topk_certified as T
 from megatron_ngrpo.mixing.config import MixingConfig
 from megatron_ngrpo.mixing.decision import counter_uniform, gate, gate_uniform
 from megatron_ngrpo.mixing.neighbors import build_neighbor_table, exclusion_mask
-from megatron_ngrpo.testing.multiproc import check, launch
-from megatron_ngrpo.testing.reference import neighbor_table64, splitmix_uniform64
+from tests.harness.multiproc import check, launch
+from tests.harness.reference import neighbor_table64, splitmix_uniform64
 
 WORKER = Path(__file__).parent / "dist" / "mixing_worker.py"
 MODEL_LAYOUTS = ["model_tp1", "model_tp2", "model_tp4", "model_pp2", "model_tp2_pp2"]

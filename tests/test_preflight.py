@@ -17,7 +17,7 @@ from megatron_ngrpo.compat import cpu as cpu_compat
 from megatron_ngrpo.config_loader import ConfigError
 from megatron_ngrpo.launch import preflight
 from megatron_ngrpo.models.config import ModelConfig, use_te
-from megatron_ngrpo.testing.tiny import write_tiny_hf
+from tests.harness.tiny import write_tiny_hf
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny_test.yaml"

@@ -38,7 +38,7 @@ ENGINES = {
 def task(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("arith_real")
     subprocess.run(
-        [sys.executable, "examples/arithmetic/task.py", str(root)],
+        [sys.executable, "-m", "examples.arithmetic.task", str(root)],
         cwd=REPO,
         check=True,
         capture_output=True,

@@ -17,8 +17,8 @@ import torch
 
 from megatron_ngrpo.config_loader import ConfigError
 from megatron_ngrpo.parallel import free_port
-from megatron_ngrpo.testing.checkpoint import written_bytes
 from megatron_ngrpo.training.job_config import load_config
+from tests.harness.checkpoint import written_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny_test.yaml"

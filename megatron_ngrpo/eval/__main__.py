@@ -30,7 +30,7 @@ from megatron_ngrpo.eval.runner import (
 from megatron_ngrpo.models.config import real_token_count
 from megatron_ngrpo.parallel import init_distributed
 from megatron_ngrpo.rewards.graders import build_grader
-from megatron_ngrpo.rollout.config import vllm_max_model_len
+from megatron_ngrpo.rollout.config import EngineName, vllm_max_model_len
 from megatron_ngrpo.rollout.types import SamplingParams
 
 
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 def prompt_budget(cfg: EvalConfig, spec) -> tuple[int, str]:
     """The longest prompt the engine can take with room for ``sampling.max_new_tokens``, and
     where that comes from."""
-    if cfg.rollout.engine == "vllm":
+    if cfg.rollout.engine == EngineName.vllm:
         context = vllm_max_model_len(cfg.rollout.vllm, spec.max_position_embeddings)
         source = "rollout.vllm.max_model_len"
     else:

@@ -24,8 +24,6 @@ import torch
 
 from megatron_ngrpo.mixing.embedding import MixBatch
 
-PACKING_MODES = ("mask", "thd")
-
 
 def pack(
     tokens: torch.Tensor, lengths: torch.Tensor, mix: MixBatch | None, multiple: int, mode: str

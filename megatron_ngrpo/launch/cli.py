@@ -28,8 +28,7 @@ from pathlib import Path
 from megatron_ngrpo.config_loader import ConfigError
 from megatron_ngrpo.launch import job_files, plan, recipes
 from megatron_ngrpo.launch.memory import GIB
-
-REPO = Path(__file__).resolve().parents[1]
+from megatron_ngrpo.rollout.config import EngineName
 
 
 def _key_value(text: str) -> tuple[str, str]:
@@ -165,7 +164,9 @@ def cmd_recipes() -> int:
         gpu = r.gpus_per_node > 0  # memory figures are for H100 ranks
         train = f"{r.train_memory().total / GIB:.1f}" if gpu else "-"
         vllm = (
-            f"{r.vllm_memory().reserved / GIB:.1f}" if gpu and r.rollout_engine == "vllm" else "-"
+            f"{r.vllm_memory().reserved / GIB:.1f}"
+            if gpu and r.rollout_engine == EngineName.vllm
+            else "-"
         )
         print(
             f"{r.name:10} {f'{r.min_nodes}-{r.max_nodes}':>7} {r.gpus_per_node:>5} {r.tensor_parallel:>3} "

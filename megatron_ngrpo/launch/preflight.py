@@ -84,8 +84,11 @@ def check_imports(modules: dict[str, str], reqs: dict[str, Requirement]) -> list
 
 
 def needed_modules(cfg, gpus: int) -> dict[str, str]:
+    # lazy: keeps launch.preflight free of torch at import, as load_config in preflight()
+    from megatron_ngrpo.rollout.config import EngineName
+
     modules = dict(ALWAYS)
-    if cfg.rollout.engine == "vllm":
+    if cfg.rollout.engine == EngineName.vllm:
         modules.update(VLLM)
     if gpus and cfg.model.layer_spec in ("auto", "te"):
         modules.update(TE)

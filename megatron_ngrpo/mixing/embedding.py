@@ -98,13 +98,6 @@ class MixingVocabParallelEmbedding(VocabParallelEmbedding):
             return reduce_scatter_to_sequence_parallel_region(output_parallel, group=self.tp_group)
         return reduce_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)
 
-    def local_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """E[ids] restricted to this rank's partition: rows of other partitions are zero.
-        ids [...] → [..., h] (differentiable)."""
-        local, outside = self._localise(ids)
-        out = self.weight[local] if self.deterministic_mode else F.embedding(local, self.weight)
-        return out if outside is None else out.masked_fill(outside.unsqueeze(-1), 0.0)
-
     def _localise(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Partition-local row indices (0 outside the partition) and the outside mask (None
         without TP)."""

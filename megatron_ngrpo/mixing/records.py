@@ -47,34 +47,6 @@ class MixRecord:
             num_seqs=num_seqs,
         )
 
-    @classmethod
-    def from_lists(
-        cls, per_seq: list[list[tuple[int, list[int], list[float]]]], k: int
-    ) -> MixRecord:
-        """Build from ``per_seq[s] = [(pos, ids, weights), ...]``; shorter id lists are padded
-        with weight-0 entries, weights are renormalised to sum to 1."""
-        seq, pos, ids, wts = [], [], [], []
-        for s, entries in enumerate(per_seq):
-            for p, i, w in entries:
-                if len(i) != len(w) or not 1 <= len(i) <= k:
-                    raise ValueError(
-                        f"mix at seq {s} pos {p}: {len(i)} ids, {len(w)} weights, k={k}"
-                    )
-                total = float(sum(w))
-                seq.append(s)
-                pos.append(int(p))
-                ids.append(list(i) + [0] * (k - len(i)))
-                wts.append([x / total for x in w] + [0.0] * (k - len(w)))
-        if not seq:
-            return cls.empty(len(per_seq), k)
-        return cls(
-            seq=torch.tensor(seq, dtype=torch.long),
-            pos=torch.tensor(pos, dtype=torch.long),
-            ids=torch.tensor(ids, dtype=torch.long),
-            weights=torch.tensor(wts, dtype=torch.float32),
-            num_seqs=len(per_seq),
-        ).sorted()
-
     @staticmethod
     def cat(records: list[MixRecord]) -> MixRecord:
         """Concatenate batches: sequence indices of later records are offset."""
@@ -123,14 +95,6 @@ class MixRecord:
         new_seq = remap[self.seq] if len(self) else self.seq
         keep = torch.nonzero(new_seq >= 0).flatten()
         return self._take(keep, new_seq[keep], len(seq_indices)).sorted()
-
-    def for_sequence(self, s: int) -> list[tuple[int, list[int], list[float]]]:
-        """``[(pos, ids, weights), ...]`` of sequence ``s`` (padding entries dropped)."""
-        out = []
-        for j in torch.nonzero(self.seq == s).flatten().tolist():
-            nz = self.weights[j] > 0
-            out.append((int(self.pos[j]), self.ids[j][nz].tolist(), self.weights[j][nz].tolist()))
-        return out
 
     def to_dense(
         self, offsets: torch.Tensor, seq_len: int

@@ -26,7 +26,8 @@ Algorithm (never materialises V×V):
    DP shares are all-gathered at the end.
 
 The result equals the float64 definition :func:`pair_scores64` evaluated for every pair and
-sorted by (-score, id) (``testing.reference.neighbor_table64``), and is replicated on every rank.
+sorted by (-score, id) (the tests' ``tests/harness/reference.py`` ``neighbor_table64``), and is
+replicated on every rank.
 
 Peak extra memory per rank, with ``c = chunk_size``, ``V_l`` local rows, width ``d`` and ``b``
 bytes per screen value (4 for fp32, 2 for bf16): ``b·c·V_l`` bytes of chunk scores (one reused

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Literal
 
 from megatron_ngrpo.config_loader import fail
 from megatron_ngrpo.rollout.types import SamplingParams
@@ -131,7 +132,7 @@ class RemoteConfig:
     # Weight push: "http" (safetensors bytes per HTTP request, the fallback), or vLLM's
     # weight-transfer API with the servers' backend ("gloo" on CPU servers, "nccl" on GPU ones):
     # global rank 0 sends buckets straight to each server's worker (rollout/vllm/weight_transfer.py).
-    weight_transfer: str = "http"
+    weight_transfer: Literal["http", "gloo", "nccl"] = "http"
     # Address the servers reach global rank 0 at for gloo / nccl (default: its host name).
     transfer_host: str = ""
     # Tensors per HTTP request / transfer bucket up to this size (MiB).

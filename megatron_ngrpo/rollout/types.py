@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from megatron_ngrpo import config_loader
 from megatron_ngrpo.mixing.records import MixRecord
 
 # Sequence key of child j of a prompt with key p: p * KEY_STRIDE + j (every engine: the mixing
@@ -211,7 +212,7 @@ def validate_request(
     builds its own for ``mixing``)."""
     params.validate()
     if mixing is not None:
-        mixing.validate()
+        config_loader.validate(mixing)
         if mixing.strategy == "neighbor" and table_width not in (None, mixing.k):
             raise ValueError(
                 f"mixing.k = {mixing.k} but the neighbour table has {table_width} columns"

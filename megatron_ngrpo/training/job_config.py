@@ -59,9 +59,9 @@ class NGRPOConfig:
         if self.mixing.enabled and self.mixing.k > (self.model.num_real_tokens or spec.vocab_size):
             fail("mixing.k", self.mixing.k, "larger than the vocabulary")
         check_vllm_layout(self.rollout, launch_world_size())
-        if self.rollout.engine == "vllm":
+        if self.rollout.engine == EngineName.vllm:
             vllm_max_model_len(self.rollout.vllm, spec.max_position_embeddings)
-        if self.train.async_.max_staleness and self.rollout.engine == "vllm":
+        if self.train.async_.max_staleness and self.rollout.engine == EngineName.vllm:
             fail(
                 "train.async.max_staleness",
                 self.train.async_.max_staleness,
@@ -98,7 +98,7 @@ class NGRPOConfig:
             )
         if (
             self.train.async_.max_staleness
-            and self.rollout.engine == "megatron"
+            and self.rollout.engine == EngineName.megatron
             and torch.cuda.is_available()
         ):
             fail(
@@ -176,7 +176,7 @@ def check_device(cfg: NGRPOConfig, gpu: bool | None = None) -> None:
             "needs a GPU (on CPU use the local spec: block-diagonal attention mask)",
         )
     v = cfg.rollout.vllm
-    if v.quantization and cfg.rollout.engine == "vllm" and not gpu:
+    if v.quantization and cfg.rollout.engine == EngineName.vllm and not gpu:
         fail(
             "rollout.vllm.quantization",
             v.quantization,

@@ -27,7 +27,7 @@ from grpo_worker import (
     reference_objective,
 )
 
-from megatron_ngrpo.testing.multiproc import case, run_cases, shared_tmpdir
+from tests.harness.multiproc import case, run_cases, shared_tmpdir
 
 VARIANT = dict(mixes=True, loss_mode="token", agg="seq-mean-token-mean", adv="grpo", kl="k3", tis_cap=1.5)
 
@@ -135,7 +135,7 @@ def stale_batch_tp2():
     from megatron_ngrpo.conversion.checkpoint import load_megatron_checkpoint
     from megatron_ngrpo.models.provider import build_model
     from megatron_ngrpo.parallel import initialize_model_parallel
-    from megatron_ngrpo.testing.tiny import write_tiny_hf
+    from tests.harness.tiny import write_tiny_hf
 
     start = time.time()
     root = shared_tmpdir("async_worker_")

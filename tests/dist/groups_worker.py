@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from megatron_ngrpo.testing.multiproc import case, group_timeouts, run_cases
+from tests.harness.multiproc import case, group_timeouts, run_cases
 
 
 @case
@@ -16,7 +16,7 @@ def every_group_gets_the_job_timeout():
     from megatron_ngrpo.parallel import duplicate_model_parallel_groups, free_port, initialize_model_parallel
     from megatron_ngrpo.rollout.config import RemoteConfig
     from megatron_ngrpo.rollout.remote.client import RemoteEngine, RolloutServerError
-    from megatron_ngrpo.testing.tiny import tiny_hf_config
+    from tests.harness.tiny import tiny_hf_config
 
     initialize_model_parallel(1, 2)
     duplicate_model_parallel_groups()

@@ -20,7 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_ngrpo.testing.multiproc import case, run_cases
+from tests.harness.multiproc import case, run_cases
 
 # (layers, hidden, ffn, heads, kv_heads, vocab, rows, seq_len) per case; the test models the same.
 SHAPES = {
@@ -54,7 +54,7 @@ def measure(layers, hidden, ffn, heads, kv_heads, vocab, rows, seq_len) -> dict:
     from megatron_ngrpo.models.config import ModelConfig
     from megatron_ngrpo.models.provider import build_model
     from megatron_ngrpo.parallel import initialize_model_parallel
-    from megatron_ngrpo.testing.tiny import write_tiny_hf
+    from tests.harness.tiny import write_tiny_hf
 
     initialize_model_parallel(1, 1)
     hf = tempfile.mkdtemp(prefix="memory_worker_")

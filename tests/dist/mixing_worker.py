@@ -1,6 +1,6 @@
 """Cases of the mixing core, run under one 4-process torchrun launch (tests/test_mixing.py).
 
-References are float64 and single-process (:mod:`megatron_ngrpo.testing.reference`): brute-force
+References are float64 and single-process (:mod:`tests.harness.reference`): brute-force
 neighbour tables, Σ w·E by the definition, decisions by the definition, and a tiny Qwen2-like
 GPTModel at TP=1 in float64 fed the reference mixed embeddings as ``decoder_input``. Every layout
 loads the reference weights through megatron's sharding metadata (``reference.local_shards``),
@@ -14,7 +14,7 @@ import tempfile
 
 import torch
 
-from megatron_ngrpo.testing.multiproc import case, run_cases
+from tests.harness.multiproc import case, run_cases
 
 VOCAB, NUM_REAL, PADDED = 500, 480, 512
 SPECIAL = [0, 1]
@@ -59,7 +59,7 @@ def neighbor_table_matches_bruteforce():
     from megatron_ngrpo.mixing import gemm_cpu
     from megatron_ngrpo.mixing.neighbors import build_neighbor_table
     from megatron_ngrpo.parallel import initialize_model_parallel
-    from megatron_ngrpo.testing.reference import neighbor_table64
+    from tests.harness.reference import neighbor_table64
 
     mats = _matrices()
     exclude = torch.zeros(64, dtype=torch.bool)
@@ -128,7 +128,7 @@ def embedding_matches_reference():
     (+ recorded noise) and weight grads equal float64; embedding_grad=False removes exactly the
     mixture's gradient."""
     from megatron_ngrpo.parallel import initialize_model_parallel
-    from megatron_ngrpo.testing.reference import mixed_embedding64
+    from tests.harness.reference import mixed_embedding64
 
     v, h = 64, 16
     weight = torch.randn(v, h, generator=torch.Generator().manual_seed(3))
@@ -172,8 +172,8 @@ def embedding_main_grad_under_ddp():
     consumer's gradient is added exactly once; bf16 weights accumulate into the fp32 ``main_grad``
     unrounded; the hook leaves no ``param.grad``."""
     from megatron_ngrpo.parallel import initialize_model_parallel
-    from megatron_ngrpo.testing.reference import mixed_embedding64
-    from megatron_ngrpo.testing.tiny import in_megatron_ddp
+    from tests.harness.reference import mixed_embedding64
+    from tests.harness.tiny import in_megatron_ddp
 
     v, h = 64, 16
     weight = torch.randn(v, h, generator=torch.Generator().manual_seed(3))
@@ -239,8 +239,8 @@ def _reference() -> dict:
         return _S["ref"]
     from megatron_ngrpo.models.provider import build_model
     from megatron_ngrpo.parallel import initialize_model_parallel
-    from megatron_ngrpo.testing.reference import full_state, mixed_embedding64
-    from megatron_ngrpo.testing.tiny import write_tiny_hf
+    from tests.harness.reference import full_state, mixed_embedding64
+    from tests.harness.tiny import write_tiny_hf
 
     _S["tmp"] = tempfile.TemporaryDirectory(prefix="mixing_worker_")  # per rank, removed at exit
     _S["hf"] = str(write_tiny_hf(os.path.join(_S["tmp"].name, "hf"), weights=False, vocab_size=VOCAB,
@@ -265,7 +265,7 @@ def _layout(tp: int, pp: int):
     """The chunk at (tp, pp) with the reference weights, and this rank's reference grads."""
     from megatron_ngrpo.models.provider import build_model
     from megatron_ngrpo.parallel import initialize_model_parallel
-    from megatron_ngrpo.testing.reference import local_shards
+    from tests.harness.reference import local_shards
 
     ref = _reference()
     initialize_model_parallel(tp, pp, seed=99)
@@ -311,7 +311,7 @@ def _model_case(tp: int, pp: int) -> dict:
 
     from megatron_ngrpo.mixing.config import MixingConfig
     from megatron_ngrpo.mixing.neighbors import exclusion_mask, neighbor_table_for_model
-    from megatron_ngrpo.testing.reference import neighbor_table64
+    from tests.harness.reference import neighbor_table64
 
     ref = _reference()
     chunk, ref_grads = _layout(tp, pp)
@@ -381,7 +381,7 @@ def decision_vocab_parallel():
     table row, weights = softmax of z/τ on them and sum to 1; equal to the float64 definition."""
     from megatron_ngrpo.mixing.decision import decide
     from megatron_ngrpo.parallel import initialize_model_parallel
-    from megatron_ngrpo.testing.reference import decide64, neighbor_table64
+    from tests.harness.reference import decide64, neighbor_table64
 
     v, real, rows = 64, 60, 48
     z = _logits(rows, v, seed=1)
@@ -410,7 +410,7 @@ def baselines_vocab_parallel():
     top-k definition; gumbel weights are the clean softmax on its candidates."""
     from megatron_ngrpo.mixing import perturbations as P
     from megatron_ngrpo.parallel import initialize_model_parallel
-    from megatron_ngrpo.testing.reference import topk_mixture64
+    from tests.harness.reference import topk_mixture64
 
     v, real, rows, k = 64, 60, 48, 5
     z = _logits(rows, v, seed=4)
@@ -457,7 +457,7 @@ def records_replay_through_embedding():
     from megatron_ngrpo.mixing.embedding import MixBatch
     from megatron_ngrpo.mixing.records import MixRecord
     from megatron_ngrpo.parallel import initialize_model_parallel
-    from megatron_ngrpo.testing.reference import mixed_embedding64
+    from tests.harness.reference import mixed_embedding64
 
     v, h, k, resp = 64, 16, 4, 6
     weight = torch.randn(v, h, generator=torch.Generator().manual_seed(8))

@@ -31,11 +31,11 @@ from megatron_ngrpo.models.config import ModelConfig
 from megatron_ngrpo.models.provider import build_model
 from megatron_ngrpo.parallel import initialize_model_parallel
 from megatron_ngrpo.rollout.types import RolloutBatch
-from megatron_ngrpo.testing.forward import megatron_logits
-from megatron_ngrpo.testing.multiproc import case, run_cases
-from megatron_ngrpo.testing.real_model import SENTENCES
-from megatron_ngrpo.testing.reference import neighbor_table64
-from megatron_ngrpo.testing.tiny import write_tiny_hf
+from tests.harness.forward import megatron_logits
+from tests.harness.multiproc import case, run_cases
+from tests.harness.real_model import SENTENCES
+from tests.harness.reference import neighbor_table64
+from tests.harness.tiny import write_tiny_hf
 
 MODEL = Path(os.environ.get("NGRPO_REAL_MODEL", ""))
 OUT = Path(os.environ.get("NGRPO_REAL_OUT", "/tmp/ngrpo_real"))

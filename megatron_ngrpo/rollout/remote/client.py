@@ -76,7 +76,7 @@ from megatron_ngrpo.rollout.types import (
     validate_request,
 )
 from megatron_ngrpo.rollout.vllm import wire
-from megatron_ngrpo.rollout.vllm.hook import (
+from megatron_ngrpo.rollout.vllm.protocol import (
     SUPPORTED_VLLM,
     hook_mix_record,
     request_options,

@@ -80,19 +80,6 @@ class MegatronSource(base.WeightSource):
         return export_hf_tensors(self.chunks, self.spec, tp_shards=self.tp_shards)
 
 
-class NamedSource(base.WeightSource):
-    """A fixed list of ``(name, tensor)`` pairs (a checkpoint, tests)."""
-
-    def __init__(self, named: list[tuple[str, torch.Tensor]]):
-        self.named = named
-
-    def metadata(self) -> list:
-        return [base.ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.named]
-
-    def __iter__(self):
-        return iter(self.named)
-
-
 class LLMClient:
     """vLLM's ``VLLMWeightSyncClient`` protocol over an offline ``vllm.LLM`` (whose methods take
     request dicts)."""
