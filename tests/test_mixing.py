@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from megatron_ngrpo.mixing import gemm_cpu as G
 from megatron_ngrpo.mixing import perturbations as P
@@ -37,6 +38,12 @@ def test_neighbor_table_tp_dp_equals_bruteforce(results):
 def test_mixing_embedding_equals_reference(results):
     """ρ=0 is exactly megatron's embedding; mixed rows and weight grads equal float64 (1e-6)."""
     assert max(check(results, "embedding_matches_reference").values()) <= 1e-6
+
+
+def test_mixing_embedding_16bit_equals_the_engines_arithmetic(results):
+    """bf16/fp16 at TP=1,2,4 (also sequence parallel): mixed rows equal mix_rows on full
+    candidate rows bit for bit, the arithmetic of vLLM's hook."""
+    assert check(results, "embedding_16bit_equals_mix_rows")["mixed_rows_checked"] > 100
 
 
 def test_mixing_embedding_main_grad_under_ddp(results):
@@ -359,3 +366,84 @@ def test_decide_anchor_from_raw_logits_in_near_ties():
     assert int(dec.anchor) == 5
     cand = z[0, table[5]].double() / tau
     assert torch.equal(dec.weights[0], torch.softmax(cand, 0).float())
+
+
+# ---- replay without host syncs --------------------------------------------------------------
+class _HostToDeviceCopies(TorchFunctionMode):
+    """Records every copy from the host onto the meta device that is not ``non_blocking`` (on a
+    GPU such a copy of pageable memory synchronises the stream)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocking = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        src = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        target = kwargs.get("device") or next(
+            (a for a in args[1:] if isinstance(a, (str, torch.device))), None
+        )
+        to_meta = target is not None and torch.device(target).type == "meta"
+        if func in (torch.Tensor.to, torch.Tensor.cuda) and to_meta:
+            if src is not None and src.device.type == "cpu" and not kwargs.get("non_blocking"):
+                self.blocking.append(func.__name__)
+        elif func in (torch.tensor, torch.as_tensor) and to_meta:
+            self.blocking.append(func.__name__)
+        elif func is torch.Tensor.copy_ and args[0].device.type == "meta":
+            if args[1].device.type == "cpu" and not (args[2:] or kwargs.get("non_blocking")):
+                self.blocking.append("copy_")
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("main_grad", [False, True], ids=["autograd", "ddp_main_grad"])
+def test_mixed_replay_has_no_host_sync(dtype, main_grad):
+    """The replay path of a mixed micro-batch — TokenBatch.from_rollout onto the device, a
+    micro-batch cut from it, the mixing embedding's forward and backward (into a megatron-DDP
+    ``main_grad`` or autograd's gradient) — never waits for the device, like the plain one.
+    Proxy for a GPU: the "device" is the meta device, where every op that needs device values on
+    the host (nonzero, item, tolist, bool of a tensor, .cpu(), boolean indexing) raises, and a
+    TorchFunctionMode records host→device copies that are not non_blocking. Host-side work on
+    the record (CPU tensors) is allowed."""
+    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
+
+    from megatron_ngrpo.grpo.batches import TokenBatch
+    from megatron_ngrpo.mixing.embedding import MixingVocabParallelEmbedding
+    from megatron_ngrpo.mixing.records import MixRecord
+    from megatron_ngrpo.parallel import init_distributed, initialize_model_parallel
+    from megatron_ngrpo.rollout.types import RolloutBatch
+
+    init_distributed()
+    initialize_model_parallel(1, 1)
+    mixes = MixRecord.from_lists(
+        [[(0, [5, 6, 7], [0.5, 0.3, 0.2]), (2, [9, 3], [0.6, 0.4])], [], [(1, [4, 8], [0.7, 0.3])]],
+        k=3,
+    )
+    rollout = RolloutBatch(
+        [[10, 11], [12], [13, 14, 15]],
+        [[20, 21, 22, 23], [24, 25], [26, 27, 28]],
+        [[-1.0] * 4, [-1.0] * 2, [-1.0] * 3],
+        ["stop", "length", "stop"],
+        mixes,
+        [0, 1, 2],
+    )
+    cfg = ModelParallelConfig(use_cpu_initialization=True, perform_initialization=False)
+    emb = VocabParallelEmbedding(32, 8, init_method=torch.nn.init.zeros_, config=cfg)
+    emb.__class__ = MixingVocabParallelEmbedding
+    emb.to(device="meta", dtype=dtype)
+    if main_grad:  # megatron DDP's protocol: the backward adds into main_grad itself
+        emb.weight.main_grad = torch.zeros(emb.weight.shape, device="meta")
+        emb.weight.grad_added_to_main_grad = False
+    copies = _HostToDeviceCopies()
+    for replay in (False, True):  # plain, then mixed
+        with copies:
+            tb = TokenBatch.from_rollout(rollout, replay_mixes=replay, device="meta")
+            assert (tb.mix.num_mixed if replay else tb.mix) == (3 if replay else None)
+            for rows, length in (([0, 2], None), ([1], 8), ([0, 1, 2], None)):
+                mb = tb.micro_batch(rows, num_rows=4, seq_len=length)
+                out = emb(mb.tokens, mb.mix)
+                out.backward(torch.ones(out.shape, device="meta", dtype=dtype))
+            if replay:
+                tb.mix.mask  # noqa: B018 (the trainer's mixed-token mask, built on the device)
+    assert copies.blocking == [], copies.blocking

@@ -217,8 +217,10 @@ def test_requests_of_different_k_share_a_step(engine, hf_model):
 def test_bf16_mixed_rows_equal_the_trainers_bit_for_bit(model_dir, monkeypatch, strategy):
     """A bf16 engine: every input row the hook mixed (caught in the model runner) equals, bit for
     bit, the trainer's mixing embedding op on vLLM's bf16 embedding matrix with the same ids,
-    weights and noise (one arithmetic, mixing/arithmetic.py); rounding each product to bf16, as
-    the hook once did, changes some of them."""
+    weights and noise (one arithmetic, mixing/arithmetic.py: ``mix_rows`` on full candidate
+    rows, which the trainer's embedding equals at TP 1, 2 and 4 in bf16 and fp16,
+    tests/dist/mixing_worker.py ``embedding_16bit_equals_mix_rows``); rounding each product to
+    bf16, as the hook once did, changes some of them."""
     from megatron_ngrpo.mixing.embedding import _MixedLookup
     from megatron_ngrpo.rollout.vllm.engine import VLLMEngine
     from megatron_ngrpo.rollout.vllm.hook import NeighborMixRunner
@@ -269,9 +271,11 @@ def test_bf16_mixed_rows_equal_the_trainers_bit_for_bit(model_dir, monkeypatch, 
                 None,
                 torch.arange(m),
                 ids,
+                None,
                 w,
                 noise,
                 False,
+                None,
                 None,
             )
         cand = weight[ids]
