@@ -91,16 +91,35 @@ def test_table_bad_inputs_raise():
         build_neighbor_table(w.index_fill(0, torch.tensor([3]), float("nan")), 0, 2)
 
 
-@pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["fp32_screen", "bf16_screen"])
+@pytest.fixture(
+    params=[torch.float32, torch.bfloat16, "cuda"], ids=["fp32_screen", "bf16_screen", "gpu_choice"]
+)
 def screen(request, monkeypatch):
     """Both scoring screens whatever this CPU has (bf16 applies to the matmul metrics cosine,
-    dot; the others keep fp32)."""
-    monkeypatch.setattr(
-        G,
-        "screen_dtype",
-        lambda device, metric: request.param if metric in ("cosine", "dot") else torch.float32,
-    )
-    return request.param
+    dot; the others keep fp32), and a GPU's whole choice run on CPU tensors: the screen dtype
+    ``gemm_cpu.screen_dtype`` picks for "cuda" (bf16 for cosine/dot) with fp32 matmuls in TF32
+    (``allow_tf32``, torch's "high"), emulated: TF32-rounded inputs of the fp32 products (screen
+    GEMM of l2, fp32 re-scoring of the bf16 screen's candidates) and the bound
+    ``input_roundoff("cuda")`` reads from the flag. Returns the cosine/dot screen dtype."""
+    if request.param != "cuda":
+        monkeypatch.setattr(
+            G,
+            "screen_dtype",
+            lambda device, metric: request.param if metric in ("cosine", "dot") else torch.float32,
+        )
+        return request.param
+    dtype_of, roundoff_of, mm_into, bmm = G.screen_dtype, G.input_roundoff, G.mm_into, torch.bmm
+    monkeypatch.setattr(G, "screen_dtype", lambda device_type, metric: dtype_of("cuda", metric))
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    monkeypatch.setattr(G, "input_roundoff", lambda device_type: roundoff_of("cuda"))
+    assert G.input_roundoff("cpu") == 2.0**-11
+
+    def tf32(x):
+        return _tf32(x) if x.dtype == torch.float32 else x
+
+    monkeypatch.setattr(G, "mm_into", lambda a, b, out: mm_into(tf32(a), tf32(b.contiguous()), out))
+    monkeypatch.setattr(torch, "bmm", lambda a, b: bmm(tf32(a), tf32(b.contiguous())))
+    return G.screen_dtype("cuda", "cosine")
 
 
 @pytest.mark.parametrize("metric", METRICS)
@@ -126,6 +145,53 @@ def test_table_orders_fp32_indistinguishable_scores_by_float64(screen):
     ref = neighbor_table64(w, 8, "dot")
     assert ref[0, 1:].tolist() == list(range(39, 32, -1))
     assert torch.equal(build_neighbor_table(w, 0, 8, "dot", chunk_size=16), ref)
+
+
+def test_table_orders_near_parallel_rows_by_float64(screen, monkeypatch):
+    """Cosine scores 1 - O(i²·2^-27) of rows nearly parallel to the query: bf16 and fp32 both
+    merge them, so the certificate must fall back to float64 (and does), exactly."""
+    retried = []
+    rescore = T._rescore_above
+    monkeypatch.setattr(
+        T,
+        "_rescore_above",
+        lambda keys, q32, *a: retried.append(len(q32)) or rescore(keys, q32, *a),
+    )
+    x = torch.arange(60, dtype=torch.float64) * 2.0**-13
+    w = torch.stack([torch.ones(60, dtype=torch.float64), x, -x.flip(0)], 1)
+    w = torch.cat([w, torch.randn(200, 3, generator=torch.Generator().manual_seed(5)).double()])
+    w = w.float()
+    ref = neighbor_table64(w, 6, "cosine")
+    assert torch.equal(build_neighbor_table(w, 0, 6, "cosine", chunk_size=64), ref)
+    assert torch.equal(
+        build_neighbor_table(w, 0, 6, "cosine", rows=(0, 80), chunk_size=32), ref[:80]
+    )
+    assert sum(retried) > 0
+
+
+def test_gpu_screen_is_bf16_with_fp32_reductions(monkeypatch):
+    """On CUDA the screen of cosine/dot is bf16 (fp32 for l2/l1), and its GEMM runs with cuBLAS's
+    reduced-precision reductions off (the bound assumes fp32 accumulation), the setting restored
+    after (checked by the flag torch.mm sees, on CPU tensors)."""
+    assert [G.screen_dtype("cuda", m) for m in METRICS] == [
+        torch.bfloat16,
+        torch.float32,
+        torch.float32,
+        torch.bfloat16,
+    ]
+    matmul = torch.backends.cuda.matmul
+    seen, mm = [], torch.mm
+    monkeypatch.setattr(
+        torch,
+        "mm",
+        lambda *a, **kw: seen.append(matmul.allow_bf16_reduced_precision_reduction) or mm(*a, **kw),
+    )
+    before = matmul.allow_bf16_reduced_precision_reduction
+    a = torch.randn(8, 16).bfloat16()
+    out = torch.empty(8, 8, dtype=torch.bfloat16)
+    G.mm_into(a, a.T, out)
+    assert seen == [False] and matmul.allow_bf16_reduced_precision_reduction == before
+    assert torch.equal(out, mm(a, a.T))
 
 
 @pytest.mark.parametrize("metric", METRICS)
@@ -201,10 +267,10 @@ def test_screen_choice_times_both_gemms_without_touching_the_global_rng():
     after ``torch.manual_seed`` must leave the run's random stream where it was."""
     G.cpu_bf16_matmul_is_faster.cache_clear()
     state = torch.get_rng_state()
-    choice = G.screen_dtype(torch.device("cpu"), "cosine")
+    choice = G.screen_dtype("cpu", "cosine")
     assert torch.equal(torch.get_rng_state(), state)
     assert choice in (torch.float32, torch.bfloat16)
-    assert G.screen_dtype(torch.device("cpu"), "l2") == torch.float32  # not a bare product
+    assert G.screen_dtype("cpu", "l2") == torch.float32  # not a bare product
 
 
 def test_exclusion_mask_from_config():
