@@ -19,7 +19,7 @@ import torch
 from megatron.core import parallel_state as ps
 
 from megatron_ngrpo.architecture import unwrap
-from megatron_ngrpo.mixing.embedding import MixBatch
+from megatron_ngrpo.mixing.embedding import MixBatch, to_device
 from megatron_ngrpo.rollout.types import RolloutBatch
 
 
@@ -83,7 +83,8 @@ class TokenBatch:
         mix = None
         if replay_mixes and len(batch.mixes):
             mix = MixBatch.from_record(batch.mixes, offsets, length, device)
-        return cls(tokens.to(device), labels.to(device), mask.to(device), offsets, lengths, mix)
+        tokens, labels, mask = (to_device(t, device) for t in (tokens, labels, mask))
+        return cls(tokens, labels, mask, offsets, lengths, mix)
 
     @property
     def num_rows(self) -> int:
@@ -119,28 +120,31 @@ class TokenBatch:
         for r, vals in enumerate(per_response):
             o = int(self.offsets[r])
             out[r, o - 1 : o - 1 + len(vals)] = torch.as_tensor(vals, dtype=dtype)
-        return out.to(self.tokens.device)
+        return to_device(out, self.tokens.device)
 
     def micro_batch(
         self, rows: list[int], num_rows: int | None = None, seq_len: int | None = None
     ) -> TokenBatch:
         """Rows ``rows``, trimmed to their longest row (or padded to ``seq_len``) and padded with
-        fully masked dummy rows up to ``num_rows`` (fixed pipeline shapes)."""
+        fully masked dummy rows up to ``num_rows`` (fixed pipeline shapes). Cut on the tensors'
+        device with indices and sizes from the host: no host sync."""
         idx = torch.as_tensor(rows, dtype=torch.long)
         length = seq_len or max(int(self.lengths[idx].max()), 1)
-        pad_rows = (num_rows or len(rows)) - len(rows)
+        total = num_rows or len(rows)
+        pad_rows = total - len(rows)
+        on_device = {}  # idx copied once per device
 
-        def take(t: torch.Tensor | None) -> torch.Tensor | None:
-            if t is None:
-                return None
-            t = t.index_select(0, idx.to(t.device))
+        def take(t: torch.Tensor) -> torch.Tensor:
+            if t.device not in on_device:
+                on_device[t.device] = to_device(idx, t.device)
+            t = t.index_select(0, on_device[t.device])
             if t.dim() >= 2:
                 t = _fit(t, 1, length)
             if pad_rows:
                 t = torch.cat([t, t.new_zeros((pad_rows,) + t.shape[1:])])
             return t
 
-        mix = None if self.mix is None else MixBatch(*(take(t) for t in self.mix))
+        mix = None if self.mix is None else self.mix.select(idx, length, total)
         dummy = torch.zeros(pad_rows, dtype=self.lengths.dtype)
         return TokenBatch(
             tokens=take(self.tokens),

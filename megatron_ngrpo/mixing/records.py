@@ -8,7 +8,7 @@ ordinary sample in reference mode; it is kept in the response ids, not here.
 
 Storage is sparse (COO over mixed positions only), which at ρ=0.1 is ~10% of response tokens × k
 ids and weights. Positions are response-relative, so records do not depend on prompt lengths or
-padding of any engine; :meth:`MixRecord.to_dense` places them into a padded [B, L] batch.
+padding of any engine; :meth:`MixRecord.flat_positions` places them into a padded [B, L] batch.
 
 An optional per-position ``noise`` [N, d] (STHT baseline) is added to the mixture on replay.
 """
@@ -96,29 +96,14 @@ class MixRecord:
         keep = torch.nonzero(new_seq >= 0).flatten()
         return self._take(keep, new_seq[keep], len(seq_indices)).sorted()
 
-    def to_dense(
-        self, offsets: torch.Tensor, seq_len: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Place the mixes in a padded [B, L] token batch whose response s starts at column
-        ``offsets[s]`` (the prompt length under right padding).
-
-        Returns ``ids`` [B, L, k] int64, ``weights`` [B, L, k] float32 and ``mask`` [B, L] bool
-        (True at mixed positions); non-mixed entries are 0.
-        """
-        b, k = self.num_seqs, self.k
-        ids = torch.zeros(b, seq_len, k, dtype=torch.long)
-        weights = torch.zeros(b, seq_len, k, dtype=torch.float32)
-        mask = torch.zeros(b, seq_len, dtype=torch.bool)
-        if len(self):
-            col = torch.as_tensor(offsets, dtype=torch.long)[self.seq] + self.pos
-            if int(col.max()) >= seq_len:
-                raise ValueError(
-                    f"mix position {int(col.max())} outside a batch of length {seq_len}"
-                )
-            ids[self.seq, col] = self.ids
-            weights[self.seq, col] = self.weights.float()
-            mask[self.seq, col] = True
-        return ids, weights, mask
+    def flat_positions(self, offsets: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """Flat positions s·seq_len + column [N] of the mixes in a right-padded [num_seqs,
+        seq_len] token batch whose response s starts at column ``offsets[s]`` (the prompt length);
+        host tensors in, a host tensor out."""
+        col = torch.as_tensor(offsets, dtype=torch.long)[self.seq] + self.pos
+        if len(self) and int(col.max()) >= seq_len:
+            raise ValueError(f"mix position {int(col.max())} outside a batch of length {seq_len}")
+        return self.seq * seq_len + col
 
     def validate(self, response_lengths: list[int] | torch.Tensor, vocab_size: int) -> None:
         """Raise ValueError on records that cannot belong to responses of these lengths."""
