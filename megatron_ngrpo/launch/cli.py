@@ -291,15 +291,8 @@ def make_plan(args: argparse.Namespace):
         ]
     if args.task in ("train", "eval"):
         recipes.check_configs(recipe, args.config, args.overrides)
-    if args.task == "train":
-        check_not_run(
-            args.config,
-            [
-                *recipe.model_overrides(hf_path),
-                *recipe.rollout_overrides(args.disaggregated),
-                *args.overrides,
-            ],
-        )
+    if runs_trainer(args):
+        check_not_run(args.config, trainer_overrides(args, recipe, hf_path))
     mounts = list(args.mount)
     if args.executor == "slurm":
         files = slurm_files(args, recipe, hf_path)
@@ -329,20 +322,27 @@ def make_plan(args: argparse.Namespace):
     )
 
 
+def runs_trainer(args: argparse.Namespace) -> bool:
+    """Whether the job runs the trainer (whose config this launcher can read)."""
+    return args.task == "train" and (args.module or recipes.TRAIN_MODULE) == recipes.TRAIN_MODULE
+
+
+def trainer_overrides(args: argparse.Namespace, recipe: recipes.Recipe, hf_path: str) -> list[str]:
+    """The trainer's overrides as the rendered command gives them: the recipe's, then the user's."""
+    return [
+        *recipe.model_overrides(hf_path),
+        *recipe.rollout_overrides(args.disaggregated),
+        *args.overrides,
+    ]
+
+
 def slurm_files(
     args: argparse.Namespace, recipe: recipes.Recipe, hf_path: str
 ) -> job_files.JobFiles:
     """What a Slurm job of ``args`` reads and writes outside its job folder (launch/job_files.py):
     the trainer's config paths; for other entry modules and tasks, the model and the options."""
-    if args.task == "train" and (args.module or recipes.TRAIN_MODULE) == recipes.TRAIN_MODULE:
-        return job_files.train_files(
-            args.config,
-            [
-                *recipe.model_overrides(hf_path),
-                *recipe.rollout_overrides(args.disaggregated),
-                *args.overrides,
-            ],
-        )
+    if runs_trainer(args):
+        return job_files.train_files(args.config, trainer_overrides(args, recipe, hf_path))
     reads = {"--hf-path": hf_path, "--checkpoint": args.checkpoint or ""}
     files = job_files.JobFiles(reads={k: v for k, v in reads.items() if os.path.isabs(v)})
     if args.task.startswith("convert") and args.output:

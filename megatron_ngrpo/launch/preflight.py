@@ -97,10 +97,8 @@ def check_imports(
             dists[0],
             getattr(sys.modules[module.split(".")[0]], "__version__", "?"),
         )
-        problem = version != "?" and version_problem(
-            dist, version, spec.get(canonicalize_name(dist))
-        )
-        if problem:
+        spec_of = None if version == "?" else spec.get(canonicalize_name(dist))
+        if problem := version_problem(dist, version, spec_of):
             problems.append(problem)
         found.append(f"{dist} {version}")
     return found, problems
