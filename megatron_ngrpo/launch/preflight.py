@@ -146,11 +146,12 @@ def preflight(configs: list[str], overrides: list[str], gpus: int, world_size: i
     import torch
 
     # lazy: imports megatron-core, checked just above
+    from megatron_ngrpo.rollout.config import EngineName
     from megatron_ngrpo.training.job_config import check_device, load_config
 
     os.environ["WORLD_SIZE"] = str(world_size)  # validation at the job's world size
     cfg = load_config(configs, overrides)
-    vllm = cfg.rollout.engine == "vllm"
+    vllm = cfg.rollout.engine == EngineName.vllm
     spec = ranges(vllm)
     more, problems = check_imports(
         {m: d for m, d in needed_modules(cfg, gpus).items() if m not in ALWAYS}, spec
