@@ -31,7 +31,7 @@ for: the server's facts, the mix records, the neighbour table, HTTP weight pushe
   the run); a second failure is a one-line error naming the server. Every HTTP call has a
   connect and a request timeout: a dead or hung server never hangs the trainer.
 * ``sync_weights``: a new weight version. The HF-named tensors (the one mapping,
-  ``conversion.mapping.export_hf_tensors``, gathered to rank 0 one parameter at a time) reach
+  ``conversion.hf_export.export_hf_tensors``, gathered to rank 0 one parameter at a time) reach
   every live server in buckets of ``bucket_mb``. ``weight_transfer: http`` (the fallback):
   safetensors bytes through ``/collective_rpc``, the last bucket loads them (``reload_weights``),
   then ``/update_weight_version``. ``gloo`` / ``nccl``: vLLM's weight-transfer API, the same
@@ -63,7 +63,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ngrpo.architecture import ArchSpec
-from megatron_ngrpo.conversion.mapping import export_hf_tensors
+from megatron_ngrpo.conversion.hf_export import export_hf_tensors
 from megatron_ngrpo.mixing.records import MixRecord
 from megatron_ngrpo.parallel import broadcast_from_rank0, collective_timeout, is_rank0
 from megatron_ngrpo.rollout.config import RemoteConfig

@@ -18,7 +18,7 @@
   in its own vocab shard of vLLM's weights (``NeighborLookup`` over vLLM's TP group, cached until
   the next weight load; equal to the table of those weights).
 * ``sync_weights(model_chunks)`` gathers the Megatron shards with HF names
-  (``conversion.mapping.export_hf_tensors``, one parameter at a time) and loads them into the
+  (``conversion.hf_export.export_hf_tensors``, one parameter at a time) and loads them into the
   live engine by ``cfg.weight_transfer``: ``gloo`` / ``ipc`` / ``nccl`` through vLLM's
   weight-transfer API in buckets of ``sync_bucket_mb``
   (:mod:`~megatron_ngrpo.rollout.vllm.weight_transfer`; ``verify_weights``: SHA-256 per tensor on the
@@ -65,8 +65,8 @@ from safetensors.torch import save_file
 from megatron_ngrpo import config_loader
 from megatron_ngrpo.architecture import ArchSpec
 from megatron_ngrpo.atomic import atomic_file
+from megatron_ngrpo.conversion.hf_export import TPShard, check_tp_shards, export_hf_tensors
 from megatron_ngrpo.conversion.hf_io import HFCheckpoint
-from megatron_ngrpo.conversion.mapping import TPShard, check_tp_shards, export_hf_tensors
 from megatron_ngrpo.data.tokenizer import engine_tokenizer, special_token_ids
 from megatron_ngrpo.mixing.config import MixingConfig
 from megatron_ngrpo.mixing.neighbors import build_neighbor_table, exclusion_mask
@@ -238,10 +238,10 @@ class VLLMEngine(RolloutEngine):
         return llm
 
     def _tp_shard_sync(self):
-        """The :class:`~megatron_ngrpo.conversion.mapping.TPShard` weight syncs hand this rank's
+        """The :class:`~megatron_ngrpo.conversion.hf_export.TPShard` weight syncs hand this rank's
         vLLM worker where the layouts allow it (shard-to-shard): colocated, a vLLM TP > 1 that
         divides the trainer's, PP = 1, KV heads divisible by the trainer's TP
-        (``conversion.mapping.check_tp_shards``). Each worker then gets its TP rank's slice of
+        (``conversion.hf_export.check_tp_shards``). Each worker then gets its TP rank's slice of
         every linear layer (at equal TP over the same ranks, the rank's own slices; else merged
         from the ranks that hold them) and only the vocabulary matrices are gathered; the
         workers' linear loaders are switched to take shards. None: every rank loads full
