@@ -12,7 +12,7 @@ process with the settings the hook needs:
   hook's ``nbr_mix_*`` methods plus the server's ``nbr_server_*`` ones), installed by
   ``collective_rpc("nbr_mix_install")`` once the server answers, before it registers;
 * ``--logprobs-mode raw_logits``, prefix caching and async scheduling off, eager mode,
-  ``VLLM_USE_V2_MODEL_RUNNER=0`` (as the colocated engine, rollout/vllm/engine.py);
+  ``VLLM_USE_V2_MODEL_RUNNER=0`` (as the colocated engine, rollout/vllm/llm.py);
 * ``--enable-scale-out`` for the token-in/token-out route ``POST /inference/v1/generate`` (token
   ids in, token ids and log-probs out; ``sampling_params.extra_args`` opts a request into mixing);
 * ``VLLM_SERVER_DEV_MODE=1`` for ``POST /collective_rpc`` (records, neighbour table, HTTP weight
