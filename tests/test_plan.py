@@ -5,11 +5,13 @@ an H100 exit 1 with one line."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -20,22 +22,67 @@ REPO = Path(__file__).resolve().parents[1]
 HF_TOTALS = {"r1-1.5b": 1_777_088_000, "r1-7b": 7_615_616_512, "r1-14b": 14_770_033_664}
 
 
-def run_plan(*args: str) -> subprocess.CompletedProcess:
+# Every `ngrpo-launch plan` the tests read, run in ONE subprocess (one interpreter start and
+# megatron import instead of one per plan; each plan tears its fake process group down).
+PLANS = {
+    "r1-1.5b": ("r1-1.5b", "--nodes", "1"),
+    "r1-7b": ("r1-7b", "--nodes", "2"),
+    "r1-14b": ("r1-14b", "--nodes", "8"),
+    "split": (
+        "r1-14b",
+        "model.tensor_parallel=4",
+        "model.pipeline_parallel=2",
+        "model.virtual_pipeline=2",
+    ),
+    "no_fit": ("r1-7b", "model.tensor_parallel=1"),
+    "new_terms": (
+        "r1-1.5b",
+        "tokenizer=deepseek-r1-distill-qwen",
+        "train.reference=copy",
+        "rollout.engine=megatron",
+    ),
+    "sender": (
+        "r1-7b",
+        "tokenizer=deepseek-r1-distill-qwen",
+        "rollout.engine=remote",
+        "rollout.remote.urls=[http://a:1,http://b:2]",
+        "rollout.remote.weight_transfer=nccl",
+        "rollout.remote.bucket_mb=8192",
+    ),
+}
+RUN_PLANS = """
+import contextlib, io, json, sys
+from megatron_ngrpo.launch import cli
+out = {}
+for key, args in json.loads(sys.argv[1]).items():
+    o, e = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(o), contextlib.redirect_stderr(e):
+        rc = cli.main(["plan", *args])
+    out[key] = {"returncode": rc, "stdout": o.getvalue(), "stderr": e.getvalue()}
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def plans() -> dict[str, SimpleNamespace]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
-    return subprocess.run(
-        [sys.executable, "-m", "megatron_ngrpo.launch", "plan", *args],
+    proc = subprocess.run(
+        [sys.executable, "-c", RUN_PLANS, json.dumps(PLANS)],
         cwd=REPO,
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=900,
     )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    return {k: SimpleNamespace(**v) for k, v in json.loads(lines[-1]).items()}
 
 
 @pytest.mark.parametrize("name,nodes,ranks", [("r1-1.5b", 1, 1), ("r1-7b", 2, 4), ("r1-14b", 8, 8)])
-def test_plan_builds_every_recipe(name, nodes, ranks):
-    proc = run_plan(name, "--nodes", str(nodes))
+def test_plan_builds_every_recipe(plans, name, nodes, ranks):
+    proc = plans[name]
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert f"= {recipes.get(name).world_size(nodes)} ranks" in out
@@ -53,10 +100,8 @@ def test_plan_builds_every_recipe(name, nodes, ranks):
     assert "fits" in out
 
 
-def test_plan_shows_the_pipeline_split():
-    proc = run_plan(
-        "r1-14b", "model.tensor_parallel=4", "model.pipeline_parallel=2", "model.virtual_pipeline=2"
-    )
+def test_plan_shows_the_pipeline_split(plans):
+    proc = plans["split"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     layers = dict(
         re.findall(r"^\s+\d+\s+0\s+(\d)\s+[\d,]+\s+[\d.]+ GiB\s+(.+)$", proc.stdout, re.M)
@@ -65,8 +110,8 @@ def test_plan_shows_the_pipeline_split():
     assert "= 14,770,033,664 = HF total" in proc.stdout
 
 
-def test_plan_refuses_a_layout_that_cannot_fit():
-    proc = run_plan("r1-7b", "model.tensor_parallel=1")
+def test_plan_refuses_a_layout_that_cannot_fit(plans):
+    proc = plans["no_fit"]
     assert proc.returncode == 1, proc.stdout
     err = proc.stderr.strip()
     assert re.fullmatch(
@@ -189,25 +234,18 @@ def test_weight_sync_sender_buckets():
     assert http.sender == 512 * 2**20 + embedding
 
 
-def test_plan_shows_the_new_terms():
-    proc = run_plan("r1-1.5b", TOKENIZER, "train.reference=copy", "rollout.engine=megatron")
+def test_plan_shows_the_new_terms(plans):
+    proc = plans["new_terms"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert re.search(r"^  reference copy [\d.]+ GiB, KV cache [\d.]+ GiB$", proc.stdout, re.M), (
         proc.stdout
     )
 
 
-def test_plan_table_shows_the_sender_on_rank_0_only():
+def test_plan_table_shows_the_sender_on_rank_0_only(plans):
     """rollout.remote: global rank 0 alone gathers and sends (2 servers × 8 GiB nccl buffers +
     the 2.0 GiB embedding, above the training step); the other TP ranks show the training peak."""
-    proc = run_plan(
-        "r1-7b",
-        TOKENIZER,
-        "rollout.engine=remote",
-        "rollout.remote.urls=[http://a:1,http://b:2]",
-        "rollout.remote.weight_transfer=nccl",
-        "rollout.remote.bucket_mb=8192",
-    )
+    proc = plans["sender"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = re.findall(r"^\s+(\d+)\s+\d+\s+\d+\s+[\d,]+\s+([\d.]+) GiB\s+1-28$", proc.stdout, re.M)
     m = r7b_memory()
