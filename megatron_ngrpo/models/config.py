@@ -10,6 +10,9 @@ import torch
 from megatron_ngrpo.architecture import ArchSpec
 from megatron_ngrpo.config_loader import ConfigError, fail
 
+# model.attention values (models/attention.py); here so validation needs no megatron import.
+ATTENTION_KINDS = ("sdpa", "unfused")
+
 
 @dataclass
 class ModelConfig:
@@ -28,6 +31,10 @@ class ModelConfig:
     dtype: str = "auto"
     # "auto": Transformer-Engine spec when importable on GPU, else megatron's local spec.
     layer_spec: str = "auto"
+    # Core attention of the local spec: "sdpa" (torch's scaled_dot_product_attention, fused
+    # kernels, no s² scores kept; models/attention.py) or "unfused" (megatron's
+    # DotProductAttention). TE's spec has its own fused attention and ignores it.
+    attention: str = "sdpa"
     sequence_parallel: bool = False
     # Context parallelism (megatron CP: each sequence split over this many ranks; TE attention,
     # GPU only). Planned for (launch/memory.py) but refused at start-up: the replay's sequence
@@ -54,6 +61,8 @@ class ModelConfig:
             fail("dtype", self.dtype, "expected auto, float32, bfloat16 or float16")
         if self.layer_spec not in ("auto", "local", "te"):
             fail("layer_spec", self.layer_spec, "expected auto, local or te")
+        if self.attention not in ATTENTION_KINDS:
+            fail("attention", self.attention, f"expected {' or '.join(ATTENTION_KINDS)}")
         if self.layer_spec != "local" and torch.cuda.is_available():
             # On a GPU auto / te without TE is refused here; a CPU host (a launcher validating a
             # GPU job) cannot tell, the job's own validation does.
