@@ -1,7 +1,9 @@
 """Build megatron-core ``GPTModel``s for Qwen2, Llama and Qwen3 from a Hugging Face config.json.
 
 The word embedding of every first-stage model is the vocab-parallel mixing embedding
-(:mod:`megatron_ngrpo.mixing.embedding`), so one model serves training, replay and generation.
+(:mod:`megatron_ngrpo.mixing.embedding`) and the output layer of every last-stage model can hand
+back its input instead of the logits (:mod:`megatron_ngrpo.models.output_head`), so one model
+serves training, replay and generation.
 Transformer-Engine's layer spec is used on GPU when TE imports; megatron-core's local spec
 (RMSNorm via torch, attention on torch SDPA unless ``model.attention: unfused``) otherwise.
 """
@@ -155,6 +157,7 @@ def build_gpt(
 
     # lazy: keeps models.provider free of megatron-core at import (start-up)
     from megatron_ngrpo.mixing.embedding import install_mixing_embedding
+    from megatron_ngrpo.models.output_head import install_output_head
 
     config = transformer_config(spec, cfg, init_weights)
     model = GPTModel(
@@ -176,6 +179,8 @@ def build_gpt(
     )
     if pre_process:
         install_mixing_embedding(model)
+    if post_process:
+        install_output_head(model)
     if init_weights:
         zero_padded_vocab_rows(model, spec.vocab_size)
     return model
