@@ -136,6 +136,15 @@ def test_recipe_figures_unchanged_without_the_new_terms():
         assert m.total == total, name
 
 
+def test_attention_terms_follow_the_attention_in_use():
+    """The local spec's SDPA attention plans like TE's fused one (no s² scores); megatron's unfused
+    attention (model.attention: unfused) adds its scores to a layer's backward."""
+    te, sdpa = r7b_memory(), r7b_memory("model.layer_spec=local")
+    unfused = r7b_memory("model.layer_spec=local", "model.attention=unfused")
+    assert sdpa == te
+    assert unfused.working > 5 * te.working and unfused.total > te.total
+
+
 def test_reference_copy_is_a_second_model():
     base, m = r7b_memory(), r7b_memory("train.reference=copy")
     assert m.params == R7B_RANK_PARAMS
