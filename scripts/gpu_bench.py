@@ -9,9 +9,9 @@ becomes a FAIL row; the next still runs); on one H100 under 8 minutes in all, se
 * ``mfu_sdpa``: the same on the local spec's default attention, torch SDPA (models/attention.py),
   with the log-prob pass in chunks (grpo/token_logprobs.py), and the host syncs of one plain and
   one mixed step counted by torch.profiler (``--count-syncs``);
-* ``neighbors``: the neighbour table at the 7B shape, 152,064 × 3,584, by ``bench/bench_neighbors.py``
-  with ``--device cuda`` (the GPU path of the "mixing" work on issue #38; the flag is that bench's:
-  if it names it otherwise, change NEIGHBORS below);
+* ``neighbors``: the neighbour table at the 7B shape, 152,064 × 3,584, by ``bench/bench_neighbors.py
+  --device cuda --shape 152064x3584`` (the GPU path of the "mixing" work on issue #38, flags as in
+  that work's branch: if the merged bench names them otherwise, change NEIGHBORS below);
 * ``vs_trl``: ``bench/bench_vs_trl.py --device cuda``: SmolLM2-135M's shape with random weights and
   its real tokenizer (.whl/smollm2-135m, from scripts/gpu_bench_wheels.sh), fixed-length responses,
   our GRPO step on the built-in engine against TRL's, steps per hour with the ratio's interval.
@@ -48,16 +48,9 @@ ASSETS = REPO / ".whl"
 
 MFU = ["-m", "bench.bench_mfu", "--layer-spec", "local", "--steps", "5"]
 MFU_DRY = ["--shape", "tiny", "--seq", "64", "--steps", "1"]
-NEIGHBORS = [
-    "-m",
-    "bench.bench_neighbors",
-    "--device",
-    "cuda",
-    "--vocab",
-    "152064",
-    "--dim",
-    "3584",
-]
+# The "mixing" work's GPU entry (its branch's bench_neighbors: --shape VxD --device cuda, the
+# device's screen against the fp32 one); the dry run keeps the CPU flags every version has.
+NEIGHBORS = ["-m", "bench.bench_neighbors", "--device", "cuda", "--shape", "152064x3584"]
 NEIGHBORS_DRY = [
     *("-m", "bench.bench_neighbors", "--vocab", "512", "--slice-vocab", "512", "--dim", "64"),
     *("--queries", "64", "--qwen-queries", "0", "--max-seconds", "1"),
