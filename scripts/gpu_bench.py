@@ -93,7 +93,7 @@ def smollm2_folder(args) -> Path:
     if (ASSETS / "smollm2-135m" / "tokenizer.json").is_file():
         return ASSETS / "smollm2-135m"
     # lazy: the real model's folder is this machine's; the lent one has the carried copy
-    from megatron_ngrpo.testing.real_model import real_model_dir
+    from tests.harness.real_model import real_model_dir
 
     return real_model_dir()
 
@@ -115,7 +115,7 @@ def stage_command(args, stage: str, out: Path) -> list[str]:
     cmd = [*VS_TRL, f"--tokenizer={smollm2}", f"--work-dir={args.work / 'vs_trl'}"]
     if args.dry:  # SmolLM2's vocabulary and tokenizer on a two-layer model
         # lazy: writes the tiny model config (the dry run only)
-        from megatron_ngrpo.testing.tiny import write_tiny_hf
+        from tests.harness.tiny import write_tiny_hf
 
         tiny = write_tiny_hf(
             args.work / "tiny_smollm2",

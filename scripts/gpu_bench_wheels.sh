@@ -18,7 +18,7 @@ for spec in trl==1.16.0 accelerate==1.15.0; do
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d .whl "$spec"
 done
-MODEL="$(python3 -c 'from megatron_ngrpo.testing.real_model import real_model_dir; print(real_model_dir())')"
+MODEL="$(python3 -c 'from tests.harness.real_model import real_model_dir; print(real_model_dir())')"
 mkdir -p .whl/smollm2-135m
 for f in config.json generation_config.json tokenizer.json tokenizer_config.json chat_template.jinja; do
   cp "$MODEL/$f" .whl/smollm2-135m/

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from megatron_ngrpo.architecture import ArchSpec
-from megatron_ngrpo.config_loader import ConfigError
+from megatron_ngrpo.config_loader import ConfigError, load
 from megatron_ngrpo.grpo.packing import pack
 from megatron_ngrpo.models.config import ModelConfig
-from megatron_ngrpo.testing.tiny import tiny_hf_config, write_tiny_hf
+from tests.harness.tiny import tiny_hf_config, write_tiny_hf
 
 
 @pytest.fixture(scope="module")
@@ -98,10 +98,9 @@ def test_sdpa_attention_is_the_default_and_unfused_selectable(tmp_path):
     hf = write_tiny_hf(tmp_path / "hf", weights=False, num_layers=1)
     kinds = {}
     for attention in ("sdpa", "unfused"):
-        cfg = ModelConfig(hf_path=str(hf), attention=attention)
-        cfg.validate()
+        cfg = load(ModelConfig, overrides=[f"hf_path={hf}", f"attention={attention}"])
         (chunk,) = build_model(cfg)
         kinds[attention] = type(chunk.decoder.layers[0].self_attention.core_attention).__name__
     assert kinds == {"sdpa": SDPAttention.__name__, "unfused": "DotProductAttention"}
-    with pytest.raises(ConfigError, match="'attention' = 'flash': expected sdpa or unfused"):
-        ModelConfig(hf_path=str(hf), attention="flash").validate()
+    with pytest.raises(ConfigError, match=r"^config field 'attention' = 'flash': expected one of"):
+        load(ModelConfig, overrides=[f"hf_path={hf}", "attention=flash"])

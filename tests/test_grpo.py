@@ -24,10 +24,12 @@ from megatron_ngrpo.grpo.config import GRPOConfig
 from megatron_ngrpo.grpo.dra import TfidfEmbedder, dra_rewards, similarity
 from megatron_ngrpo.grpo.kl import kl_estimate
 from megatron_ngrpo.grpo.loss import aggregation_weights, policy_loss
+from megatron_ngrpo.grpo.loss_inputs import LossInputs
 from megatron_ngrpo.mixing.embedding import mixing_inputs
 from megatron_ngrpo.mixing.records import MixRecord
 from megatron_ngrpo.rollout.types import RolloutBatch
-from megatron_ngrpo.testing.multiproc import check, launch
+from tests.harness.multiproc import check, launch
+from tests.harness.records import mix_record
 
 WORKER = Path(__file__).parent / "dist" / "grpo_worker.py"
 CASES = [
@@ -153,7 +155,7 @@ def test_aggregation_weights(mode, expected):
 
 # ---- replay batch ------------------------------------------------------------------------------
 def test_token_batch_labels_mask_and_mixes_are_aligned():
-    mixes = MixRecord.from_lists([[(0, [5, 6], [0.5, 0.5])], [(2, [7, 8], [0.9, 0.1])]], k=2)
+    mixes = mix_record([[(0, [5, 6], [0.5, 0.5])], [(2, [7, 8], [0.9, 0.1])]], k=2)
     batch = RolloutBatch(
         [[10, 11], [12]],
         [[20, 21, 22], [23, 24, 25]],
@@ -216,7 +218,7 @@ def test_gradient_after_an_optimizer_step_is_not_added_twice(tmp_path):
     from megatron_ngrpo.models.config import ModelConfig
     from megatron_ngrpo.models.provider import build_model
     from megatron_ngrpo.parallel import init_distributed, initialize_model_parallel
-    from megatron_ngrpo.testing.tiny import write_tiny_hf
+    from tests.harness.tiny import write_tiny_hf
 
     init_distributed()
     initialize_model_parallel(1, 1, None, seed=0)
@@ -244,10 +246,12 @@ def test_gradient_after_an_optimizer_step_is_not_added_twice(tmp_path):
         [0, 0, 1, 1],
     )
     tb = TokenBatch.from_rollout(rb)
-    tb = tb.with_extras(
-        old_logprobs=-3.0 * tb.mask,
-        advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]),
-        active=torch.ones(4, dtype=torch.bool),
+    tb = tb.with_inputs(
+        LossInputs(
+            old_logprobs=-3.0 * tb.mask,
+            advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]),
+            active=torch.ones(4, dtype=torch.bool),
+        )
     )
     settings = UpdateSettings(temperature=1.0, micro_batch_size=2)
     cfg = GRPOConfig(kl_mode="off")
@@ -278,7 +282,7 @@ def test_output_head_gradients_equal_the_logits_path(tmp_path, tied):
     from megatron_ngrpo.models.config import ModelConfig
     from megatron_ngrpo.models.provider import build_model
     from megatron_ngrpo.parallel import init_distributed, initialize_model_parallel
-    from megatron_ngrpo.testing.tiny import write_tiny_hf
+    from tests.harness.tiny import write_tiny_hf
 
     init_distributed()
     hf = write_tiny_hf(

@@ -20,9 +20,9 @@ from bench.bench_logprob_memory import SHAPES as SIM_SHAPES
 from bench.bench_logprob_memory import pass_peak
 from megatron_ngrpo.architecture import ArchSpec
 from megatron_ngrpo.launch import memory
-from megatron_ngrpo.testing.multiproc import check, launch
-from megatron_ngrpo.testing.tiny import tiny_hf_config
 from tests.dist.memory_worker import ATTENTION, SHAPES, TIED
+from tests.harness.multiproc import check, launch
+from tests.harness.tiny import tiny_hf_config
 
 WORKER = Path(__file__).parent / "dist" / "memory_worker.py"
 

@@ -11,7 +11,8 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from megatron_ngrpo.testing.multiproc import case, run_cases
+from tests.harness.multiproc import case, run_cases
+from tests.harness.records import mix_record
 
 VOCAB, TEMP = 300, 0.8
 STATE: dict = {}
@@ -23,7 +24,7 @@ def _setup(tp: int, sp: bool, attention: str = "sdpa"):
     from megatron_ngrpo.models.config import ModelConfig
     from megatron_ngrpo.models.provider import build_model
     from megatron_ngrpo.parallel import initialize_model_parallel
-    from megatron_ngrpo.testing.tiny import write_tiny_hf
+    from tests.harness.tiny import write_tiny_hf
 
     if "hf" not in STATE:
         path = [tempfile.mkdtemp(prefix="packing_worker_") if dist.get_rank() == 0 else None]
@@ -63,12 +64,13 @@ def _batch():
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     rows = list(range(rank, 8, dp))
     batch = RolloutBatch([prompts[i] for i in rows], [responses[i] for i in rows], [[0.0] * len(responses[i]) for i in rows],
-                         ["stop"] * len(rows), MixRecord.from_lists([mixes[i] for i in rows], 3), list(range(len(rows))))
+                         ["stop"] * len(rows), mix_record([mixes[i] for i in rows], 3), list(range(len(rows))))
     return TokenBatch.from_rollout(batch)
 
 
 def _compare(tp: int, sp: bool) -> dict:
     from megatron_ngrpo.grpo.logprobs import batch_logprobs
+    from megatron_ngrpo.grpo.loss_inputs import LossInputs
 
     chunks, shapes = _setup(tp, sp)
     tb = _batch()
@@ -82,9 +84,9 @@ def _compare(tp: int, sp: bool) -> dict:
     assert lp_err < 1e-5 and float(plain.abs().sum()) > 0, lp_err
 
     g = torch.Generator().manual_seed(9)
-    tb = tb.with_extras(old_logprobs=plain + 0.05 * torch.randn(plain.shape, generator=g) * tb.mask,
-                        advantages=torch.randn(tb.num_rows, generator=g),
-                        active=torch.ones(tb.num_rows, dtype=torch.bool))
+    tb = tb.with_inputs(LossInputs(old_logprobs=plain + 0.05 * torch.randn(plain.shape, generator=g) * tb.mask,
+                                   advantages=torch.randn(tb.num_rows, generator=g),
+                                   active=torch.ones(tb.num_rows, dtype=torch.bool)))
     (l0, g0), (l1, g1) = (_grads(chunks, tb, packing) for packing in ("", "mask"))
     grad_err = float((g0 - g1).abs().max() / g0.abs().max())
     assert abs(l0 - l1) < 1e-6 and grad_err < 1e-5 and float(g0.abs().max()) > 0, (l0, l1, grad_err)
@@ -106,6 +108,7 @@ def attention_sdpa_equals_unfused_tp2():
     """TP 2, fp32: the same weights with SDPA and with megatron's unfused attention give the same
     log-probs and GRPO gradients, causal (no mask) and packed (the block-diagonal mask)."""
     from megatron_ngrpo.grpo.logprobs import batch_logprobs
+    from megatron_ngrpo.grpo.loss_inputs import LossInputs
 
     models = {a: _setup(2, False, a)[0] for a in ("sdpa", "unfused")}
     types = {a: type(m[0].module.decoder.layers[0].self_attention.core_attention).__name__
@@ -118,9 +121,9 @@ def attention_sdpa_equals_unfused_tp2():
     for packing in ("", "mask"):
         lps = [batch_logprobs(m, tb, TEMP, 3, VOCAB, packing=packing) for m in models.values()]
         g = torch.Generator().manual_seed(9)
-        mb = tb.with_extras(old_logprobs=lps[1] + 0.05 * torch.randn(lps[1].shape, generator=g) * tb.mask,
-                            advantages=torch.randn(tb.num_rows, generator=g),
-                            active=torch.ones(tb.num_rows, dtype=torch.bool))
+        mb = tb.with_inputs(LossInputs(old_logprobs=lps[1] + 0.05 * torch.randn(lps[1].shape, generator=g) * tb.mask,
+                                       advantages=torch.randn(tb.num_rows, generator=g),
+                                       active=torch.ones(tb.num_rows, dtype=torch.bool)))
         (l0, g0), (l1, g1) = (_grads(m, mb, packing) for m in models.values())
         lp_err = float((lps[0] - lps[1]).abs().max())
         grad_err = float((g0 - g1).abs().max() / g1.abs().max())
