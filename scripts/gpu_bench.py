@@ -10,8 +10,8 @@ becomes a FAIL row; the next still runs); on one H100 under 8 minutes in all, se
   with the log-prob pass in chunks (grpo/token_logprobs.py), and the host syncs of one plain and
   one mixed step counted by torch.profiler (``--count-syncs``);
 * ``neighbors``: the neighbour table at the 7B shape, 152,064 × 3,584, by ``bench/bench_neighbors.py
-  --device cuda --shape 152064x3584`` (the GPU path of the "mixing" work on issue #38, flags as in
-  that work's branch: if the merged bench names them otherwise, change NEIGHBORS below);
+  --device cuda --shape 152064x3584`` (the GPU path of the "mixing" work on issue #38: the device's
+  bf16 screen with fp32 re-scoring against the fp32 screen, tables checked identical);
 * ``vs_trl``: ``bench/bench_vs_trl.py --device cuda``: SmolLM2-135M's shape with random weights and
   its real tokenizer (.whl/smollm2-135m, from scripts/gpu_bench_wheels.sh), fixed-length responses,
   our GRPO step on the built-in engine against TRL's, steps per hour with the ratio's interval.
@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 STAGES = ("mfu_unfused", "mfu_sdpa", "neighbors", "vs_trl")
 # Seconds per stage on the GPU (their sum, ~7.7 min, is the budget's upper end; a stage normally
 # takes a third to a half of it); --dry allows the CPU more for the same tiny work.
-TIMEOUT_S = {"mfu_unfused": 140, "mfu_sdpa": 120, "neighbors": 60, "vs_trl": 140}
+TIMEOUT_S = {"mfu_unfused": 140, "mfu_sdpa": 120, "neighbors": 80, "vs_trl": 130}
 DRY_TIMEOUT_S = 300
 # bf16 dense peak TFLOP/s by device name (H100 SXM and H200 share it).
 PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4}
@@ -48,12 +48,18 @@ ASSETS = REPO / ".whl"
 
 MFU = ["-m", "bench.bench_mfu", "--layer-spec", "local", "--steps", "5"]
 MFU_DRY = ["--shape", "tiny", "--seq", "64", "--steps", "1"]
-# The "mixing" work's GPU entry (its branch's bench_neighbors: --shape VxD --device cuda, the
-# device's screen against the fp32 one); the dry run keeps the CPU flags every version has.
+# bench_neighbors' device path (the "mixing" work on issue #38): the table built with the device's
+# screen against the fp32 screen, checked identical; the dry run takes the same path on CPU.
 NEIGHBORS = ["-m", "bench.bench_neighbors", "--device", "cuda", "--shape", "152064x3584"]
 NEIGHBORS_DRY = [
-    *("-m", "bench.bench_neighbors", "--vocab", "512", "--slice-vocab", "512", "--dim", "64"),
-    *("--queries", "64", "--qwen-queries", "0", "--max-seconds", "1"),
+    "-m",
+    "bench.bench_neighbors",
+    "--device",
+    "cpu",
+    "--shape",
+    "512x64",
+    "--pairs",
+    "1",
 ]
 VS_TRL = ["-m", "bench.bench_vs_trl", "--engines", "megatron", "--random-weights", "--fixed-length"]
 VS_TRL_GPU = [
