@@ -306,7 +306,7 @@ def test_output_head_gradients_equal_the_logits_path(tmp_path, tied):
         [torch.randint(0, 90, (n,), generator=g).tolist() for n in (6, 4)],
         [[0.0] * 6, [0.0] * 4],
         ["stop"] * 2,
-        MixRecord.from_lists([[(1, [7, 8, 9], [0.5, 0.3, 0.2])], []], 3),
+        mix_record([[(1, [7, 8, 9], [0.5, 0.3, 0.2])], []], 3),
         [0, 1],
     )
     tb = TokenBatch.from_rollout(rb)

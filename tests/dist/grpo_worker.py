@@ -1,6 +1,7 @@
 """Multi-process cases of the GRPO loss: loss and gradients of one step under TP/PP/VPP/DP equal a
-float64 single-process reference (a TP=1 megatron model cast to float64, run per sequence with
-hand-built mixed input embeddings, and a loss written out term by term here).
+float64 single-process reference (a TP=1 megatron model on megatron's unfused attention cast to
+float64, run per sequence with hand-built mixed input embeddings, and a loss written out term by
+term here).
 
 Run by tests/test_grpo.py under torchrun with 4 processes, and the DP×TP×PP = 2×2×2 cases with 8.
 """
@@ -8,6 +9,7 @@ Run by tests/test_grpo.py under torchrun with 4 processes, and the DP×TP×PP = 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 
@@ -189,7 +191,8 @@ def setup_reference():
 
     batch, rewards = make_rollout(seed=3)
     refs = {}
-    model64 = build_model(model_cfg())[0]
+    # megatron's unfused attention: the reference does not share the trainer's SDPA attention
+    model64 = build_model(dataclasses.replace(model_cfg(), attention="unfused"))[0]
     load_megatron_checkpoint([model64], STATE["ckpt"])  # collective: every rank loads
     if dist.get_rank() == 0:
         model64 = model64.double()
