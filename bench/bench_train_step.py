@@ -201,7 +201,7 @@ def memory(args) -> dict:
         sequence_parallel=False,
         recompute=args.recompute,
         param_bytes=model.FP32,
-        unfused_seq_len=seq,
+        unfused_seq_len=0,  # build() runs the local spec's default SDPA attention: no s² scores
         overhead=0,
     )
     m = model.train_memory(spec, layout)

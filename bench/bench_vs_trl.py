@@ -1,6 +1,8 @@
 """Our GRPO step vs TRL's ``GRPOTrainer`` on the same work: GRPO steps per hour, ours / TRL.
 
     OMP_NUM_THREADS=1 python -m bench.bench_vs_trl [--prompts 4 --n 4 --new-tokens 32 --pairs 4]
+    python -m bench.bench_vs_trl --device cuda --engines megatron --random-weights --fixed-length \
+        --model DIR [--tokenizer DIR]      # a lent GPU (scripts/gpu_bench.sh)
 
 Needs TRL (``pip install -e '.[peer]'``) and the SmolLM2-135M-Instruct HF folder
 (``scripts/setup_real_model.sh``). Results → bench/results/vs_trl.md.
@@ -23,6 +25,14 @@ decay 0.01, gradient clip 1.0, constant schedule.
   batch's loading). TRL's vLLM mode is not used: ``vllm_mode="colocate"`` builds a second vLLM LLM
   (GPU-memory fraction, ``external_launcher``) beside ours; not tried on CPU here (memory).
 
+``--device cuda`` (a lent GPU without vLLM): our trainer in bf16 (``model.dtype: auto``) with the
+built-in engine (``--engines megatron``), TRL with ``bf16=True`` on the same GPU. ``--random-weights``:
+a randomly initialised model of ``--model``'s config (SmolLM2-135M's shape where no weights are
+at hand), ``--tokenizer``: its tokenizer folder (default ``--model``). ``--fixed-length``: every
+response is exactly ``--new-tokens`` long on both sides (ours: the engine ignores EOS,
+``SamplingParams.ignore_eos``; TRL: ``min_new_tokens`` in its generation kwargs), so both do the
+same work whatever the (random) model samples.
+
 The sides alternate step by step (``bench/_timing.py`` ``compare``: A B, B A, ...; process CPU
 time, all threads, and wall time), so machine load hits both alike and both advance through the
 prompts in lockstep: step k of each side trains on the same prompts. A few pairs only (135 M
@@ -36,13 +46,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import tempfile
 import threading
 from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, TrainerCallback
+from transformers import AutoConfig, AutoModelForCausalLM, TrainerCallback
 
 from bench._timing import compare, paired_median_ratio
 from examples.arithmetic.task import write_chat_task
@@ -71,9 +82,40 @@ def _args(argv=None):
         default="",
         help="HF folder of a model with SmolLM2's vocabulary (default: SmolLM2-135M-Instruct)",
     )
+    p.add_argument("--tokenizer", default="", help="tokenizer folder (default: --model's)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument(
+        "--random-weights", action="store_true", help="random weights of --model's config"
+    )
+    p.add_argument(
+        "--fixed-length", action="store_true", help="every response exactly --new-tokens long"
+    )
     p.add_argument("--work-dir", default="", help="task data and run dirs (default: a temp dir)")
     p.add_argument("--out", default="", help="write the results as JSON here")
     return p.parse_args(argv)
+
+
+def random_copy(model_dir: Path, out: Path, seed: int = 0) -> Path:
+    """An HF folder with ``model_dir``'s config and freshly initialised weights."""
+    config = AutoConfig.from_pretrained(model_dir)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+    return out
+
+
+class FixedLength:
+    """An engine whose responses all run to ``max_new_tokens``: EOS is ignored."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def generate(self, prompts, params, *args, **kwargs):
+        return self.engine.generate(
+            prompts, dataclasses.replace(params, ignore_eos=True), *args, **kwargs
+        )
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
 
 
 def our_trainer(args, work: Path) -> Trainer:
@@ -88,8 +130,8 @@ def our_trainer(args, work: Path) -> Trainer:
             # The grading workers' forkserver imports this module (transformers, TRL's callback
             # base): more than the base config's 1 GiB of address space.
             "reward.memory_mb=4096",
-            f"tokenizer={real_model_dir()}",
-            f"model.hf_path={args.model or real_model_dir()}",
+            f"tokenizer={args.tokenizer}",
+            f"model.hf_path={args.model}",
             "mixing.strategy=none",
             f"rollout.n={n}",
             f"rollout.max_new_tokens={args.new_tokens}",
@@ -174,8 +216,8 @@ def trl_trainer(args, ours: Trainer, prompts: list, total_steps: int, work: Path
     g, o, r = cfg.grpo, cfg.optim, cfg.rollout
     config = GRPOConfig(
         output_dir=str(work / "trl"),
-        use_cpu=True,
-        bf16=False,
+        use_cpu=args.device == "cpu",
+        bf16=args.device == "cuda",
         seed=cfg.train.seed,
         per_device_train_batch_size=args.prompts * args.n,
         num_generations=args.n,
@@ -204,6 +246,7 @@ def trl_trainer(args, ours: Trainer, prompts: list, total_steps: int, work: Path
         report_to="none",
         disable_tqdm=True,
         dataloader_num_workers=0,
+        generation_kwargs={"min_new_tokens": args.new_tokens} if args.fixed_length else None,
     )
     model = AutoModelForCausalLM.from_pretrained(cfg.model.hf_path, dtype=torch.float32)
     trainer = GRPOTrainer(
@@ -224,9 +267,19 @@ def main(argv=None) -> dict:
     except ImportError:
         print(INSTALL)
         return {}
+    if (args.device == "cuda") != torch.cuda.is_available():
+        sys.exit(
+            f"bench_vs_trl --device {args.device}: torch.cuda.is_available() is "
+            f"{torch.cuda.is_available()} (CPU rows on a GPU machine: CUDA_VISIBLE_DEVICES=)"
+        )
     engines = args.engines.split(",")
     steps = len(engines) * (args.pairs + 1)  # compare's warm-up pair included
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench_vs_trl_"))
+    model = Path(args.model or real_model_dir())
+    args.tokenizer = args.tokenizer or str(model)
+    if args.random_weights:
+        model = random_copy(model, work / "random_model", seed=0)
+    args.model = str(model)
     write_chat_task(work / "task")
     ours = our_trainer(args, work)
     order = PromptBatches(
@@ -237,14 +290,15 @@ def main(argv=None) -> dict:
     built = {
         "vllm" if ours.cfg.rollout.engine == EngineName.vllm else "megatron": ours.rollouts.engine
     }
-    our_rewards = []
+    our_rewards, our_lengths = [], []
 
     def our_step(name: str):
         def run():
-            ours.rollouts.engine = built[name]
+            ours.rollouts.engine = FixedLength(built[name]) if args.fixed_length else built[name]
             out = ours.train_step()
             ours.step += 1
             our_rewards.append((name, out["reward/mean"]))
+            our_lengths.append(out["response_length/mean"])
 
         return run
 
@@ -252,8 +306,15 @@ def main(argv=None) -> dict:
         f"{args.prompts} prompts x {args.n} samples x {args.new_tokens} new tokens, "
         f"{args.pairs} timed + 1 warm-up step per side and row"
     )
-    print(f"{Path(ours.cfg.model.hf_path).name} fp32, TRL {trl.__version__}: {sizes}", flush=True)
-    out = {"sizes": vars(args), "trl": trl.__version__, "rows": {}}
+    weights = "random weights" if args.random_weights else "weights"
+    dtype = "bf16" if args.device == "cuda" else "fp32"
+    print(
+        f"{Path(args.model).name} ({weights}, {dtype}, {args.device}), TRL {trl.__version__}: "
+        f"{sizes}" + (", fixed-length responses" if args.fixed_length else ""),
+        flush=True,
+    )
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    out = {"sizes": vars(args), "trl": trl.__version__, "device": device, "rows": {}}
     for name in engines:
         if name not in built:
             rollout = dataclasses.replace(ours.cfg.rollout, engine=name)
@@ -293,6 +354,10 @@ def main(argv=None) -> dict:
     theirs.close()
     trl_rewards = [log["reward"] for log in theirs.logs]
     out["rewards"] = {"ours": our_rewards, "trl": trl_rewards}
+    out["response_lengths"] = {
+        "ours": our_lengths,
+        "trl": [log.get("completions/mean_length") for log in theirs.logs],
+    }
     print("per-step mean reward (same prompts per step; warm-up steps included):")
     for k, ((engine, mine), peer) in enumerate(zip(our_rewards, trl_rewards, strict=True)):
         print(f"  step {k + 1}: ours ({engine}) {mine:.3f}, TRL {peer:.3f}")

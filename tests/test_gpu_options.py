@@ -43,7 +43,8 @@ def test_context_parallel_divides_per_token_memory():
         memory.train_memory(spec, dataclasses.replace(base, cp=2)),
     )
     assert two.activations == one.activations // 2
-    assert abs(two.logits - one.logits / 2) <= 1 and abs(two.working - one.working / 2) <= 1
+    assert abs(two.working - one.working / 2) <= 1
+    assert two.logits <= one.logits  # chunks of the log-prob pass: at most 256 MiB of fp32
     assert (
         abs(two.optimizer - one.optimizer / 2) <= 1
     )  # the distributed optimizer shards over DP × CP

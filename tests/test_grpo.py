@@ -25,6 +25,7 @@ from megatron_ngrpo.grpo.dra import TfidfEmbedder, dra_rewards, similarity
 from megatron_ngrpo.grpo.kl import kl_estimate
 from megatron_ngrpo.grpo.loss import aggregation_weights, policy_loss
 from megatron_ngrpo.grpo.loss_inputs import LossInputs
+from megatron_ngrpo.mixing.embedding import mixing_inputs
 from megatron_ngrpo.mixing.records import MixRecord
 from megatron_ngrpo.rollout.types import RolloutBatch
 from tests.harness.multiproc import check, launch
@@ -74,7 +75,9 @@ def test_loss_and_gradients_match_float64_reference(request, name):
 
 def test_fused_logprob_pass_matches_float64(dist_results):
     errs = check(dist_results, "fused_logprob_pass")
-    assert set(errs) == {"tp2_float32", "tp2_bfloat16", "tp4_float32", "tp4_bfloat16"}, errs
+    assert set(errs) == {
+        f"tp{tp}_{dtype}" for tp in (1, 2, 4) for dtype in ("float32", "bfloat16")
+    }, errs
 
 
 # ---- advantages ------------------------------------------------------------------------------
@@ -262,3 +265,74 @@ def test_gradient_after_an_optimizer_step_is_not_added_twice(tmp_path):
     optimizer.step()
     after_step, again = grads(), grads()
     assert all(torch.equal(a, b) for a, b in zip(after_step, again))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_output_head_gradients_equal_the_logits_path(tmp_path, tied):
+    """The training path never forms the logits (models/output_head.py: the schedule's last stage
+    returns hidden states, grpo/token_logprobs.py projects them chunk by chunk, adding the output
+    matrix's gradient straight into DDP's main_grad). Its log-probs and gradients, with a tied
+    and an untied output matrix (the tied one also gets the mixing embedding's rows), equal an
+    unwrapped copy run the plain way: full logits through megatron's output layer and
+    torch's log_softmax."""
+    from megatron_ngrpo.architecture import unwrap
+    from megatron_ngrpo.grpo import token_logprobs as chunked
+    from megatron_ngrpo.grpo.logprobs import token_logprobs
+    from megatron_ngrpo.grpo.update import update_step, wrap_for_training
+    from megatron_ngrpo.models.config import ModelConfig
+    from megatron_ngrpo.models.provider import build_model
+    from megatron_ngrpo.parallel import init_distributed, initialize_model_parallel
+    from tests.harness.tiny import write_tiny_hf
+
+    init_distributed()
+    hf = write_tiny_hf(
+        tmp_path / "hf",
+        weights=False,
+        vocab_size=96,
+        hidden_size=64,
+        num_layers=2,
+        intermediate_size=128,
+        tied=tied,
+    )
+    cfg = ModelConfig(hf_path=str(hf), make_vocab_size_divisible_by=8)
+    models = []
+    for _ in range(2):
+        initialize_model_parallel(1, 1, None, seed=3)
+        models.append(build_model(cfg))
+    chunks, (plain,) = wrap_for_training(models[0]), models[1]
+    g = torch.Generator().manual_seed(0)
+    rb = RolloutBatch(
+        [[1, 2, 3], [4, 5]],
+        [torch.randint(0, 90, (n,), generator=g).tolist() for n in (6, 4)],
+        [[0.0] * 6, [0.0] * 4],
+        ["stop"] * 2,
+        mix_record([[(1, [7, 8, 9], [0.5, 0.3, 0.2])], []], 3),
+        [0, 1],
+    )
+    tb = TokenBatch.from_rollout(rb)
+    coef = torch.randn(tb.tokens.shape, generator=g) * tb.mask
+    heads = []
+
+    def loss_fn(mb, head):
+        heads.append(type(head).__name__)
+        lp, _ = token_logprobs(head, mb.labels, 0.7, 90)
+        return (lp * coef).sum(), torch.zeros((), dtype=torch.int), {"lp": lp.detach()}
+
+    chunk_bytes, chunked.CHUNK_BYTES = chunked.CHUNK_BYTES, 3 * 4 * 96  # 3 rows a chunk
+    try:
+        store, _ = update_step(chunks, tb, loss_fn, micro_batch_size=2)
+    finally:
+        chunked.CHUNK_BYTES = chunk_bytes
+    assert heads == ["OutputHead"]
+    assert tb.mix is not None
+    with mixing_inputs(plain, tb.mix):
+        logits = plain(input_ids=tb.tokens, position_ids=tb.position_ids, attention_mask=None)
+    assert logits.shape[-1] == 96
+    log_p = torch.log_softmax(logits[..., :90] / 0.7, -1)
+    lp = log_p.gather(-1, tb.labels.unsqueeze(-1)).squeeze(-1)
+    (lp * coef).sum().backward()
+    assert torch.allclose(store[0]["lp"], lp.detach(), atol=1e-6)
+    params = dict(unwrap(chunks[0]).named_parameters())
+    for name, p in plain.named_parameters():
+        err = float((params[name].main_grad - p.grad).abs().max())
+        assert err <= 1e-5 * float(p.grad.abs().max()) + 1e-7, (name, err)

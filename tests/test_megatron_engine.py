@@ -51,6 +51,12 @@ def test_bad_requests(results):
     check(results, "bad_requests")
 
 
+def test_unfused_attention_engine_equals_sdpa(results):
+    """The KV-cached engine on megatron's unfused attention (TP 2) reproduces the SDPA engine's
+    greedy tokens and mixed rollout (models/attention.py)."""
+    assert check(results, "unfused_attention_tp2")["logprob_err"] < 1e-5
+
+
 def test_virtual_pipeline(results):
     check(results, "virtual_pipeline_tp1_pp2_vpp2")
 

@@ -1,6 +1,7 @@
 """Sequence packing (grpo/packing.py): one 2-process launch (tests/dist/packing_worker.py)
-comparing packed and unpacked log-probs and gradients at TP 1 / DP 2 and TP 2 + SP, and the
-block-diagonal mask and index of a packed micro-batch."""
+comparing packed and unpacked log-probs and gradients at TP 1 / DP 2 and TP 2 + SP, and SDPA
+against megatron's unfused attention at TP 2 (packed and not); the block-diagonal mask and index
+of a packed micro-batch."""
 
 from __future__ import annotations
 
@@ -25,6 +26,12 @@ def results():
 def test_packed_logprobs_and_gradients_equal_unpacked(results, name):
     value = check(results, name)
     assert value["logprob_err"] < 1e-5 and value["grad_rel_err"] < 1e-5
+
+
+def test_sdpa_attention_equals_unfused_at_tp2(results):
+    value = check(results, "attention_sdpa_equals_unfused_tp2")
+    assert set(value) == {"causal", "mask"}
+    assert all(v["logprob_err"] < 1e-5 and v["grad_rel_err"] < 1e-5 for v in value.values())
 
 
 def test_pack_mask_positions_and_unpack():

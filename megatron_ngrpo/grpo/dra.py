@@ -198,7 +198,7 @@ class ResponseHiddenMeans:
                     self.chunks,
                     self.batch,
                     self.plan,
-                    lambda mb, logits: logits.new_zeros((1,) + tuple(mb.tokens.shape)),
+                    lambda mb, head: head.hidden.new_zeros((1,) + tuple(mb.tokens.shape)),
                 )
         if ps.get_pipeline_model_parallel_world_size() > 1:
             dist.broadcast(

@@ -1,9 +1,11 @@
 """Per-token log-probabilities of recorded responses, replayed through the Megatron model.
 
 The replay batch (:class:`~megatron_ngrpo.grpo.batches.TokenBatch`) carries the recorded mixes and
-the emitted tokens as labels. Log-probs are ``log softmax(logits / τ)[label]`` computed on the
-vocab-parallel logits in one fused pass (:mod:`megatron_ngrpo.grpo.token_logprobs`), so TP never
-gathers the vocabulary.
+the emitted tokens as labels. Log-probs are ``log softmax(logits / τ)[label]`` over the
+vocab-parallel logits (:mod:`megatron_ngrpo.grpo.token_logprobs`), so TP never gathers the
+vocabulary. The schedule's last stage returns the hidden states before the output layer
+(:mod:`megatron_ngrpo.models.output_head`) and the log-prob pass computes the logits chunk by
+chunk from them: no [tokens, V/TP] logits tensor is ever held, forward or backward.
 
 The same micro-batch runner serves the forward-only passes (current/old/reference log-probs,
 the tests' engine verification) and the training step (a loss function in
@@ -24,13 +26,14 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron_ngrpo.architecture import unwrap
 from megatron_ngrpo.grpo.batches import MicroBatchPlan, TokenBatch
 from megatron_ngrpo.grpo.packing import pack, unpack
-from megatron_ngrpo.grpo.token_logprobs import vocab_parallel_logprobs
+from megatron_ngrpo.grpo.token_logprobs import linear_vocab_parallel_logprobs
 from megatron_ngrpo.mixing.embedding import mixing_inputs
+from megatron_ngrpo.models.output_head import OutputHead, hidden_output, output_head
 
 
 # ---- the per-token log-prob op ---------------------------------------------------------------
 def token_logprobs(
-    logits: torch.Tensor,
+    head: OutputHead,
     labels: torch.Tensor,
     temperature: float,
     vocab_limit: int | None = None,
@@ -38,25 +41,27 @@ def token_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(logits / τ)[labels] over the full (TP-split) vocabulary.
 
-    ``logits`` [..., V/TP] this rank's vocab partition, ``labels`` [...] global ids. Columns with
-    global id ≥ ``vocab_limit`` (megatron's padded rows) are excluded from the softmax.
-    Returns log-probs [...] (float32, differentiable) and, if asked, the entropy [...] of the
-    same distribution (no gradient; a metric). One fused pass, no copy of the logits
-    (:mod:`megatron_ngrpo.grpo.token_logprobs`); its backward reuses ``logits`` as the gradient.
+    ``head``: what :func:`run_schedule` hands a loss function (hidden states [..., h] and this
+    rank's output rows; the logits are computed chunk by chunk, never whole,
+    :mod:`megatron_ngrpo.grpo.token_logprobs`); ``labels`` [...] global ids. Columns with global
+    id ≥ ``vocab_limit`` (megatron's padded rows) are excluded from the softmax. Returns
+    log-probs [...] (float32, differentiable) and, if asked, the entropy [...] of the same
+    distribution (no gradient; a metric).
     """
-    return vocab_parallel_logprobs(
-        logits,
+    return linear_vocab_parallel_logprobs(
+        head.hidden,
+        head.weight,
         labels,
         temperature,
-        vocab_start=ps.get_tensor_model_parallel_rank() * logits.shape[-1],
+        vocab_start=head.vocab_start,
         vocab_limit=vocab_limit,
-        group=ps.get_tensor_model_parallel_group(),
+        group=head.group,
         with_entropy=with_entropy,
     )
 
 
 # ---- running micro-batches through megatron's schedule ---------------------------------------
-LossFn = Callable[[TokenBatch, torch.Tensor], tuple]
+LossFn = Callable[[TokenBatch, OutputHead], tuple]
 
 
 def run_schedule(
@@ -68,26 +73,27 @@ def run_schedule(
 ) -> list:
     """Run ``micro_batches`` through the model with megatron's (pipelined) schedule.
 
-    ``loss_fn(mb, logits)`` is called on the last stage with logits [b, s, V/TP]. In training it
-    returns ``(loss, num_tokens, report)`` (megatron's per-token-loss convention); with
-    ``loss_fn=None`` the raw logits are not kept and the caller passes a collector instead.
-    Returns megatron's forward data store (last stage only; empty elsewhere).
+    ``loss_fn(mb, head)`` is called on the last stage with the :class:`OutputHead` of the micro-
+    batch (hidden states [b, s, h] and the output rows; :func:`token_logprobs` takes it). In
+    training it returns ``(loss, num_tokens, report)`` (megatron's per-token-loss convention);
+    forward-only, what it returns is collected. Returns megatron's forward data store (last stage
+    only; empty elsewhere).
     """
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        if plan.packing:  # PP = 1: the output is the logits
+        if plan.packing:  # PP = 1: the output is the last stage's
             kwargs, mix, index = pack(
                 mb.tokens, mb.lengths, mb.mix, plan.seq_multiple, plan.packing
             )
-            with mixing_inputs(model, mix):
+            with mixing_inputs(model, mix), hidden_output(model):
                 output = unpack(model(**kwargs), index, *mb.tokens.shape)
         else:
-            with mixing_inputs(model, mb.mix):
+            with mixing_inputs(model, mb.mix), hidden_output(model):
                 output = model(
                     input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None
                 )
-        return output, partial(_call_loss, loss_fn, mb)
+        return output, partial(_call_loss, loss_fn, mb, model)
 
     seq_length, mbs = plan.shape(micro_batches)
     for c in model_chunks:
@@ -107,18 +113,18 @@ def run_schedule(
     )
 
 
-def _call_loss(loss_fn, mb, output_tensor, non_loss_data=False):
-    return loss_fn(mb, output_tensor)
+def _call_loss(loss_fn, mb, model, output_tensor, non_loss_data=False):
+    return loss_fn(mb, output_head(model, output_tensor))
 
 
 def forward_token_values(
     model_chunks: list,
     batch: TokenBatch,
     plan: MicroBatchPlan,
-    value_fn: Callable[[TokenBatch, torch.Tensor], torch.Tensor],
+    value_fn: Callable[[TokenBatch, OutputHead], torch.Tensor],
     num_values: int = 1,
 ) -> torch.Tensor:
-    """Forward-only pass computing ``value_fn(mb, logits) -> [num_values, b, s]`` per micro-batch;
+    """Forward-only pass computing ``value_fn(mb, head) -> [num_values, b, s]`` per micro-batch;
     returns [num_values, B, L] label-aligned float32 values on every pipeline rank (zeros outside
     ``batch.mask``)."""
     micro_batches = plan.micro_batches(batch)
@@ -127,7 +133,7 @@ def forward_token_values(
             model_chunks,
             micro_batches,
             plan,
-            lambda mb, logits: value_fn(mb, logits).float(),
+            lambda mb, head: value_fn(mb, head).float(),
             forward_only=True,
         )
     out = torch.zeros(
@@ -162,8 +168,8 @@ def batch_logprobs(
     entropy as the second plane); ``packing``: see :class:`MicroBatchPlan`."""
     plan = MicroBatchPlan.make(model_chunks, batch, micro_batch_size, max_tokens, packing)
 
-    def value_fn(mb: TokenBatch, logits: torch.Tensor) -> torch.Tensor:
-        lp, ent = token_logprobs(logits, mb.labels, temperature, vocab_limit, with_entropy)
+    def value_fn(mb: TokenBatch, head: OutputHead) -> torch.Tensor:
+        lp, ent = token_logprobs(head, mb.labels, temperature, vocab_limit, with_entropy)
         return torch.stack([lp, ent]) if with_entropy else lp.unsqueeze(0)
 
     out = forward_token_values(model_chunks, batch, plan, value_fn, 2 if with_entropy else 1)

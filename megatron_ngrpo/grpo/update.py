@@ -30,6 +30,7 @@ from megatron_ngrpo.grpo.config import GRPOConfig
 from megatron_ngrpo.grpo.logprobs import run_schedule, token_logprobs
 from megatron_ngrpo.grpo.loss import STAT_KEYS, aggregation_weights, micro_batch_loss
 from megatron_ngrpo.grpo.loss_inputs import LossInputs
+from megatron_ngrpo.models.output_head import OutputHead
 
 
 @dataclass
@@ -79,7 +80,7 @@ def update_step(
     """One update of the GRPO loss and of the supervised warm-start: zero the gradient buffers (and
     ``optimizer``'s gradients: after a step megatron's optimizers leave ``param.grad`` aliasing
     ``main_grad``, which the next backward would add in twice), forward + backward ``batch``
-    through megatron's schedule with ``loss_fn(mb, logits) -> (loss, num_tokens, stats)`` (the
+    through megatron's schedule with ``loss_fn(mb, head) -> (loss, num_tokens, stats)`` (the
     gradients end in the DDP ``main_grad`` buffers, reduced over DP), then the ``optimizer`` step
     when ``step`` (False: gradients only, e.g. no signal to step on) and a ``scheduler`` step.
     Returns the last pipeline stage's per-micro-batch statistics and the gradient norm (0.0
@@ -126,9 +127,9 @@ def loss_and_grads(
     )
     batch = batch.with_inputs(replace(inputs, token_weight=weights))
 
-    def loss_fn(mb: TokenBatch, logits: torch.Tensor):
+    def loss_fn(mb: TokenBatch, head: OutputHead):
         lp, ent = token_logprobs(
-            logits, mb.labels, settings.temperature, settings.vocab_limit, with_entropy
+            head, mb.labels, settings.temperature, settings.vocab_limit, with_entropy
         )
         loss, stats = micro_batch_loss(lp, ent, mb.inputs, mb.mask, cfg)
         # num_tokens 0: the loss is already globally normalised (see module docstring).

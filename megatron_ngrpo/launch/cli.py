@@ -213,8 +213,8 @@ def memory_table(recipe: recipes.Recipe, nodes: int | None = None) -> str:
         ("grads (fp32 main grads)", gib(t.grads)),
         ("Adam + master (fp32, ÷DP)", gib(t.optimizer)),
         ("activations kept (layer inputs)", gib(t.activations)),
-        ("one layer recomputed in its backward", gib(t.working)),
-        ("logits + log-prob pass", gib(t.logits)),
+        ("one layer's backward (recomputed, MLP gradients)", gib(t.working)),
+        ("log-prob pass (chunks of logits)", gib(t.logits)),
         ("CUDA context, NCCL, slack", gib(t.overhead)),
         ("**training total**", f"**{gib(t.total)}**"),
         (

@@ -16,14 +16,21 @@ Training (megatron-core, fp32 main grads, Adam, 1F1B pipeline), on the busiest r
   the attention output ``a·d / TP``, FC1's gate/up output ``2f / TP``, SwiGLU's output ``f / TP``.
   With full recomputation a layer keeps only its input (``h``, ÷TP with SP);
 * working set: with recomputation, one layer's full set again while its backward runs (the MLP's
-  backward comes first; at the attention's backward the MLP side is already freed);
-* logits (last stage): the logits tensor (activation dtype) plus the log-prob / entropy / KL
-  pass's extra fp32 copies at its peak (:data:`LOGITS_EXTRA_FP32` fp32 logits tensors). The
-  logits pass and a layer's recomputed backward never overlap (the logits are freed before the
-  first layer's backward), so the peak holds the larger of the two;
-* attention: flash / fused attention (TE on GPU) keeps no s² scores. megatron's local layer spec
-  (CPU) computes attention unfused: it keeps the softmax input and output (2 × a·s² per sequence)
-  and, during that layer's backward, their two gradients (:data:`UNFUSED_S2_COPIES` in all);
+  backward comes first; at the attention's backward the MLP side is already freed); the SwiGLU
+  MLP's backward holds :data:`MLP_BACKWARD_FFN` FFN-sized gradients beside it (with or without
+  recomputation);
+* log-prob pass (last stage): the logits are never formed whole (grpo/token_logprobs.py computes
+  them from the hidden states chunk by chunk): its peak is one chunk's buffers, forward (the
+  chunk's logits in the activation dtype, z/τ and its exponentials in fp32) or backward (the
+  chunk's gradient in the activation dtype beside the recomputed fp32 chunk, then beside the
+  output matrix's gradient of that chunk, [V/TP, h], before it is added to the fp32 main grad;
+  :func:`logprob_pass_bytes`). It and a layer's
+  recomputed backward never overlap (the pass ends before the first layer's backward), so the
+  peak holds the larger of the two;
+* attention: fused attention keeps no s² scores: TE's on GPU, and torch SDPA in the local spec
+  (``model.attention: sdpa``, the default; models/attention.py). megatron's unfused attention
+  (``model.attention: unfused``) keeps the softmax input and output (2 × a·s² per sequence) and,
+  during that layer's backward, their two gradients (:data:`UNFUSED_S2_COPIES` in all);
 * a fixed 3 GiB on GPU for the CUDA context, NCCL buffers and allocator slack;
 * ``train.reference: copy``: a second model's weights (frozen, no grads), the rank's shard;
 * a separate rollout copy of the weights (the Megatron engine with ``rollout.separate_copy``, or
@@ -52,6 +59,7 @@ import math
 from dataclasses import dataclass
 
 from megatron_ngrpo.architecture import ArchSpec, padded_vocab_size
+from megatron_ngrpo.grpo.token_logprobs import chunk_rows
 
 GIB = 2**30
 # nvidia-smi's total for an H100 80GB SXM (81559 MiB); vLLM's utilisation fraction applies to it.
@@ -64,14 +72,13 @@ VLLM_RESERVE_BYTES = 2 * GIB
 FP8, BF16, FP32 = 1, 2, 4
 GRAD_BYTES = FP32
 ADAM_BYTES = 2 * FP32  # m, v
-# Extra fp32 logits-sized tensors the log-prob / entropy / KL pass holds at its peak (forward and
-# backward), beyond the logits themselves: the fused vocab-parallel pass's bound (grpo/token_logprobs.py;
-# measured 0.25-0.35 on CPU at TP 1 and 2, tests/test_memory_model.py; the end-to-end CPU steps
-# there, with megatron's output layer and DDP around it, stay within 20 % of a model using 1.5).
-LOGITS_EXTRA_FP32 = 1.5
 # s²-sized tensors per head and sequence of megatron's unfused (local-spec) attention at a layer's
 # backward: softmax input and output kept, and their gradients (measured on CPU).
 UNFUSED_S2_COPIES = 4
+# FFN-sized (f/TP per token) gradients the SwiGLU MLP's backward holds beside the layer's saved
+# set: the gated product's, the gate's and the up projection's, and their concatenation into FC1's
+# output gradient (measured on CPU: tests/test_memory_model.py, the SDPA shape).
+MLP_BACKWARD_FFN = 4
 
 
 @dataclass(frozen=True)
@@ -90,8 +97,8 @@ class TrainLayout:
     make_vocab_size_divisible_by: int = 128
     distributed_optimizer: bool = True
     param_bytes: int = BF16  # weights and activations: bf16 on GPU, fp32 on CPU
-    # 0: flash / fused attention. > 0: megatron's unfused local-spec attention (CPU) on sequences
-    # of this length (the s² scores it keeps).
+    # 0: fused attention (TE, or torch SDPA in the local spec). > 0: megatron's unfused local-spec
+    # attention (model.attention: unfused) on sequences of this length (the s² scores it keeps).
     unfused_seq_len: int = 0
     overhead: int = OVERHEAD_BYTES
     reference_copy: bool = False  # train.reference: copy (and a KL term that needs it)
@@ -116,8 +123,8 @@ class TrainMemory:
     grads: int
     optimizer: int
     activations: int  # kept for the backward by every layer in flight
-    working: int  # one layer recomputed during its backward
-    logits: int
+    working: int  # one layer's backward: recomputed set (with recompute) and gradients
+    logits: int  # the log-prob pass's chunk buffers
     overhead: int
     reference: int = 0  # train.reference: copy
     engine_copy: int = 0  # the rollout engine's separate weights
@@ -226,23 +233,45 @@ def activation_bytes(spec: ArchSpec, layout: TrainLayout, stage: int = 0) -> int
 
 
 def working_bytes(spec: ArchSpec, layout: TrainLayout) -> int:
-    """One layer's recomputed activations while its backward runs (0 without recomputation: they
-    are counted as saved). The backward runs the MLP first, then attention: at the attention's
-    backward the MLP side is freed and unfused attention holds its scores' gradients too."""
-    if not layout.recompute:
-        return 0
-    attention, _, scores = _layer_elements(spec, layout)
-    attention_backward = (
-        layout.param_bytes * _rank_tokens(layout) * (attention + UNFUSED_S2_COPIES * scores)
+    """What one layer's backward holds beyond the saved activations: with recomputation its
+    recomputed full set, without only its own gradients (the set is counted as saved). The
+    backward runs the MLP first (its gradients beside the full set), then attention: at the
+    attention's backward the MLP side is freed and unfused attention holds its scores'
+    gradients too."""
+    attention, mlp, scores = _layer_elements(spec, layout)
+    mlp_backward = MLP_BACKWARD_FFN * spec.ffn_hidden_size / layout.tp
+    if layout.recompute:
+        elements = max(
+            attention + mlp + 2 * scores + mlp_backward,
+            attention + UNFUSED_S2_COPIES * scores,
+        )
+    else:
+        elements = max(mlp_backward, (UNFUSED_S2_COPIES - 2) * scores)
+    return int(layout.param_bytes * _rank_tokens(layout) * elements)
+
+
+def logprob_pass_bytes(rows: int, vocab_local: int, hidden: int, act_bytes: int) -> int:
+    """Peak of the log-prob pass of ``rows`` tokens over ``vocab_local`` output rows (this rank's)
+    beyond what exists before it: one chunk's buffers (see the module docstring). Forward: the
+    chunk's logits (activation dtype) beside z/τ and its exponentials (fp32; a float32 chunk is
+    its own z/τ). Backward: the hidden states' gradient [rows, h], and the recomputed chunk in
+    fp32 beside its gradient in the activation dtype, then that gradient beside the weight
+    gradient of the chunk, [V/TP, h] (all in the activation dtype)."""
+    chunk = chunk_rows(rows, vocab_local) * vocab_local
+    narrow = act_bytes if act_bytes < FP32 else 0
+    forward = (narrow + 2 * FP32) * chunk
+    backward = act_bytes * rows * hidden + max(
+        (FP32 + narrow) * chunk, act_bytes * (chunk + vocab_local * hidden)
     )
-    return int(max(layer_activation_bytes(spec, layout), attention_backward))
+    return max(forward, backward)
 
 
 def logits_bytes(spec: ArchSpec, layout: TrainLayout) -> int:
-    """The logits of one micro-batch and the log-prob pass's extra fp32 copies (last stage)."""
+    """The log-prob pass of one micro-batch (last stage): :func:`logprob_pass_bytes`."""
     vocab = padded_vocab_size(spec.vocab_size, layout.tp, layout.make_vocab_size_divisible_by)
-    per_element = layout.param_bytes + LOGITS_EXTRA_FP32 * FP32
-    return int(per_element * _rank_tokens(layout) * vocab // layout.tp)
+    return logprob_pass_bytes(
+        int(_rank_tokens(layout)), vocab // layout.tp, spec.hidden_size, layout.param_bytes
+    )
 
 
 def kv_cache_bytes(spec: ArchSpec, layout: TrainLayout) -> int:

@@ -188,7 +188,8 @@ def recipe_config(
 
 
 def train_layout(cfg, dp: int) -> memory.TrainLayout:
-    """The memory model's layout of a validated training config on GPU (bf16, flash attention):
+    """The memory model's layout of a validated training config on GPU (bf16; fused attention
+    unless the local spec runs megatron's unfused one, ``model.attention: unfused``):
     the micro-batch holds the token budget, or micro_batch_size rows of prompt + response; the
     reference copy, the Megatron engine's weight copy and KV cache (all of a DP rank's rollout
     rows, or max_batch_size of them), the weight-sync sender's buckets."""
@@ -206,6 +207,7 @@ def train_layout(cfg, dp: int) -> memory.TrainLayout:
         cp=m.context_parallel,
         sequence_parallel=m.sequence_parallel and m.tensor_parallel > 1,
         recompute=m.recompute,
+        unfused_seq_len=longest if m.layer_spec == "local" and m.attention == "unfused" else 0,
         make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
         distributed_optimizer=cfg.optim.distributed_optimizer,
         reference_copy=t.reference == "copy" and cfg.grpo.needs_reference,

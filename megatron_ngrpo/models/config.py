@@ -29,6 +29,10 @@ class ModelConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # "auto": Transformer-Engine spec when importable on GPU, else megatron's local spec.
     layer_spec: Literal["auto", "local", "te"] = "auto"
+    # Core attention of the local spec: "sdpa" (torch's scaled_dot_product_attention, fused
+    # kernels, no s² scores kept; models/attention.py) or "unfused" (megatron's
+    # DotProductAttention). TE's spec has its own fused attention and ignores it.
+    attention: Literal["sdpa", "unfused"] = "sdpa"
     sequence_parallel: bool = False
     # Context parallelism (megatron CP: each sequence split over this many ranks; TE attention,
     # GPU only). Planned for (launch/memory.py) but refused at start-up: the replay's sequence

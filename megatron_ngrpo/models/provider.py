@@ -1,9 +1,11 @@
 """Build megatron-core ``GPTModel``s for Qwen2, Llama and Qwen3 from a Hugging Face config.json.
 
 The word embedding of every first-stage model is the vocab-parallel mixing embedding
-(:mod:`megatron_ngrpo.mixing.embedding`), so one model serves training, replay and generation.
+(:mod:`megatron_ngrpo.mixing.embedding`) and the output layer of every last-stage model can hand
+back its input instead of the logits (:mod:`megatron_ngrpo.models.output_head`), so one model
+serves training, replay and generation.
 Transformer-Engine's layer spec is used on GPU when TE imports; megatron-core's local spec
-(RMSNorm via torch) otherwise.
+(RMSNorm via torch, attention on torch SDPA unless ``model.attention: unfused``) otherwise.
 """
 
 from __future__ import annotations
@@ -111,7 +113,9 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
 def layer_spec(spec: ArchSpec, cfg: ModelConfig, config, vp_stage: int | None):
     """TE's layer spec on GPU; otherwise megatron's local spec as a block spec for this stage
     (``config``: the ``TransformerConfig``) whose layer norms and final norm are
-    :class:`SequenceParallelRMSNorm`."""
+    :class:`SequenceParallelRMSNorm` and whose core attention is torch SDPA
+    (:class:`~megatron_ngrpo.models.attention.SDPAttention`) unless ``model.attention`` is
+    ``unfused``."""
     # lazy: keeps models.provider free of megatron-core at import (start-up)
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.transformer.transformer_block import (
@@ -119,11 +123,16 @@ def layer_spec(spec: ArchSpec, cfg: ModelConfig, config, vp_stage: int | None):
         get_num_layers_to_build,
     )
 
+    # lazy: imports megatron-core (start-up)
+    from megatron_ngrpo.models.attention import SDPAttention
+
     if use_te(cfg):
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
     local = gpt_layer_specs.get_gpt_layer_local_spec(
         qk_layernorm=spec.qk_norm, normalization="RMSNorm"
     )
+    if cfg.attention == "sdpa":
+        local.submodules.self_attention.submodules.core_attention = SDPAttention
     local.submodules.input_layernorm = SequenceParallelRMSNorm
     local.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
     layers = get_num_layers_to_build(config, vp_stage=vp_stage)
@@ -148,6 +157,7 @@ def build_gpt(
 
     # lazy: keeps models.provider free of megatron-core at import (start-up)
     from megatron_ngrpo.mixing.embedding import install_mixing_embedding
+    from megatron_ngrpo.models.output_head import install_output_head
 
     config = transformer_config(spec, cfg, init_weights)
     model = GPTModel(
@@ -169,6 +179,8 @@ def build_gpt(
     )
     if pre_process:
         install_mixing_embedding(model)
+    if post_process:
+        install_output_head(model)
     if init_weights:
         zero_padded_vocab_rows(model, spec.vocab_size)
     return model

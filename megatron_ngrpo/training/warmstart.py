@@ -26,6 +26,7 @@ from megatron_ngrpo.grpo.logprobs import token_logprobs
 from megatron_ngrpo.grpo.loss import aggregation_weights
 from megatron_ngrpo.grpo.update import update_step
 from megatron_ngrpo.mixing.records import MixRecord
+from megatron_ngrpo.models.output_head import OutputHead
 from megatron_ngrpo.rollout.types import RolloutBatch
 from megatron_ngrpo.training.config import WarmstartConfig
 
@@ -97,8 +98,8 @@ def warmstart(
         )
         batch = batch.with_inputs(TokenWeights(weights))
 
-        def loss_fn(mb: TokenBatch, logits: torch.Tensor):
-            lp, _ = token_logprobs(logits, mb.labels, 1.0, vocab_limit)
+        def loss_fn(mb: TokenBatch, head: OutputHead):
+            lp, _ = token_logprobs(head, mb.labels, 1.0, vocab_limit)
             loss = -(lp * mb.inputs.token_weight).sum()
             return (
                 loss,

@@ -1,6 +1,7 @@
 """Multi-process cases of the GRPO loss: loss and gradients of one step under TP/PP/VPP/DP equal a
-float64 single-process reference (a TP=1 megatron model cast to float64, run per sequence with
-hand-built mixed input embeddings, and a loss written out term by term here).
+float64 single-process reference (a TP=1 megatron model on megatron's unfused attention cast to
+float64, run per sequence with hand-built mixed input embeddings, and a loss written out term by
+term here).
 
 Run by tests/test_grpo.py under torchrun with 4 processes, and the DP×TP×PP = 2×2×2 cases with 8.
 """
@@ -8,6 +9,7 @@ Run by tests/test_grpo.py under torchrun with 4 processes, and the DP×TP×PP = 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 
@@ -189,7 +191,8 @@ def setup_reference():
 
     batch, rewards = make_rollout(seed=3)
     refs = {}
-    model64 = build_model(model_cfg())[0]
+    # megatron's unfused attention: the reference does not share the trainer's SDPA attention
+    model64 = build_model(dataclasses.replace(model_cfg(), attention="unfused"))[0]
     load_megatron_checkpoint([model64], STATE["ckpt"])  # collective: every rank loads
     if dist.get_rank() == 0:
         model64 = model64.double()
@@ -396,41 +399,53 @@ def run_layout(tp, pp, vpp=None, max_tokens=0, sp=False, recompute=False):
 
 @case
 def fused_logprob_pass():
-    """token_logprobs (log-probs, entropy, gradient) at TP 2 and 4 equals float64 log_softmax on
-    the gathered vocabulary, with padded columns excluded (at TP 4 the last rank holds only padded
-    columns), in fp32 and from bf16 logits."""
+    """token_logprobs (log-probs, entropy, hidden and weight gradients) from hidden states and
+    this rank's output rows (an OutputHead: the logits are never formed) at TP 1, 2 and 4 equal
+    float64 log_softmax of the full logits, with padded columns excluded (at TP 4 the last rank
+    holds only padded columns), in fp32 and bf16, in chunks of 4 rows."""
     from megatron.core import parallel_state as ps
 
+    from megatron_ngrpo.grpo import token_logprobs as chunked
     from megatron_ngrpo.grpo.logprobs import token_logprobs
+    from megatron_ngrpo.models.output_head import OutputHead
     from megatron_ngrpo.parallel import initialize_model_parallel
 
-    vocab, limit = 320, 237
+    vocab, limit, h = 320, 237, 16
+    g = torch.Generator().manual_seed(5)
+    # multiples of 1/2 up to 1: every logit (16 products, a multiple of 1/4 up to 16) is exact in
+    # bf16, so the bf16 output layer's rounding of the logits is not compared
+    hidden = torch.randint(-2, 3, (3, 11, h), generator=g).double() / 2
+    weight = torch.randint(-2, 3, (vocab, h), generator=g).double() / 2
+    labels = torch.randint(0, limit, (3, 11), generator=g)
+    w = torch.randn(3, 11, generator=g, dtype=torch.float64)
+    ref = [t.clone().requires_grad_() for t in (hidden, weight)]
+    log_p = torch.log_softmax((ref[0] @ ref[1].t())[..., :limit] / TEMP, -1)
+    lp_ref = log_p.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    ent_ref = -(log_p.exp() * log_p).sum(-1)
+    (lp_ref * w).sum().backward()
     report = {}
-    for tp in (2, 4):
+    for tp in (1, 2, 4):
         initialize_model_parallel(tp, 1)
         r, v_local = ps.get_tensor_model_parallel_rank(), vocab // tp
-        g = torch.Generator().manual_seed(5)
-        full = 4 * torch.randn(3, 11, vocab, generator=g, dtype=torch.float64)
-        labels = torch.randint(0, limit, (3, 11), generator=g)
-        w = torch.randn(3, 11, generator=g, dtype=torch.float64)
+        rows, group = slice(r * v_local, (r + 1) * v_local), ps.get_tensor_model_parallel_group()
+        chunk_bytes, chunked.CHUNK_BYTES = chunked.CHUNK_BYTES, 4 * 4 * v_local  # 4 rows a chunk
         for dtype in (torch.float32, torch.bfloat16):
-            x = full.to(dtype)
-            ref = x.double().requires_grad_()
-            log_p = torch.log_softmax(ref[..., :limit] / TEMP, -1)
-            lp_ref = log_p.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-            ent_ref = -(log_p.exp() * log_p).sum(-1)
-            (lp_ref * w).sum().backward()
-            mine = x[..., r * v_local:(r + 1) * v_local].clone().requires_grad_()
-            lp, ent = token_logprobs(mine, labels, TEMP, limit, with_entropy=True)
+            mine = hidden.to(dtype).requires_grad_(), torch.nn.Parameter(weight.to(dtype)[rows].clone())
+            lp, ent = token_logprobs(OutputHead(*mine, r * v_local, group), labels, TEMP, limit,
+                                     with_entropy=True)
             (lp * w.float()).sum().backward()
-            grad_ref = ref.grad[..., r * v_local:(r + 1) * v_local]
+            grad_hidden = mine[0].grad.double()
+            dist.all_reduce(grad_hidden, group=group)  # each rank's partial sum
+            scale = [t.grad.abs().max() for t in ref]
             errs = {"lp": float((lp.detach().double() - lp_ref.detach()).abs().max()),
                     "entropy": float((ent.double() - ent_ref.detach()).abs().max()),
-                    "grad": float((mine.grad.double() - grad_ref).abs().max() / ref.grad.abs().max())}
+                    "grad": max(float((grad_hidden - ref[0].grad).abs().max() / scale[0]),
+                                float((mine[1].grad.double() - ref[1].grad[rows]).abs().max() / scale[1]))}
             grad_tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16 gradient: its own rounding
             assert errs["lp"] < 1e-5 and errs["entropy"] < 1e-5 and errs["grad"] < grad_tol, (tp, dtype, errs)
-            assert mine.grad.dtype == dtype
+            assert mine[0].grad.dtype == mine[1].grad.dtype == dtype
             report[f"tp{tp}_{str(dtype)[6:]}"] = errs
+        chunked.CHUNK_BYTES = chunk_bytes
     return report
 
 

@@ -31,11 +31,12 @@ def decode(ids) -> str:
 
 
 # ---- set-up ---------------------------------------------------------------------------------
-def _model_cfg(tp: int, pp: int, vpp: int | None = None):
+def _model_cfg(tp: int, pp: int, vpp: int | None = None, attention: str = "sdpa"):
     from megatron_ngrpo.models.config import ModelConfig
 
     return ModelConfig(hf_path=_STATE["hf"], tensor_parallel=tp, pipeline_parallel=pp,
-                       virtual_pipeline=vpp, dtype="float32", num_real_tokens=NUM_REAL)
+                       virtual_pipeline=vpp, dtype="float32", num_real_tokens=NUM_REAL,
+                       attention=attention)
 
 
 def _checkpoint() -> str:
@@ -64,9 +65,10 @@ def _checkpoint() -> str:
     return ckpt
 
 
-def layout(tp: int, pp: int, vpp: int | None = None) -> list:
-    """Model chunks of this rank at (tp, pp[, vpp]), all layouts with the same weights (cached)."""
-    if _STATE.get("layout") == (tp, pp, vpp):
+def layout(tp: int, pp: int, vpp: int | None = None, attention: str = "sdpa") -> list:
+    """Model chunks of this rank at (tp, pp[, vpp]), all layouts with the same weights (cached);
+    ``attention``: the local spec's core attention (models/attention.py)."""
+    if _STATE.get("layout") == (tp, pp, vpp, attention):
         return _STATE["chunks"]
     from megatron.core import dist_checkpointing
 
@@ -75,12 +77,12 @@ def layout(tp: int, pp: int, vpp: int | None = None) -> list:
 
     ckpt = _checkpoint()
     initialize_model_parallel(tp, pp, vpp, seed=99)
-    chunks = build_model(_model_cfg(tp, pp, vpp))
+    chunks = build_model(_model_cfg(tp, pp, vpp, attention))
     names = [f"model{i}" for i in range(len(chunks))]
     state = dist_checkpointing.load({n: c.sharded_state_dict() for n, c in zip(names, chunks)}, ckpt)
     for n, c in zip(names, chunks):
         c.load_state_dict(state[n])
-    _STATE.update(layout=(tp, pp, vpp), chunks=chunks, table=None)
+    _STATE.update(layout=(tp, pp, vpp, attention), chunks=chunks, table=None)
     return chunks
 
 
@@ -239,6 +241,26 @@ for _tp, _pp in LAYOUTS:
             return fn(tp, pp)
         _bound.__name__ = f"{_fn.__name__[1:]}_tp{_tp}_pp{_pp}"
         case(_bound)
+
+
+@case
+def unfused_attention_tp2():
+    """The engine on megatron's unfused attention (TP 2): its KV-cached prefill and decode give the
+    greedy tokens and the mixed rollout (tokens, log-probs) of the default SDPA engine at TP 1."""
+    from megatron_ngrpo.rollout.types import SamplingParams
+
+    chunks = layout(2, 1, attention="unfused")
+    core = chunks[0].decoder.layers[0].self_attention.core_attention
+    assert type(core).__name__ == "DotProductAttention", type(core)
+    greedy = engine(chunks).generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=6))
+    assert greedy.response_ids == _STATE["greedy_tp1"], (greedy.response_ids, _STATE["greedy_tp1"])
+    params = SamplingParams(n=3, temperature=0.8, top_p=0.9, top_k=200, max_new_tokens=14, seed=5)
+    out = engine(chunks, neighbor_table=neighbor_table(chunks), eos_token_ids=[1]).generate(
+        PROMPTS, params, mixing(0.1, emit="anchor"), keys=[10, 11, 12, 13])
+    ref = _STATE["replay_rho0.1_tp1"]
+    d = max_diff([torch.tensor(x) for x in ref.logprobs], out.logprobs)
+    assert out.response_ids == ref.response_ids and d < 1e-5, d
+    return {"logprob_err": d, "tokens": sum(map(len, out.response_ids))}
 
 
 @case

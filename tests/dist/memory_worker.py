@@ -26,9 +26,13 @@ from tests.harness.multiproc import case, run_cases
 SHAPES = {
     "fixed_overhead": (1, 64, 128, 2, 2, 256, 1, 32),
     "static_dominant": (2, 512, 1536, 8, 2, 8192, 2, 64),
-    "logits_dominant": (2, 256, 768, 4, 2, 16384, 4, 256),
+    "logits_dominant": (2, 64, 128, 2, 2, 65536, 8, 256),
     "attention_dominant": (4, 256, 1024, 4, 2, 512, 2, 1024),
+    "attention_sdpa": (4, 256, 1024, 4, 2, 512, 2, 1024),
 }
+# model.attention per case (default sdpa) and the cases with a tied output matrix.
+ATTENTION = {"attention_dominant": "unfused"}
+TIED = {"logits_dominant"}
 STEPS = 2
 
 
@@ -42,7 +46,7 @@ def _reset_peak() -> None:
         f.write("5")
 
 
-def measure(layers, hidden, ffn, heads, kv_heads, vocab, rows, seq_len) -> dict:
+def measure(name: str) -> dict:
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -56,13 +60,15 @@ def measure(layers, hidden, ffn, heads, kv_heads, vocab, rows, seq_len) -> dict:
     from megatron_ngrpo.parallel import initialize_model_parallel
     from tests.harness.tiny import write_tiny_hf
 
+    layers, hidden, ffn, heads, kv_heads, vocab, rows, seq_len = SHAPES[name]
     initialize_model_parallel(1, 1)
     hf = tempfile.mkdtemp(prefix="memory_worker_")
     write_tiny_hf(hf, weights=False, vocab_size=vocab, hidden_size=hidden, num_layers=layers,
-                  num_heads=heads, num_kv_heads=kv_heads, intermediate_size=ffn, max_pos=4096)
+                  num_heads=heads, num_kv_heads=kv_heads, intermediate_size=ffn, max_pos=4096, tied=name in TIED)
     gc.collect()
     base = _status("VmRSS")
-    cfg = ModelConfig(hf_path=hf, recompute=True, make_vocab_size_divisible_by=128)
+    cfg = ModelConfig(hf_path=hf, recompute=True, make_vocab_size_divisible_by=128,
+                      attention=ATTENTION.get(name, "sdpa"))
     chunks = wrap_for_training(build_model(cfg), DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=True))
     optimizer = get_megatron_optimizer(OptimizerConfig(
@@ -95,63 +101,29 @@ def measure(layers, hidden, ffn, heads, kv_heads, vocab, rows, seq_len) -> dict:
     return {"peak": int(peak), "seconds": seconds, "dp": dist.get_world_size()}
 
 
-# (rows, vocab) of the log-prob pass measured alone, at TP 1 and 2 (hidden 64 output layer).
-LOGITS_PASS_SHAPES = [(1024, 16384), (4096, 8192), (256, 65536)]
-
-
-def logits_pass_peak(rows: int, vocab: int) -> float:
-    """Peak resident memory of the log-prob + entropy forward and backward above the live logits,
-    in fp32 logits tensors (this rank's partition)."""
-    from megatron.core import parallel_state as ps
-
-    from megatron_ngrpo.grpo.logprobs import token_logprobs
-
-    tp = ps.get_tensor_model_parallel_world_size()
-    g = torch.Generator().manual_seed(dist.get_rank())
-    hidden = torch.randn(rows, 64, generator=g, requires_grad=True)
-    weight = torch.randn(vocab // tp, 64, generator=g, requires_grad=True)
-    labels = torch.randint(0, vocab, (rows,), generator=g)
-    logits = hidden @ weight.t()
-    gc.collect()
-    base = _status("VmRSS")
-    _reset_peak()
-    lp, ent = token_logprobs(logits, labels, 0.7, vocab - 3, with_entropy=True)
-    (lp * 0.5).sum().backward()
-    extra = torch.tensor([_status("VmHWM") - base], dtype=torch.float64)
-    dist.all_reduce(extra, op=dist.ReduceOp.MAX)
-    return float(extra) / (logits.numel() * 4)
-
-
-@case
-def logits_pass():
-    from megatron_ngrpo.parallel import initialize_model_parallel
-
-    out = {}
-    for tp in (1, 2):
-        initialize_model_parallel(tp, 1)
-        for rows, vocab in LOGITS_PASS_SHAPES:
-            out[f"tp{tp}_{rows}x{vocab}"] = logits_pass_peak(rows, vocab)
-    return out
-
-
 @case
 def fixed_overhead():
-    return measure(*SHAPES["fixed_overhead"])
+    return measure("fixed_overhead")
 
 
 @case
 def static_dominant():
-    return measure(*SHAPES["static_dominant"])
+    return measure("static_dominant")
 
 
 @case
 def logits_dominant():
-    return measure(*SHAPES["logits_dominant"])
+    return measure("logits_dominant")
 
 
 @case
 def attention_dominant():
-    return measure(*SHAPES["attention_dominant"])
+    return measure("attention_dominant")
+
+
+@case
+def attention_sdpa():
+    return measure("attention_sdpa")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """Sequence packing (grpo/packing.py) at 2 ranks: log-probs of a batch with mixing records and
-the GRPO gradients equal the unpacked ones, at TP 1 (DP 2) and TP 2 with sequence parallelism.
+the GRPO gradients equal the unpacked ones, at TP 1 (DP 2) and TP 2 with sequence parallelism;
+and the local spec's two attention paths (models/attention.py: torch SDPA, megatron's unfused)
+give the same log-probs and gradients at TP 2, unpacked (causal) and packed (block-diagonal mask).
 Run by tests/test_packing.py."""
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ VOCAB, TEMP = 300, 0.8
 STATE: dict = {}
 
 
-def _setup(tp: int, sp: bool):
+def _setup(tp: int, sp: bool, attention: str = "sdpa"):
     from megatron_ngrpo.architecture import unwrap
     from megatron_ngrpo.grpo.update import wrap_for_training
     from megatron_ngrpo.models.config import ModelConfig
@@ -33,7 +35,7 @@ def _setup(tp: int, sp: bool):
         dist.barrier()
     initialize_model_parallel(tp, 1, None, seed=7)
     cfg = ModelConfig(hf_path=STATE["hf"], tensor_parallel=tp, make_vocab_size_divisible_by=64,
-                      sequence_parallel=sp, layer_spec="local")
+                      sequence_parallel=sp, layer_spec="local", attention=attention)
     chunks = wrap_for_training(build_model(cfg))
     shapes = []
     unwrap(chunks[0]).register_forward_pre_hook(
@@ -67,10 +69,8 @@ def _batch():
 
 
 def _compare(tp: int, sp: bool) -> dict:
-    from megatron_ngrpo.grpo.config import GRPOConfig
     from megatron_ngrpo.grpo.logprobs import batch_logprobs
     from megatron_ngrpo.grpo.loss_inputs import LossInputs
-    from megatron_ngrpo.grpo.update import UpdateSettings, loss_and_grads
 
     chunks, shapes = _setup(tp, sp)
     tb = _batch()
@@ -87,17 +87,49 @@ def _compare(tp: int, sp: bool) -> dict:
     tb = tb.with_inputs(LossInputs(old_logprobs=plain + 0.05 * torch.randn(plain.shape, generator=g) * tb.mask,
                                    advantages=torch.randn(tb.num_rows, generator=g),
                                    active=torch.ones(tb.num_rows, dtype=torch.bool)))
-    cfg = GRPOConfig(kl_mode="off")
-    grads = []
-    for packing in ("", "mask"):
-        settings = UpdateSettings(temperature=TEMP, micro_batch_size=3, vocab_limit=VOCAB, max_response_len=9,
-                                  packing=packing)
-        stats = loss_and_grads(chunks, tb, cfg, settings)
-        grads.append((stats["loss"], torch.cat([p.main_grad.flatten().clone() for p in chunks[0].parameters()])))
-    (l0, g0), (l1, g1) = grads
+    (l0, g0), (l1, g1) = (_grads(chunks, tb, packing) for packing in ("", "mask"))
     grad_err = float((g0 - g1).abs().max() / g0.abs().max())
     assert abs(l0 - l1) < 1e-6 and grad_err < 1e-5 and float(g0.abs().max()) > 0, (l0, l1, grad_err)
     return {"logprob_err": lp_err, "grad_rel_err": grad_err}
+
+
+def _grads(chunks, tb, packing: str) -> tuple[float, torch.Tensor]:
+    from megatron_ngrpo.grpo.config import GRPOConfig
+    from megatron_ngrpo.grpo.update import UpdateSettings, loss_and_grads
+
+    settings = UpdateSettings(temperature=TEMP, micro_batch_size=3, vocab_limit=VOCAB, max_response_len=9,
+                              packing=packing)
+    stats = loss_and_grads(chunks, tb, GRPOConfig(kl_mode="off"), settings)
+    return stats["loss"], torch.cat([p.main_grad.flatten().clone() for p in chunks[0].parameters()])
+
+
+@case
+def attention_sdpa_equals_unfused_tp2():
+    """TP 2, fp32: the same weights with SDPA and with megatron's unfused attention give the same
+    log-probs and GRPO gradients, causal (no mask) and packed (the block-diagonal mask)."""
+    from megatron_ngrpo.grpo.logprobs import batch_logprobs
+    from megatron_ngrpo.grpo.loss_inputs import LossInputs
+
+    models = {a: _setup(2, False, a)[0] for a in ("sdpa", "unfused")}
+    types = {a: type(m[0].module.decoder.layers[0].self_attention.core_attention).__name__
+             for a, m in models.items()}
+    assert types == {"sdpa": "SDPAttention", "unfused": "DotProductAttention"}, types
+    first = [next(m[0].parameters()) for m in models.values()]
+    assert torch.equal(*first)  # same seed, same weights
+    tb = _batch()
+    out = {}
+    for packing in ("", "mask"):
+        lps = [batch_logprobs(m, tb, TEMP, 3, VOCAB, packing=packing) for m in models.values()]
+        g = torch.Generator().manual_seed(9)
+        mb = tb.with_inputs(LossInputs(old_logprobs=lps[1] + 0.05 * torch.randn(lps[1].shape, generator=g) * tb.mask,
+                                       advantages=torch.randn(tb.num_rows, generator=g),
+                                       active=torch.ones(tb.num_rows, dtype=torch.bool)))
+        (l0, g0), (l1, g1) = (_grads(m, mb, packing) for m in models.values())
+        lp_err = float((lps[0] - lps[1]).abs().max())
+        grad_err = float((g0 - g1).abs().max() / g1.abs().max())
+        assert lp_err < 1e-5 and abs(l0 - l1) < 1e-6 and grad_err < 1e-5, (packing, lp_err, l0, l1, grad_err)
+        out[packing or "causal"] = {"logprob_err": lp_err, "grad_rel_err": grad_err}
+    return out
 
 
 @case
