@@ -691,8 +691,6 @@ class Trainer:
                     s.max_tokens,
                     packing=s.packing,
                 )
-        if corr.mode != "off" and g.old_logprobs != "recompute":  # tis_cap: weights of 1 here
-            extras["tis_weight"], extras["keep"] = correction(old, engine_lp, mask, corr)
         return extras
 
     # ---- the update --------------------------------------------------------------------------
