@@ -100,6 +100,12 @@ ERRORS = [
     ),
     (["grpo.loss_agg=mean"], 1, "'grpo.loss_agg' = 'mean'"),
     (
+        ["rollout.max_new_tokens=4"],
+        1,
+        "'reward.overlong_buffer' = 4: the soft overlong penalty's buffer must be shorter than "
+        "the length it counts to (rollout.max_new_tokens = 4)",
+    ),
+    (
         ["train.pack_sequences=true", "model.pipeline_parallel=2"],
         2,
         "'train.pack_sequences' = True: needs model.pipeline_parallel = 1",
