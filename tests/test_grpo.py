@@ -23,7 +23,7 @@ from megatron_ngrpo.grpo.batches import TokenBatch, split_rows
 from megatron_ngrpo.grpo.config import GRPOConfig
 from megatron_ngrpo.grpo.dra import TfidfEmbedder, dra_rewards, similarity
 from megatron_ngrpo.grpo.kl import kl_estimate
-from megatron_ngrpo.grpo.loss import aggregation_weights, policy_loss
+from megatron_ngrpo.grpo.loss import aggregation_weights, micro_batch_loss, policy_loss
 from megatron_ngrpo.mixing.records import MixRecord
 from megatron_ngrpo.rollout.types import RolloutBatch
 from megatron_ngrpo.testing.multiproc import check, launch
@@ -112,6 +112,22 @@ def test_clipped_surrogate_clip_higher_and_dual_clip():
     # A < 0: max(r, 0.8)·|A| capped at c·|A| = 3 (dual clip)
     assert torch.allclose(loss, torch.tensor([[0.8, 1.1, 1.5, 3.0]]))
     assert clipped.tolist() == [[True, False, False, True]]
+
+
+def test_log_ratio_and_k3_clamps_are_the_configs():
+    """micro_batch_loss bounds log π_θ/π_old by grpo.log_ratio_clamp and k3 by grpo.kl_clamp."""
+    lp, mask = torch.tensor([[3.0]]), torch.ones(1, 1, dtype=torch.bool)
+    extras = dict(
+        token_weight=torch.ones(1, 1),
+        old_logprobs=torch.zeros(1, 1),
+        advantages=torch.tensor([1.0]),
+        ref_logprobs=torch.tensor([[9.0]]),  # k3 = e^6 - 7 = 396
+    )
+    for clamp, kl_clamp in ((20.0, 10.0), (1.0, 2.0)):
+        cfg = GRPOConfig(log_ratio_clamp=clamp, kl_clamp=kl_clamp, clip_high=100.0)
+        _, stats = micro_batch_loss(lp, None, extras, mask, cfg)
+        assert float(stats["ratio_max"]) == pytest.approx(math.exp(min(3.0, clamp)), rel=1e-6)
+        assert float(stats["kl"]) == pytest.approx(kl_clamp)
 
 
 def test_gspo_uses_one_length_normalised_ratio_per_sequence():
