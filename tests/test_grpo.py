@@ -112,6 +112,10 @@ def test_clipped_surrogate_clip_higher_and_dual_clip():
     # A < 0: max(r, 0.8)·|A| capped at c·|A| = 3 (dual clip)
     assert torch.allclose(loss, torch.tensor([[0.8, 1.1, 1.5, 3.0]]))
     assert clipped.tolist() == [[True, False, False, True]]
+    # clip_low 0.5 keeps r = 0.5 unclipped; no dual clip: r·|A| = 5 unbounded
+    cfg = GRPOConfig(clip_low=0.5, clip_high=0.28, dual_clip=None)
+    loss, _, _ = policy_loss(lp, old, torch.tensor([-1.0]), mask, cfg)
+    assert torch.allclose(loss, torch.tensor([[0.5, 1.1, 1.5, 5.0]]))
 
 
 def test_log_ratio_and_k3_clamps_are_the_configs():
