@@ -19,7 +19,7 @@ from megatron_ngrpo.config_loader import ConfigError
 from megatron_ngrpo.parallel import free_port
 from megatron_ngrpo.testing.checkpoint import written_bytes
 from megatron_ngrpo.training.job_config import load_config
-from tests.support.save_gate import GATE_VAR, SaveGatekeeper
+from tests.support.probed_train import GATE_VAR, SaveGatekeeper
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny_test.yaml"
@@ -382,11 +382,11 @@ def _losses(run_dir: Path) -> list[tuple]:
 
 def _gated(run_dir: Path) -> tuple[dict, SaveGatekeeper]:
     """``_launch`` arguments holding the checkpoint writers of a 6-step run with saves every 2
-    steps (tests/support/save_gate.py), and the gatekeeper that opens them."""
+    steps (tests/support/probed_train.py), and the gatekeeper that opens them."""
     gate = run_dir.parent / f"{run_dir.name}_gate"
     gate.mkdir()
     keeper = SaveGatekeeper(run_dir, gate, saves=[2, 4, 6], last=6)
-    return dict(module="tests.support.save_gate", env={GATE_VAR: str(gate)}), keeper
+    return dict(module="tests.support.probed_train", env={GATE_VAR: str(gate)}), keeper
 
 
 @pytest.mark.parametrize(
@@ -397,9 +397,16 @@ def _gated(run_dir: Path) -> tuple[dict, SaveGatekeeper]:
         # TP 2, one-step-off rollouts: the checkpoint holds the in-flight batch and its weights
         ("async", ("train.async.max_staleness=1", "model.tensor_parallel=2")),
         # DP 2, checkpoints written in the background (megatron's async save, published when done)
-        # with the distributed optimizer (the GPU configs' combination); the first launches hold
-        # each save's writers until training has gone past it (tests/support/save_gate.py)
-        ("async_save", ("train.async_save=true", "optim.distributed_optimizer=true")),
+        # with the distributed optimizer (the GPU configs' combination); the job's own collective
+        # timeout (its process groups are read by tests/support/probed_train.py)
+        (
+            "async_save",
+            (
+                "train.async_save=true",
+                "optim.distributed_optimizer=true",
+                "train.dist_timeout_s=97",
+            ),
+        ),
     ],
 )
 def test_sigkill_and_resume_is_bit_identical(task, tmp_path, variant, overrides):
@@ -415,6 +422,9 @@ def test_sigkill_and_resume_is_bit_identical(task, tmp_path, variant, overrides)
         # The step after each save ran while its writers were held: written in the background
         # (a synchronous save would stall the step until the gatekeeper's patience ran out).
         assert keeper.overlapped == {2: True, 4: True}, keeper.overlapped
+        for rank in (0, 1):  # every group the job made times out after train.dist_timeout_s
+            timeouts = json.loads((straight / f"group_timeouts.{rank}.json").read_text())
+            assert len(timeouts) >= 8 and set(timeouts.values()) == {97.0}, timeouts
 
     launch_args, keeper = gate(killed)
     proc = _launch(task, killed, *steps, *overrides, **launch_args)

@@ -1,11 +1,15 @@
-"""``python -m tests.support.save_gate [arguments of megatron_ngrpo.train]``: the training entry
-point with every checkpoint writer held until the test opens its gate, so a test can tell whether
-training went on while a save was being written (train.async_save) or waited for it.
+"""``python -m tests.support.probed_train [arguments of megatron_ngrpo.train]``: the training
+entry point under two test-side probes.
 
-The writer of megatron's dist-checkpointing (``FileSystemWriterAsync.write_preloaded_data_multiproc``,
-run in the forked writer process of an asynchronous save and in the trainer itself for a
-synchronous one) waits until ``$NGRPO_SAVE_GATE/<iter_NNNNNNN>`` exists for the checkpoint it
-writes. :class:`SaveGatekeeper` opens the gates from the test process.
+- The save gate (``$NGRPO_SAVE_GATE`` set): every checkpoint writer is held until the test opens
+  its gate, so a test can tell whether training went on while a save was being written
+  (train.async_save) or waited for it. The writer of megatron's dist-checkpointing
+  (``FileSystemWriterAsync.write_preloaded_data_multiproc``, run in the forked writer process of
+  an asynchronous save and in the trainer itself for a synchronous one) waits until
+  ``$NGRPO_SAVE_GATE/<iter_NNNNNNN>`` exists for the checkpoint it writes; :class:`SaveGatekeeper`
+  opens the gates from the test process.
+- Process-group timeouts: when ``Trainer.run`` returns, each rank writes the timeout of every
+  process group it holds to ``<run_dir>/group_timeouts.<rank>.json``.
 """
 
 from __future__ import annotations
@@ -79,8 +83,26 @@ def _hold_writers(gate: Path) -> None:
     FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(held)
 
 
+def _record_group_timeouts() -> None:
+    import torch.distributed as dist
+
+    from megatron_ngrpo.testing.multiproc import group_timeouts
+    from megatron_ngrpo.training.trainer import Trainer
+
+    run = Trainer.run
+
+    def recorded(self):
+        run(self)
+        out = Path(self.cfg.train.run_dir) / f"group_timeouts.{dist.get_rank()}.json"
+        out.write_text(json.dumps(group_timeouts()))
+
+    Trainer.run = recorded
+
+
 if __name__ == "__main__":
     from megatron_ngrpo.train import main
 
-    _hold_writers(Path(os.environ[GATE_VAR]))
+    if GATE_VAR in os.environ:
+        _hold_writers(Path(os.environ[GATE_VAR]))
+    _record_group_timeouts()
     sys.exit(main(sys.argv[1:]))
