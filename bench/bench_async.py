@@ -54,12 +54,12 @@ def main() -> None:
     cfg = load_config([repo / "configs" / "tiny_test.yaml", root / "paths.yaml"], overrides)
     trainer = Trainer(cfg)
     trainer.setup()
-    producer = trainer.rollouts
+    producer = trainer.rollouts.producer
     seen = {"async": [], "sync": []}  # (step wall seconds, metrics) per step
 
     def block(mode: str):
         def run():
-            trainer.rollouts = producer if mode == "async" else None
+            trainer.rollouts.producer = producer if mode == "async" else None
             trainer.total_steps = (
                 trainer.step + args.block
             )  # the block's last step launches nothing

@@ -39,13 +39,13 @@ FULL_LAYERS = 28
 
 
 def write_synthetic_hf(path: Path, layers: int, dtype: str) -> int:
-    """config.json (via testing.tiny) + random safetensors written tensor by tensor; returns bytes."""
+    """config.json (via tests.harness.tiny) + random safetensors written tensor by tensor; returns bytes."""
     import torch
 
     from megatron_ngrpo.architecture import ArchSpec
     from megatron_ngrpo.conversion.hf_io import ShardedWriter
     from megatron_ngrpo.conversion.mapping import hf_layout
-    from megatron_ngrpo.testing.tiny import write_tiny_hf
+    from tests.harness.tiny import write_tiny_hf
 
     write_tiny_hf(path, "qwen2", weights=False, num_layers=layers, torch_dtype=dtype, **SHAPE)
     spec = ArchSpec.from_hf(path)

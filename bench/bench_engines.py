@@ -23,7 +23,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from bench._timing import compare
-from megatron_ngrpo.testing.tiny import random_prompts
+from tests.harness.tiny import random_prompts
 
 
 def main() -> None:
@@ -58,7 +58,7 @@ def main() -> None:
     from megatron_ngrpo.rollout.megatron_engine import MegatronEngine
     from megatron_ngrpo.rollout.types import SamplingParams
     from megatron_ngrpo.rollout.vllm.engine import VLLMEngine
-    from megatron_ngrpo.testing.tiny import write_tiny_hf
+    from tests.harness.tiny import write_tiny_hf
 
     tmp = tempfile.TemporaryDirectory()
     if args.hf:

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from tests.harness.records import mix_record
+
 SHAPE = dict(
     num_layers=28,
     hidden_size=1536,
@@ -74,17 +76,17 @@ def main(argv=None) -> dict:
     from megatron_ngrpo.architecture import unwrap
     from megatron_ngrpo.grpo.batches import TokenBatch
     from megatron_ngrpo.grpo.config import GRPOConfig
+    from megatron_ngrpo.grpo.loss_inputs import LossInputs
     from megatron_ngrpo.grpo.update import (
         UpdateSettings,
         loss_and_grads,
         wrap_for_training,
     )
-    from megatron_ngrpo.mixing.records import MixRecord
     from megatron_ngrpo.models.config import ModelConfig
     from megatron_ngrpo.models.provider import build_model
     from megatron_ngrpo.parallel import init_distributed, initialize_model_parallel
     from megatron_ngrpo.rollout.types import RolloutBatch
-    from megatron_ngrpo.testing.tiny import write_tiny_hf
+    from tests.harness.tiny import write_tiny_hf
 
     args = _args(argv)
     init_distributed()
@@ -123,17 +125,19 @@ def main(argv=None) -> dict:
         responses,
         [[0.0] * rlen] * n,
         ["stop"] * n,
-        MixRecord.from_lists(mixes, 3),
+        mix_record(mixes, 3),
         [i // 4 for i in range(n)],
     )
     dev = torch.device("cuda")
     mixed = TokenBatch.from_rollout(rb, device=dev)
     lp = (torch.randn(mixed.tokens.shape, generator=g) * 0.1 - 3.0).to(dev) * mixed.mask
-    mixed = mixed.with_extras(
-        old_logprobs=lp,
-        ref_logprobs=lp + 0.01,
-        advantages=torch.randn(n, generator=g).to(dev),
-        active=torch.ones(n, dtype=torch.bool, device=dev),
+    mixed = mixed.with_inputs(
+        LossInputs(
+            old_logprobs=lp,
+            ref_logprobs=lp + 0.01,
+            advantages=torch.randn(n, generator=g).to(dev),
+            active=torch.ones(n, dtype=torch.bool, device=dev),
+        )
     )
     from dataclasses import replace
 

@@ -25,6 +25,7 @@ Gaussian matrix of a given shape (the 7B shape: Qwen2.5-7B's V × d), fp32, cosi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import tempfile
 import time
@@ -52,6 +53,7 @@ def main() -> None:
     from megatron_ngrpo.mixing.config import ON_DEMAND_ROW_COST
     from megatron_ngrpo.mixing.neighbors import NeighborLookup
     from megatron_ngrpo.training.job_config import load_config
+    from megatron_ngrpo.training.neighbor_source import NeighborSource
     from megatron_ngrpo.training.trainer import Trainer
     from tests.slurm_harness import write_arithmetic_task
 
@@ -83,30 +85,38 @@ def main() -> None:
     shares: dict[str, list[float]] = {}
     searched: dict[str, list[int]] = {}
 
-    def step(strategy: str, lookup: str):
+    def source(strategy: str, lookup: str) -> NeighborSource:
+        mixing = dataclasses.replace(cfg.mixing, strategy=strategy, neighbor_lookup=lookup)
+        mode = lookup if strategy == "neighbor" else "none"
+        return NeighborSource(mixing, mode, trainer.neighbors.build_table)
+
+    def step(neighbors: NeighborSource):
         def run():
-            trainer.cfg.mixing.strategy, trainer.cfg.mixing.neighbor_lookup = strategy, lookup
+            trainer.rollouts.neighbors = neighbors
             t0 = time.perf_counter()
             out = trainer.train_step()
             wall = time.perf_counter() - t0
             trainer.step += 1
-            if strategy == "neighbor":
+            if neighbors.mode != "none":
                 found = [
-                    v for v in trainer.engine._derived.values() if isinstance(v, NeighborLookup)
+                    v
+                    for v in trainer.rollouts.engine._derived.values()
+                    if isinstance(v, NeighborLookup)
                 ]
                 search = found[0].seconds if found else out.get("time/neighbor_table", 0.0)
-                shares.setdefault(lookup, []).append(search / wall)
+                shares.setdefault(neighbors.mode, []).append(search / wall)
                 if found:
-                    searched.setdefault(lookup, []).append(found[0].rows_computed)
+                    searched.setdefault(neighbors.mode, []).append(found[0].rows_computed)
             return None
 
         return run
 
     lines = []
+    plain = step(source("none", "auto"))
     for mode in args.modes.split(","):
         r = compare(
-            step("neighbor", mode),
-            step("none", "auto"),
+            step(source("neighbor", mode)),
+            plain,
             label=f"GRPO step, mixing ({mode}) / plain",
             max_seconds=args.max_seconds,
             min_pairs=12,

@@ -1,6 +1,19 @@
-"""Neighbour-table build vs faiss-cpu exact search (IndexFlatIP on normalised rows = cosine).
+"""Neighbour-table build vs faiss-cpu exact search (IndexFlatIP on normalised rows = cosine);
+with ``--shape``, the table's screen on a device vs the fp32 screen.
 
     OMP_NUM_THREADS=1 python -m bench.bench_neighbors [--vocab 16384 --slice-vocab 32768 --dim 512]
+    python -m bench.bench_neighbors --device cuda --shape 152064x3584     # one GPU, the 7B shape
+
+``--shape VxD [--device cuda] [--dtype bfloat16] [--pairs 3]``: the full single-rank table of a
+random V×D matrix (cosine, k = 3) with the device's own screen (`gemm_cpu.screen_dtype`: bf16
+on CUDA, fp32 re-scoring and the float64 certificate) against the same build with the fp32
+screen, in interleaved pairs timed by wall clock with the device synchronised; prints both
+medians, the ratio, the goal (≤ 0.6 s at 152,064 × 3,584 on one H100/H200; the fp32 screen took
+4.23 s on an H200), whether both tables are identical and 64 rows checked against the float64
+definition. On CPU it runs too (small shapes; the screen is bf16 only where this CPU's bf16 GEMM
+is faster).
+
+Without ``--shape`` (CPU, faiss):
 
 Both run single-threaded on the same random fp32 matrix, timed in interleaved pairs by
 ``bench/_timing.py`` (process CPU time, median ratio over A B / B A blocks with its 95% interval,
@@ -20,7 +33,7 @@ fp32); the result is checked equal to faiss's ids.
 ``--hf DIR``: a real model's input embedding instead of random rows (SmolLM2-135M-Instruct:
 49,152 × 576). Part 1 then builds the full table once on each side (no interval: one pair costs
 minutes here) and explains every row where faiss's ids differ from ours against the float64
-definition (``testing.reference``): faiss returns the query itself wherever its fp32 score
+definition (``tests.harness.reference``): faiss returns the query itself wherever its fp32 score
 falls (not first when a duplicate row ties with it) and orders fp32 near-ties by rounding, while
 ours puts the anchor first and is exact in float64 with ties to the lower id. Part 2 times a
 --queries slice of the real table against faiss with an interval; ``--qwen-queries 0`` skips
@@ -43,7 +56,7 @@ from bench._timing import compare
 from megatron_ngrpo.conversion.hf_io import HFCheckpoint
 from megatron_ngrpo.mixing.gemm_cpu import screen_dtype
 from megatron_ngrpo.mixing.neighbors import build_neighbor_table
-from megatron_ngrpo.testing.reference import neighbor_table64, similarity_matrix64
+from tests.harness.reference import neighbor_table64, similarity_matrix64
 
 
 def rss_mb() -> float:
@@ -139,6 +152,59 @@ def explain_differences(w: torch.Tensor, ours: torch.Tensor, theirs: torch.Tenso
     )
 
 
+def screens_on_device(args) -> None:
+    """The ``--shape`` mode: the device's screen vs the fp32 screen (see the module docstring)."""
+    from megatron_ngrpo.mixing import gemm_cpu
+
+    v, d = (int(x) for x in args.shape.lower().split("x"))
+    dev = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    g = torch.Generator(device=dev).manual_seed(0)
+    w = torch.randn(v, d, generator=g, device=dev).to(dtype)
+    chosen = gemm_cpu.screen_dtype(dev.type, "cosine")
+    default = gemm_cpu.screen_dtype
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    def build(screen: torch.dtype, rows: int = v) -> tuple[float, torch.Tensor]:
+        gemm_cpu.screen_dtype = lambda device_type, metric: screen
+        try:
+            sync()
+            t0 = time.perf_counter()
+            table = build_neighbor_table(w[:rows], 0, args.k, "cosine", chunk_size=args.chunk)
+            sync()
+            return time.perf_counter() - t0, table
+        finally:
+            gemm_cpu.screen_dtype = default
+
+    print(
+        f"{args.device}: random {v} x {d} {args.dtype}, cosine, k={args.k}, chunk {args.chunk}; "
+        f"this device's screen {chosen} vs fp32",
+        flush=True,
+    )
+    for screen in (chosen, torch.float32):  # warm-up: kernels, allocator, cuBLAS handles
+        build(screen, min(v, 8192))
+    times = {chosen: [], torch.float32: []}
+    tables = {}
+    for i in range(args.pairs):
+        for screen in (chosen, torch.float32) if i % 2 == 0 else (torch.float32, chosen):
+            t, tables[screen] = build(screen)
+            times[screen].append(t)
+            print(f"pair {i + 1}: {screen} screen {t:.3f} s", flush=True)
+    mine, fp32 = (float(np.median(times[s])) for s in (chosen, torch.float32))
+    rows = torch.randperm(v, generator=torch.Generator().manual_seed(1))[:64].sort().values
+    exact = torch.equal(tables[chosen][rows].cpu(), neighbor_table64(w.cpu(), args.k, rows=rows))
+    print(
+        f"table {v} x {d} on {args.device}: {chosen} screen {mine:.3f} s, fp32 screen {fp32:.3f} s "
+        f"(medians of {args.pairs}), ratio {mine / fp32:.3f} (goal <= 0.6 s at 152064x3584 on one "
+        f"H100/H200); tables identical: {torch.equal(tables[chosen], tables[torch.float32])}; "
+        f"64 rows equal to the float64 definition: {exact}",
+        flush=True,
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--vocab", type=int, default=16384)
@@ -150,7 +216,16 @@ def main() -> None:
     p.add_argument("--qwen-queries", type=int, default=1024)
     p.add_argument("--max-seconds", type=float, default=200.0)
     p.add_argument("--hf", default="", help="HF folder: its input embedding for parts 1-2")
+    p.add_argument("--shape", default="", help="VxD: the device's screen vs fp32 (no faiss)")
+    p.add_argument("--device", default="cpu", help="with --shape: cuda, cpu")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--pairs", type=int, default=3)
     args = p.parse_args()
+    if args.shape:
+        screens_on_device(args)
+        return
+    if args.device != "cpu":
+        p.error("--device other than cpu needs --shape (faiss is the CPU comparison)")
     same_blas_kernels()
     import faiss
 
@@ -163,7 +238,7 @@ def main() -> None:
         print(f"input embedding of {args.hf}: {tuple(w.shape)}", flush=True)
     else:
         w = torch.randn(args.vocab, args.dim, generator=torch.Generator().manual_seed(0))
-    screen = screen_dtype(torch.device("cpu"), "cosine")
+    screen = screen_dtype("cpu", "cosine")
     print(
         f"threads {torch.get_num_threads()}, d={args.dim}, k={args.k}, chunk {args.chunk}, "
         f"scoring screen {screen} (faiss: fp32)",

@@ -15,7 +15,7 @@ import argparse
 import tempfile
 
 from bench._timing import compare
-from megatron_ngrpo.testing.tiny import random_prompts
+from tests.harness.tiny import random_prompts
 
 
 def main() -> None:
@@ -36,7 +36,7 @@ def main() -> None:
     from megatron_ngrpo.parallel import init_distributed, initialize_model_parallel
     from megatron_ngrpo.rollout.megatron_engine import MegatronEngine
     from megatron_ngrpo.rollout.types import SamplingParams
-    from megatron_ngrpo.testing.tiny import write_tiny_hf
+    from tests.harness.tiny import write_tiny_hf
 
     init_distributed()
     initialize_model_parallel(1, 1)

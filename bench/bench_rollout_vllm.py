@@ -26,13 +26,13 @@ import statistics
 import tempfile
 
 from bench._timing import compare
-from megatron_ngrpo.testing.tiny import random_prompts
+from tests.harness.tiny import random_prompts
 
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
 def model_dir(vocab: int, hidden: int, layers: int):
-    from megatron_ngrpo.testing.tiny import write_tiny_hf
+    from tests.harness.tiny import write_tiny_hf
 
     path = tempfile.mkdtemp(prefix="bench_vllm_")
     atexit.register(shutil.rmtree, path, True)

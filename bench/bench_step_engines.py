@@ -65,7 +65,7 @@ def main() -> None:
     trainer.setup()
     vllm_cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, engine="vllm"))
     engines = {
-        "megatron": trainer.engine,
+        "megatron": trainer.rollouts.engine,
         "vllm": build_engine(
             vllm_cfg, trainer.chunks, tokenizer=trainer.tokenizer, seed=cfg.train.seed
         ),
@@ -80,7 +80,7 @@ def main() -> None:
 
     def step(name: str):
         def run():
-            trainer.engine = engines[name]
+            trainer.rollouts.engine = engines[name]
             out = trainer.train_step()
             trainer.step += 1
             if name == "vllm":  # per M parameters of the model (a rank loads fewer shard-to-shard)
@@ -96,9 +96,9 @@ def main() -> None:
         max_seconds=args.max_seconds,
         group=dist.group.WORLD,
     )
-    trainer.table = None  # force a rebuild: its time, separately from the weight sync
+    trainer.neighbors.table = None  # force a rebuild: its time, separately from the weight sync
     t0 = time.perf_counter()
-    trainer._refresh_table()
+    trainer.neighbors.refresh(trainer.updates)
     table_s = time.perf_counter() - t0
     if dist.get_rank() == 0:
         print(result)

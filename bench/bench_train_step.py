@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from bench._timing import compare
+from tests.harness.records import mix_record
 
 # glibc: mmap every allocation >= 64 KiB and give freed memory back at once (--memory).
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
@@ -66,7 +67,7 @@ def _args(argv=None):
 
 def model_dir(args) -> str:
     """The HF folder whose config.json gives the shapes: ``--hf`` or a random tiny one."""
-    from megatron_ngrpo.testing.tiny import write_tiny_hf
+    from tests.harness.tiny import write_tiny_hf
 
     if args.hf:
         return args.hf
@@ -102,7 +103,7 @@ def batch(args):
     from dataclasses import replace
 
     from megatron_ngrpo.grpo.batches import TokenBatch
-    from megatron_ngrpo.mixing.records import MixRecord
+    from megatron_ngrpo.grpo.loss_inputs import LossInputs
     from megatron_ngrpo.rollout.types import RolloutBatch
 
     g = torch.Generator().manual_seed(0)
@@ -129,16 +130,18 @@ def batch(args):
         responses,
         [[0.0] * args.response] * b,
         ["stop"] * b,
-        MixRecord.from_lists(per_seq, k),
+        mix_record(per_seq, k),
         [i // 4 for i in range(b)],
     )
     mixed = TokenBatch.from_rollout(rb)
     lp = torch.randn(mixed.tokens.shape, generator=g) * 0.1 - 3.0
-    mixed = mixed.with_extras(
-        old_logprobs=lp * mixed.mask,
-        ref_logprobs=(lp + 0.01) * mixed.mask,
-        advantages=torch.randn(b, generator=g),
-        active=torch.ones(b, dtype=torch.bool),
+    mixed = mixed.with_inputs(
+        LossInputs(
+            old_logprobs=lp * mixed.mask,
+            ref_logprobs=(lp + 0.01) * mixed.mask,
+            advantages=torch.randn(b, generator=g),
+            active=torch.ones(b, dtype=torch.bool),
+        )
     )
     return mixed, replace(mixed, mix=None), len(rb.mixes) / (b * args.response)
 

@@ -47,10 +47,11 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 from bench._timing import compare, paired_median_ratio
 from examples.arithmetic.task import write_chat_task
 from megatron_ngrpo.data.batches import PromptBatches
+from megatron_ngrpo.rollout.config import EngineName
 from megatron_ngrpo.rollout.factory import build_engine
-from megatron_ngrpo.testing.real_model import real_model_dir
 from megatron_ngrpo.training.job_config import load_config
 from megatron_ngrpo.training.trainer import Trainer
+from tests.harness.real_model import real_model_dir
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = REPO / "configs" / "smollm2_135m_arith.yaml"
@@ -165,7 +166,7 @@ def trl_trainer(args, ours: Trainer, prompts: list, total_steps: int, work: Path
     def math_reward(prompts, completions, completion_ids, answers, **_):
         finish = ["stop" if ids and ids[-1] == eos else "length" for ids in completion_ids]
         lengths = [len(ids) for ids in completion_ids]
-        return ours.reward_fn(completions, answers, lengths, finish).total
+        return ours.rollouts.reward_fn(completions, answers, lengths, finish).total
 
     # lazy: datasets comes with TRL's dependencies; only this benchmark builds one
     from datasets import Dataset
@@ -233,12 +234,14 @@ def main(argv=None) -> dict:
     )
     prompts = [ex for _ in range(steps) for ex in next(order)]
     theirs = trl_trainer(args, ours, prompts, steps, work)
-    built = {"vllm" if ours.cfg.rollout.engine == "vllm" else "megatron": ours.engine}
+    built = {
+        "vllm" if ours.cfg.rollout.engine == EngineName.vllm else "megatron": ours.rollouts.engine
+    }
     our_rewards = []
 
     def our_step(name: str):
         def run():
-            ours.engine = built[name]
+            ours.rollouts.engine = built[name]
             out = ours.train_step()
             ours.step += 1
             our_rewards.append((name, out["reward/mean"]))

@@ -6,16 +6,25 @@ the type checking and merging (structured configs), and every section may define
 which raises :class:`ConfigError` with a one-line message naming the field and value. Everything
 here runs before any process group starts. A field whose name is a Python keyword is declared with
 a trailing underscore (``async_``) and read, written and named in messages without it (``async``).
+
+A field annotated ``Literal[...]`` (or an ``Enum``, optionally ``| None``) takes one of those values:
+the annotation is the one list of what is allowed (:func:`choices`), checked in every YAML file and
+override before OmegaConf merges it (so that the message names the field's whole path, list
+indices included) and in :func:`validate` for configs built in Python.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
+import functools
 import keyword
 import os
 import sys
+import types
+import typing
 from pathlib import Path
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import yaml
 from omegaconf import OmegaConf
@@ -76,6 +85,7 @@ def compose(
         if not isinstance(data, dict):
             raise ConfigError(f"config file {str(path)!r}: top level must be a mapping")
         data = _keyword_fields(_rename_sections(data, renamed, f"config file {str(path)!r}"))
+        _check_input(cls, data)
         merged = _merge(merged, OmegaConf.create(data), f"config file {str(path)!r}")
     for item in overrides or []:
         if "=" not in item:
@@ -92,16 +102,25 @@ def compose(
             raise ConfigError(
                 f"override {item!r}: cannot parse the value: {_one_line(e)}"
             ) from None
+        _check_input(cls, OmegaConf.to_container(parsed))
         merged = _merge(merged, parsed, f"override {item!r}")
     return OmegaConf.to_object(merged)
 
 
 def validate(obj, prefix: str = "") -> None:
-    """Call ``validate()`` on ``obj`` and on every nested dataclass, innermost first."""
+    """Check ``obj``'s :func:`choices` fields and call its ``validate()``, and so for every nested
+    dataclass (lists of them included: ``name[i].field`` in messages), innermost first."""
     for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
+        value, name = getattr(obj, f.name), f"{prefix}{_key_name(f.name)}"
         if dataclasses.is_dataclass(value):
-            validate(value, f"{prefix}{_key_name(f.name)}.")
+            validate(value, f"{name}.")
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if dataclasses.is_dataclass(item):
+                    validate(item, f"{name}[{i}].")
+    hints = _hints(type(obj))
+    for f in dataclasses.fields(obj):
+        _check_choice(hints[f.name], getattr(obj, f.name), f"{prefix}{_key_name(f.name)}")
     if hasattr(obj, "validate"):
         try:
             obj.validate()
@@ -110,6 +129,70 @@ def validate(obj, prefix: str = "") -> None:
             if prefix and msg.startswith("config field '"):
                 msg = msg.replace("config field '", f"config field '{prefix}", 1)
             raise ConfigError(msg) from None
+
+
+def choices(annotation) -> tuple | None:
+    """The values a field annotated ``annotation`` may take: a ``Literal``'s, an ``Enum``'s (its
+    values), plus None when it is optional (``| None``); None for any other annotation."""
+    if typing.get_origin(annotation) is Literal:
+        return typing.get_args(annotation)
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return tuple(m.value for m in annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        parts = [(None,) if a is type(None) else choices(a) for a in typing.get_args(annotation)]
+        if all(p is not None for p in parts):
+            return tuple(v for p in parts for v in p)
+    return None
+
+
+def _check_choice(annotation, value, field: str) -> None:
+    allowed = choices(annotation)
+    if allowed is not None and value not in allowed:
+        fail(field, value, f"expected one of {allowed}")
+
+
+@functools.cache
+def _hints(cls: type) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def _dataclass_of(annotation) -> type | None:
+    """The dataclass an annotation holds directly or as ``X | None``."""
+    args = (
+        typing.get_args(annotation)
+        if typing.get_origin(annotation)
+        in (
+            typing.Union,
+            types.UnionType,
+        )
+        else (annotation,)
+    )
+    found = [a for a in args if dataclasses.is_dataclass(a)]
+    return found[0] if found else None
+
+
+def _check_input(cls: type, data, path: str = "") -> None:
+    """The :func:`choices` fields of ``cls`` in ``data`` (a YAML file's or an override's plain
+    mapping, field names as declared); unknown keys are left to OmegaConf. The message is the one
+    :func:`validate` gives (the field's whole path, list indices included)."""
+    if not isinstance(data, dict):
+        return
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name not in data:
+            continue
+        value, field, annotation = data[f.name], f"{path}{_key_name(f.name)}", hints[f.name]
+        if isinstance(value, str) and value.startswith("${"):
+            continue  # an interpolation: OmegaConf resolves (and checks) it
+        _check_choice(annotation, value, field)
+        inner = _dataclass_of(annotation)
+        if inner is not None:
+            _check_input(inner, value, f"{field}.")
+        elif typing.get_origin(annotation) is list and isinstance(value, list):
+            item = typing.get_args(annotation)[0]
+            if dataclasses.is_dataclass(item):
+                for i, v in enumerate(value):
+                    _check_input(item, v, f"{field}[{i}].")
 
 
 def to_yaml(obj) -> str:

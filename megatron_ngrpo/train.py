@@ -16,6 +16,18 @@ from megatron_ngrpo.config_loader import ConfigError
 from megatron_ngrpo.grpo.dynamic_sampling import DynamicSamplingExhausted
 
 
+class HeadEveryLine(logging.Formatter):
+    """Repeats a record's header (time, level, logger) on each line of a multi-line message
+    (megatron-core logs its gradient buckets' parameter lists as one record), so that a reader of
+    the job's log knows every line's level and source: the local launcher's terminal view leaves
+    out megatron-core's INFO lines by their header (launch/experiment.py ``QuietLog``)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        first, *rest = super().format(record).split("\n")
+        head = first[: first.index(": ") + 2]  # "<time> <LEVEL> <logger>: "
+        return "\n".join([first, *(head + line for line in rest)])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m megatron_ngrpo.train", description=__doc__.split("\n\n")[0]
@@ -38,9 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    handler = logging.StreamHandler()
+    handler.setFormatter(HeadEveryLine("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
     # lazy: keeps train free of megatron-core, torch at import (start-up)
     from megatron_ngrpo.training.trainer import Trainer
 

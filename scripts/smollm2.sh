@@ -49,7 +49,7 @@ bash scripts/setup.sh
 bash scripts/setup_real_model.sh
 
 echo "== 2/6 task: the chat-phrased arithmetic problems"
-[[ -f runs/arith_chat/heldout.jsonl ]] || python3 examples/arithmetic/task.py --chat runs/arith_chat
+[[ -f runs/arith_chat/heldout.jsonl ]] || python3 -m examples.arithmetic.task --chat runs/arith_chat
 
 echo "== 3/6 baseline: the untrained model on the held-out problems (n = 4, T = 1; % correct, boxed)"
 evaluate eval_base "$OUT/smollm2_arith_base$SIZE"

@@ -23,7 +23,7 @@ def shared_data() -> Path:
 @pytest.fixture(scope="session")
 def real_model() -> Path:
     """SmolLM2-135M-Instruct's HF folder (scripts/setup_real_model.sh builds it)."""
-    from megatron_ngrpo.testing.real_model import real_model_dir
+    from tests.harness.real_model import real_model_dir
 
     try:
         return real_model_dir()

@@ -61,8 +61,9 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "model.dtype": _t(LAYOUT),
     "model.layer_spec": _t("tests/test_preflight.py::test_modules_follow_the_config"),
     "model.sequence_parallel": _t(LAYOUT),
-    "model.context_parallel": _t(
-        "tests/test_gpu_options.py::test_plan_accounts_for_fp8_and_context_parallel"
+    "model.context_parallel": _v(
+        "not run by this trainer: anything but 1 is refused wherever a training config is checked "
+        "(job_config.check_not_run; test_gpu_options); the memory plan counts it"
     ),
     "model.recompute": _t(LAYOUT),
     "model.max_seq_len": _t(BATCHES),
@@ -130,9 +131,8 @@ SWITCHES: dict[str, tuple[str, str]] = {
         "tests/test_vllm_engine.py::test_weight_sync_verify_catches_corruption"
     ),
     "rollout.vllm.quantization": _v(
-        "GPU only: FP8 rollouts are refused on CPU at start-up (test_gpu_options); the plan's vLLM "
-        "weights count it (memory.vllm_memory, tested as a function) but the plan prints only the "
-        "engine's reserve, and no GPU test runs it"
+        "refused wherever a training config is checked until a weight-sync round trip verifies "
+        "FP8 weights (job_config.check_not_run; test_gpu_options); the memory plan counts it"
     ),
     "rollout.remote.urls": _t(REMOTE + "test_startup_errors_are_one_line"),
     "rollout.remote.url_dir": _t(REMOTE + "test_startup_errors_are_one_line"),

@@ -73,7 +73,7 @@ def experiment_id(output: str) -> str:
 def write_smoke_inputs(directory: Path) -> tuple[Path, Path]:
     """The tiny Qwen2 (config only: megatron initialises the weights) and a smoke_workload config
     naming it."""
-    from megatron_ngrpo.testing.tiny import write_tiny_hf
+    from tests.harness.tiny import write_tiny_hf
 
     hf = write_tiny_hf(directory / "tiny-qwen2", weights=False)
     config = directory / "smoke.yaml"

@@ -12,13 +12,13 @@ import pytest
 
 from megatron_ngrpo.mixing.records import MixRecord
 from megatron_ngrpo.rollout.types import RolloutBatch
-from megatron_ngrpo.testing.multiproc import check, launch
 from megatron_ngrpo.training.async_rollout import (
     InFlight,
     RolloutProducer,
     StaleRolloutError,
     check_staleness,
 )
+from tests.harness.multiproc import check, launch
 
 WORKER = Path(__file__).parent / "dist" / "async_worker.py"
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ngrpo.testing.tiny import write_tiny_hf
+from tests.harness.tiny import write_tiny_hf
 from tests.test_real_model_train import REPO, env_for
 
 pytest.importorskip("trl", reason="TRL not installed (pip install -e '.[peer]')")

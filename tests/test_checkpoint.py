@@ -27,9 +27,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_ngrpo.testing.checkpoint import written_bytes
-from megatron_ngrpo.testing.multiproc import check, launch
 from megatron_ngrpo.training.checkpoint import _blocks, latest_checkpoint
+from tests.harness.checkpoint import written_bytes
+from tests.harness.multiproc import check, launch
 
 WORKER = Path(__file__).parent / "dist" / "checkpoint_worker.py"
 LR = 1e-2  # the worker's

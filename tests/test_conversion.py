@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_ngrpo.testing.multiproc import check, launch
-from megatron_ngrpo.testing.tiny import write_tiny_hf
+from tests.harness.multiproc import check, launch
+from tests.harness.tiny import write_tiny_hf
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "dist" / "conversion_worker.py"

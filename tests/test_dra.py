@@ -12,7 +12,7 @@ import torch
 from megatron_ngrpo.config_loader import ConfigError, load
 from megatron_ngrpo.grpo.config import DRAConfig
 from megatron_ngrpo.grpo.dra import LocalModelEmbedder, dra_rewards, similarity, text_embedder
-from megatron_ngrpo.testing.multiproc import check, launch
+from tests.harness.multiproc import check, launch
 
 WORKER = Path(__file__).parent / "dist" / "dra_worker.py"
 CASES = [

@@ -376,7 +376,7 @@ def test_evaluate_on_vllm_tiny_qwen2(r1, grader, tmp_path):
         os.environ.setdefault(key, value)
     import vllm
 
-    from megatron_ngrpo.testing.tiny import write_tiny_hf
+    from tests.harness.tiny import write_tiny_hf
 
     model = write_tiny_hf(
         tmp_path / "tiny",
@@ -433,7 +433,7 @@ def test_evaluate_on_vllm_tiny_qwen2(r1, grader, tmp_path):
 
 @pytest.fixture(scope="module")
 def dist_results():
-    from megatron_ngrpo.testing.multiproc import launch
+    from tests.harness.multiproc import launch
 
     return launch(
         Path(__file__).parent / "dist" / "eval_worker.py",
@@ -453,6 +453,6 @@ def dist_results():
     ],
 )
 def test_validation_at_data_parallel_scale(dist_results, name):
-    from megatron_ngrpo.testing.multiproc import check
+    from tests.harness.multiproc import check
 
     check(dist_results, name)

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from megatron_ngrpo.config_loader import ConfigError
 from megatron_ngrpo.conversion.gguf import check_gguf, import_gguf, is_imported
 from megatron_ngrpo.conversion.hf_io import check_hf_folder
-from megatron_ngrpo.testing.tiny import write_tiny_hf
+from tests.harness.tiny import write_tiny_hf
 
 REPO = Path(__file__).resolve().parents[1]
 

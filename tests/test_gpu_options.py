@@ -1,15 +1,19 @@
-"""GPU-only options (FP8 rollouts, context parallelism): refused at start-up where they cannot
-run, and accounted for by the launch plan's memory model (launch/memory.py)."""
+"""GPU-only options (FP8 rollouts, context parallelism): accounted for by the launch plan's memory
+model (launch/memory.py), and refused wherever a training config is checked until the trainer
+runs them (training/job_config.py check_not_run)."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
+from pathlib import Path
 
 import pytest
-from test_plan import run_plan
 
 from megatron_ngrpo.config_loader import ConfigError
 from megatron_ngrpo.launch import memory, recipes
+
+TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny_test.yaml"
 
 
 def test_fp8_rollout_weights_are_one_byte_per_linear_weight():
@@ -46,39 +50,40 @@ def test_context_parallel_divides_per_token_memory():
     assert two.weights == one.weights and two.grads == one.grads
 
 
-def test_plan_accounts_for_fp8_and_context_parallel():
-    proc = run_plan(
-        "r1-7b", "--nodes", "2", "model.context_parallel=2", "rollout.vllm.quantization=fp8"
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "DP 2" in proc.stdout  # 16 ranks / (TP 4 × CP 2)
+@pytest.fixture(scope="module")
+def task(tmp_path_factory) -> Path:
+    from slurm_harness import write_arithmetic_task
+
+    return write_arithmetic_task(tmp_path_factory.mktemp("arith"))
 
 
 @pytest.mark.parametrize(
-    "overrides,message",
+    "override,message",
     [
-        (["model.context_parallel=2"], "'model.context_parallel' = 2: not run by this trainer"),
+        ("model.context_parallel=2", "'model.context_parallel' = 2: not run by this trainer"),
         (
-            ["rollout.engine=vllm", "rollout.vllm.quantization=fp8"],
-            "'rollout.vllm.quantization' = 'fp8': FP8 rollouts need a GPU",
+            "rollout.vllm.quantization=fp8",
+            "'rollout.vllm.quantization' = 'fp8': FP8 rollouts are refused until a weight-sync "
+            "round trip verifies the quantized weights",
         ),
     ],
 )
-def test_gpu_only_options_are_refused_at_start_up(tmp_path, monkeypatch, overrides, message):
-    from megatron_ngrpo.testing.tiny import write_tiny_hf
-    from megatron_ngrpo.training.job_config import NGRPOConfig, check_device
+def test_options_not_run_are_refused_before_the_queue(override, message, task, capsys):
+    """Context parallelism and FP8 rollouts (memory planning only, above) are refused by
+    `ngrpo-launch plan`, by `ngrpo-launch run` before it submits, and by pre-flight on every node,
+    not only by the trainer once its job got its nodes."""
+    from megatron_ngrpo.launch import cli, plan, preflight
 
-    write_tiny_hf(tmp_path, weights=False)
-    cfg = NGRPOConfig()
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_path=str(tmp_path)))
-    from omegaconf import OmegaConf
-
-    cfg = OmegaConf.to_object(
-        OmegaConf.merge(OmegaConf.structured(cfg), OmegaConf.from_dotlist(overrides))
-    )
-    with pytest.raises(ConfigError) as e:
-        check_device(cfg, gpu=False)
-    assert message in str(e.value)
+    with pytest.raises(plan.PlanError, match=re.escape(message)):
+        plan.plan_layout(recipes.get("r1-7b"), 2, (override,))
+    argv = ["run", "r1-7b", "--executor", "slurm", "--config", "configs/ngrpo_r1_7b.yaml"]
+    assert cli.main([*argv, "--dryrun", "train.run_dir=/runs/x", override]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        preflight.preflight(
+            [str(TINY), str(task)], [override, "rollout.engine=vllm"], gpus=0, world_size=2
+        )
 
 
 def test_quantization_value_is_checked():

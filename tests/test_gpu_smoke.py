@@ -1,9 +1,11 @@
 """scripts/gpu_smoke.sh's CPU mode (the GPU check itself runs only where a GPU is lent): its stages
 run in their own processes and the table reports them; 2 GRPO steps mix tokens; a failing stage
-is a FAIL row, the next stages still run, and the exit status says so."""
+is a FAIL row, the next stages still run, and the exit status says so; a missing Transformer
+Engine or vLLM fails the check unless --allow-missing names it; the memory rule."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -12,20 +14,22 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def smoke(tmp_path: Path, *args: str) -> tuple[int, list[dict], str]:
+def smoke(tmp_path: Path, *args: str, path: str = "") -> tuple[int, list[dict], str]:
     p = subprocess.run(
         ["bash", str(REPO / "scripts" / "gpu_smoke.sh"), "--cpu", "--work", str(tmp_path), *args],
         capture_output=True,
         text=True,
         timeout=600,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [path, str(REPO)]))},
     )
     rows = json.loads((tmp_path / "summary.json").read_text())
     return p.returncode, rows, p.stdout
 
 
 def test_cpu_mode_runs_two_mixing_grpo_steps(tmp_path):
-    code, rows, out = smoke(tmp_path, "--skip", "preflight", "vllm", "refused")
+    code, rows, out = smoke(
+        tmp_path, "--allow-missing", "te", "--skip", "preflight", "vllm", "refused"
+    )
     status = {r["stage"]: r["status"] for r in rows}
     assert status == {
         "env": "PASS",
@@ -46,7 +50,45 @@ def test_a_failing_stage_is_a_row_and_the_exit_status(tmp_path):
     """Without the task (stage skipped) the GRPO stage cannot load its config: a FAIL row naming
     the reason, the refused stage still runs, exit status 1."""
     code, rows, out = smoke(tmp_path, "--skip", "env", "task", "preflight", "vllm")
+    refused = [r["detail"] for r in rows if r["stage"] == "refused"]
+    assert any(d.startswith("context parallelism") for d in refused), refused
     grpo = next(r for r in rows if r["stage"] == "grpo")
     assert grpo["status"] == "FAIL" and "paths.yaml" in grpo["detail"], grpo
     assert any(r["stage"] == "refused" and r["status"] != "SKIP" for r in rows), out
     assert code == 1 and "FAILED: grpo" in out
+
+
+def test_a_missing_te_or_vllm_fails_unless_allowed(tmp_path):
+    """TE never imports on CPU; vLLM is made absent here by a package of that name that fails to
+    import, ahead on the path."""
+    broken = tmp_path / "site" / "vllm"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('vllm absent (test stub)')\n")
+    only = ("--skip", "task", "preflight", "grpo", "refused")  # env and vllm: no task needed
+    code, rows, out = smoke(tmp_path / "strict", *only, path=str(tmp_path / "site"))
+    status = {r["stage"]: (r["status"], r["detail"]) for r in rows}
+    assert status["env"][0] == "FAIL" and status["vllm"][0] == "FAIL", out
+    assert "transformer_engine.pytorch (allow with --allow-missing te)" in status["env"][1]
+    assert "vllm (allow with --allow-missing vllm)" in status["env"][1]
+    assert code == 1 and "all stages passed" not in out
+    code, rows, out = smoke(
+        tmp_path / "allowed", "--allow-missing", "te,vllm", *only, path=str(tmp_path / "site")
+    )
+    status = {r["stage"]: (r["status"], r["detail"]) for r in rows}
+    assert status["env"][0] == "PASS" and status["vllm"] == (
+        "SKIP",
+        "not run: vllm absent (--allow-missing vllm)",
+    ), out
+    assert code == 0 and "all stages passed" in out
+
+
+def test_memory_row_compares_allocated_memory_with_the_plans_allocated_terms():
+    spec = importlib.util.spec_from_file_location("gpu_smoke", REPO / "scripts" / "gpu_smoke.py")
+    gpu_smoke = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_smoke)
+    terms = int(2.1 * 2**30)  # the smoke's shape on GPU
+    row = lambda peak: gpu_smoke.memory_row(peak, "torch max_memory_allocated", terms, cpu=False)  # noqa: E731
+    assert row(int(1.24 * terms))["status"] == "PASS"  # the H200 run's ratio
+    # 2x the plan: within terms + the plan's fixed 3 GiB (memory allocated memory does not count)
+    assert row(2 * terms)["status"] == "FAIL" and "ratio 2.00" in row(2 * terms)["detail"]
+    assert row(terms)["status"] == "PASS"

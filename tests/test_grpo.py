@@ -24,9 +24,11 @@ from megatron_ngrpo.grpo.config import GRPOConfig
 from megatron_ngrpo.grpo.dra import TfidfEmbedder, dra_rewards, similarity
 from megatron_ngrpo.grpo.kl import kl_estimate
 from megatron_ngrpo.grpo.loss import aggregation_weights, micro_batch_loss, policy_loss
+from megatron_ngrpo.grpo.loss_inputs import LossInputs
 from megatron_ngrpo.mixing.records import MixRecord
 from megatron_ngrpo.rollout.types import RolloutBatch
-from megatron_ngrpo.testing.multiproc import check, launch
+from tests.harness.multiproc import check, launch
+from tests.harness.records import mix_record
 
 WORKER = Path(__file__).parent / "dist" / "grpo_worker.py"
 CASES = [
@@ -121,15 +123,16 @@ def test_clipped_surrogate_clip_higher_and_dual_clip():
 def test_log_ratio_and_k3_clamps_are_the_configs():
     """micro_batch_loss bounds log π_θ/π_old by grpo.log_ratio_clamp and k3 by grpo.kl_clamp."""
     lp, mask = torch.tensor([[3.0]]), torch.ones(1, 1, dtype=torch.bool)
-    extras = dict(
-        token_weight=torch.ones(1, 1),
+    inputs = LossInputs(
         old_logprobs=torch.zeros(1, 1),
         advantages=torch.tensor([1.0]),
+        active=torch.ones(1, dtype=torch.bool),
         ref_logprobs=torch.tensor([[9.0]]),  # k3 = e^6 - 7 = 396
+        token_weight=torch.ones(1, 1),
     )
     for clamp, kl_clamp in ((20.0, 10.0), (1.0, 2.0)):
         cfg = GRPOConfig(log_ratio_clamp=clamp, kl_clamp=kl_clamp, clip_high=100.0)
-        _, stats = micro_batch_loss(lp, None, extras, mask, cfg)
+        _, stats = micro_batch_loss(lp, None, inputs, mask, cfg)
         assert float(stats["ratio_max"]) == pytest.approx(math.exp(min(3.0, clamp)), rel=1e-6)
         assert float(stats["kl"]) == pytest.approx(kl_clamp)
 
@@ -170,7 +173,7 @@ def test_aggregation_weights(mode, expected):
 
 # ---- replay batch ------------------------------------------------------------------------------
 def test_token_batch_labels_mask_and_mixes_are_aligned():
-    mixes = MixRecord.from_lists([[(0, [5, 6], [0.5, 0.5])], [(2, [7, 8], [0.9, 0.1])]], k=2)
+    mixes = mix_record([[(0, [5, 6], [0.5, 0.5])], [(2, [7, 8], [0.9, 0.1])]], k=2)
     batch = RolloutBatch(
         [[10, 11], [12]],
         [[20, 21, 22], [23, 24, 25]],
@@ -233,7 +236,7 @@ def test_gradient_after_an_optimizer_step_is_not_added_twice(tmp_path):
     from megatron_ngrpo.models.config import ModelConfig
     from megatron_ngrpo.models.provider import build_model
     from megatron_ngrpo.parallel import init_distributed, initialize_model_parallel
-    from megatron_ngrpo.testing.tiny import write_tiny_hf
+    from tests.harness.tiny import write_tiny_hf
 
     init_distributed()
     initialize_model_parallel(1, 1, None, seed=0)
@@ -261,10 +264,12 @@ def test_gradient_after_an_optimizer_step_is_not_added_twice(tmp_path):
         [0, 0, 1, 1],
     )
     tb = TokenBatch.from_rollout(rb)
-    tb = tb.with_extras(
-        old_logprobs=-3.0 * tb.mask,
-        advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]),
-        active=torch.ones(4, dtype=torch.bool),
+    tb = tb.with_inputs(
+        LossInputs(
+            old_logprobs=-3.0 * tb.mask,
+            advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]),
+            active=torch.ones(4, dtype=torch.bool),
+        )
     )
     settings = UpdateSettings(temperature=1.0, micro_batch_size=2)
     cfg = GRPOConfig(kl_mode="off")

@@ -23,8 +23,8 @@ from megatron_ngrpo.eval.config import EvalConfig
 from megatron_ngrpo.grpo.advantages import compute_advantages, group_ids
 from megatron_ngrpo.grpo.dra import TfidfEmbedder, dra_rewards, similarity
 from megatron_ngrpo.launch.executors import Cluster
-from megatron_ngrpo.testing.multiproc import check, launch
 from megatron_ngrpo.training.job_config import NGRPOConfig
+from tests.harness.multiproc import check, launch
 from tests.live_switches import SWITCHES, TEST, VALIDATED
 
 REPO = Path(__file__).resolve().parents[1]

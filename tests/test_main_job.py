@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from megatron_ngrpo.launch.experiment import TORCHRUN_INFO
+from megatron_ngrpo.launch.experiment import MEGATRON_INFO, TORCHRUN_INFO
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -77,6 +77,14 @@ def test_writes_metrics_checkpoint_export_and_plot(demo):
     assert "train:" in first.stdout and "reward=" in first.stdout
     # ... without torchrun's start-up INFO lines (they stay in the job's log file).
     assert not [line for line in first.stdout.splitlines() if TORCHRUN_INFO.match(line.encode())]
+    # ... nor megatron-core's INFO records (FSDP notices, DDP / optimizer config dumps, the
+    # gradient buckets' parameter list): they go to the job's log only.
+    terminal = first.stdout.encode().splitlines()
+    assert not [line for line in terminal if MEGATRON_INFO.match(line)]
+    assert b"Params for bucket" not in first.stdout.encode()
+    tmp = demo[0]
+    logs = b"".join(f.read_bytes() for f in (tmp / "nemorun").rglob("nemo_run/*/*/0/std*.log"))
+    assert sum(bool(MEGATRON_INFO.match(line)) for line in logs.splitlines()) > 5
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert (run_dir / "latest").read_text().strip() == "iter_0000002"
     assert (run_dir / "iter_0000002" / "megatron_ngrpo.json").is_file()

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ngrpo.testing.multiproc import check, launch
+from tests.harness.multiproc import check, launch
 
 WORKER = Path(__file__).parent / "dist" / "megatron_engine_worker.py"
 LAYOUTS = ["tp1_pp1", "tp2_pp1", "tp4_pp1", "tp1_pp2", "tp2_pp2"]

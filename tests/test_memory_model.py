@@ -13,9 +13,9 @@ import pytest
 
 from megatron_ngrpo.architecture import ArchSpec
 from megatron_ngrpo.launch import memory
-from megatron_ngrpo.testing.multiproc import check, launch
-from megatron_ngrpo.testing.tiny import tiny_hf_config
 from tests.dist.memory_worker import SHAPES
+from tests.harness.multiproc import check, launch
+from tests.harness.tiny import tiny_hf_config
 
 WORKER = Path(__file__).parent / "dist" / "memory_worker.py"
 

@@ -12,6 +12,7 @@ import torch
 from megatron_ngrpo.config_loader import ConfigError, load
 from megatron_ngrpo.grpo.config import GRPOConfig
 from megatron_ngrpo.grpo.loss import aggregation_weights, micro_batch_loss
+from megatron_ngrpo.grpo.loss_inputs import LossInputs
 from megatron_ngrpo.grpo.mismatch import (
     MISMATCH_MODES,
     MismatchConfig,
@@ -88,13 +89,14 @@ def test_loss_of_every_mode_matches_float64_reference(mode, agg):
     token_weight, norm = aggregation_weights(
         mask & keep, torch.ones(len(adv), dtype=torch.bool), agg, 9
     )
-    extras = {
-        "token_weight": token_weight,
-        "old_logprobs": old.to(f),
-        "advantages": adv.to(f),
-        "tis_weight": weight,
-    }
-    loss, _ = micro_batch_loss(new.to(f), None, extras, mask, cfg)
+    inputs = LossInputs(
+        old_logprobs=old.to(f),
+        advantages=adv.to(f),
+        active=torch.ones(len(adv), dtype=torch.bool),
+        tis_weight=weight,
+        token_weight=token_weight,
+    )
+    loss, _ = micro_batch_loss(new.to(f), None, inputs, mask, cfg)
     ref = _reference(new, old, rollout, adv, mask, cfg, mc)
     assert norm > 0 and abs(float(loss) - ref) <= 1e-5 * max(1.0, abs(ref)), (
         mode,

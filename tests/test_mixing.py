@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from megatron_ngrpo.mixing import gemm_cpu as G
 from megatron_ngrpo.mixing import perturbations as P
@@ -15,8 +16,9 @@ from megatron_ngrpo.mixing import topk_certified as T
 from megatron_ngrpo.mixing.config import MixingConfig
 from megatron_ngrpo.mixing.decision import counter_uniform, gate, gate_uniform
 from megatron_ngrpo.mixing.neighbors import build_neighbor_table, exclusion_mask
-from megatron_ngrpo.testing.multiproc import check, launch
-from megatron_ngrpo.testing.reference import neighbor_table64, splitmix_uniform64
+from tests.harness.multiproc import check, launch
+from tests.harness.records import mix_record
+from tests.harness.reference import neighbor_table64, splitmix_uniform64
 
 WORKER = Path(__file__).parent / "dist" / "mixing_worker.py"
 MODEL_LAYOUTS = ["model_tp1", "model_tp2", "model_tp4", "model_pp2", "model_tp2_pp2"]
@@ -37,6 +39,12 @@ def test_neighbor_table_tp_dp_equals_bruteforce(results):
 def test_mixing_embedding_equals_reference(results):
     """ρ=0 is exactly megatron's embedding; mixed rows and weight grads equal float64 (1e-6)."""
     assert max(check(results, "embedding_matches_reference").values()) <= 1e-6
+
+
+def test_mixing_embedding_16bit_equals_the_engines_arithmetic(results):
+    """bf16/fp16 at TP=1,2,4 (also sequence parallel): mixed rows equal mix_rows on full
+    candidate rows bit for bit, the arithmetic of vLLM's hook."""
+    assert check(results, "embedding_16bit_equals_mix_rows")["mixed_rows_checked"] > 100
 
 
 def test_mixing_embedding_main_grad_under_ddp(results):
@@ -84,16 +92,35 @@ def test_table_bad_inputs_raise():
         build_neighbor_table(w.index_fill(0, torch.tensor([3]), float("nan")), 0, 2)
 
 
-@pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["fp32_screen", "bf16_screen"])
+@pytest.fixture(
+    params=[torch.float32, torch.bfloat16, "cuda"], ids=["fp32_screen", "bf16_screen", "gpu_choice"]
+)
 def screen(request, monkeypatch):
     """Both scoring screens whatever this CPU has (bf16 applies to the matmul metrics cosine,
-    dot; the others keep fp32)."""
-    monkeypatch.setattr(
-        G,
-        "screen_dtype",
-        lambda device, metric: request.param if metric in ("cosine", "dot") else torch.float32,
-    )
-    return request.param
+    dot; the others keep fp32), and a GPU's whole choice run on CPU tensors: the screen dtype
+    ``gemm_cpu.screen_dtype`` picks for "cuda" (bf16 for cosine/dot) with fp32 matmuls in TF32
+    (``allow_tf32``, torch's "high"), emulated: TF32-rounded inputs of the fp32 products (screen
+    GEMM of l2, fp32 re-scoring of the bf16 screen's candidates) and the bound
+    ``input_roundoff("cuda")`` reads from the flag. Returns the cosine/dot screen dtype."""
+    if request.param != "cuda":
+        monkeypatch.setattr(
+            G,
+            "screen_dtype",
+            lambda device, metric: request.param if metric in ("cosine", "dot") else torch.float32,
+        )
+        return request.param
+    dtype_of, roundoff_of, mm_into, bmm = G.screen_dtype, G.input_roundoff, G.mm_into, torch.bmm
+    monkeypatch.setattr(G, "screen_dtype", lambda device_type, metric: dtype_of("cuda", metric))
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    monkeypatch.setattr(G, "input_roundoff", lambda device_type: roundoff_of("cuda"))
+    assert G.input_roundoff("cpu") == 2.0**-11
+
+    def tf32(x):
+        return _tf32(x) if x.dtype == torch.float32 else x
+
+    monkeypatch.setattr(G, "mm_into", lambda a, b, out: mm_into(tf32(a), tf32(b.contiguous()), out))
+    monkeypatch.setattr(torch, "bmm", lambda a, b: bmm(tf32(a), tf32(b.contiguous())))
+    return G.screen_dtype("cuda", "cosine")
 
 
 @pytest.mark.parametrize("metric", METRICS)
@@ -119,6 +146,53 @@ def test_table_orders_fp32_indistinguishable_scores_by_float64(screen):
     ref = neighbor_table64(w, 8, "dot")
     assert ref[0, 1:].tolist() == list(range(39, 32, -1))
     assert torch.equal(build_neighbor_table(w, 0, 8, "dot", chunk_size=16), ref)
+
+
+def test_table_orders_near_parallel_rows_by_float64(screen, monkeypatch):
+    """Cosine scores 1 - O(i²·2^-27) of rows nearly parallel to the query: bf16 and fp32 both
+    merge them, so the certificate must fall back to float64 (and does), exactly."""
+    retried = []
+    rescore = T._rescore_above
+    monkeypatch.setattr(
+        T,
+        "_rescore_above",
+        lambda keys, q32, *a: retried.append(len(q32)) or rescore(keys, q32, *a),
+    )
+    x = torch.arange(60, dtype=torch.float64) * 2.0**-13
+    w = torch.stack([torch.ones(60, dtype=torch.float64), x, -x.flip(0)], 1)
+    w = torch.cat([w, torch.randn(200, 3, generator=torch.Generator().manual_seed(5)).double()])
+    w = w.float()
+    ref = neighbor_table64(w, 6, "cosine")
+    assert torch.equal(build_neighbor_table(w, 0, 6, "cosine", chunk_size=64), ref)
+    assert torch.equal(
+        build_neighbor_table(w, 0, 6, "cosine", rows=(0, 80), chunk_size=32), ref[:80]
+    )
+    assert sum(retried) > 0
+
+
+def test_gpu_screen_is_bf16_with_fp32_reductions(monkeypatch):
+    """On CUDA the screen of cosine/dot is bf16 (fp32 for l2/l1), and its GEMM runs with cuBLAS's
+    reduced-precision reductions off (the bound assumes fp32 accumulation), the setting restored
+    after (checked by the flag torch.mm sees, on CPU tensors)."""
+    assert [G.screen_dtype("cuda", m) for m in METRICS] == [
+        torch.bfloat16,
+        torch.float32,
+        torch.float32,
+        torch.bfloat16,
+    ]
+    matmul = torch.backends.cuda.matmul
+    seen, mm = [], torch.mm
+    monkeypatch.setattr(
+        torch,
+        "mm",
+        lambda *a, **kw: seen.append(matmul.allow_bf16_reduced_precision_reduction) or mm(*a, **kw),
+    )
+    before = matmul.allow_bf16_reduced_precision_reduction
+    a = torch.randn(8, 16).bfloat16()
+    out = torch.empty(8, 8, dtype=torch.bfloat16)
+    G.mm_into(a, a.T, out)
+    assert seen == [False] and matmul.allow_bf16_reduced_precision_reduction == before
+    assert torch.equal(out, mm(a, a.T))
 
 
 @pytest.mark.parametrize("metric", METRICS)
@@ -194,10 +268,10 @@ def test_screen_choice_times_both_gemms_without_touching_the_global_rng():
     after ``torch.manual_seed`` must leave the run's random stream where it was."""
     G.cpu_bf16_matmul_is_faster.cache_clear()
     state = torch.get_rng_state()
-    choice = G.screen_dtype(torch.device("cpu"), "cosine")
+    choice = G.screen_dtype("cpu", "cosine")
     assert torch.equal(torch.get_rng_state(), state)
     assert choice in (torch.float32, torch.bfloat16)
-    assert G.screen_dtype(torch.device("cpu"), "l2") == torch.float32  # not a bare product
+    assert G.screen_dtype("cpu", "l2") == torch.float32  # not a bare product
 
 
 def test_exclusion_mask_from_config():
@@ -371,3 +445,83 @@ def test_decide_anchor_from_raw_logits_in_near_ties():
     assert int(dec.anchor) == 5
     cand = z[0, table[5]].double() / tau
     assert torch.equal(dec.weights[0], torch.softmax(cand, 0).float())
+
+
+# ---- replay without host syncs --------------------------------------------------------------
+class _HostToDeviceCopies(TorchFunctionMode):
+    """Records every copy from the host onto the meta device that is not ``non_blocking`` (on a
+    GPU such a copy of pageable memory synchronises the stream)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocking = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        src = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        target = kwargs.get("device") or next(
+            (a for a in args[1:] if isinstance(a, (str, torch.device))), None
+        )
+        to_meta = target is not None and torch.device(target).type == "meta"
+        if func in (torch.Tensor.to, torch.Tensor.cuda) and to_meta:
+            if src is not None and src.device.type == "cpu" and not kwargs.get("non_blocking"):
+                self.blocking.append(func.__name__)
+        elif func in (torch.tensor, torch.as_tensor) and to_meta:
+            self.blocking.append(func.__name__)
+        elif func is torch.Tensor.copy_ and args[0].device.type == "meta":
+            if args[1].device.type == "cpu" and not (args[2:] or kwargs.get("non_blocking")):
+                self.blocking.append("copy_")
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("main_grad", [False, True], ids=["autograd", "ddp_main_grad"])
+def test_mixed_replay_has_no_host_sync(dtype, main_grad):
+    """The replay path of a mixed micro-batch — TokenBatch.from_rollout onto the device, a
+    micro-batch cut from it, the mixing embedding's forward and backward (into a megatron-DDP
+    ``main_grad`` or autograd's gradient) — never waits for the device, like the plain one.
+    Proxy for a GPU: the "device" is the meta device, where every op that needs device values on
+    the host (nonzero, item, tolist, bool of a tensor, .cpu(), boolean indexing) raises, and a
+    TorchFunctionMode records host→device copies that are not non_blocking. Host-side work on
+    the record (CPU tensors) is allowed."""
+    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
+
+    from megatron_ngrpo.grpo.batches import TokenBatch
+    from megatron_ngrpo.mixing.embedding import MixingVocabParallelEmbedding
+    from megatron_ngrpo.parallel import init_distributed, initialize_model_parallel
+    from megatron_ngrpo.rollout.types import RolloutBatch
+
+    init_distributed()
+    initialize_model_parallel(1, 1)
+    mixes = mix_record(
+        [[(0, [5, 6, 7], [0.5, 0.3, 0.2]), (2, [9, 3], [0.6, 0.4])], [], [(1, [4, 8], [0.7, 0.3])]],
+        k=3,
+    )
+    rollout = RolloutBatch(
+        [[10, 11], [12], [13, 14, 15]],
+        [[20, 21, 22, 23], [24, 25], [26, 27, 28]],
+        [[-1.0] * 4, [-1.0] * 2, [-1.0] * 3],
+        ["stop", "length", "stop"],
+        mixes,
+        [0, 1, 2],
+    )
+    cfg = ModelParallelConfig(use_cpu_initialization=True, perform_initialization=False)
+    emb = VocabParallelEmbedding(32, 8, init_method=torch.nn.init.zeros_, config=cfg)
+    emb.__class__ = MixingVocabParallelEmbedding
+    emb.to(device="meta", dtype=dtype)
+    if main_grad:  # megatron DDP's protocol: the backward adds into main_grad itself
+        emb.weight.main_grad = torch.zeros(emb.weight.shape, device="meta")
+        emb.weight.grad_added_to_main_grad = False
+    copies = _HostToDeviceCopies()
+    for replay in (False, True):  # plain, then mixed
+        with copies:
+            tb = TokenBatch.from_rollout(rollout, replay_mixes=replay, device="meta")
+            assert (tb.mix.num_mixed if replay else tb.mix) == (3 if replay else None)
+            for rows, length in (([0, 2], None), ([1], 8), ([0, 1, 2], None)):
+                mb = tb.micro_batch(rows, num_rows=4, seq_len=length)
+                out = emb(mb.tokens, mb.mix)
+                out.backward(torch.ones(out.shape, device="meta", dtype=dtype))
+            if replay:
+                tb.mix.mask  # noqa: B018 (the trainer's mixed-token mask, built on the device)
+    assert copies.blocking == [], copies.blocking

@@ -9,7 +9,7 @@ import pytest
 from megatron_ngrpo.config_loader import ConfigError
 from megatron_ngrpo.data import load_tokenizer
 from megatron_ngrpo.models.config import ModelConfig, real_token_count, tokenizer_id_count
-from megatron_ngrpo.testing.tiny import write_tiny_hf
+from tests.harness.tiny import write_tiny_hf
 
 QWEN2_ROWS = 151936
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from megatron_ngrpo.config_loader import ConfigError
+from megatron_ngrpo.config_loader import ConfigError, validate
 from megatron_ngrpo.mixing.config import MixingConfig
 from megatron_ngrpo.mixing.neighbors import NeighborLookup, build_neighbor_table, exclusion_mask
-from megatron_ngrpo.testing.multiproc import check, launch
-from megatron_ngrpo.testing.reference import neighbor_table64
+from tests.harness.multiproc import check, launch
+from tests.harness.reference import neighbor_table64
 
 MODEL = (
     Path(os.environ.get("NGRPO_MODELS", "/root/.cache/megatron_ngrpo/models"))
@@ -90,6 +90,6 @@ def test_lookup_mode_rule_and_validation():
     assert MixingConfig(rate=0.1, refresh_every=2).lookup_mode(16, 49152) == "table"
     assert MixingConfig(neighbor_lookup="table").lookup_mode(1, 49152) == "table"
     with pytest.raises(ConfigError, match="neighbor_lookup"):
-        MixingConfig(neighbor_lookup="lazy").validate()
+        validate(MixingConfig(neighbor_lookup="lazy"))
     with pytest.raises(ConfigError, match="refresh_every"):
-        MixingConfig(neighbor_lookup="on_demand", refresh_every=0).validate()
+        validate(MixingConfig(neighbor_lookup="on_demand", refresh_every=0))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_ngrpo.grpo.packing import pack, unpack
-from megatron_ngrpo.testing.multiproc import check, launch
+from tests.harness.multiproc import check, launch
 
 WORKER = Path(__file__).parent / "dist" / "packing_worker.py"
 CASES = ["packed_tp1_dp2", "packed_tp2_sequence_parallel"]

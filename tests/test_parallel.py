@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from megatron_ngrpo.testing.multiproc import check, launch
+from tests.harness.multiproc import check, launch
 
 
 def test_every_process_group_gets_the_job_timeout():
@@ -18,8 +18,10 @@ def test_every_process_group_gets_the_job_timeout():
         env={"NGRPO_TEST_PG_TIMEOUT": "97"},
     )
     timeouts = check(results, "every_group_gets_the_job_timeout")
-    # default, megatron's TP/PP/DP/MP/embedding (+ gloo) groups, the duplicates, the client's
-    assert len(timeouts) >= 8, timeouts
+    # default, megatron's TP/PP/DP/MP/embedding (+ gloo) groups, the duplicates, the client's, and
+    # both members of a weight-transfer pair group
+    assert len(timeouts) >= 10, timeouts
+    assert {"weight-transfer pair (trainer)", "weight-transfer pair (worker)"} <= set(timeouts)
     assert {name: s for name, s in timeouts.items() if s != 97.0} == {}
     assert any("DATA_PARALLEL_GROUP_GLOO" in name for name in timeouts), timeouts
 

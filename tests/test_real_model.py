@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ngrpo.testing.multiproc import check, launch
+from tests.harness.multiproc import check, launch
 
 WORKER = Path(__file__).resolve().parent / "dist" / "real_model_worker.py"
 

@@ -58,7 +58,7 @@ def test_stage_configs_load(real_model, tmp_path, monkeypatch):
         ["tools/plot_metrics.py", "--help"],
         ["tools/convert_megatron_to_hf.py", "--help"],
         ["tools/show_progress.py", "--help"],
-        ["examples/arithmetic/task.py", "--help"],
+        ["-m", "examples.arithmetic.task", "--help"],
     ],
 )
 def test_stage_tools_parse(argv):

@@ -220,3 +220,92 @@ def test_no_cycle_between_files_of_one_package():
     }
     cycles = _cycles(edges)
     assert not cycles, [_witness(edges, c) for c in cycles]
+
+
+def test_the_vllm_protocol_stands_apart():
+    """The rollout client and the server's launcher speak the protocol module, not the hook or
+    the in-process engine; the protocol imports no vLLM at module level (a client's node may not
+    have it)."""
+    graph = _graph()
+    inner = {f"{TOP}.rollout.vllm.hook", f"{TOP}.rollout.vllm.engine"}
+    for user in ("client", "server"):
+        assert not graph[f"{TOP}.rollout.remote.{user}"] & inner, user
+    tree = ast.parse((ROOT / "rollout" / "vllm" / "protocol.py").read_text())
+    top = [a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names]
+    top += [n.module or "" for n in tree.body if isinstance(n, ast.ImportFrom)]
+    assert not [m for m in top if m.split(".")[0] == "vllm"], top
+
+
+def _engine_names() -> set[str]:
+    """The values of ``rollout.config.EngineName``, read from its source."""
+    tree = ast.parse((ROOT / "rollout" / "config.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "EngineName")
+    return {
+        n.value.value
+        for n in cls.body
+        if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant)
+    }
+
+
+def _bare_names(source: str, names: set[str]) -> list[int]:
+    """Lines comparing with a string literal in ``names`` (``==``, ``!=``, ``in`` a literal
+    tuple, list or set)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        for op in operands:
+            items = op.elts if isinstance(op, (ast.Tuple, ast.List, ast.Set)) else [op]
+            if any(isinstance(i, ast.Constant) and i.value in names for i in items):
+                found.append(node.lineno)
+                break
+    return found
+
+
+def test_the_engine_name_check_sees_bare_strings():
+    names = {"vllm", "remote"}
+    src = 'a == "vllm"\nb in ("x", "remote")\nc == Engine.vllm\nfor d in ("vllm",): pass\n'
+    assert _bare_names(src, names) == [1, 2]
+    assert {"megatron", "vllm", "remote"} <= _engine_names()
+
+
+def test_engine_names_are_compared_as_engine_names():
+    """``rollout.engine`` is an ``EngineName``: the package compares it with the enum's members,
+    never with bare strings that a renamed engine would silently stop matching."""
+    names = _engine_names()
+    found = {
+        str(p.relative_to(ROOT.parent)): lines
+        for p in sorted(ROOT.rglob("*.py"))
+        if (lines := _bare_names(p.read_text(), names))
+    }
+    assert not found, f"bare engine-name strings compared (use EngineName): {found}"
+
+
+def _outside_imports(source: str, roots: tuple[str, ...]) -> list[str]:
+    """Absolute imports (anywhere in ``source``) of a module under one of ``roots``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        else:
+            continue
+        found += [n for n in names if n.split(".")[0] in roots]
+    return found
+
+
+def test_the_package_never_imports_the_repository_folders():
+    """tests/ (harness, doubles), bench/, examples/ and tools/ are not in the wheel: the package
+    never imports them, not even inside a function."""
+    roots = ("tests", "bench", "examples", "tools", "scripts")
+    assert _outside_imports("def f():\n    from tests.harness import tiny\n", roots) == [
+        "tests.harness"
+    ]
+    found = {
+        str(p.relative_to(ROOT.parent)): names
+        for p in sorted(ROOT.rglob("*.py"))
+        if (names := _outside_imports(p.read_text(), roots))
+    }
+    assert not found, found

@@ -17,8 +17,8 @@ import torch
 
 from megatron_ngrpo.config_loader import ConfigError
 from megatron_ngrpo.parallel import free_port
-from megatron_ngrpo.testing.checkpoint import written_bytes
 from megatron_ngrpo.training.job_config import load_config
+from tests.harness.checkpoint import written_bytes
 from tests.support.probed_train import GATE_VAR, SaveGatekeeper
 
 REPO = Path(__file__).resolve().parents[1]
@@ -165,6 +165,11 @@ ERRORS = [
         ["rollout.engine=vllm", "train.async.max_staleness=1"],
         1,
         "'train.async.max_staleness' = 1: one-step-off rollouts need an engine beside the trainer's groups",
+    ),
+    (
+        ["rollout.engine=remote", "mixing.neighbor_lookup=on_demand"],
+        1,
+        "'mixing.neighbor_lookup' = 'on_demand': rollout servers mix with the trainer's table only",
     ),
     (["train.no_such_field=1"], 1, "no_such_field"),
 ]

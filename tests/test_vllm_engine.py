@@ -21,7 +21,7 @@ from megatron_ngrpo.mixing.config import MixingConfig
 from megatron_ngrpo.mixing.decision import gate_uniform
 from megatron_ngrpo.rollout.config import VLLMConfig
 from megatron_ngrpo.rollout.types import SamplingParams
-from megatron_ngrpo.testing.tiny import write_tiny_hf
+from tests.harness.tiny import write_tiny_hf
 
 VOCAB = 512
 SPECIAL = [0, 1, 2]  # <s>, </s> (EOS), unk
@@ -178,7 +178,7 @@ def test_requests_of_different_k_share_a_step(engine, hf_model):
     server with two clients): each call's records replay exactly."""
     from vllm import SamplingParams as VSamplingParams
 
-    from megatron_ngrpo.rollout.vllm.hook import request_options, sampling_options
+    from megatron_ngrpo.rollout.vllm.protocol import request_options, sampling_options
 
     params = SamplingParams(n=1, temperature=1.0, max_new_tokens=16, seed=7)
     ks = [2, 4] * 4
@@ -217,8 +217,10 @@ def test_requests_of_different_k_share_a_step(engine, hf_model):
 def test_bf16_mixed_rows_equal_the_trainers_bit_for_bit(model_dir, monkeypatch, strategy):
     """A bf16 engine: every input row the hook mixed (caught in the model runner) equals, bit for
     bit, the trainer's mixing embedding op on vLLM's bf16 embedding matrix with the same ids,
-    weights and noise (one arithmetic, mixing/arithmetic.py); rounding each product to bf16, as
-    the hook once did, changes some of them."""
+    weights and noise (one arithmetic, mixing/arithmetic.py: ``mix_rows`` on full candidate
+    rows, which the trainer's embedding equals at TP 1, 2 and 4 in bf16 and fp16,
+    tests/dist/mixing_worker.py ``embedding_16bit_equals_mix_rows``); rounding each product to
+    bf16, as the hook once did, changes some of them."""
     from megatron_ngrpo.mixing.embedding import _MixedLookup
     from megatron_ngrpo.rollout.vllm.engine import VLLMEngine
     from megatron_ngrpo.rollout.vllm.hook import NeighborMixRunner
@@ -269,9 +271,11 @@ def test_bf16_mixed_rows_equal_the_trainers_bit_for_bit(model_dir, monkeypatch, 
                 None,
                 torch.arange(m),
                 ids,
+                None,
                 w,
                 noise,
                 False,
+                None,
                 None,
             )
         cand = weight[ids]
@@ -286,24 +290,47 @@ def test_bf16_mixed_rows_equal_the_trainers_bit_for_bit(model_dir, monkeypatch, 
     assert not torch.equal(old, trainer)
 
 
+def test_colocated_bf16_tp2_mixed_tokens_mismatch_no_more_than_plain():
+    """End to end in bf16 at TP 2, colocated (tests/dist/vllm_mixing_worker.py): vLLM generates
+    with mixing, the trainer replays; the mismatch of mixed tokens (|Δ log-prob| and KL) is no
+    larger than that of plain tokens, as both sides build the same mixed rows. With per-rank
+    partial mixtures summed in bf16 (the trainer before) it was: gap 0.0142 vs 0.0130, KL 1.9e-4
+    vs 1.4e-4; now 0.0135 vs 0.0139, 1.54e-4 vs 1.62e-4 (this CPU)."""
+    from pathlib import Path
+
+    from tests.harness.multiproc import check, launch
+
+    name = "bf16_tp2_mismatch_of_mixed_and_plain_tokens"
+    results = launch(
+        Path(__file__).parent / "dist" / "vllm_mixing_worker.py",
+        nproc=2,
+        timeout=900,
+        env={"NGRPO_TEST_PG_TIMEOUT": "120"},
+    )
+    v = check(results, name)
+    assert v["n_mixed"] > 100 and v["n_plain"] > 100, v
+    for metric in ("logprob_gap", "kl"):
+        assert v[f"mismatch/mixed/{metric}"] <= v[f"mismatch/plain/{metric}"], v
+
+
 def test_private_vllm_touch_points_are_checked(engine, monkeypatch):
     """The hook's table of private vLLM internals resolves on the installed vLLM and the live V1
     runner (nbr_mix_install checks it); one that moved is named in one line at install; another
     vLLM release, or a V2 runner, is refused."""
-    from megatron_ngrpo.rollout.vllm import hook
+    from megatron_ngrpo.rollout.vllm import hook, protocol
 
-    assert len(hook.PRIVATE_TOUCH_POINTS) >= 30
+    assert len(protocol.PRIVATE_TOUCH_POINTS) >= 30
     assert engine.llm.collective_rpc(
-        lambda worker: hook.missing_touch_points(worker.model_runner)
+        lambda worker: protocol.missing_touch_points(worker.model_runner)
     ) == [[]]
     monkeypatch.setattr(
-        hook,
+        protocol,
         "PRIVATE_TOUCH_POINTS",
-        hook.PRIVATE_TOUCH_POINTS
+        protocol.PRIVATE_TOUCH_POINTS
         + (("runner.input_batch.no_such_field", "moved"), ("vllm.v1.no_such_module:X", "moved")),
     )
     runner = engine.llm.collective_rpc(lambda worker: worker.model_runner)[0]
-    assert hook.missing_touch_points(runner) == [
+    assert protocol.missing_touch_points(runner) == [
         "runner.input_batch.no_such_field",
         "vllm.v1.no_such_module:X",
     ]
@@ -324,8 +351,8 @@ def test_private_vllm_touch_points_are_checked(engine, monkeypatch):
         match=r"model runner is vllm.v1.worker.gpu.model_runner.GPUModelRunner, not the V1",
     ):
         hook.NeighborMixExtension.nbr_mix_install(type("W", (), {"model_runner": fake})(), 512)
-    assert hook.supported_vllm("0.32.0") and hook.supported_vllm("0.32.0+cu129")
-    assert not hook.supported_vllm("0.32.1") and not hook.supported_vllm("0.33.0")
+    assert protocol.supported_vllm("0.32.0") and protocol.supported_vllm("0.32.0+cu129")
+    assert not protocol.supported_vllm("0.32.1") and not protocol.supported_vllm("0.33.0")
 
 
 def test_stop_after_gate(engine):
@@ -468,16 +495,16 @@ def brute_neighbors(emb: torch.Tensor, anchors: torch.Tensor, k: int) -> torch.T
 def test_weight_sync_from_megatron(engine, model_dir, hf_model):
     """Perturbed Megatron weights → sync → vLLM greedy/log-probs equal HF with those weights, the
     neighbour table follows the new embedding, and mixed rollouts replay exactly through the
-    trainer's Megatron path (grpo.logprobs.sequence_logprobs)."""
+    trainer's Megatron path (tests.support.replay.sequence_logprobs)."""
     from transformers import AutoModelForCausalLM
 
     from megatron_ngrpo.architecture import ArchSpec
     from megatron_ngrpo.conversion.hf_io import HFCheckpoint
     from megatron_ngrpo.conversion.mapping import export_hf_tensors, load_hf_tensors
-    from megatron_ngrpo.grpo.logprobs import sequence_logprobs
     from megatron_ngrpo.models.config import ModelConfig
     from megatron_ngrpo.models.provider import build_model
     from megatron_ngrpo.parallel import init_distributed, initialize_model_parallel
+    from tests.support.replay import sequence_logprobs
 
     init_distributed()
     initialize_model_parallel(1, 1)
@@ -546,7 +573,8 @@ def test_weight_sync_verify_catches_corruption(engine, model_dir, monkeypatch):
     """gloo route with verify_weights: a tensor changed on arrival fails the sync in one line
     naming it; the next sync succeeds and the weights equal the sent ones exactly."""
     from megatron_ngrpo.conversion.hf_io import HFCheckpoint
-    from megatron_ngrpo.rollout.vllm.weight_transfer import NamedSource, WeightSyncError
+    from megatron_ngrpo.rollout.vllm.weight_transfer import WeightSyncError
+    from tests.support.vllm_weights import NamedSource
 
     original = list(HFCheckpoint(model_dir).items())
     receiver = engine.llm.collective_rpc(lambda worker: worker.weight_transfer_engine)[0]
@@ -637,7 +665,7 @@ def test_colocated_weights_equal_the_trainers_after_every_sync(layout, nproc):
     colocated engine)."""
     from pathlib import Path
 
-    from megatron_ngrpo.testing.multiproc import check, launch
+    from tests.harness.multiproc import check, launch
 
     results = launch(
         Path(__file__).parent / "dist" / "vllm_sync_worker.py",

@@ -82,7 +82,7 @@ def write_task(
     hidden_size: int = 64,
     num_layers: int = 2,
 ) -> dict:
-    from megatron_ngrpo.testing.tiny import tiny_hf_config
+    from tests.harness.tiny import tiny_hf_config
 
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(out / "tokenizer")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_ngrpo.config_loader import ConfigError
+from megatron_ngrpo.config_loader import ConfigError, validate
 from megatron_ngrpo.conversion.checkpoint import (
     LATEST_FILE,
     META_FILE,
@@ -82,7 +82,7 @@ def current_layout() -> tuple[int, int, int | None] | None:
 
 
 def _build(cfg: ModelConfig) -> list:
-    cfg.validate()
+    validate(cfg)
     init_distributed()
     layout = (cfg.tensor_parallel, cfg.pipeline_parallel, cfg.virtual_pipeline)
     if current_layout() != layout:  # re-initialising creates new process groups (and threads)

@@ -498,18 +498,9 @@ def export_hf_tensors(
         ps.get_pipeline_model_parallel_group(),
     )
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
-    if tp_shards is not None and (
-        why := "rank0_only gathers"
-        if rank0_only
-        else check_tp_shards(spec, tp, pp, tp_shards.count)
-    ):
-        raise ValueError(f"export_hf_tensors(tp_shards={tp_shards}): {why}")
+    wants = _slice_wants(spec, tp_shards, rank0_only, tp, pp, tp_group)
     if rank0_only and ps.get_data_parallel_rank() != 0:
         return  # other data-parallel replicas hold the same weights
-    wants = None  # the slice each rank of the TP group takes
-    if tp_shards is not None and tp_shards.count > 1:
-        wants = [None] * tp
-        dist.all_gather_object(wants, tp_shards.rank, group=tp_group)
     for item in plan:
         r = rule(spec, item.global_name)
         kind, owner = r.kind, item.vstage % pp
@@ -536,11 +527,25 @@ def export_hf_tensors(
                     shard = torch.empty(item.shape, dtype=item.dtype, device=device)
                 shard = shard.detach().contiguous()
                 dist.broadcast(shard, dist.get_global_rank(pp_group, owner), group=pp_group)
-            tensors = unfuse(
-                spec, kind, _tp_gather(shard, kind, tp, tp_group, all_ranks=True), num_vocab
-            )
+            full = _tp_gather(shard, kind, tp, tp_group, all_ranks=True)
+            tensors = unfuse(spec, kind, full, num_vocab)
         for name, t in zip(r.hf_names, tensors):
             yield name, (t if dtype is None else t.to(dtype))
+
+
+def _slice_wants(spec, tp_shards, rank0_only: bool, tp: int, pp: int, tp_group):
+    """The slice each rank of the TP group takes with ``tp_shards`` (None: whole tensors);
+    ValueError when the layouts do not allow shards (:func:`check_tp_shards`)."""
+    if tp_shards is None:
+        return None
+    why = "rank0_only gathers" if rank0_only else check_tp_shards(spec, tp, pp, tp_shards.count)
+    if why:
+        raise ValueError(f"export_hf_tensors(tp_shards={tp_shards}): {why}")
+    if tp_shards.count == 1:
+        return None
+    wants = [None] * tp
+    dist.all_gather_object(wants, tp_shards.rank, group=tp_group)
+    return wants
 
 
 def _merged_slices(

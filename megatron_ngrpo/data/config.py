@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
-from megatron_ngrpo.config_loader import ConfigError, fail
+from megatron_ngrpo.config_loader import fail
 from megatron_ngrpo.data.templates import TemplateConfig
-
-ANSWER_LISTS = ("alternatives", "first", "join")
-LONG_PROMPTS = ("drop", "refuse")
 
 
 @dataclass
@@ -28,37 +26,22 @@ class SourceConfig:
     problem_key: str = ""
     answer_key: str = ""
     # A list-valued answer: "alternatives" (each one accepted, e.g. Minerva), "first", "join".
-    answer_list: str = ""
+    answer_list: Literal["", "alternatives", "first", "join"] = ""
     # AIME/AMC: answers are integers ("025" → "25", 142.0 → "142", "336^\circ" → "336").
     integer_answers: bool | None = None
     # The gold is the text after the last occurrence of this marker in the answer field, thousands
     # commas dropped (GSM8K: "####"); "" = the whole field.
     answer_after: str = ""
     # Grader of the source's answers: "math" or "mcq".
-    kind: str = ""
+    kind: Literal["", "math", "mcq"] = ""
     # Keep only the first `limit` rows (0 = all).
     limit: int = 0
 
     def validate(self) -> None:
         if not self.name and not self.path:
             fail("path", self.path, "a source needs a registry name or a path")
-        if self.answer_list and self.answer_list not in ANSWER_LISTS:
-            fail("answer_list", self.answer_list, f"expected one of {ANSWER_LISTS}")
-        if self.kind and self.kind not in ("math", "mcq"):
-            fail("kind", self.kind, "expected 'math' or 'mcq'")
         if self.limit < 0:
             fail("limit", self.limit, "must be >= 0")
-
-
-def validate_sources(sources: list[SourceConfig], name: str) -> None:
-    """``validate()`` each source of the list field ``name``; errors name ``name[i].field``."""
-    for i, source in enumerate(sources):
-        try:
-            source.validate()
-        except ConfigError as e:
-            raise ConfigError(
-                str(e).replace("config field '", f"config field '{name}[{i}].", 1)
-            ) from None
 
 
 def _default_train() -> list[SourceConfig]:
@@ -87,7 +70,7 @@ class DataConfig:
     max_bad_fraction: float = 0.01
     # Prompts over max_prompt_tokens: "drop" them (logged) or "refuse" the data set (one line:
     # file, row, field, length).
-    long_prompts: str = "drop"
+    long_prompts: Literal["drop", "refuse"] = "drop"
     template: TemplateConfig = field(default_factory=TemplateConfig)
     # Shuffling of the prompt batches (per epoch, reproducible from seed and epoch).
     shuffle: bool = True
@@ -98,10 +81,7 @@ class DataConfig:
     def validate(self) -> None:
         if not self.train:
             fail("train", self.train, "at least one training source is needed")
-        validate_sources(self.train, "train")
         if self.max_prompt_tokens < 1:
             fail("max_prompt_tokens", self.max_prompt_tokens, "must be >= 1")
         if not 0 <= self.max_bad_fraction <= 1:
             fail("max_bad_fraction", self.max_bad_fraction, "must be in [0, 1]")
-        if self.long_prompts not in LONG_PROMPTS:
-            fail("long_prompts", self.long_prompts, f"expected one of {LONG_PROMPTS}")

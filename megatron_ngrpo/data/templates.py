@@ -16,8 +16,7 @@ User message = problem, a space, the instruction; no system prompt. Kinds:
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from megatron_ngrpo.config_loader import fail
+from typing import Literal
 
 # Training prompts (reference data preprocessing: no trailing period).
 TRAIN_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}"
@@ -28,14 +27,13 @@ MCQ_INSTRUCTION = (
     "Let's think step by step and output the final answer in the last line as:\nAnswer: <A/B/C/D>"
 )
 THINK_OPENER = "<think>\n"
-KINDS = ("r1", "chat", "plain")
 
 
 @dataclass
 class TemplateConfig:
-    kind: str = "r1"
+    kind: Literal["r1", "chat", "plain"] = "r1"
     # r1 only: "force" (prompt ends in <think>\n, default, see module doc) or "original".
-    think: str = "force"
+    think: Literal["force", "original"] = "force"
     # None = the default for the use: TRAIN_INSTRUCTION in training, EVAL_INSTRUCTION in eval
     # (MCQ_INSTRUCTION for multiple choice); "" = no instruction.
     instruction: str | None = None
@@ -43,12 +41,6 @@ class TemplateConfig:
     def instruction_or(self, default: str) -> str:
         """The instruction to append: the configured one ("" = none), else ``default``."""
         return self.instruction if self.instruction is not None else default
-
-    def validate(self) -> None:
-        if self.kind not in KINDS:
-            fail("kind", self.kind, f"expected one of {KINDS}")
-        if self.think not in ("force", "original"):
-            fail("think", self.think, "expected 'force' or 'original'")
 
 
 def math_message(problem: str, instruction: str) -> str:

@@ -217,6 +217,20 @@ def load_tokenizer(name_or_path: str | Path, model_path: str | Path | None = Non
     return AutoTokenizer.from_pretrained(str(folder))
 
 
+def engine_tokenizer(tokenizer: str | Path | None, hf_path: str | Path):
+    """The HF tokenizer a vLLM engine is given: of directory ``tokenizer``, else of ``hf_path``
+    when it has tokenizer files, else None (token ids only). The in-process engine and the
+    rollout server's launcher resolve it alike."""
+    path = Path(tokenizer) if tokenizer is not None else Path(hf_path)
+    files = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+    if tokenizer is None and not any((path / f).is_file() for f in files):
+        return None
+    # lazy: transformers takes seconds to import; only this path needs it
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
 def special_token_ids(tokenizer) -> list[int]:
     """The one rule for ids that are never neighbours (``mixing.exclude_special``), used by the
     trainer's neighbour table and every engine: the tokenizer's special tokens and its added

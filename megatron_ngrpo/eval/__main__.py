@@ -19,6 +19,7 @@ from megatron_ngrpo.config_loader import ConfigError, load
 from megatron_ngrpo.data.tokenizer import load_tokenizer, special_token_ids
 from megatron_ngrpo.eval.config import EvalConfig
 from megatron_ngrpo.eval.report import to_markdown
+from megatron_ngrpo.eval.result import EvalResult
 from megatron_ngrpo.eval.runner import (
     check_prompt_lengths,
     eval_mixing,
@@ -29,7 +30,7 @@ from megatron_ngrpo.eval.runner import (
 from megatron_ngrpo.models.config import real_token_count
 from megatron_ngrpo.parallel import init_distributed
 from megatron_ngrpo.rewards.graders import build_grader
-from megatron_ngrpo.rollout.config import vllm_max_model_len
+from megatron_ngrpo.rollout.config import EngineName, vllm_max_model_len
 from megatron_ngrpo.rollout.types import SamplingParams
 
 
@@ -39,6 +40,48 @@ def build_graders(reward_cfg) -> dict:
     return {
         kind: build_grader(dataclasses.replace(reward_cfg, name=kind)) for kind in ("math", "mcq")
     }
+
+
+def _generate_and_grade(cfg: EvalConfig, graders: dict) -> EvalResult | int:
+    """Generate with the evaluated policy on every rank and grade: the result on rank 0, exit
+    status 0 on the others, 2 for a benchmark row the engine cannot take (one line, before any
+    process group starts)."""
+    # lazy: keeps eval.__main__ free of megatron-core at import (start-up)
+    from megatron.core import parallel_state as ps
+
+    # lazy: megatron-core again (conversion.loading, rollout.factory import it)
+    from megatron_ngrpo.conversion.loading import build_policy
+    from megatron_ngrpo.rollout.factory import build_engine
+
+    tokenizer = load_tokenizer(cfg.tokenizer, cfg.model.hf_path)
+    spec = ArchSpec.from_hf(cfg.model.hf_path)
+    try:
+        benchmarks = load_benchmarks(list(cfg.benchmarks) + list(cfg.extra_benchmarks), cfg.limit)
+        check_prompt_lengths(benchmarks, tokenizer, cfg.template, *prompt_budget(cfg, spec))
+    except ConfigError as e:  # a bad row (DataError), before any process group starts
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    init_distributed(cfg.dist_timeout_s)
+    chunks = build_policy(cfg.model, cfg.checkpoint)
+    engine = build_engine(cfg, chunks, tokenizer)
+    num_real = real_token_count(cfg.model.num_real_tokens, spec.vocab_size, tokenizer)
+    mixing = eval_mixing(cfg.mixing, engine, chunks, num_real, special_token_ids(tokenizer))
+    is_main = int(os.environ.get("RANK", "0")) == 0
+    result = evaluate(
+        engine,
+        tokenizer,
+        benchmarks,
+        SamplingParams.from_config(cfg.sampling, tokenizer.eos_token_id),
+        graders,
+        template=cfg.template,
+        ks=cfg.ks or None,
+        out_dir=cfg.output_dir if is_main else None,
+        max_tokens_per_call=cfg.max_tokens_per_call,
+        dp_group=ps.get_data_parallel_group(),
+        progress=is_main,
+        mixing=mixing,
+    )
+    return result if is_main else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,46 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.regrade:
             result = regrade(cfg.regrade, graders, ks=cfg.ks or None, out_dir=cfg.output_dir)
         else:
-            # lazy: keeps eval.__main__ free of megatron-core at import (start-up)
-            from megatron.core import parallel_state as ps
-
-            # lazy: megatron-core again (conversion.loading, rollout.factory import it)
-            from megatron_ngrpo.conversion.loading import build_policy
-            from megatron_ngrpo.rollout.factory import build_engine
-
-            tokenizer = load_tokenizer(cfg.tokenizer, cfg.model.hf_path)
-            spec = ArchSpec.from_hf(cfg.model.hf_path)
-            try:
-                benchmarks = load_benchmarks(
-                    list(cfg.benchmarks) + list(cfg.extra_benchmarks), cfg.limit
-                )
-                check_prompt_lengths(benchmarks, tokenizer, cfg.template, *prompt_budget(cfg, spec))
-            except ConfigError as e:  # a bad row (DataError), before any process group starts
-                print(f"error: {e}", file=sys.stderr)
-                return 2
-            init_distributed(cfg.dist_timeout_s)
-            chunks = build_policy(cfg.model, cfg.checkpoint)
-            engine = build_engine(cfg, chunks, tokenizer)
-            num_real = real_token_count(cfg.model.num_real_tokens, spec.vocab_size, tokenizer)
-            mixing = eval_mixing(cfg.mixing, engine, chunks, num_real, special_token_ids(tokenizer))
-            is_main = int(os.environ.get("RANK", "0")) == 0
-            params = SamplingParams.from_config(cfg.sampling, tokenizer.eos_token_id)
-            result = evaluate(
-                engine,
-                tokenizer,
-                benchmarks,
-                params,
-                graders,
-                template=cfg.template,
-                ks=cfg.ks or None,
-                out_dir=cfg.output_dir if is_main else None,
-                max_tokens_per_call=cfg.max_tokens_per_call,
-                dp_group=ps.get_data_parallel_group(),
-                progress=is_main,
-                mixing=mixing,
-            )
-            if not is_main:
-                return 0
+            result = _generate_and_grade(cfg, graders)
+            if not isinstance(result, EvalResult):
+                return result  # an exit status: a bad row, or a rank other than 0
     finally:
         for grader in graders.values():
             grader.close()
@@ -116,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 def prompt_budget(cfg: EvalConfig, spec) -> tuple[int, str]:
     """The longest prompt the engine can take with room for ``sampling.max_new_tokens``, and
     where that comes from."""
-    if cfg.rollout.engine == "vllm":
+    if cfg.rollout.engine == EngineName.vllm:
         context = vllm_max_model_len(cfg.rollout.vllm, spec.max_position_embeddings)
         source = "rollout.vllm.max_model_len"
     else:

@@ -6,14 +6,19 @@ from dataclasses import dataclass, field
 
 from megatron_ngrpo.architecture import ArchSpec
 from megatron_ngrpo.config_loader import fail, launch_world_size
-from megatron_ngrpo.data.config import SourceConfig, validate_sources
+from megatron_ngrpo.data.config import SourceConfig
 from megatron_ngrpo.data.datasets import require_local_files
 from megatron_ngrpo.data.templates import TemplateConfig
 from megatron_ngrpo.data.tokenizer import tokenizer_folder
 from megatron_ngrpo.mixing.config import MixingConfig
 from megatron_ngrpo.models.config import ModelConfig
 from megatron_ngrpo.rewards.config import RewardConfig
-from megatron_ngrpo.rollout.config import RolloutConfig, check_vllm_layout, vllm_max_model_len
+from megatron_ngrpo.rollout.config import (
+    EngineName,
+    RolloutConfig,
+    check_vllm_layout,
+    vllm_max_model_len,
+)
 from megatron_ngrpo.rollout.types import SamplingFields, SamplingParams
 
 
@@ -71,7 +76,6 @@ class EvalConfig:
     def validate(self) -> None:
         if not self.benchmarks and not self.extra_benchmarks:
             fail("benchmarks", self.benchmarks, "at least one benchmark is needed")
-        validate_sources(self.extra_benchmarks, "extra_benchmarks")
         if self.limit < 0:
             fail("limit", self.limit, "must be >= 0")
         if self.model is None and not self.regrade:
@@ -87,7 +91,7 @@ class EvalConfig:
         require_local_files(self.extra_benchmarks, "extra_benchmarks")
         if self.model is not None and not self.regrade:
             tokenizer_folder(self.tokenizer, self.model.hf_path)
-            if self.rollout.engine == "vllm":
+            if self.rollout.engine == EngineName.vllm:
                 vllm_max_model_len(
                     self.rollout.vllm, ArchSpec.from_hf(self.model.hf_path).max_position_embeddings
                 )

@@ -11,14 +11,34 @@ parallelism).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+from typing import Self
 
 import torch
 from megatron.core import parallel_state as ps
 
 from megatron_ngrpo.architecture import unwrap
-from megatron_ngrpo.mixing.embedding import MixBatch
+from megatron_ngrpo.mixing.embedding import MixBatch, to_device
 from megatron_ngrpo.rollout.types import RolloutBatch
+
+
+@dataclass
+class RowTensors:
+    """Base of the per-row inputs a loss reads (e.g. :class:`~megatron_ngrpo.grpo.loss_inputs.LossInputs`):
+    every tensor field is [B, ...], row-aligned with the :class:`TokenBatch` that carries it, and
+    travels with its rows into micro-batches; None fields stay None."""
+
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Self:
+        """The same inputs with ``fn`` applied to every tensor field."""
+        return replace(
+            self,
+            **{
+                f.name: fn(getattr(self, f.name))
+                for f in fields(self)
+                if isinstance(getattr(self, f.name), torch.Tensor)
+            },
+        )
 
 
 @dataclass
@@ -28,9 +48,9 @@ class TokenBatch:
     ``tokens`` [B, L] int64 (prompt then response, then ``pad_id``); ``labels`` [B, L] int64, the
     token of column j+1 (what column j predicts); ``mask`` [B, L] bool, True at columns whose label
     is a response token; ``mix`` the dense mixes (or None); ``offsets`` [B] prompt lengths (column
-    of response token 0); ``lengths`` [B] prompt + response lengths; ``extras`` per-row tensors of
-    shape [B, ...] (e.g. [B, L] old log-probs aligned with ``labels``, [B] advantages) that travel
-    with their rows into micro-batches.
+    of response token 0); ``lengths`` [B] prompt + response lengths; ``inputs`` the loss's per-row
+    inputs (a :class:`RowTensors`, e.g. [B, L] old log-probs aligned with ``labels``, [B]
+    advantages), which travel with their rows into micro-batches.
     """
 
     tokens: torch.Tensor
@@ -39,7 +59,7 @@ class TokenBatch:
     offsets: torch.Tensor
     lengths: torch.Tensor
     mix: MixBatch | None = None
-    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    inputs: RowTensors | None = None
 
     @classmethod
     def from_rollout(
@@ -63,7 +83,8 @@ class TokenBatch:
         mix = None
         if replay_mixes and len(batch.mixes):
             mix = MixBatch.from_record(batch.mixes, offsets, length, device)
-        return cls(tokens.to(device), labels.to(device), mask.to(device), offsets, lengths, mix)
+        tokens, labels, mask = (to_device(t, device) for t in (tokens, labels, mask))
+        return cls(tokens, labels, mask, offsets, lengths, mix)
 
     @property
     def num_rows(self) -> int:
@@ -81,8 +102,8 @@ class TokenBatch:
             .expand_as(self.tokens)
         )
 
-    def with_extras(self, **extras: torch.Tensor) -> TokenBatch:
-        return replace(self, extras={**self.extras, **extras})
+    def with_inputs(self, inputs: RowTensors) -> TokenBatch:
+        return replace(self, inputs=inputs)
 
     def response_values(self, values: torch.Tensor) -> list[torch.Tensor]:
         """Split a [B, L] label-aligned tensor into one [len_r] tensor per response."""
@@ -99,28 +120,31 @@ class TokenBatch:
         for r, vals in enumerate(per_response):
             o = int(self.offsets[r])
             out[r, o - 1 : o - 1 + len(vals)] = torch.as_tensor(vals, dtype=dtype)
-        return out.to(self.tokens.device)
+        return to_device(out, self.tokens.device)
 
     def micro_batch(
         self, rows: list[int], num_rows: int | None = None, seq_len: int | None = None
     ) -> TokenBatch:
         """Rows ``rows``, trimmed to their longest row (or padded to ``seq_len``) and padded with
-        fully masked dummy rows up to ``num_rows`` (fixed pipeline shapes)."""
+        fully masked dummy rows up to ``num_rows`` (fixed pipeline shapes). Cut on the tensors'
+        device with indices and sizes from the host: no host sync."""
         idx = torch.as_tensor(rows, dtype=torch.long)
         length = seq_len or max(int(self.lengths[idx].max()), 1)
-        pad_rows = (num_rows or len(rows)) - len(rows)
+        total = num_rows or len(rows)
+        pad_rows = total - len(rows)
+        on_device = {}  # idx copied once per device
 
-        def take(t: torch.Tensor | None) -> torch.Tensor | None:
-            if t is None:
-                return None
-            t = t.index_select(0, idx.to(t.device))
+        def take(t: torch.Tensor) -> torch.Tensor:
+            if t.device not in on_device:
+                on_device[t.device] = to_device(idx, t.device)
+            t = t.index_select(0, on_device[t.device])
             if t.dim() >= 2:
                 t = _fit(t, 1, length)
             if pad_rows:
                 t = torch.cat([t, t.new_zeros((pad_rows,) + t.shape[1:])])
             return t
 
-        mix = None if self.mix is None else MixBatch(*(take(t) for t in self.mix))
+        mix = None if self.mix is None else self.mix.select(idx, length, total)
         dummy = torch.zeros(pad_rows, dtype=self.lengths.dtype)
         return TokenBatch(
             tokens=take(self.tokens),
@@ -129,7 +153,7 @@ class TokenBatch:
             offsets=torch.cat([self.offsets[idx], dummy + 1]),
             lengths=torch.cat([self.lengths[idx], dummy + 1]),
             mix=mix,
-            extras={k: take(v) for k, v in self.extras.items()},
+            inputs=None if self.inputs is None else self.inputs.map_rows(take),
         )
 
 
@@ -222,7 +246,7 @@ class MicroBatchPlan:
         out = []
         for g in self.groups:
             if not g:
-                # Dummy micro-batch: only padding rows (zero mask and zero extras, so zero token
+                # Dummy micro-batch: only padding rows (zero mask and zero inputs, so zero token
                 # weights: no loss, no gradient).
                 mb = batch.micro_batch([], *(self.fixed_shape or (1, self.seq_multiple)))
             elif self.fixed_shape:

@@ -7,16 +7,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Literal
 
 from megatron_ngrpo.config_loader import fail
 from megatron_ngrpo.grpo.mismatch import MismatchConfig
-
-ADVANTAGES = ("grpo", "dr_grpo")
-LOSS_MODES = ("token", "gspo")
-LOSS_AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-KL_MODES = ("loss", "metric", "off")
-DRA_EMBEDDERS = ("tfidf", "policy_hidden", "local_model")
 
 
 @dataclass
@@ -28,20 +22,18 @@ class DRAConfig:
     # paper's jina sentence embedder); "policy_hidden": the policy's final hidden states
     # mean-pooled over the response (from the replay pass); "local_model": a sentence-embedding
     # model loaded from model_path (grpo/dra.py).
-    embedder: str = "tfidf"
+    embedder: Literal["tfidf", "policy_hidden", "local_model"] = "tfidf"
     # local_model: a local directory holding a transformers model and its tokenizer.
     model_path: str = ""
     # local_model: tokens embedded per response.
     max_length: int = 512
     # Similarities span each prompt's group (paper rule) or every response of the local batch
     # (DRA reference code).
-    scope: str = "group"
+    scope: Literal["group", "batch"] = "group"
     ngram: int = 2
     hash_dim: int = 2**18
 
     def validate(self) -> None:
-        if self.embedder not in DRA_EMBEDDERS:
-            fail("embedder", self.embedder, f"expected one of {DRA_EMBEDDERS}")
         if self.embedder == "local_model" and not os.path.isfile(
             os.path.join(self.model_path, "config.json")
         ):
@@ -52,8 +44,6 @@ class DRAConfig:
             )
         if self.max_length < 1:
             fail("max_length", self.max_length, "must be >= 1")
-        if self.scope not in ("group", "batch"):
-            fail("scope", self.scope, "expected 'group' (paper) or 'batch' (reference code)")
         if self.ngram < 1:
             fail("ngram", self.ngram, "must be >= 1")
         if self.hash_dim < 16:
@@ -63,14 +53,16 @@ class DRAConfig:
 @dataclass
 class GRPOConfig:
     # Advantage: "grpo" = (r - mean) / (std + eps) per group (unbiased std); "dr_grpo" = r - mean.
-    advantage: str = "grpo"
+    advantage: Literal["grpo", "dr_grpo"] = "grpo"
     adv_eps: float = 1e-6
     # Policy ratio: "token" (GRPO, Eq. 13) or "gspo" (sequence ratio exp(mean_t log-ratio), N-GSPO).
-    loss_mode: str = "token"
+    loss_mode: Literal["token", "gspo"] = "token"
     # Aggregation over the mini-batch (global over micro-batches and DP ranks):
     # seq-mean-token-mean (paper Eq. 13), token-mean (reference code), seq-mean-token-sum-norm
     # (Dr.GRPO: token sum / (sequences × rollout.max_new_tokens)).
-    loss_agg: str = "seq-mean-token-mean"
+    loss_agg: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = (
+        "seq-mean-token-mean"
+    )
     clip_low: float = 0.2
     clip_high: float = 0.2
     # Dual-clip constant c for negative advantages (null = off).
@@ -78,9 +70,9 @@ class GRPOConfig:
     log_ratio_clamp: float = 20.0
     # KL(π_θ‖π_ref): "loss" adds kl_coef·KL to the loss, "metric" only logs it, "off" skips the
     # reference model.
-    kl_mode: str = "loss"
+    kl_mode: Literal["loss", "metric", "off"] = "loss"
     kl_coef: float = 0.001
-    kl_estimator: str = "k3"
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     # k3 values are clamped to ±this (verl's low_var_kl).
     kl_clamp: float = 10.0
     # Groups whose rewards are all equal are masked out (no gradient, not counted in the
@@ -88,7 +80,7 @@ class GRPOConfig:
     filter_zero_variance: bool = False
     # Old log-probs: "recompute" with the trainer before the updates (reference code) or take the
     # engine's "rollout" log-probs.
-    old_logprobs: str = "recompute"
+    old_logprobs: Literal["recompute", "rollout"] = "recompute"
     # Truncated importance sampling: per-token weight min(π_old/π_rollout, tis_cap) (null = off);
     # short for mismatch.mode = token-tis, mismatch.cap = tis_cap (old_logprobs = recompute only).
     tis_cap: float | None = None
@@ -98,14 +90,8 @@ class GRPOConfig:
     dra: DRAConfig = field(default_factory=DRAConfig)
 
     def validate(self) -> None:
-        if self.advantage not in ADVANTAGES:
-            fail("advantage", self.advantage, f"expected one of {ADVANTAGES}")
         if self.adv_eps < 0:
             fail("adv_eps", self.adv_eps, "must be >= 0")
-        if self.loss_mode not in LOSS_MODES:
-            fail("loss_mode", self.loss_mode, f"expected one of {LOSS_MODES}")
-        if self.loss_agg not in LOSS_AGGS:
-            fail("loss_agg", self.loss_agg, f"expected one of {LOSS_AGGS}")
         if not 0 <= self.clip_low < 1:
             fail("clip_low", self.clip_low, "must be in [0, 1)")
         if self.clip_high < 0:
@@ -114,14 +100,8 @@ class GRPOConfig:
             fail("dual_clip", self.dual_clip, "must be > 1 (or null to disable)")
         if self.log_ratio_clamp <= 0:
             fail("log_ratio_clamp", self.log_ratio_clamp, "must be > 0")
-        if self.kl_mode not in KL_MODES:
-            fail("kl_mode", self.kl_mode, f"expected one of {KL_MODES}")
         if self.kl_coef < 0:
             fail("kl_coef", self.kl_coef, "must be >= 0")
-        if self.kl_estimator not in KL_ESTIMATORS:
-            fail("kl_estimator", self.kl_estimator, f"expected one of {KL_ESTIMATORS}")
-        if self.old_logprobs not in ("recompute", "rollout"):
-            fail("old_logprobs", self.old_logprobs, "expected 'recompute' or 'rollout'")
         if self.tis_cap is not None and self.tis_cap <= 0:
             fail("tis_cap", self.tis_cap, "must be > 0 (or null to disable)")
         if self.tis_cap is not None and self.mismatch.mode != "off":

@@ -15,6 +15,7 @@ zero-variance filter), so the update count and the batch shapes stay fixed; the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from megatron_ngrpo.config_loader import fail
 
@@ -25,13 +26,11 @@ class DynamicSamplingConfig:
     # Generation rounds per step at most (DAPO's max_num_gen_batches; the first round included).
     max_gen_batches: int = 4
     # Not enough informative groups after max_gen_batches rounds: "error" or "partial".
-    on_exhausted: str = "error"
+    on_exhausted: Literal["error", "partial"] = "error"
 
     def validate(self) -> None:
         if self.max_gen_batches < 1:
             fail("max_gen_batches", self.max_gen_batches, "must be >= 1")
-        if self.on_exhausted not in ("error", "partial"):
-            fail("on_exhausted", self.on_exhausted, "expected 'error' or 'partial'")
 
 
 class DynamicSamplingExhausted(RuntimeError):

@@ -6,7 +6,7 @@ vocab-parallel logits in one fused pass (:mod:`megatron_ngrpo.grpo.token_logprob
 gathers the vocabulary.
 
 The same micro-batch runner serves the forward-only passes (current/old/reference log-probs,
-engine verification via :func:`sequence_logprobs`) and the training step (a loss function in
+the tests' engine verification) and the training step (a loss function in
 place of the collector); pipeline parallelism goes through megatron's
 ``get_forward_backward_func``.
 """
@@ -22,12 +22,10 @@ from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_ngrpo.architecture import unwrap
-from megatron_ngrpo.compat.cpu import device
 from megatron_ngrpo.grpo.batches import MicroBatchPlan, TokenBatch
 from megatron_ngrpo.grpo.packing import pack, unpack
 from megatron_ngrpo.grpo.token_logprobs import vocab_parallel_logprobs
 from megatron_ngrpo.mixing.embedding import mixing_inputs
-from megatron_ngrpo.rollout.types import RolloutBatch
 
 
 # ---- the per-token log-prob op ---------------------------------------------------------------
@@ -170,31 +168,3 @@ def batch_logprobs(
 
     out = forward_token_values(model_chunks, batch, plan, value_fn, 2 if with_entropy else 1)
     return out if with_entropy else out[0]
-
-
-def sequence_logprobs(
-    model_chunks: list,
-    batch: RolloutBatch,
-    temperature: float,
-    micro_batch_size: int,
-    *,
-    pad_id: int = 0,
-    vocab_limit: int | None = None,
-    replay_mixes: bool = True,
-    max_tokens: int = 0,
-) -> list[torch.Tensor]:
-    """Log-probs of every recorded response token of ``batch`` under ``model_chunks``.
-
-    The history is replayed with the batch's mixes (unless ``replay_mixes`` is False); labels are
-    the recorded ``response_ids``. Forward-only, any TP/PP layout (call it on every rank of the
-    model-parallel group with the same batch). ``vocab_limit``: global ids ≥ it are left out of
-    the softmax (pass the HF ``vocab_size`` to drop megatron's padded rows, as vLLM never has
-    them; None keeps every row of the padded vocabulary).
-
-    Returns one float32 tensor [len(response_ids[r])] per response, on every pipeline rank.
-    """
-    tb = TokenBatch.from_rollout(batch, pad_id=pad_id, replay_mixes=replay_mixes, device=device())
-    values = batch_logprobs(
-        model_chunks, tb, temperature, micro_batch_size, vocab_limit, max_tokens
-    )
-    return [v.cpu() for v in tb.response_values(values)]

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from megatron_ngrpo.grpo.config import GRPOConfig
 from megatron_ngrpo.grpo.kl import kl_estimate
+from megatron_ngrpo.grpo.loss_inputs import LossInputs
 
 
 def aggregation_weights(
@@ -107,29 +108,27 @@ STAT_KEYS = (
 def micro_batch_loss(
     logprobs: torch.Tensor,
     entropy: torch.Tensor | None,
-    extras: dict,
+    inputs: LossInputs,
     mask: torch.Tensor,
     cfg: GRPOConfig,
 ) -> tuple[torch.Tensor, dict]:
     """The loss of one micro-batch and its statistics.
 
-    ``extras``: ``token_weight`` [b, s] (from :func:`aggregation_weights`), ``old_logprobs``
-    [b, s], ``advantages`` [b], optionally ``ref_logprobs`` [b, s] and ``tis_weight`` [b, s].
-    Returns the scalar loss (its sum over micro-batches and DP ranks is the objective) and a dict
-    of float64 sums: the weighted ``loss``/``pg_loss``/``kl_loss`` (already normalised), and over
-    response tokens the count ``tokens`` and sums of ``clipped``, ``kl``, ``entropy``, ``ratio``,
-    ``abs_log_ratio`` (|log π_θ − log π_old|), plus ``ratio_max``.
+    ``inputs``: the micro-batch's :class:`LossInputs` [b, ...], ``token_weight`` set (from
+    :func:`aggregation_weights`); a ``tis_weight`` scales the surrogate, a ``ref_logprobs`` adds
+    the KL term. Returns the scalar loss (its sum over micro-batches and DP ranks is the
+    objective) and a dict of float64 sums: the weighted ``loss``/``pg_loss``/``kl_loss`` (already
+    normalised), and over response tokens the count ``tokens`` and sums of ``clipped``, ``kl``,
+    ``entropy``, ``ratio``, ``abs_log_ratio`` (|log π_θ − log π_old|), plus ``ratio_max``.
     """
-    w = extras["token_weight"]
-    pg, clipped, ratio = policy_loss(
-        logprobs, extras["old_logprobs"], extras["advantages"], mask, cfg
-    )
-    if "tis_weight" in extras:
-        pg = pg * extras["tis_weight"]
+    w = inputs.token_weight
+    pg, clipped, ratio = policy_loss(logprobs, inputs.old_logprobs, inputs.advantages, mask, cfg)
+    if inputs.tis_weight is not None:
+        pg = pg * inputs.tis_weight
     per_token = pg
     kl = None
-    if "ref_logprobs" in extras:
-        kl = kl_estimate(logprobs, extras["ref_logprobs"], cfg.kl_estimator, cfg.kl_clamp)
+    if inputs.ref_logprobs is not None:
+        kl = kl_estimate(logprobs, inputs.ref_logprobs, cfg.kl_estimator, cfg.kl_clamp)
         if cfg.kl_mode == "loss" and cfg.kl_coef > 0:
             per_token = per_token + cfg.kl_coef * kl
     loss = (per_token * w).sum()
@@ -146,7 +145,7 @@ def micro_batch_loss(
             "kl": (kl * m).sum() if kl is not None else m.new_zeros(()),
             "entropy": (entropy * m).sum() if entropy is not None else m.new_zeros(()),
             "ratio": (ratio * m).sum(),
-            "abs_log_ratio": ((logprobs - extras["old_logprobs"]).abs() * m).sum(),
+            "abs_log_ratio": ((logprobs - inputs.old_logprobs).abs() * m).sum(),
             "ratio_max": (ratio * m).max() if m.numel() else m.new_zeros(()),
         }
     return loss, {k: v.double() for k, v in stats.items()}

@@ -35,6 +35,10 @@ class PhaseTimer:
                 torch.cuda.synchronize()
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
+    def reset(self) -> None:
+        """Start a new step: forget the phases timed so far."""
+        self.seconds = {}
+
     def report(self) -> dict[str, float]:
         return {f"time/{k}": v for k, v in self.seconds.items()}
 

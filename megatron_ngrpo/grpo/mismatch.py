@@ -24,36 +24,29 @@ Log-ratios are clamped to ±``log_ratio_clamp`` before exponentiation (overflow 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 
 from megatron_ngrpo.config_loader import fail
 
-MISMATCH_MODES = (
-    "off",
-    "token-tis",
-    "token-mask",
-    "icepop",
-    "seq-tis",
-    "seq-mask",
-    "seq-mask-tis",
-    "mis",
-)
+MismatchMode = Literal[
+    "off", "token-tis", "token-mask", "icepop", "seq-tis", "seq-mask", "seq-mask-tis", "mis"
+]
+MISMATCH_MODES = get_args(MismatchMode)
 
 
 @dataclass
 class MismatchConfig:
     """Rollout-correction mode and its thresholds (module docstring)."""
 
-    mode: str = "off"
+    mode: MismatchMode = "off"
     cap: float = 2.0
     lower: float = 0.5
     upper: float = 2.0
     log_ratio_clamp: float = 20.0
 
     def validate(self) -> None:
-        if self.mode not in MISMATCH_MODES:
-            fail("mode", self.mode, f"expected one of {MISMATCH_MODES}")
         if self.cap <= 0:
             fail("cap", self.cap, "must be > 0")
         if not 0 <= self.lower < self.upper:

@@ -24,8 +24,6 @@ import torch
 
 from megatron_ngrpo.mixing.embedding import MixBatch
 
-PACKING_MODES = ("mask", "thd")
-
 
 def pack(
     tokens: torch.Tensor, lengths: torch.Tensor, mix: MixBatch | None, multiple: int, mode: str
@@ -76,16 +74,7 @@ def pack(
         )
     else:
         raise ValueError(f"packing mode {mode!r}")
-    packed_mix = None
-    if mix is not None:
-
-        def one(t: torch.Tensor | None) -> torch.Tensor | None:
-            if t is None:
-                return None
-            flat = t.reshape(b * s, *t.shape[2:])[index.to(t.device)]
-            return torch.cat([flat, flat.new_zeros((pad,) + flat.shape[1:])]).unsqueeze(0)
-
-        packed_mix = MixBatch(*(one(t) for t in mix))
+    packed_mix = None if mix is None else mix.packed(lengths, total)
     return kwargs, packed_mix, index
 
 

@@ -18,6 +18,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from megatron_ngrpo.config_loader import fail
 
@@ -33,13 +34,11 @@ class TrackersConfig:
     # Tracker run name; "" = the run directory's name.
     run_name: str = ""
     # W&B: "offline" (files under run_dir/wandb, `wandb sync` uploads them) or "online".
-    wandb_mode: str = "offline"
+    wandb_mode: Literal["offline", "online"] = "offline"
     # MLflow tracking URI; "" = a local file store under run_dir/mlruns.
     mlflow_uri: str = ""
 
     def validate(self) -> None:
-        if self.wandb_mode not in ("offline", "online"):
-            fail("wandb_mode", self.wandb_mode, "expected 'offline' or 'online'")
         if not self.project:
             fail("project", self.project, "required")
         for name in ("wandb", "mlflow"):

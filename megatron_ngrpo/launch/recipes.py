@@ -18,6 +18,7 @@ from megatron_ngrpo.config_loader import ConfigError
 from megatron_ngrpo.launch import memory
 from megatron_ngrpo.models.config import ModelConfig
 from megatron_ngrpo.models.provider import check_layout
+from megatron_ngrpo.rollout.config import EngineName
 
 # Entry points, run as ``python -m`` of the installed (or packaged) package, never as checkout paths.
 TRAIN_MODULE = "megatron_ngrpo.train"
@@ -93,7 +94,7 @@ class Recipe:
     recompute: bool
     # Longest sequence: max prompt + max response (4096 + 8192); vLLM's max_model_len.
     seq_len: int
-    rollout_engine: str
+    rollout_engine: EngineName
     vllm_tensor_parallel: int
     vllm_gpu_memory_utilization: float
     time: str
@@ -190,7 +191,7 @@ class Recipe:
                 *route,
             ]
         out = [f"rollout.engine={self.rollout_engine}"]
-        if self.rollout_engine == "vllm":
+        if self.rollout_engine == EngineName.vllm:
             out += [
                 f"rollout.vllm.tensor_parallel={self.vllm_tensor_parallel}",
                 f"rollout.vllm.gpu_memory_utilization={self.vllm_gpu_memory_utilization}",
@@ -206,7 +207,7 @@ _H100 = dict(
     recompute=True,
     seq_len=4096 + 8192,
     micro_batch_tokens=2 * (4096 + 8192),
-    rollout_engine="vllm",
+    rollout_engine=EngineName.vllm,
 )
 
 RECIPES: dict[str, Recipe] = {
@@ -276,10 +277,11 @@ RECIPES: dict[str, Recipe] = {
             rollout_nodes=2,
             **_H100,
         ),
-        # CPU smoke runs (laptop, CI): testing.tiny's default shape, two gloo ranks with TP 2.
+        # CPU smoke runs (laptop, CI): the default shape of tests/harness/tiny.py, two gloo ranks
+        # with TP 2.
         Recipe(
             name="tiny",
-            summary="tiny random Qwen2 (testing.tiny), CPU, 2 ranks, TP 2",
+            summary="tiny random Qwen2 (tests.harness.tiny), CPU, 2 ranks, TP 2",
             hf_name="tiny-qwen2",
             shape=ModelShape(
                 layers=4, hidden=128, ffn=256, heads=4, kv_heads=2, vocab=512, tied=False
@@ -294,7 +296,7 @@ RECIPES: dict[str, Recipe] = {
             sequence_parallel=False,
             recompute=False,
             seq_len=256,
-            rollout_engine="megatron",
+            rollout_engine=EngineName.megatron,
             vllm_tensor_parallel=1,
             vllm_gpu_memory_utilization=0.5,
             time="00:10:00",

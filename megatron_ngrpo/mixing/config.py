@@ -6,12 +6,13 @@ Defaults follow the N-GRPO paper; reference-code choices are options (docs/ALGOR
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 from megatron_ngrpo.config_loader import fail
 
-STRATEGIES = ("none", "neighbor", "stht", "soft_thinking", "gumbel")
-METRICS = ("cosine", "l2", "l1", "dot")
-LOOKUPS = ("table", "on_demand", "auto")
+Strategy = Literal["none", "neighbor", "stht", "soft_thinking", "gumbel"]
+Metric = Literal["cosine", "l2", "l1", "dot"]
+METRICS = get_args(Metric)
 # Cost of one on-demand neighbour row in rows of the full table, at the worst batch (one new
 # anchor per search: a pass over the key rows for one query), per device type. Measured with
 # bench/bench_neighbor_lookup.py --row-cost (bench/results/neighbor_lookup.md): CPU, SmolLM2-135M
@@ -24,18 +25,18 @@ ON_DEMAND_ROW_COST = {"cpu": 40, "cuda": 1400}
 @dataclass
 class MixingConfig:
     # none (plain GRPO) | neighbor (N-GRPO) | stht (Gaussian noise) | soft_thinking | gumbel
-    strategy: str = "neighbor"
+    strategy: Strategy = "neighbor"
     # ρ: per sequence and decode step, the probability that the next input is a mixture.
     rate: float = 0.1
     # |C_t|, anchor included (paper 3; reference 1.5B config 2).
     k: int = 3
-    metric: str = "cosine"
+    metric: Metric = "cosine"
     # Matrix whose rows define neighbours: "input" embedding (paper) or "output" layer (reference).
-    neighbor_source: str = "input"
+    neighbor_source: Literal["input", "output"] = "input"
     # Temperature of α; None = the rollout's sampling temperature (reference code).
     temperature: float | None = None
     # Token emitted at a mixed step: "anchor" (paper) or "sample" (reference code).
-    emit: str = "anchor"
+    emit: Literal["anchor", "sample"] = "anchor"
     # Stop mixing once the response contains this text (reference code: "</think>"); "" = never.
     stop_after: str = ""
     # Rows never chosen as neighbours: special/added tokens and padded vocab rows ("real tokens
@@ -49,7 +50,7 @@ class MixingConfig:
     refresh_every: int = 1
     # Neighbour rows: "table" (the whole [V, k] table per weight version), "on_demand" (only the
     # anchors a decode step mixes, exact and cached per weight version), "auto" (see lookup_mode).
-    neighbor_lookup: str = "auto"
+    neighbor_lookup: Literal["table", "on_demand", "auto"] = "auto"
     # Query rows scored per chunk when building the table (bounds peak memory).
     chunk_size: int = 1024
     # Baselines: STHT σ = noise_scale × RMS embedding norm; soft_thinking/gumbel use top-`k`.
@@ -60,28 +61,18 @@ class MixingConfig:
     at_eval: bool = False
 
     def validate(self) -> None:
-        if self.strategy not in STRATEGIES:
-            fail("strategy", self.strategy, f"expected one of {STRATEGIES}")
         if not 0.0 <= self.rate <= 1.0:
             fail("rate", self.rate, "must be in [0, 1]")
         if self.k < 1:
             fail("k", self.k, "must be >= 1 (it counts the anchor)")
-        if self.metric not in METRICS:
-            fail("metric", self.metric, f"expected one of {METRICS}")
-        if self.neighbor_source not in ("input", "output"):
-            fail("neighbor_source", self.neighbor_source, "expected 'input' or 'output'")
         if self.temperature is not None and self.temperature <= 0:
             fail(
                 "temperature",
                 self.temperature,
                 "must be > 0 (or null for the sampling temperature)",
             )
-        if self.emit not in ("anchor", "sample"):
-            fail("emit", self.emit, "expected 'anchor' (paper) or 'sample' (reference code)")
         if self.refresh_every < 0:
             fail("refresh_every", self.refresh_every, "must be >= 0")
-        if self.neighbor_lookup not in LOOKUPS:
-            fail("neighbor_lookup", self.neighbor_lookup, f"expected one of {LOOKUPS}")
         if self.neighbor_lookup == "on_demand" and self.refresh_every != 1:
             fail(
                 "neighbor_lookup",

@@ -1,9 +1,11 @@
 """The screen matmul of the neighbour search (`topk_certified`): which dtype it runs in and the
-CPU GEMM that runs it. Exactness never depends on these choices: the certificate's error bound
-follows the dtype and the input rounding of the matmul (`input_roundoff`)."""
+GEMM that runs it (numpy's BLAS for fp32 on CPU, torch otherwise). Exactness never depends on
+these choices: the certificate's error bound follows the dtype and the input rounding of the
+matmul (`input_roundoff`)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import time
@@ -16,14 +18,19 @@ import torch
 PRODUCT_METRICS = ("cosine", "dot")
 
 
-def screen_dtype(device: torch.device, metric: str) -> torch.dtype:
-    """dtype of the scoring matmul: bf16 (with fp32 accumulation) on CPUs where that GEMM runs
-    faster than the fp32 one, for the matmul metrics whose score is the bare product (cosine,
-    dot); fp32 otherwise. Exactness does not depend on it: the certificate's bound follows the
-    dtype. GPUs keep fp32 (TF32 per torch's setting, `input_roundoff`)."""
-    if device.type != "cpu" or metric not in PRODUCT_METRICS or not cpu_bf16_matmul_is_faster():
+def screen_dtype(device_type: str, metric: str) -> torch.dtype:
+    """dtype of the scoring matmul of key rows on a ``device_type`` device ("cpu", "cuda", ...):
+    bf16 (fp32 accumulation, one rounding: see `mm_into`) for the matmul metrics whose score is
+    the bare product (cosine, dot) on CUDA and on CPUs where that GEMM runs faster than the fp32
+    one; fp32 otherwise. On a GPU the bf16 screen is the fast one: at the 7B shape (152,064 ×
+    3,584, cosine, k = 3) on an H200 the fp32 screen's table took 4.23 s, a bf16 screen with its
+    top candidates re-scored in fp32 0.43 s. Exactness does not depend on it: the certificate's
+    bound follows the dtype, and candidates are re-scored in fp32 (float64 on near-ties)."""
+    if metric not in PRODUCT_METRICS:
         return torch.float32
-    return torch.bfloat16
+    if device_type == "cuda" or (device_type == "cpu" and cpu_bf16_matmul_is_faster()):
+        return torch.bfloat16
+    return torch.float32
 
 
 @functools.cache
@@ -47,12 +54,12 @@ def cpu_bf16_matmul_is_faster() -> bool:
     return best[torch.bfloat16] < best[torch.float32]
 
 
-def input_roundoff(device: torch.device) -> float:
-    """Unit roundoff to which an fp32 matmul on ``device`` rounds its inputs: 0 for IEEE fp32
-    products (CPU: numpy's BLAS), 2^-11 under TF32 (``torch.set_float32_matmul_precision("high")``,
+def input_roundoff(device_type: str) -> float:
+    """Unit roundoff to which an fp32 matmul on a ``device_type`` device rounds its inputs: 0 for
+    IEEE fp32 products (CPU: numpy's BLAS), 2^-11 under TF32 (``torch.set_float32_matmul_precision("high")``,
     ``allow_tf32``, or torch >= 2.9's ``fp32_precision = "tf32"``; bf16x3 is more accurate),
     2^-8 under "medium" / ``"bf16"`` (bf16 inputs)."""
-    if device.type != "cuda":
+    if device_type != "cuda":
         return 0.0
     # torch >= 2.9: once the new fp32_precision API was used, reading the legacy flags raises;
     # the new one is always readable ("none": the backend-wide setting), and reflects legacy "high".
@@ -73,8 +80,31 @@ def input_roundoff(device: torch.device) -> float:
 
 def mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
     """out = a @ b. fp32 on CPU through numpy's BLAS (OpenBLAS): on the AMD EPYC machines here
-    torch's MKL sgemm is ~10% slower, and this matmul is nearly all of the table's cost."""
+    torch's MKL sgemm is ~10% slower, and this matmul is nearly all of the table's cost. Other
+    cases through torch with full-precision reductions (`_fp32_reductions`)."""
     if out.device.type == "cpu" and out.dtype == torch.float32:
         np.matmul(a.numpy(), b.numpy(), out=out.numpy())
-    else:
+        return
+    with _fp32_reductions():
         torch.mm(a, b, out=out)
+
+
+@contextlib.contextmanager
+def _fp32_reductions():
+    """cuBLAS may reduce a bf16 GEMM in reduced precision (torch's
+    ``allow_bf16_reduced_precision_reduction``, on by default: split-K partial sums in bf16),
+    where the certificate's bound assumes fp32 accumulation and one rounding of the result; off
+    within the block (split-K with fp32 reductions stays allowed), the setting restored after.
+    The flag is process-wide: a bf16 GEMM of another thread in the block reduces in fp32 too.
+    Off CUDA the flag is read by nothing."""
+    matmul = torch.backends.cuda.matmul
+    # torch >= 2.8 keeps (reduced precision, split-K) together; earlier ones have the bool only
+    split_k = getattr(matmul, "allow_bf16_reduced_precision_reduction_split_k", None)
+    saved = matmul.allow_bf16_reduced_precision_reduction
+    matmul.allow_bf16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = (
+            saved if split_k is None else (saved, split_k)
+        )

@@ -8,7 +8,7 @@ ordinary sample in reference mode; it is kept in the response ids, not here.
 
 Storage is sparse (COO over mixed positions only), which at ρ=0.1 is ~10% of response tokens × k
 ids and weights. Positions are response-relative, so records do not depend on prompt lengths or
-padding of any engine; :meth:`MixRecord.to_dense` places them into a padded [B, L] batch.
+padding of any engine; :meth:`MixRecord.flat_positions` places them into a padded [B, L] batch.
 
 An optional per-position ``noise`` [N, d] (STHT baseline) is added to the mixture on replay.
 """
@@ -46,34 +46,6 @@ class MixRecord:
             weights=torch.zeros(0, k, dtype=torch.float32),
             num_seqs=num_seqs,
         )
-
-    @classmethod
-    def from_lists(
-        cls, per_seq: list[list[tuple[int, list[int], list[float]]]], k: int
-    ) -> MixRecord:
-        """Build from ``per_seq[s] = [(pos, ids, weights), ...]``; shorter id lists are padded
-        with weight-0 entries, weights are renormalised to sum to 1."""
-        seq, pos, ids, wts = [], [], [], []
-        for s, entries in enumerate(per_seq):
-            for p, i, w in entries:
-                if len(i) != len(w) or not 1 <= len(i) <= k:
-                    raise ValueError(
-                        f"mix at seq {s} pos {p}: {len(i)} ids, {len(w)} weights, k={k}"
-                    )
-                total = float(sum(w))
-                seq.append(s)
-                pos.append(int(p))
-                ids.append(list(i) + [0] * (k - len(i)))
-                wts.append([x / total for x in w] + [0.0] * (k - len(w)))
-        if not seq:
-            return cls.empty(len(per_seq), k)
-        return cls(
-            seq=torch.tensor(seq, dtype=torch.long),
-            pos=torch.tensor(pos, dtype=torch.long),
-            ids=torch.tensor(ids, dtype=torch.long),
-            weights=torch.tensor(wts, dtype=torch.float32),
-            num_seqs=len(per_seq),
-        ).sorted()
 
     @staticmethod
     def cat(records: list[MixRecord]) -> MixRecord:
@@ -124,37 +96,14 @@ class MixRecord:
         keep = torch.nonzero(new_seq >= 0).flatten()
         return self._take(keep, new_seq[keep], len(seq_indices)).sorted()
 
-    def for_sequence(self, s: int) -> list[tuple[int, list[int], list[float]]]:
-        """``[(pos, ids, weights), ...]`` of sequence ``s`` (padding entries dropped)."""
-        out = []
-        for j in torch.nonzero(self.seq == s).flatten().tolist():
-            nz = self.weights[j] > 0
-            out.append((int(self.pos[j]), self.ids[j][nz].tolist(), self.weights[j][nz].tolist()))
-        return out
-
-    def to_dense(
-        self, offsets: torch.Tensor, seq_len: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Place the mixes in a padded [B, L] token batch whose response s starts at column
-        ``offsets[s]`` (the prompt length under right padding).
-
-        Returns ``ids`` [B, L, k] int64, ``weights`` [B, L, k] float32 and ``mask`` [B, L] bool
-        (True at mixed positions); non-mixed entries are 0.
-        """
-        b, k = self.num_seqs, self.k
-        ids = torch.zeros(b, seq_len, k, dtype=torch.long)
-        weights = torch.zeros(b, seq_len, k, dtype=torch.float32)
-        mask = torch.zeros(b, seq_len, dtype=torch.bool)
-        if len(self):
-            col = torch.as_tensor(offsets, dtype=torch.long)[self.seq] + self.pos
-            if int(col.max()) >= seq_len:
-                raise ValueError(
-                    f"mix position {int(col.max())} outside a batch of length {seq_len}"
-                )
-            ids[self.seq, col] = self.ids
-            weights[self.seq, col] = self.weights.float()
-            mask[self.seq, col] = True
-        return ids, weights, mask
+    def flat_positions(self, offsets: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """Flat positions s·seq_len + column [N] of the mixes in a right-padded [num_seqs,
+        seq_len] token batch whose response s starts at column ``offsets[s]`` (the prompt length);
+        host tensors in, a host tensor out."""
+        col = torch.as_tensor(offsets, dtype=torch.long)[self.seq] + self.pos
+        if len(self) and int(col.max()) >= seq_len:
+            raise ValueError(f"mix position {int(col.max())} outside a batch of length {seq_len}")
+        return self.seq * seq_len + col
 
     def validate(self, response_lengths: list[int] | torch.Tensor, vocab_size: int) -> None:
         """Raise ValueError on records that cannot belong to responses of these lengths."""

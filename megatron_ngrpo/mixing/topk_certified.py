@@ -8,8 +8,8 @@ Algorithm (never materialises V×V):
    the chunks are shared out among the DP ranks). Each chunk's embedding rows are assembled on
    every TP rank from the partitions that own them (one all-reduce of [chunk, d]).
 2. Each TP rank scores the chunk against its local rows with a *screen* matmul over blocks of
-   key rows (fp32; bf16 with fp32 accumulation for cosine/dot on CPUs where that GEMM measures
-   faster than fp32's, see `gemm_cpu.screen_dtype`; ``cdist`` for L1), masks excluded
+   key rows (fp32; bf16 with fp32 accumulation for cosine/dot on CUDA and on CPUs where that
+   GEMM measures faster than fp32's, see `gemm_cpu.screen_dtype`; ``cdist`` for L1), masks excluded
    rows and the anchor itself, and takes a local top-(k-1+margin) in two stages (maxima of
    32-row blocks, then the best blocks' rows).
 3. A rigorous error bound ``tol`` of one screen score certifies the result (`_upper`,
@@ -26,7 +26,8 @@ Algorithm (never materialises V×V):
    DP shares are all-gathered at the end.
 
 The result equals the float64 definition :func:`pair_scores64` evaluated for every pair and
-sorted by (-score, id) (``testing.reference.neighbor_table64``), and is replicated on every rank.
+sorted by (-score, id) (the tests' ``tests/harness/reference.py`` ``neighbor_table64``), and is
+replicated on every rank.
 
 Peak extra memory per rank, with ``c = chunk_size``, ``V_l`` local rows, width ``d`` and ``b``
 bytes per screen value (4 for fp32, 2 for bf16): ``b·c·V_l`` bytes of chunk scores (one reused
@@ -78,7 +79,7 @@ class Keys:
         self.start = vocab_start
         self.n, self.dim = weight.shape
         self.raw = weight
-        self.screen = gemm_cpu.screen_dtype(weight.device, metric)
+        self.screen = gemm_cpu.screen_dtype(weight.device.type, metric)
         if self.screen == torch.float32:
             w32 = weight.float()
             norms = w32.norm(dim=1)
@@ -103,7 +104,7 @@ class Keys:
         # ``gamma``: γ_d with a safety factor 4 (any summation order, normalisation rounding);
         # ``u_mm``: the input-rounding term, exact as stated (2.02 covers u² and (1+γ_d)).
         self.gamma = 4.0 * (self.dim + 8) * 2.0**-24
-        self.u_mm = 2.02 * gemm_cpu.input_roundoff(weight.device)
+        self.u_mm = 2.02 * gemm_cpu.input_roundoff(weight.device.type)
         self._buf: torch.Tensor | None = None
 
     def _prepare_bf16(self, weight: torch.Tensor) -> torch.Tensor:
@@ -184,7 +185,8 @@ class Keys:
         self, q32: torch.Tensor, own: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`bound` of the bf16 screen (cosine, dot): q̂·r̂ accumulated in fp32 (products of bf16
-        values are exact in fp32), then rounded once to bf16 (checked on oneDNN's kernels). With
+        values are exact in fp32), then rounded once to bf16 (checked on oneDNN's kernels; cuBLAS
+        with its reduced-precision reductions off, `gemm_cpu.mm_into`). With
         q, r the fp32 rows (normalised under cosine), |q̂·r̂ - q·r| ≤ ‖q̂ - q‖‖r‖ + ‖q̂‖‖r̂ - r‖
         (Cauchy-Schwarz), measured per query and maximised over keys: ~1.3 u_bf16 on random
         rows where the a-priori (2u + u²)‖q‖‖r‖ is 2 u; plus fp32 accumulation γ‖q̂‖‖r̂‖ and,

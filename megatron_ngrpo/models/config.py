@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -25,9 +26,9 @@ class ModelConfig:
     # (:func:`real_token_count`); an explicit value overrides it (at most the HF vocab_size).
     num_real_tokens: int | None = None
     # "auto": bf16 on GPU, fp32 on CPU.
-    dtype: str = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # "auto": Transformer-Engine spec when importable on GPU, else megatron's local spec.
-    layer_spec: str = "auto"
+    layer_spec: Literal["auto", "local", "te"] = "auto"
     sequence_parallel: bool = False
     # Context parallelism (megatron CP: each sequence split over this many ranks; TE attention,
     # GPU only). Planned for (launch/memory.py) but refused at start-up: the replay's sequence
@@ -50,10 +51,6 @@ class ModelConfig:
             fail("context_parallel", self.context_parallel, "must be >= 1")
         if self.tensor_parallel < 1 or self.pipeline_parallel < 1:
             fail("tensor_parallel", (self.tensor_parallel, self.pipeline_parallel), "must be >= 1")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            fail("dtype", self.dtype, "expected auto, float32, bfloat16 or float16")
-        if self.layer_spec not in ("auto", "local", "te"):
-            fail("layer_spec", self.layer_spec, "expected auto, local or te")
         if self.layer_spec != "local" and torch.cuda.is_available():
             # On a GPU auto / te without TE is refused here; a CPU host (a launcher validating a
             # GPU job) cannot tell, the job's own validation does.

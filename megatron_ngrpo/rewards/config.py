@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from megatron_ngrpo.config_loader import fail
-from megatron_ngrpo.rewards.extract import BOX_RULES, FREE_TEXT_RULES
+from megatron_ngrpo.rewards.extract import BoxRule, FreeTextRule
 from megatron_ngrpo.rewards.graders import GRADERS
-
-OVERLONG_MODES = ("none", "soft", "zero")
 
 
 @dataclass
@@ -25,13 +24,13 @@ class RewardConfig:
     # Chat-model answers without a \boxed{} (docs/GRADING.md): "phrases" ("The answer is 18.",
     # "Final Answer: 34", "#### 18", else a bare one-line answer or the last math span),
     # "last_number" (also the last number in the text) or "off". Replaces `fallback` when on.
-    free_text: str = "off"
+    free_text: FreeTextRule = "off"
     # Which boxes are graded: "last" (the evaluation rule: the last box, or the last run of
     # adjacent boxes as one list) or "any" (the reference's training reward: any of the last 8
     # boxed answers that matches scores 1; docs/GRADING.md).
-    box_rule: str = "last"
+    box_rule: BoxRule = "last"
     # mcq: "paper" (only "Answer: X") or "reference" (also \boxed{X} and a last bare letter).
-    mcq_mode: str = "paper"
+    mcq_mode: Literal["paper", "reference"] = "paper"
     mcq_letters: str = "ABCD"
     # Added format reward: weight × 1[exactly one `format_think_close` and a \boxed{} after it].
     format_weight: float = 0.0
@@ -39,7 +38,7 @@ class RewardConfig:
     # Overlong shaping: "none"; "soft" (DAPO): linear penalty from 0 to -overlong_weight over the
     # last overlong_buffer tokens before max_response_tokens; "zero": a truncated response
     # (finish reason "length") gets total reward 0.
-    overlong: str = "none"
+    overlong: Literal["none", "soft", "zero"] = "none"
     overlong_buffer: int = 1024
     overlong_weight: float = 1.0
     # Length the soft penalty counts to; 0 = the rollout's max_new_tokens (set by the trainer).
@@ -54,14 +53,6 @@ class RewardConfig:
             fail("memory_mb", self.memory_mb, "must be >= 256 (sympy needs room)")
         if self.workers < 1:
             fail("workers", self.workers, "must be >= 1")
-        if self.box_rule not in BOX_RULES:
-            fail("box_rule", self.box_rule, f"expected one of {BOX_RULES}")
-        if self.free_text not in FREE_TEXT_RULES:
-            fail("free_text", self.free_text, f"expected one of {FREE_TEXT_RULES}")
-        if self.mcq_mode not in ("paper", "reference"):
-            fail("mcq_mode", self.mcq_mode, "expected 'paper' or 'reference'")
-        if self.overlong not in OVERLONG_MODES:
-            fail("overlong", self.overlong, f"expected one of {OVERLONG_MODES}")
         if self.overlong == "soft" and self.overlong_buffer < 1:
             fail("overlong_buffer", self.overlong_buffer, "must be >= 1 with overlong = soft")
         if self.max_response_tokens < 0:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections import deque
+from typing import Literal, get_args
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
 # Fallback phrases, most specific first; the last occurrence of the first phrase found wins.
@@ -157,7 +158,8 @@ def extract_answer(text: str, fallback: bool = True, free_text: str = "off") -> 
 # Free-text rule (chat models): "off", "phrases" (answer phrases, a bare one-line response, the
 # last math span) or "last_number" (also the last number in the text). Only the tail is read: the final answer comes last, and it bounds
 # the work on a hostile response.
-FREE_TEXT_RULES = ("off", "phrases", "last_number")
+FreeTextRule = Literal["off", "phrases", "last_number"]
+FREE_TEXT_RULES = get_args(FreeTextRule)
 FREE_TEXT_TAIL = 4000
 # The last of these phrases (case-insensitive) introduces the answer; GSM8K's "#### 18" included.
 _ANSWER_PHRASE = re.compile(
@@ -277,7 +279,8 @@ def _gold_joined(text: str, prev_end: int, start: int) -> bool:
     )
 
 
-BOX_RULES = ("last", "any")
+BoxRule = Literal["last", "any"]
+BOX_RULES = get_args(BoxRule)
 # Boxes tried by the "any" rule, the last ones first: bounds the grading work per response.
 MAX_ANY_BOXES = 8
 

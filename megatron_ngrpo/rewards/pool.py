@@ -151,22 +151,8 @@ class GuardedPool(Closing):
         results = [default] * len(args_list)
         pending = deque(enumerate(args_list))
         busy: dict[_Worker, tuple[int, float]] = {}  # worker → (task index, deadline)
-
-        def fail(worker: _Worker, kind: str, why: str) -> None:
-            index, _ = busy.pop(worker)
-            self.failures[kind] += 1
-            logger.debug("grading task %d: %s (%s)", index, kind, why)
-
         while pending or busy:
-            for worker in self._workers:
-                if worker.ready and worker not in busy and pending:
-                    index, args = pending.popleft()
-                    busy[worker] = (index, time.monotonic() + self.timeout_s)
-                    try:
-                        worker.conn.send((fn, args))
-                    except Exception as e:  # noqa: BLE001 - a dead pipe or unpicklable args
-                        fail(worker, "error", f"send: {type(e).__name__}")
-                        self._replace(worker)
+            self._dispatch(fn, pending, busy)
             waiting = [w for w in self._workers if w in busy or not w.ready]
             deadlines = [d for _, d in busy.values()] + [
                 w.started + START_TIMEOUT_S for w in waiting if not w.ready
@@ -177,37 +163,57 @@ class GuardedPool(Closing):
             )
             now = time.monotonic()
             for worker in waiting:
-                if worker.conn in ready:
-                    try:
-                        status, value = worker.conn.recv()
-                    except (EOFError, OSError):
-                        status, value = "crash", "pipe closed"
-                else:
-                    status = "crash" if worker.process.sentinel in ready else None
-                    value = f"exit code {worker.process.exitcode}"
-                if not worker.ready:
-                    if status == "ready":
-                        worker.ready = True
-                    elif status is not None or now > worker.started + START_TIMEOUT_S:
-                        worker.process.join(timeout=5)
-                        if worker.process.exitcode == _REIMPORT_EXIT:
-                            raise RuntimeError(_REIMPORT_ERROR)
-                        raise RuntimeError(
-                            f"grading worker failed to start ({value}); "
-                            f"is memory_mb = {self._memory_mb} enough to import sympy?"
-                        )
-                    continue
-                if status == "ok":
-                    results[busy.pop(worker)[0]] = value
-                elif status == "error":
-                    fail(worker, "error", value)
-                elif status == "crash":
-                    fail(worker, "crash", value)
-                    self._replace(worker)
-                elif now > busy[worker][1]:
-                    fail(worker, "timeout", f"over {self.timeout_s} s")
-                    self._replace(worker)
+                self._collect(worker, ready, now, busy, results)
         return results
+
+    def _fail(self, busy: dict, worker: _Worker, kind: str, why: str) -> None:
+        index, _ = busy.pop(worker)
+        self.failures[kind] += 1
+        logger.debug("grading task %d: %s (%s)", index, kind, why)
+
+    def _dispatch(self, fn: Callable, pending: deque, busy: dict) -> None:
+        """Send the next pending tasks to the idle ready workers."""
+        for worker in self._workers:
+            if worker.ready and worker not in busy and pending:
+                index, args = pending.popleft()
+                busy[worker] = (index, time.monotonic() + self.timeout_s)
+                try:
+                    worker.conn.send((fn, args))
+                except Exception as e:  # noqa: BLE001 - a dead pipe or unpicklable args
+                    self._fail(busy, worker, "error", f"send: {type(e).__name__}")
+                    self._replace(worker)
+
+    def _collect(self, worker: _Worker, ready: set, now: float, busy: dict, results: list) -> None:
+        """Take ``worker``'s answer, start-up, crash or overrun (a replacement for the last two)."""
+        if worker.conn in ready:
+            try:
+                status, value = worker.conn.recv()
+            except (EOFError, OSError):
+                status, value = "crash", "pipe closed"
+        else:
+            status = "crash" if worker.process.sentinel in ready else None
+            value = f"exit code {worker.process.exitcode}"
+        if not worker.ready:
+            if status == "ready":
+                worker.ready = True
+            elif status is not None or now > worker.started + START_TIMEOUT_S:
+                worker.process.join(timeout=5)
+                if worker.process.exitcode == _REIMPORT_EXIT:
+                    raise RuntimeError(_REIMPORT_ERROR)
+                raise RuntimeError(
+                    f"grading worker failed to start ({value}); "
+                    f"is memory_mb = {self._memory_mb} enough to import sympy?"
+                )
+            return
+        if status == "ok":
+            results[busy.pop(worker)[0]] = value
+        elif status in ("error", "crash"):
+            self._fail(busy, worker, status, value)
+            if status == "crash":
+                self._replace(worker)
+        elif now > busy[worker][1]:
+            self._fail(busy, worker, "timeout", f"over {self.timeout_s} s")
+            self._replace(worker)
 
     def close(self) -> None:
         with self._lock:

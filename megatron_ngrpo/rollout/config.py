@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Literal
 
 from megatron_ngrpo.config_loader import fail
 from megatron_ngrpo.rollout.types import SamplingParams
@@ -51,7 +52,8 @@ class VLLMConfig:
     # gloo route: the worker checks each received tensor's SHA-256 against the trainer's.
     verify_weights: bool = False
     # Rollout weights quantized by vLLM: null (the trainer's dtype) or "fp8" (vLLM's online
-    # per-tensor FP8 of the linear layers, re-quantized at every weight sync; GPU only, Hopper+).
+    # per-tensor FP8 of the linear layers; GPU only, Hopper+). Training refuses it until a
+    # weight-sync round trip verifies the re-quantized weights (job_config.check_not_run).
     quantization: str | None = None
 
     def validate(self) -> None:
@@ -131,8 +133,9 @@ class RemoteConfig:
     # Weight push: "http" (safetensors bytes per HTTP request, the fallback), or vLLM's
     # weight-transfer API with the servers' backend ("gloo" on CPU servers, "nccl" on GPU ones):
     # global rank 0 sends buckets straight to each server's worker (rollout/vllm/weight_transfer.py).
-    weight_transfer: str = "http"
-    # Address the servers reach global rank 0 at for gloo / nccl (default: its host name).
+    weight_transfer: Literal["http", "gloo", "nccl"] = "http"
+    # Address the servers reach global rank 0 at for gloo (default: its host name); nccl opens no
+    # port of its own (NCCL's bootstrap picks its interface: NCCL_SOCKET_IFNAME).
     transfer_host: str = ""
     # Tensors per HTTP request / transfer bucket up to this size (MiB).
     bucket_mb: int = 512

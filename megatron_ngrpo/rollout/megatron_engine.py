@@ -186,6 +186,10 @@ class MegatronEngine(RolloutEngine):
         refreshes every ``mixing.refresh_every`` updates; None = build it from the weights."""
         self._fixed_table = table
 
+    def neighbor_rows_searched(self) -> int:
+        derived = list(self._derived.values())
+        return sum(v.rows_computed for v in derived if isinstance(v, NeighborLookup))
+
     def generate(
         self,
         prompts: list[list[int]],
@@ -390,10 +394,10 @@ class MegatronEngine(RolloutEngine):
             mix = None
             if bool(mixed.any()):
                 k = (packed.shape[1] - 4) // 2
-                mix = MixBatch(
+                mix = MixBatch.from_dense(
                     ids=packed[:, 4 : 4 + k].long().unsqueeze(1).to(self._device),
                     weights=packed[:, 4 + k :].float().unsqueeze(1).to(self._device),
-                    mask=mixed.unsqueeze(1).to(self._device),
+                    mask=mixed.unsqueeze(1),
                     noise=None if noise is None else noise.unsqueeze(1).to(self._device),
                 )
             logits = self._forward(tokens[live, col : col + 1], ctx, mix)

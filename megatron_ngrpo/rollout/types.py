@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from megatron_ngrpo import config_loader
 from megatron_ngrpo.mixing.records import MixRecord
 
 # Sequence key of child j of a prompt with key p: p * KEY_STRIDE + j (every engine: the mixing
@@ -211,7 +212,7 @@ def validate_request(
     builds its own for ``mixing``)."""
     params.validate()
     if mixing is not None:
-        mixing.validate()
+        config_loader.validate(mixing)
         if mixing.strategy == "neighbor" and table_width not in (None, mixing.k):
             raise ValueError(
                 f"mixing.k = {mixing.k} but the neighbour table has {table_width} columns"
@@ -240,7 +241,8 @@ class RolloutEngine(abc.ABC):
 
     last_sync: dict = {}
     # Whether the engine searches exact neighbour rows itself, on demand, when it is given no
-    # table and ``mixing.neighbor_lookup`` resolves to "on_demand" (mixing/neighbors.py).
+    # table and ``mixing.neighbor_lookup`` resolves to "on_demand" (mixing/neighbors.py); the
+    # trainer's neighbour source (training/neighbor_source.py) reads it.
     neighbors_on_demand: bool = False
 
     @abc.abstractmethod
@@ -265,7 +267,13 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def set_neighbor_table(self, table) -> None:
         """Use the trainer's neighbour table ([V, k] ids) of the current weight version: the one
-        table every engine mixes with (a generate whose ``mixing.k`` is not its width is refused)."""
+        table every engine mixes with (a generate whose ``mixing.k`` is not its width is refused);
+        None: no table (an engine that searches rows on demand does so)."""
+
+    def neighbor_rows_searched(self) -> int:
+        """Neighbour rows this rank's engine searched on demand since the last weight sync (0
+        for engines that only mix with a given table)."""
+        return 0
 
     def sleep(self) -> None:
         """Release device memory between rollouts (engines that hold their own copy)."""

@@ -61,6 +61,7 @@ from megatron_ngrpo.compat.cpu import background_thread
 from megatron_ngrpo.mixing.records import MixRecord
 from megatron_ngrpo.rollout.factory import build_engine
 from megatron_ngrpo.rollout.types import RolloutBatch, RolloutEngine
+from megatron_ngrpo.training.neighbor_source import NeighborSource
 from megatron_ngrpo.training.snapshot import WeightSnapshot
 
 
@@ -127,16 +128,16 @@ class RolloutProducer:
         self,
         version: int,
         chunks: list,
-        table,
+        neighbors: NeighborSource,
         prompts: list[list[int]],
         params,
-        mixing,
         examples: list,
         keys: list[int],
         data_before: dict,
     ) -> None:
-        """Load ``chunks``' weights (policy ``version``) and ``table`` into the engine, then
-        generate ``prompts`` on the second thread. Collective (every rank, same point)."""
+        """Load ``chunks``' weights (policy ``version``) and their neighbour source into the
+        engine, then generate ``prompts`` on the second thread. Collective (every rank, same
+        point)."""
         if self._job is not None:
             raise RuntimeError("a rollout is already in flight: take() it first")
         now = time.perf_counter()
@@ -144,8 +145,8 @@ class RolloutProducer:
             self._stats["generation_waits_training_s"] += now - self._idle_since
         self.engine.wake_up()
         self.engine.sync_weights(chunks)
-        if table is not None:
-            self.engine.set_neighbor_table(table)
+        neighbors.apply(self.engine)
+        mixing = neighbors.mixing
         job = InFlight(
             version,
             examples,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from megatron_ngrpo.config_loader import fail
 from megatron_ngrpo.eval.config import EvalSamplingConfig
@@ -23,7 +24,7 @@ class OptimConfig:
     lr: float = 1e-6
     min_lr: float = 0.0
     # constant | linear | cosine (megatron OptimizerParamScheduler styles)
-    lr_schedule: str = "constant"
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     warmup_steps: int = 0
     weight_decay: float = 0.01
     adam_beta1: float = 0.9
@@ -37,8 +38,6 @@ class OptimConfig:
             fail("lr", self.lr, "must be > 0")
         if not 0 <= self.min_lr <= self.lr:
             fail("min_lr", self.min_lr, "must be in [0, lr]")
-        if self.lr_schedule not in ("constant", "linear", "cosine"):
-            fail("lr_schedule", self.lr_schedule, "expected constant, linear or cosine")
         if self.warmup_steps < 0:
             fail("warmup_steps", self.warmup_steps, "must be >= 0")
         if self.weight_decay < 0:
@@ -74,15 +73,13 @@ class AsyncConfig:
     max_staleness: int = 0
     # A rollout older than max_staleness steps: "error" stops the run (one line), "drop" discards
     # it (counted in async/dropped) and generates the step again with the current weights.
-    on_stale: str = "error"
+    on_stale: Literal["error", "drop"] = "error"
 
     def validate(self) -> None:
         if self.max_staleness not in (0, 1):
             fail(
                 "max_staleness", self.max_staleness, "expected 0 (synchronous) or 1 (one-step-off)"
             )
-        if self.on_stale not in ("error", "drop"):
-            fail("on_stale", self.on_stale, "expected 'error' or 'drop'")
 
 
 @dataclass
@@ -112,7 +109,7 @@ class TrainConfig:
     load: str = ""
     # Reference policy weights: "swap" (CPU state dict swapped into the policy model) or "copy"
     # (a second model on the device).
-    reference: str = "swap"
+    reference: Literal["swap", "copy"] = "swap"
     save_every: int = 10
     # Write checkpoints in the background (megatron dist_checkpointing async save: a forked writer
     # per rank); a checkpoint becomes `latest` once every rank's writer finished.
@@ -160,8 +157,6 @@ class TrainConfig:
                 self.mini_batch_prompts,
                 f"must divide prompts_per_step = {self.prompts_per_step}",
             )
-        if self.reference not in ("swap", "copy"):
-            fail("reference", self.reference, "expected 'swap' or 'copy'")
         if not self.run_dir:
             fail("run_dir", self.run_dir, "required")
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_ngrpo import pins
 from megatron_ngrpo.architecture import ArchSpec
 from megatron_ngrpo.config_loader import fail, launch_world_size, load
 from megatron_ngrpo.conversion.hf_io import check_hf_folder
@@ -23,7 +24,12 @@ from megatron_ngrpo.mixing.config import MixingConfig
 from megatron_ngrpo.models.config import ModelConfig
 from megatron_ngrpo.models.provider import check_layout
 from megatron_ngrpo.rewards.config import RewardConfig
-from megatron_ngrpo.rollout.config import RolloutConfig, check_vllm_layout, vllm_max_model_len
+from megatron_ngrpo.rollout.config import (
+    EngineName,
+    RolloutConfig,
+    check_vllm_layout,
+    vllm_max_model_len,
+)
 from megatron_ngrpo.training.config import OptimConfig, TrainConfig, ValidationConfig
 
 
@@ -49,6 +55,7 @@ class NGRPOConfig:
     def validate(self) -> None:
         """Cross-section checks (each section validated itself already)."""
 
+        check_not_run(self)
         spec = ArchSpec.from_hf(self.model.hf_path)
         check_layout(spec, self.model)
         if self.mixing.enabled and self.mixing.k > (self.model.num_real_tokens or spec.vocab_size):
@@ -66,14 +73,21 @@ class NGRPOConfig:
                 f"the soft overlong penalty's buffer must be shorter than the length it counts to "
                 f"({counted} = {length})",
             )
-        if self.rollout.engine == "vllm":
+        if self.rollout.engine == EngineName.vllm:
             vllm_max_model_len(self.rollout.vllm, spec.max_position_embeddings)
-        if self.train.async_.max_staleness and self.rollout.engine == "vllm":
+        if self.train.async_.max_staleness and self.rollout.engine == EngineName.vllm:
             fail(
                 "train.async.max_staleness",
                 self.train.async_.max_staleness,
                 "one-step-off rollouts need an engine beside the trainer's groups: rollout.engine = "
                 "megatron (a separate weight copy) or remote (rollout servers), not colocated vllm",
+            )
+        if self.rollout.engine == EngineName.remote and self.mixing.neighbor_lookup == "on_demand":
+            fail(
+                "mixing.neighbor_lookup",
+                "on_demand",
+                "rollout servers mix with the trainer's table only (rollout.engine = remote): "
+                "use table or auto",
             )
         if self.train.pack_sequences and self.model.pipeline_parallel > 1:
             fail(
@@ -98,7 +112,7 @@ class NGRPOConfig:
             )
         if (
             self.train.async_.max_staleness
-            and self.rollout.engine == "megatron"
+            and self.rollout.engine == EngineName.megatron
             and torch.cuda.is_available()
         ):
             fail(
@@ -155,33 +169,44 @@ def data_parallel_size(model: ModelConfig) -> int:
     return launch_world_size() // mp
 
 
-def check_device(cfg: NGRPOConfig, gpu: bool | None = None) -> None:
-    """Start-up refusals of options this machine (``gpu``: default, whether CUDA is available)
-    or this trainer cannot run; called by the training entry point before any process group.
-    Kept out of :meth:`NGRPOConfig.validate` so that ``ngrpo-launch plan`` checks GPU configs on
-    a machine without GPUs."""
-    gpu = torch.cuda.is_available() if gpu is None else gpu
+def check_not_run(cfg: NGRPOConfig) -> None:
+    """Options the config accepts but this trainer cannot run yet, refused wherever a training
+    config is checked: its validation (the trainer's start-up, pre-flight on every node,
+    ``ngrpo-launch plan``) and ``ngrpo-launch run`` before it submits (on the composed files), so
+    that such a job never queues. The memory plan still counts them (launch/memory.py)."""
     if cfg.model.context_parallel > 1:
         fail(
             "model.context_parallel",
             cfg.model.context_parallel,
             "not run by this trainer: the replay's sequence split and log-prob gather over CP ranks are "
-            "not written (memory planning only: ngrpo-launch plan)",
+            "not written (memory planning only: launch/memory.py)",
         )
+    v = cfg.rollout.vllm
+    if v.quantization and cfg.rollout.engine == EngineName.vllm:
+        fail(
+            "rollout.vllm.quantization",
+            v.quantization,
+            "FP8 rollouts are refused until a weight-sync round trip verifies the quantized weights "
+            "(whether vLLM re-quantizes them at each sync is unverified: rollouts could come from "
+            "stale or mis-scaled weights)",
+        )
+
+
+def check_device(cfg: NGRPOConfig, gpu: bool | None = None) -> None:
+    """Start-up refusals of options this machine (``gpu``: default, whether CUDA is available)
+    cannot run, and of a vLLM other than the hook's (:data:`megatron_ngrpo.pins.VLLM`) before
+    the model is built; called by the training entry point and by pre-flight before any process
+    group. Kept out of :meth:`NGRPOConfig.validate` so that ``ngrpo-launch plan`` checks GPU
+    configs on a machine without GPUs (or vLLM)."""
+    gpu = torch.cuda.is_available() if gpu is None else gpu
+    if cfg.rollout.engine == EngineName.vllm and (problem := pins.vllm_mismatch()):
+        fail("rollout.engine", "vllm", problem)
     if cfg.train.pack_sequences and cfg.model.layer_spec == "te" and not gpu:
         fail(
             "train.pack_sequences",
             True,
             "with model.layer_spec = te packs in TE's THD layout, which "
             "needs a GPU (on CPU use the local spec: block-diagonal attention mask)",
-        )
-    v = cfg.rollout.vllm
-    if v.quantization and cfg.rollout.engine == "vllm" and not gpu:
-        fail(
-            "rollout.vllm.quantization",
-            v.quantization,
-            "FP8 rollouts need a GPU (vLLM's FP8 linear "
-            "kernels are CUDA only; compute capability 8.9+)",
         )
 
 

@@ -11,20 +11,30 @@ log-probs — with the token-mean NLL as the loss, so it runs at any TP/PP/DP la
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from tqdm import tqdm
 
 from megatron_ngrpo.compat.cpu import device
-from megatron_ngrpo.grpo.batches import TokenBatch
+from megatron_ngrpo.data.templates import TRAIN_INSTRUCTION, encode_prompt, math_message
+from megatron_ngrpo.grpo.batches import RowTensors, TokenBatch
 from megatron_ngrpo.grpo.logprobs import token_logprobs
 from megatron_ngrpo.grpo.loss import aggregation_weights
 from megatron_ngrpo.grpo.update import update_step
 from megatron_ngrpo.mixing.records import MixRecord
 from megatron_ngrpo.rollout.types import RolloutBatch
 from megatron_ngrpo.training.config import WarmstartConfig
+
+
+@dataclass
+class TokenWeights(RowTensors):
+    """The NLL's per-token weights [B, L] (token-mean over the batch on every DP rank)."""
+
+    token_weight: torch.Tensor
 
 
 def load_pairs(path: str | Path, render_prompt, tokenizer) -> list[tuple[list[int], list[int]]]:
@@ -85,11 +95,11 @@ def warmstart(
             1,
             ps.get_data_parallel_group(),
         )
-        batch = batch.with_extras(token_weight=weights)
+        batch = batch.with_inputs(TokenWeights(weights))
 
         def loss_fn(mb: TokenBatch, logits: torch.Tensor):
             lp, _ = token_logprobs(logits, mb.labels, 1.0, vocab_limit)
-            loss = -(lp * mb.extras["token_weight"]).sum()
+            loss = -(lp * mb.inputs.token_weight).sum()
             return (
                 loss,
                 torch.zeros((), dtype=torch.int, device=loss.device),
@@ -98,4 +108,34 @@ def warmstart(
 
         store, _ = update_step(model_chunks, batch, loss_fn, micro_batch_size, optimizer=optimizer)
         losses.append(float(sum(s["nll"] for s in store)) if store else float("nan"))
+    return losses
+
+
+def warm_start_policy(
+    cfg, chunks: list, optimizer, scheduler, tokenizer, pad_id: int, num_real_tokens: int
+) -> list[float]:
+    """``train.warmstart`` of the run ``cfg`` on its policy ``chunks``, then RL's starting
+    optimizer state: fresh Adam moments (what a run resumed right after the warm-start has too)
+    and the schedule's learning rate. Returns the NLL per step."""
+    w, template = cfg.train.warmstart, cfg.data.template
+    instruction = template.instruction_or(TRAIN_INSTRUCTION)
+    pairs = load_pairs(
+        w.path,
+        lambda problem: encode_prompt(math_message(problem, instruction), tokenizer, template),
+        tokenizer,
+    )
+    losses = warmstart(
+        chunks,
+        optimizer,
+        pairs,
+        w,
+        cfg.train.micro_batch_size,
+        pad_id,
+        cfg.train.seed,
+        num_real_tokens,
+        cfg.train.progress and dist.get_rank() == 0,
+    )
+    for o in getattr(optimizer, "chained_optimizers", [optimizer]):
+        o.optimizer.state.clear()
+    scheduler.step(0)
     return losses

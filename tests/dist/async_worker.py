@@ -27,7 +27,7 @@ from grpo_worker import (
     reference_objective,
 )
 
-from megatron_ngrpo.testing.multiproc import case, run_cases, shared_tmpdir
+from tests.harness.multiproc import case, run_cases, shared_tmpdir
 
 VARIANT = dict(mixes=True, loss_mode="token", agg="seq-mean-token-mean", adv="grpo", kl="k3", tis_cap=1.5)
 
@@ -53,17 +53,17 @@ def build_trainer_side(root: str):
     return chunks, optimizer
 
 
-def token_batch(rollout, **extras):
+def token_batch(rollout):
     from megatron_ngrpo.grpo.batches import TokenBatch
 
-    tb = TokenBatch.from_rollout(rollout)
-    return tb.with_extras(**extras) if extras else tb
+    return TokenBatch.from_rollout(rollout)
 
 
 def parallel_side(root: str) -> dict:
     from megatron_ngrpo.conversion.checkpoint import checkpoint_meta, save_megatron_checkpoint
     from megatron_ngrpo.grpo.advantages import compute_advantages, group_ids
     from megatron_ngrpo.grpo.logprobs import batch_logprobs
+    from megatron_ngrpo.grpo.loss_inputs import LossInputs
     from megatron_ngrpo.grpo.update import UpdateSettings, loss_and_grads
     from megatron_ngrpo.mixing.config import MixingConfig
     from megatron_ngrpo.mixing.neighbors import neighbor_table_for_model
@@ -71,6 +71,7 @@ def parallel_side(root: str) -> dict:
     from megatron_ngrpo.rollout.megatron_engine import MegatronEngine
     from megatron_ngrpo.rollout.types import SamplingParams
     from megatron_ngrpo.training.async_rollout import RolloutProducer
+    from megatron_ngrpo.training.neighbor_source import NeighborSource
 
     chunks, optimizer = build_trainer_side(root)
     cfg2 = model_cfg(root, 2)
@@ -79,12 +80,13 @@ def parallel_side(root: str) -> dict:
                             groups=duplicate_model_parallel_groups())
     producer = RolloutProducer(engine, max_staleness=1, on_stale="error", keep_weights=True)
     mixing = MixingConfig(rate=0.5, k=K)
-    table = neighbor_table_for_model(chunks, mixing, VOCAB).cpu()
+    neighbors = NeighborSource(mixing, "table", lambda: neighbor_table_for_model(chunks, mixing, VOCAB))
+    neighbors.refresh(0)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(2, VOCAB, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
                for _ in range(N_PROMPTS)]
     params = SamplingParams(n=G, temperature=TEMP, max_new_tokens=MAX_RESPONSE, seed=11)
-    producer.launch(0, chunks, table, prompts, params, mixing, examples=prompts,
+    producer.launch(0, chunks, neighbors, prompts, params, examples=prompts,
                     keys=list(range(N_PROMPTS)), data_before={})
 
     # Meanwhile, on this thread, step 0's update (on another batch): weights W0 -> W1.
@@ -95,8 +97,8 @@ def parallel_side(root: str) -> dict:
     cfg = grpo_cfg(VARIANT)
     with torch.no_grad():
         old0 = batch_logprobs(chunks, tb, TEMP, 4, VOCAB)
-    loss_and_grads(chunks, tb.with_extras(old_logprobs=old0, ref_logprobs=old0, active=torch.ones(len(other), dtype=torch.bool),
-                                          advantages=compute_advantages(rewards, groups, "grpo", 1e-6)),
+    loss_and_grads(chunks, tb.with_inputs(LossInputs(old_logprobs=old0, ref_logprobs=old0, active=torch.ones(len(other), dtype=torch.bool),
+                                                     advantages=compute_advantages(rewards, groups, "grpo", 1e-6))),
                    cfg, settings, optimizer)
     optimizer.step()
     overlapped = producer._job.thread is not None and producer._job.thread.is_alive()
@@ -119,10 +121,10 @@ def parallel_side(root: str) -> dict:
 
     rewards = torch.tensor([float(len(r) % 2) for r in stale.response_ids], dtype=torch.float64)
     adv = compute_advantages(rewards, group_ids(stale.prompt_index), "grpo", 1e-6)
-    extras = dict(old_logprobs=old, ref_logprobs=engine_lp, advantages=adv,
-                  active=torch.ones(len(stale), dtype=torch.bool),
-                  tis_weight=torch.exp(old - engine_lp).clamp(max=VARIANT["tis_cap"]) * tb.mask)
-    stats = loss_and_grads(chunks, tb.with_extras(**extras), cfg, settings, optimizer)
+    inputs = LossInputs(old_logprobs=old, ref_logprobs=engine_lp, advantages=adv,
+                        active=torch.ones(len(stale), dtype=torch.bool),
+                        tis_weight=torch.exp(old - engine_lp).clamp(max=VARIANT["tis_cap"]) * tb.mask)
+    stats = loss_and_grads(chunks, tb.with_inputs(inputs), cfg, settings, optimizer)
     producer.close()
     return {"loss": stats["loss"], "gap": gap, "moved": moved, "rollout": stale, "rewards": rewards,
             "overlapped": overlapped, "mixed": len(stale.mixes)}
@@ -133,7 +135,7 @@ def stale_batch_tp2():
     from megatron_ngrpo.conversion.checkpoint import load_megatron_checkpoint
     from megatron_ngrpo.models.provider import build_model
     from megatron_ngrpo.parallel import initialize_model_parallel
-    from megatron_ngrpo.testing.tiny import write_tiny_hf
+    from tests.harness.tiny import write_tiny_hf
 
     start = time.time()
     root = shared_tmpdir("async_worker_")

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_ngrpo.testing.multiproc import case, run_cases
+from tests.harness.multiproc import case, run_cases
 
 ROWS, SEQ, VOCAB = 8, 16, 256
 ROOT = Path(os.environ.get("NGRPO_CKPT_DIR", "/tmp"))
@@ -39,7 +39,7 @@ def _build(tp: int, dtype: torch.dtype = torch.float32):
     from megatron_ngrpo.models.config import ModelConfig
     from megatron_ngrpo.models.provider import build_model
     from megatron_ngrpo.parallel import initialize_model_parallel
-    from megatron_ngrpo.testing.tiny import write_tiny_hf
+    from tests.harness.tiny import write_tiny_hf
 
     hf = ROOT / "hf"
     if dist.get_rank() == 0 and not (hf / "config.json").is_file():

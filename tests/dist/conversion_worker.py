@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_ngrpo.testing.forward import megatron_logits
-from megatron_ngrpo.testing.multiproc import case, run_cases
+from tests.harness.forward import megatron_logits
+from tests.harness.multiproc import case, run_cases
 
 ROOT = Path(os.environ.get("NGRPO_CONV_DIR", "/tmp/ngrpo_conv"))
 MODELS = ("qwen2", "llama", "qwen3", "qwen2_tied", "llama_tied")

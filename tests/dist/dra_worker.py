@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_ngrpo.parallel import broadcast_from_rank0
-from megatron_ngrpo.testing.multiproc import case, run_cases, shared_tmpdir
+from tests.harness.multiproc import case, run_cases, shared_tmpdir
+from tests.harness.records import mix_record
 
 VOCAB, HIDDEN = 300, 128
 STATE: dict = {}
@@ -35,7 +36,7 @@ def make_rollout():
         prompts.append(torch.randint(2, VOCAB, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist())
         responses.append(torch.randint(2, VOCAB, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist())
     return RolloutBatch(prompts, responses, [[0.0] * len(r) for r in responses], ["stop"] * 7,
-                        MixRecord.from_lists([[] for _ in responses], 1), list(range(7)))
+                        mix_record([[] for _ in responses], 1), list(range(7)))
 
 
 def setup_reference():
@@ -47,7 +48,7 @@ def setup_reference():
     )
     from megatron_ngrpo.models.provider import build_model
     from megatron_ngrpo.parallel import initialize_model_parallel
-    from megatron_ngrpo.testing.tiny import write_tiny_hf
+    from tests.harness.tiny import write_tiny_hf
 
     if STATE:
         return

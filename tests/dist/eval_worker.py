@@ -20,8 +20,8 @@ import torch.distributed as dist
 from megatron_ngrpo.models.config import ModelConfig
 from megatron_ngrpo.models.provider import build_model
 from megatron_ngrpo.parallel import model_parallel_seed
-from megatron_ngrpo.testing.multiproc import case, run_cases, shared_tmpdir
-from megatron_ngrpo.testing.tiny import write_tiny_hf
+from tests.harness.multiproc import case, run_cases, shared_tmpdir
+from tests.harness.tiny import write_tiny_hf
 
 N, MAX_NEW = 2, 6
 

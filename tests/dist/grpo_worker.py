@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_ngrpo.parallel import broadcast_from_rank0
-from megatron_ngrpo.testing.multiproc import case, run_cases, shared_tmpdir
+from tests.harness.multiproc import case, run_cases, shared_tmpdir
+from tests.harness.records import mix_record, sequence_mixes
 
 VOCAB, N_PROMPTS, G, TEMP = 300, 4, 4, 0.8
 K = 3
@@ -56,7 +57,7 @@ def make_rollout(seed: int):
     rewards[3 * G:] = 1.0  # a zero-variance group
     rewards[0], rewards[1] = 1.0, 0.0  # group 0 has variance
     batch = RolloutBatch(prompts, responses, [[0.0] * len(r) for r in responses], ["stop"] * len(responses),
-                         MixRecord.from_lists(mixes, K), [i // G for i in range(len(responses))])
+                         mix_record(mixes, K), [i // G for i in range(len(responses))])
     return batch, rewards
 
 
@@ -72,7 +73,7 @@ def reference_logprobs(model64, batch, mixes: bool) -> list[torch.Tensor]:
         wts = torch.zeros(1, len(tokens), K, dtype=torch.float64)
         mask = torch.zeros(1, len(tokens), dtype=torch.bool)
         if mixes:
-            for pos, i, w in batch.mixes.for_sequence(s):
+            for pos, i, w in sequence_mixes(batch.mixes, s):
                 col = len(prompt) + pos
                 ids[0, col, : len(i)] = torch.tensor(i)
                 wts[0, col, : len(w)] = torch.tensor(w, dtype=torch.float64)
@@ -167,7 +168,7 @@ def setup_reference():
     )
     from megatron_ngrpo.models.provider import build_model
     from megatron_ngrpo.parallel import initialize_model_parallel
-    from megatron_ngrpo.testing.tiny import write_tiny_hf
+    from tests.harness.tiny import write_tiny_hf
 
     if STATE:
         return
@@ -315,7 +316,8 @@ def run_layout(tp, pp, vpp=None, max_tokens=0, sp=False, recompute=False):
         zero_variance_groups,
     )
     from megatron_ngrpo.grpo.batches import TokenBatch
-    from megatron_ngrpo.grpo.logprobs import sequence_logprobs
+    from megatron_ngrpo.grpo.loss_inputs import LossInputs
+    from tests.support.replay import sequence_logprobs
     from megatron_ngrpo.grpo.update import (
         UpdateSettings,
         loss_and_grads,
@@ -352,12 +354,12 @@ def run_layout(tp, pp, vpp=None, max_tokens=0, sp=False, recompute=False):
         active = ~zero_variance_groups(rewards, groups) if cfg.filter_zero_variance else torch.ones(len(rows), dtype=torch.bool)
         tb = TokenBatch.from_rollout(lb, replay_mixes=v["mixes"])
         old = tb.label_aligned([ref["old"][i] for i in rows])
-        extras = dict(old_logprobs=old, ref_logprobs=tb.label_aligned([ref["ref"][i] for i in rows]),
-                      advantages=adv, active=active)
+        inputs = LossInputs(old_logprobs=old, ref_logprobs=tb.label_aligned([ref["ref"][i] for i in rows]),
+                            advantages=adv, active=active)
         if cfg.tis_cap:
             roll = tb.label_aligned([ref["rollout"][i] for i in rows])
-            extras["tis_weight"] = torch.exp(old - roll).clamp(max=cfg.tis_cap) * tb.mask
-        stats = loss_and_grads(chunks, tb.with_extras(**extras), cfg, settings)
+            inputs.tis_weight = torch.exp(old - roll).clamp(max=cfg.tis_cap) * tb.mask
+        stats = loss_and_grads(chunks, tb.with_inputs(inputs), cfg, settings)
         grads = full_grads(chunks)
         if dist.get_rank() == 0:
             loss_err = abs(stats["loss"] - ref["loss"]) / max(abs(ref["loss"]), 1e-3)

@@ -4,7 +4,7 @@ One tiny random Qwen2 (GQA, padded vocabulary, fp32) is initialised once at TP=1
 megatron's dist_checkpointing and loaded at every layout (TP=1, 2, 4, PP=2, TP2×PP2), so every
 layout holds the same weights. References are independent of the engine: full (non-cached)
 forwards through megatron's forward-only pipeline schedule, and the trainer's
-``grpo.logprobs.sequence_logprobs``.
+``tests.support.replay.sequence_logprobs``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import shutil
 import torch
 import torch.distributed as dist
 
-from megatron_ngrpo.testing.multiproc import case, run_cases, shared_tmpdir
+from tests.harness.multiproc import case, run_cases, shared_tmpdir
+from tests.harness.records import sequence_mixes
 
 VOCAB, NUM_REAL, K = 500, 480, 3
 LAYOUTS = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)]
@@ -45,7 +46,7 @@ def _checkpoint() -> str:
 
     from megatron_ngrpo.models.provider import build_model
     from megatron_ngrpo.parallel import initialize_model_parallel
-    from megatron_ngrpo.testing.tiny import write_tiny_hf
+    from tests.harness.tiny import write_tiny_hf
 
     root = shared_tmpdir("megatron_engine_")
     if dist.get_rank() == 0:
@@ -183,7 +184,7 @@ def max_diff(a: list[torch.Tensor], b: list[list[float]]) -> float:
 
 
 def mixed_positions(batch, r: int) -> list[int]:
-    return [p for p, _, _ in batch.mixes.for_sequence(r)]
+    return [p for p, _, _ in sequence_mixes(batch.mixes, r)]
 
 
 # ---- cases ----------------------------------------------------------------------------------
@@ -202,7 +203,7 @@ def _greedy(tp, pp):
 
 
 def _replay(tp, pp):
-    from megatron_ngrpo.grpo.logprobs import sequence_logprobs
+    from tests.support.replay import sequence_logprobs
     from megatron_ngrpo.rollout.types import SamplingParams
 
     chunks = layout(tp, pp)
@@ -263,7 +264,7 @@ def virtual_pipeline_tp1_pp2_vpp2():
 def strategies_replay_tp2_pp2():
     """Soft Thinking, STHT (recorded noise, σ broadcast from the first stage) and Gumbel
     mixtures replay exactly through the full forward and the trainer."""
-    from megatron_ngrpo.grpo.logprobs import sequence_logprobs
+    from tests.support.replay import sequence_logprobs
     from megatron_ngrpo.rollout.types import SamplingParams
 
     chunks = layout(2, 2)
@@ -277,7 +278,7 @@ def strategies_replay_tp2_pp2():
         if strategy == "stht":
             assert out.mixes.noise.shape == (len(out.mixes), 128) and float(out.mixes.noise.std()) > 0
         for r, resp in enumerate(out.response_ids):
-            assert all(resp[p] == ids[0] for p, ids, _ in out.mixes.for_sequence(r))
+            assert all(resp[p] == ids[0] for p, ids, _ in sequence_mixes(out.mixes, r))
         d_full = max_diff(replay_logprobs(chunks, out, 1.0), out.logprobs)
         d_train = max_diff(sequence_logprobs(chunks, out, 1.0, 4, vocab_limit=NUM_REAL), out.logprobs)
         assert d_full < 1e-5 and d_train < 1e-5, (strategy, d_full, d_train)
@@ -348,7 +349,7 @@ def determinism_gates_anchor():
     for r, resp in enumerate(a.response_ids):
         expect = torch.nonzero(gate(0.3, 3, [keys[r]] * len(resp), list(range(len(resp))))).flatten().tolist()
         assert mixed_positions(a, r) == expect, (r, mixed_positions(a, r), expect)
-        for p, ids, w in a.mixes.for_sequence(r):
+        for p, ids, w in sequence_mixes(a.mixes, r):
             assert resp[p] == ids[0] and len(ids) == K and abs(sum(w) - 1) < 1e-6
     return len(a.mixes)
 
@@ -373,7 +374,7 @@ def stop_after_thinking_gate():
         cut_rows += "ab" in text
         gated = torch.nonzero(gate(0.5, 8, [keys[r]] * len(resp), list(range(len(resp))))).flatten().tolist()
         assert mixed_positions(out, r) == [p for p in gated if p < end], (r, text)
-        assert all(resp[p] == ids[0] for p, ids, _ in out.mixes.for_sequence(r))
+        assert all(resp[p] == ids[0] for p, ids, _ in sequence_mixes(out.mixes, r))
     assert cut_rows >= 3, cut_rows
     return cut_rows
 

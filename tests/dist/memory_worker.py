@@ -20,7 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_ngrpo.testing.multiproc import case, run_cases
+from tests.harness.multiproc import case, run_cases
 
 # (layers, hidden, ffn, heads, kv_heads, vocab, rows, seq_len) per case; the test models the same.
 SHAPES = {
@@ -49,11 +49,12 @@ def measure(layers, hidden, ffn, heads, kv_heads, vocab, rows, seq_len) -> dict:
     from megatron_ngrpo.architecture import unwrap
     from megatron_ngrpo.grpo.config import GRPOConfig
     from megatron_ngrpo.grpo.batches import TokenBatch
+    from megatron_ngrpo.grpo.loss_inputs import LossInputs
     from megatron_ngrpo.grpo.update import UpdateSettings, loss_and_grads, wrap_for_training
     from megatron_ngrpo.models.config import ModelConfig
     from megatron_ngrpo.models.provider import build_model
     from megatron_ngrpo.parallel import initialize_model_parallel
-    from megatron_ngrpo.testing.tiny import write_tiny_hf
+    from tests.harness.tiny import write_tiny_hf
 
     initialize_model_parallel(1, 1)
     hf = tempfile.mkdtemp(prefix="memory_worker_")
@@ -74,7 +75,7 @@ def measure(layers, hidden, ffn, heads, kv_heads, vocab, rows, seq_len) -> dict:
     mask = torch.zeros(rows, seq_len, dtype=torch.bool)
     mask[:, seq_len // 4: -1] = True
     batch = TokenBatch(tokens, torch.roll(tokens, -1, 1), mask, torch.full((rows,), seq_len // 4 + 1),
-                       torch.full((rows,), seq_len), extras=dict(
+                       torch.full((rows,), seq_len), inputs=LossInputs(
                            old_logprobs=torch.full((rows, seq_len), -5.0),
                            ref_logprobs=torch.full((rows, seq_len), -5.0),
                            advantages=torch.randn(rows, generator=g, dtype=torch.float64),

@@ -1,6 +1,6 @@
 """Cases of the mixing core, run under one 4-process torchrun launch (tests/test_mixing.py).
 
-References are float64 and single-process (:mod:`megatron_ngrpo.testing.reference`): brute-force
+References are float64 and single-process (:mod:`tests.harness.reference`): brute-force
 neighbour tables, Σ w·E by the definition, decisions by the definition, and a tiny Qwen2-like
 GPTModel at TP=1 in float64 fed the reference mixed embeddings as ``decoder_input``. Every layout
 loads the reference weights through megatron's sharding metadata (``reference.local_shards``),
@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import os
 import tempfile
+from typing import NamedTuple
 
 import torch
 
-from megatron_ngrpo.testing.multiproc import case, run_cases
+from tests.harness.multiproc import case, run_cases
 
 VOCAB, NUM_REAL, PADDED = 500, 480, 512
 SPECIAL = [0, 1]
@@ -59,7 +60,7 @@ def neighbor_table_matches_bruteforce():
     from megatron_ngrpo.mixing import gemm_cpu
     from megatron_ngrpo.mixing.neighbors import build_neighbor_table
     from megatron_ngrpo.parallel import initialize_model_parallel
-    from megatron_ngrpo.testing.reference import neighbor_table64
+    from tests.harness.reference import neighbor_table64
 
     mats = _matrices()
     exclude = torch.zeros(64, dtype=torch.bool)
@@ -91,10 +92,34 @@ def neighbor_table_matches_bruteforce():
 
 
 # ---- mixing embedding alone -----------------------------------------------------------------
-def _mix_batch(vocab: int, num_real: int, hidden: int, seed: int, rate: float = 0.4, noise: bool = False,
-               b: int = B, s: int = S):
-    from megatron_ngrpo.mixing.embedding import MixBatch
+class Dense(NamedTuple):
+    """Mixes in dense form (the float64 reference's): ids [B, S, k], weights [B, S, k], mask
+    [B, S] bool, noise [B, S, h] or None."""
 
+    ids: torch.Tensor
+    weights: torch.Tensor
+    mask: torch.Tensor
+    noise: torch.Tensor | None = None
+
+    def batch(self):
+        from megatron_ngrpo.mixing.embedding import MixBatch
+
+        return MixBatch.from_dense(*self)
+
+    @classmethod
+    def of(cls, mix) -> Dense:
+        """The dense form of a MixBatch."""
+        b, s = mix.shape
+        ids = torch.zeros(b * s, mix.ids.shape[1], dtype=torch.long).index_copy_(0, mix.rows, mix.ids)
+        weights = torch.zeros(b * s, mix.ids.shape[1]).index_copy_(0, mix.rows, mix.weights)
+        noise = None
+        if mix.noise is not None:
+            noise = torch.zeros(b * s, mix.noise.shape[1]).index_copy_(0, mix.rows, mix.noise).view(b, s, -1)
+        return cls(ids.view(b, s, -1), weights.view(b, s, -1), mix.mask, noise)
+
+
+def _mix_batch(vocab: int, num_real: int, hidden: int, seed: int, rate: float = 0.4, noise: bool = False,
+               b: int = B, s: int = S) -> tuple[torch.Tensor, Dense]:
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, num_real, (b, s), generator=g)
     ids = torch.randint(0, num_real, (b, s, K), generator=g)
@@ -102,20 +127,23 @@ def _mix_batch(vocab: int, num_real: int, hidden: int, seed: int, rate: float = 
     mask = torch.rand(b, s, generator=g) < rate
     mask[0, 1] = True  # at least one mix
     nz = 0.1 * torch.randn(b, s, hidden, generator=g) if noise else None
-    return tokens, MixBatch(ids, w / w.sum(-1, keepdim=True), mask, nz)
+    return tokens, Dense(ids, w / w.sum(-1, keepdim=True), mask, nz)
 
 
-def _standalone_embedding(tp: int, weight: torch.Tensor, embedding_grad: bool = True):
+def _standalone_embedding(tp: int, weight: torch.Tensor, embedding_grad: bool = True,
+                          sequence_parallel: bool = False):
     from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
 
     from megatron_ngrpo.mixing.embedding import MixingVocabParallelEmbedding
 
     cfg = ModelParallelConfig(tensor_model_parallel_size=tp, use_cpu_initialization=True,
-                              perform_initialization=False)
-    plain = VocabParallelEmbedding(weight.shape[0], weight.shape[1], init_method=torch.nn.init.zeros_, config=cfg)
+                              perform_initialization=False, sequence_parallel=sequence_parallel)
+    plain = VocabParallelEmbedding(weight.shape[0], weight.shape[1], init_method=torch.nn.init.zeros_, config=cfg,
+                                   reduce_scatter_embeddings=sequence_parallel)
     plain.weight.data.copy_(weight[plain.vocab_start_index:plain.vocab_end_index])
-    mixing = VocabParallelEmbedding(weight.shape[0], weight.shape[1], init_method=torch.nn.init.zeros_, config=cfg)
+    mixing = VocabParallelEmbedding(weight.shape[0], weight.shape[1], init_method=torch.nn.init.zeros_, config=cfg,
+                                    reduce_scatter_embeddings=sequence_parallel)
     mixing.__class__ = MixingVocabParallelEmbedding
     mixing.embedding_grad = embedding_grad
     mixing.weight.data.copy_(plain.weight.data)
@@ -128,7 +156,7 @@ def embedding_matches_reference():
     (+ recorded noise) and weight grads equal float64; embedding_grad=False removes exactly the
     mixture's gradient."""
     from megatron_ngrpo.parallel import initialize_model_parallel
-    from megatron_ngrpo.testing.reference import mixed_embedding64
+    from tests.harness.reference import mixed_embedding64
 
     v, h = 64, 16
     weight = torch.randn(v, h, generator=torch.Generator().manual_seed(3))
@@ -140,14 +168,14 @@ def embedding_matches_reference():
         plain, mixing = _standalone_embedding(tp, weight)
         lo, hi = plain.vocab_start_index, plain.vocab_end_index
 
-        no_mix = mix._replace(mask=torch.zeros_like(mix.mask))
+        no_mix = mix._replace(mask=torch.zeros_like(mix.mask)).batch()
         a, b = plain(tokens), mixing(tokens, no_mix)
         a.backward(grad), b.backward(grad)
         assert torch.equal(a, b) and torch.equal(plain.weight.grad, mixing.weight.grad), f"tp={tp}: ρ=0 differs"
 
         for with_grad in (True, False):
             _, mixing = _standalone_embedding(tp, weight, embedding_grad=with_grad)
-            out = mixing(tokens, mix)
+            out = mixing(tokens, mix.batch())
             out.backward(grad)
             w64 = weight.double().requires_grad_()
             if with_grad:
@@ -172,8 +200,8 @@ def embedding_main_grad_under_ddp():
     consumer's gradient is added exactly once; bf16 weights accumulate into the fp32 ``main_grad``
     unrounded; the hook leaves no ``param.grad``."""
     from megatron_ngrpo.parallel import initialize_model_parallel
-    from megatron_ngrpo.testing.reference import mixed_embedding64
-    from megatron_ngrpo.testing.tiny import in_megatron_ddp
+    from tests.harness.reference import mixed_embedding64
+    from tests.harness.tiny import in_megatron_ddp
 
     v, h = 64, 16
     weight = torch.randn(v, h, generator=torch.Generator().manual_seed(3))
@@ -197,7 +225,7 @@ def embedding_main_grad_under_ddp():
             ddp.zero_grad_buffer()
             w64 = weight.double().requires_grad_()
             for (tokens, mix), grad in zip(batches, grads):
-                out = ddp(tokens, mix)
+                out = ddp(tokens, mix.batch())
                 grad = grad.to(dtype)  # the gradient reaching a bf16 output is bf16
                 loss = (out * grad).sum()
                 ref = mixed_embedding64(w64 if with_grad else w64.detach(), tokens, mix.ids, mix.weights,
@@ -214,6 +242,54 @@ def embedding_main_grad_under_ddp():
             key = f"tp{tp}_grad{with_grad}_tied{tied}_{dtype}"
             errs[key] = _close(mixing.weight.main_grad, w64.grad[lo:hi], f"{key}: main_grad")
     return errs
+
+
+@case
+def embedding_16bit_equals_mix_rows():
+    """bf16 and fp16 weights at TP=1,2,4, with and without recorded noise, with and without
+    sequence parallelism: every mixed row equals, bit for bit, ``mix_rows`` on the full candidate
+    rows (the arithmetic of vLLM's hook, rollout/vllm/hook.py; tests/test_vllm_engine.py checks the
+    hook against it), plain rows the weight's rows. Mixed rows with candidates on several ranks
+    occur at every TP > 1 (there per-rank partial mixtures would round differently). The weight
+    gradient equals float64 to the 16-bit rounding of the returned gradient."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_ngrpo.mixing.arithmetic import mix_rows
+    from megatron_ngrpo.parallel import initialize_model_parallel
+    from tests.harness.reference import mixed_embedding64
+
+    v, h = 64, 32
+    weight = torch.randn(v, h, generator=torch.Generator().manual_seed(12))
+    rows_checked = 0
+    for tp in (1, 2, 4):
+        initialize_model_parallel(tp=tp)
+        rank, n = ps.get_tensor_model_parallel_rank(), S // tp
+        for dtype in (torch.bfloat16, torch.float16):
+            w16 = weight.to(dtype)
+            for noise, sp in ((False, False), (True, False), (True, tp > 1)):
+                tokens, mix = _mix_batch(v, v, h, seed=40 + tp, rate=0.6, noise=noise)
+                m = mix.mask
+                owner = mix.ids[m] // (v // tp)
+                assert tp == 1 or bool((owner != owner[:, :1]).any()), "no row spans two ranks"
+                _, mixing = _standalone_embedding(tp, weight, sequence_parallel=sp)
+                mixing.to(dtype)
+                out = mixing(tokens, mix.batch())
+                want = w16[tokens]
+                want[m] = mix_rows(w16[mix.ids[m]], mix.weights[m], None if mix.noise is None else mix.noise[m])
+                if sp:  # [S/TP, B, h]: this rank's sequence slice
+                    want = want.transpose(0, 1)[rank * n:(rank + 1) * n]
+                assert torch.equal(out.view(torch.int16), want.view(torch.int16)), \
+                    f"tp={tp} {dtype} noise={noise} sp={sp}: {int((out != want).any(-1).sum())} rows differ"
+                rows_checked += int(m.sum())
+                if sp:
+                    continue
+                grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(13)).to(dtype)
+                out.backward(grad)
+                w64 = weight.double().requires_grad_()
+                (mixed_embedding64(w64, tokens, *mix) * grad.double()).sum().backward()
+                lo, hi = mixing.vocab_start_index, mixing.vocab_end_index
+                _close(mixing.weight.grad, w64.grad[lo:hi], f"tp={tp} {dtype} weight grad", 2.0**-7)
+    return {"mixed_rows_checked": rows_checked}
 
 
 # ---- tiny GPTModel at every layout ----------------------------------------------------------
@@ -239,8 +315,8 @@ def _reference() -> dict:
         return _S["ref"]
     from megatron_ngrpo.models.provider import build_model
     from megatron_ngrpo.parallel import initialize_model_parallel
-    from megatron_ngrpo.testing.reference import full_state, mixed_embedding64
-    from megatron_ngrpo.testing.tiny import write_tiny_hf
+    from tests.harness.reference import full_state, mixed_embedding64
+    from tests.harness.tiny import write_tiny_hf
 
     _S["tmp"] = tempfile.TemporaryDirectory(prefix="mixing_worker_")  # per rank, removed at exit
     _S["hf"] = str(write_tiny_hf(os.path.join(_S["tmp"].name, "hf"), weights=False, vocab_size=VOCAB,
@@ -265,7 +341,7 @@ def _layout(tp: int, pp: int):
     """The chunk at (tp, pp) with the reference weights, and this rank's reference grads."""
     from megatron_ngrpo.models.provider import build_model
     from megatron_ngrpo.parallel import initialize_model_parallel
-    from megatron_ngrpo.testing.reference import local_shards
+    from tests.harness.reference import local_shards
 
     ref = _reference()
     initialize_model_parallel(tp, pp, seed=99)
@@ -289,7 +365,7 @@ def _run_schedule(chunk, forward_only: bool):
     captured = []
 
     def forward_step(_data, model):
-        with mixing_inputs(model, mix):
+        with mixing_inputs(model, mix.batch()):
             out = model(tokens, pos, attn)
 
         def loss_func(logits):
@@ -311,7 +387,7 @@ def _model_case(tp: int, pp: int) -> dict:
 
     from megatron_ngrpo.mixing.config import MixingConfig
     from megatron_ngrpo.mixing.neighbors import exclusion_mask, neighbor_table_for_model
-    from megatron_ngrpo.testing.reference import neighbor_table64
+    from tests.harness.reference import neighbor_table64
 
     ref = _reference()
     chunk, ref_grads = _layout(tp, pp)
@@ -382,7 +458,7 @@ def decision_vocab_parallel():
     table row, weights = softmax of z/τ on them and sum to 1; equal to the float64 definition."""
     from megatron_ngrpo.mixing.decision import decide
     from megatron_ngrpo.parallel import initialize_model_parallel
-    from megatron_ngrpo.testing.reference import decide64, neighbor_table64
+    from tests.harness.reference import decide64, neighbor_table64
 
     v, real, rows = 64, 60, 48
     z = _logits(rows, v, seed=1)
@@ -411,7 +487,7 @@ def baselines_vocab_parallel():
     top-k definition; gumbel weights are the clean softmax on its candidates."""
     from megatron_ngrpo.mixing import perturbations as P
     from megatron_ngrpo.parallel import initialize_model_parallel
-    from megatron_ngrpo.testing.reference import topk_mixture64
+    from tests.harness.reference import topk_mixture64
 
     v, real, rows, k = 64, 60, 48, 5
     z = _logits(rows, v, seed=4)
@@ -458,7 +534,7 @@ def records_replay_through_embedding():
     from megatron_ngrpo.mixing.embedding import MixBatch
     from megatron_ngrpo.mixing.records import MixRecord
     from megatron_ngrpo.parallel import initialize_model_parallel
-    from megatron_ngrpo.testing.reference import mixed_embedding64
+    from tests.harness.reference import mixed_embedding64
 
     v, h, k, resp = 64, 16, 4, 6
     weight = torch.randn(v, h, generator=torch.Generator().manual_seed(8))
@@ -479,7 +555,8 @@ def records_replay_through_embedding():
         tokens = torch.randint(0, 60, (B, S), generator=torch.Generator().manual_seed(10))
         _, mixing = _standalone_embedding(tp, weight)
         out = mixing(tokens, mix)
-        ref = mixed_embedding64(weight, tokens, mix.ids, mix.weights, mix.mask, mix.noise)
+        dense = Dense.of(mix)
+        ref = mixed_embedding64(weight, tokens, *dense)
         assert int(mix.mask.sum()) == int(mixed.sum())
         errs[f"tp{tp}"] = _close(out, ref, f"replay tp={tp}")
     return errs

@@ -13,7 +13,7 @@ import torch
 
 from megatron_ngrpo.mixing.neighbors import NeighborLookup
 from megatron_ngrpo.parallel import initialize_model_parallel
-from megatron_ngrpo.testing.multiproc import case, run_cases
+from tests.harness.multiproc import case, run_cases
 
 # Anchor batches as decode steps would send them: single anchors, repeats, a larger batch.
 BATCHES = [slice(0, 1), slice(0, 1), slice(1, 8), slice(0, 40)]

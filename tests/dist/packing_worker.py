@@ -9,7 +9,8 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from megatron_ngrpo.testing.multiproc import case, run_cases
+from tests.harness.multiproc import case, run_cases
+from tests.harness.records import mix_record
 
 VOCAB, TEMP = 300, 0.8
 STATE: dict = {}
@@ -21,7 +22,7 @@ def _setup(tp: int, sp: bool):
     from megatron_ngrpo.models.config import ModelConfig
     from megatron_ngrpo.models.provider import build_model
     from megatron_ngrpo.parallel import initialize_model_parallel
-    from megatron_ngrpo.testing.tiny import write_tiny_hf
+    from tests.harness.tiny import write_tiny_hf
 
     if "hf" not in STATE:
         path = [tempfile.mkdtemp(prefix="packing_worker_") if dist.get_rank() == 0 else None]
@@ -61,13 +62,14 @@ def _batch():
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     rows = list(range(rank, 8, dp))
     batch = RolloutBatch([prompts[i] for i in rows], [responses[i] for i in rows], [[0.0] * len(responses[i]) for i in rows],
-                         ["stop"] * len(rows), MixRecord.from_lists([mixes[i] for i in rows], 3), list(range(len(rows))))
+                         ["stop"] * len(rows), mix_record([mixes[i] for i in rows], 3), list(range(len(rows))))
     return TokenBatch.from_rollout(batch)
 
 
 def _compare(tp: int, sp: bool) -> dict:
     from megatron_ngrpo.grpo.config import GRPOConfig
     from megatron_ngrpo.grpo.logprobs import batch_logprobs
+    from megatron_ngrpo.grpo.loss_inputs import LossInputs
     from megatron_ngrpo.grpo.update import UpdateSettings, loss_and_grads
 
     chunks, shapes = _setup(tp, sp)
@@ -82,9 +84,9 @@ def _compare(tp: int, sp: bool) -> dict:
     assert lp_err < 1e-5 and float(plain.abs().sum()) > 0, lp_err
 
     g = torch.Generator().manual_seed(9)
-    tb = tb.with_extras(old_logprobs=plain + 0.05 * torch.randn(plain.shape, generator=g) * tb.mask,
-                        advantages=torch.randn(tb.num_rows, generator=g),
-                        active=torch.ones(tb.num_rows, dtype=torch.bool))
+    tb = tb.with_inputs(LossInputs(old_logprobs=plain + 0.05 * torch.randn(plain.shape, generator=g) * tb.mask,
+                                   advantages=torch.randn(tb.num_rows, generator=g),
+                                   active=torch.ones(tb.num_rows, dtype=torch.bool)))
     cfg = GRPOConfig(kl_mode="off")
     grads = []
     for packing in ("", "mask"):

@@ -22,6 +22,7 @@ from megatron_ngrpo.conversion.hf_io import HFCheckpoint, load_hf_into_megatron
 from megatron_ngrpo.data.tokenizer import load_tokenizer, special_token_ids
 from megatron_ngrpo.grpo.logprobs import TokenBatch, token_logprobs
 from megatron_ngrpo.grpo.update import update_step, wrap_for_training
+from megatron_ngrpo.training.warmstart import TokenWeights
 from megatron_ngrpo.mixing.config import MixingConfig
 from megatron_ngrpo.mixing.embedding import mixing_embedding
 from megatron_ngrpo.mixing.neighbors import build_neighbor_table, exclusion_mask
@@ -30,11 +31,11 @@ from megatron_ngrpo.models.config import ModelConfig
 from megatron_ngrpo.models.provider import build_model
 from megatron_ngrpo.parallel import initialize_model_parallel
 from megatron_ngrpo.rollout.types import RolloutBatch
-from megatron_ngrpo.testing.forward import megatron_logits
-from megatron_ngrpo.testing.multiproc import case, run_cases
-from megatron_ngrpo.testing.real_model import SENTENCES
-from megatron_ngrpo.testing.reference import neighbor_table64
-from megatron_ngrpo.testing.tiny import write_tiny_hf
+from tests.harness.forward import megatron_logits
+from tests.harness.multiproc import case, run_cases
+from tests.harness.real_model import SENTENCES
+from tests.harness.reference import neighbor_table64
+from tests.harness.tiny import write_tiny_hf
 
 MODEL = Path(os.environ.get("NGRPO_REAL_MODEL", ""))
 OUT = Path(os.environ.get("NGRPO_REAL_OUT", "/tmp/ngrpo_real"))
@@ -247,9 +248,9 @@ def _tied_grad_case(tp: int, pp: int):
 
         def loss_fn(mb, logits):
             lp, _ = token_logprobs(logits, mb.labels, 1.0, TINY_VOCAB)
-            return (lp * mb.extras["coef"]).sum(), torch.zeros((), dtype=torch.int), {}
+            return (lp * mb.inputs.token_weight).sum(), torch.zeros((), dtype=torch.int), {}
 
-        update_step(chunks, tb.with_extras(coef=tb.label_aligned(coef)), loss_fn, micro_batch_size=2)
+        update_step(chunks, tb.with_inputs(TokenWeights(tb.label_aligned(coef))), loss_fn, micro_batch_size=2)
         inner = unwrap(chunks[0])
         w = mixing_embedding(chunks[0]).weight if inner.pre_process else inner.shared_embedding_or_output_weight()
         tp_group = ps.get_tensor_model_parallel_group()

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_ngrpo.testing.multiproc import case, run_cases, shared_tmpdir
+from tests.harness.multiproc import case, run_cases, shared_tmpdir
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny_test.yaml"

@@ -15,7 +15,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from megatron_ngrpo.testing.multiproc import case, group_timeouts, run_cases, shared_tmpdir
+from tests.harness.multiproc import case, group_timeouts, run_cases, shared_tmpdir
 
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
@@ -33,7 +33,7 @@ def _syncs_match(trainer_tp: int, vllm_tp: int, kv_heads: int = 2) -> list[dict]
     from megatron_ngrpo.parallel import initialize_model_parallel
     from megatron_ngrpo.rollout.config import VLLMConfig
     from megatron_ngrpo.rollout.vllm.engine import VLLMEngine
-    from megatron_ngrpo.testing.tiny import write_tiny_hf
+    from tests.harness.tiny import write_tiny_hf
     from tests.support.vllm_weights import assert_equal_to_hf, vllm_weights
 
     initialize_model_parallel(trainer_tp, 1)

@@ -14,7 +14,7 @@ if __name__ == "__main__":
     import torch.distributed as dist
 
     from megatron_ngrpo.eval.__main__ import main
-    from megatron_ngrpo.testing.multiproc import group_timeouts
+    from tests.harness.multiproc import group_timeouts
 
     status = main(sys.argv[1:])
     if dist.is_initialized():

@@ -86,8 +86,8 @@ def _hold_writers(gate: Path) -> None:
 def _record_group_timeouts() -> None:
     import torch.distributed as dist
 
-    from megatron_ngrpo.testing.multiproc import group_timeouts
     from megatron_ngrpo.training.trainer import Trainer
+    from tests.harness.multiproc import group_timeouts
 
     run = Trainer.run
 

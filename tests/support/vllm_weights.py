@@ -1,4 +1,5 @@
-"""Read a live vLLM engine's weights back and compare them with HF tensors (tests only).
+"""Read a live vLLM engine's weights back and compare them with HF tensors, and push fixed tensors
+into one (tests only).
 
 vLLM holds q/k/v and gate/up fused (``qkv_proj``, ``gate_up_proj``), each rank one TP shard per
 fused part, and CPU vLLM repacks linear weights for its GEMM kernels and empties ``weight``: those
@@ -8,6 +9,7 @@ are read back by applying the layer to the identity (fp32: x·1 and + 0 are exac
 from __future__ import annotations
 
 import torch
+from vllm.distributed.weight_transfer import base
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -85,3 +87,17 @@ def assert_equal_to_hf(
         assert t.shape[1:] == want.shape[1:] and torch.equal(t[: want.shape[0]], want), (
             f"{where}{name}"
         )
+
+
+class NamedSource(base.WeightSource):
+    """A fixed list of ``(name, tensor)`` pairs as a vLLM ``WeightSource`` (what
+    ``VLLMEngine.push_weights`` takes)."""
+
+    def __init__(self, named: list[tuple[str, torch.Tensor]]):
+        self.named = named
+
+    def metadata(self) -> list:
+        return [base.ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.named]
+
+    def __iter__(self):
+        return iter(self.named)

@@ -76,7 +76,7 @@ from megatron_ngrpo.rollout.types import (
     validate_request,
 )
 from megatron_ngrpo.rollout.vllm import wire
-from megatron_ngrpo.rollout.vllm.hook import (
+from megatron_ngrpo.rollout.vllm.protocol import (
     SUPPORTED_VLLM,
     hook_mix_record,
     request_options,
@@ -623,12 +623,15 @@ class RemoteEngine(RolloutEngine):
                 self.cfg.verify_weights,
                 num_workers=self._workers.get(url, 1),
                 host=self.cfg.transfer_host or socket.gethostname(),
-                timeout_s=self.cfg.request_timeout_s,
             )
         return self._senders[url]
 
-    def set_neighbor_table(self, table: torch.Tensor) -> None:
-        """Ship the trainer's ``[V, k]`` table of the current weight version to every server."""
+    def set_neighbor_table(self, table: torch.Tensor | None) -> None:
+        """Ship the trainer's ``[V, k]`` table of the current weight version to every server (None:
+        no table, a neighbour-mixing generate is refused until one is set)."""
+        if table is None:
+            self._table_width = None
+            return
         error = None
         if is_rank0():
             data = base64.b64encode(wire.pack_tensors([("table", table.to(torch.int32))])).decode()

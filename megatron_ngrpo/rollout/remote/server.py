@@ -46,7 +46,11 @@ import threading
 import time
 from pathlib import Path
 
+import torch
+
 from megatron_ngrpo.architecture import ArchSpec
+from megatron_ngrpo.atomic import atomic_write
+from megatron_ngrpo.data.tokenizer import engine_tokenizer
 from megatron_ngrpo.models.config import real_token_count
 from megatron_ngrpo.rollout.remote.auth import (
     SECRET_ENV,
@@ -55,6 +59,7 @@ from megatron_ngrpo.rollout.remote.auth import (
     bearer,
     read_secret,
 )
+from megatron_ngrpo.rollout.vllm.protocol import check_vllm_version
 
 EXTENSION = "megatron_ngrpo.rollout.remote.server_worker.RolloutServerExtension"
 
@@ -124,12 +129,6 @@ def build_parser() -> argparse.ArgumentParser:
 def vllm_arguments(args, extra: list[str]) -> tuple[list[str], int]:
     """vLLM's serve arguments for ``args`` (plus ``extra``, passed through) and the resolved
     ``num_real_tokens``, after the start-up checks (RuntimeError / ValueError, one line)."""
-    # lazy: keeps rollout.remote.server free of torch at import (start-up)
-    import torch
-
-    # lazy: keeps rollout.remote.server free of torch at import (start-up)
-    from megatron_ngrpo.rollout.vllm.engine import check_vllm_version, load_tokenizer
-
     check_vllm_version()
     # The middleware and the hook's installer read it from this process's environment.
     os.environ[SECRET_ENV] = read_secret(args.secret_file or "", args.url_dir or "")
@@ -145,7 +144,7 @@ def vllm_arguments(args, extra: list[str]) -> tuple[list[str], int]:
         raise RuntimeError(
             f"--weight-transfer gloo sends to one worker: --tensor-parallel-size {tp} needs nccl"
         )
-    tokenizer = load_tokenizer(args.tokenizer, args.model)
+    tokenizer = engine_tokenizer(args.tokenizer, args.model)
     num_real = real_token_count(
         args.num_real_tokens, ArchSpec.from_hf(args.model).vocab_size, tokenizer
     )
@@ -234,9 +233,6 @@ def install_hook(base: str, num_real_tokens: int, deadline: float, stop: threadi
 
 def _start_hook(args, num_real_tokens: int, failed: threading.Event, stop: threading.Event) -> None:
     """Thread body: install the hook, then register the URL; on failure stop the server."""
-    # lazy: keeps rollout.remote.server free of torch at import (start-up)
-    from megatron_ngrpo.atomic import atomic_write
-
     host = "127.0.0.1" if args.host in ("0.0.0.0", "", "::") else args.host
     try:
         hook = install_hook(

