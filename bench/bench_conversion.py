@@ -88,7 +88,7 @@ def phase(args) -> dict:
             model_config_for,
         )
         from megatron_ngrpo.conversion.convert import _build
-        from megatron_ngrpo.conversion.mapping import export_hf_tensors
+        from megatron_ngrpo.conversion.hf_export import export_hf_tensors
 
         chunks = _build(model_config_for(work / "m"))
         load_megatron_checkpoint(chunks, work / "m")

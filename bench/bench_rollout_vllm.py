@@ -117,8 +117,8 @@ def throughput(args) -> None:
 
 def weight_sync(args) -> None:
     from megatron_ngrpo.architecture import ArchSpec
+    from megatron_ngrpo.conversion.hf_import import load_hf_tensors
     from megatron_ngrpo.conversion.hf_io import HFCheckpoint
-    from megatron_ngrpo.conversion.mapping import load_hf_tensors
     from megatron_ngrpo.mixing.config import MixingConfig
     from megatron_ngrpo.models.config import ModelConfig
     from megatron_ngrpo.models.provider import build_model

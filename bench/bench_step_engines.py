@@ -116,7 +116,7 @@ def model_params(engine, chunks) -> int:
     """Parameters of the HF model the engine syncs."""
     import math
 
-    from megatron_ngrpo.conversion.mapping import export_hf_layout
+    from megatron_ngrpo.conversion.hf_export import export_hf_layout
 
     return sum(math.prod(shape) for _, shape, _ in export_hf_layout(chunks, engine.spec))
 
@@ -127,7 +127,7 @@ def weight_sync_comparison(engine, chunks, max_seconds: float) -> str:
     (``engine.tp_shards``); CPU seconds per M parameters of the model."""
     import torch.distributed as dist
 
-    from megatron_ngrpo.conversion.mapping import export_hf_tensors
+    from megatron_ngrpo.conversion.hf_export import export_hf_tensors
     from megatron_ngrpo.rollout.vllm.weight_transfer import MegatronSource
 
     engine.sync_weights(chunks)  # builds the sender (the rendezvous is not a sync)

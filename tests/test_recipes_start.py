@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ngrpo.architecture import ArchSpec
-from megatron_ngrpo.conversion.mapping import check_tp_shards
+from megatron_ngrpo.conversion.hf_export import check_tp_shards
 from megatron_ngrpo.data.paths import REPO_DATA
 from megatron_ngrpo.launch.recipes import RECIPES
 from megatron_ngrpo.training.job_config import load_config

@@ -309,3 +309,58 @@ def test_the_package_never_imports_the_repository_folders():
         if (names := _outside_imports(p.read_text(), roots))
     }
     assert not found, found
+
+
+# ---- sizes (issue #39 items 1 and 6) -----------------------------------------------------------
+
+MAX_FUNCTION_LINES = 60
+MAX_FILE_LINES = 600
+MAX_LINES = {"training/trainer.py": 450}  # the loop stays a thin loop over its stages
+
+
+def _long_functions(source: str, limit: int) -> list[str]:
+    """``name:line (n lines)`` of every function or method longer than ``limit`` lines,
+    decorators excluded (``end_lineno - lineno + 1``)."""
+    return [
+        f"{node.name}:{node.lineno} ({node.end_lineno - node.lineno + 1} lines)"
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.end_lineno - node.lineno + 1 > limit
+    ]
+
+
+def _long_files(root: Path, default: int, limits: dict[str, int]) -> list[str]:
+    """``path (n lines > limit)`` of every file under ``root`` longer than its limit."""
+    found = []
+    for p in sorted(root.rglob("*.py")):
+        name = p.relative_to(root).as_posix()
+        lines, limit = len(p.read_text().splitlines()), limits.get(name, default)
+        if lines > limit:
+            found.append(f"{name} ({lines} lines > {limit})")
+    return found
+
+
+def test_the_size_checks_see_long_functions_and_files(tmp_path):
+    body = "".join(f"        x = {i}\n" for i in range(3))
+    src = f"@decorator\ndef short():\n{body}\nclass C:\n    def long(self):\n{body}{body}"
+    assert _long_functions(src, 4) == ["long:8 (7 lines)"]
+    (tmp_path / "a.py").write_text("x = 1\n" * 5)
+    (tmp_path / "b.py").write_text("x = 1\n" * 3)
+    assert _long_files(tmp_path, 4, {}) == ["a.py (5 lines > 4)"]
+    assert _long_files(tmp_path, 4, {"a.py": 5, "b.py": 2}) == ["b.py (3 lines > 2)"]
+
+
+def test_no_function_over_60_lines():
+    """Every function of the package fits on a screen: a longer one is split into named steps."""
+    found = [
+        f"{p.relative_to(ROOT.parent)}:{f}"
+        for p in sorted(ROOT.rglob("*.py"))
+        for f in _long_functions(p.read_text(), MAX_FUNCTION_LINES)
+    ]
+    assert not found, f"functions over {MAX_FUNCTION_LINES} lines: {', '.join(found)}"
+
+
+def test_no_file_over_600_lines_and_a_thin_trainer():
+    """One concept per file: no module over 600 lines, the trainer's loop at most 450."""
+    found = [f"{TOP}/{f}" for f in _long_files(ROOT, MAX_FILE_LINES, MAX_LINES)]
+    assert not found, f"files over their line limit: {', '.join(found)}"

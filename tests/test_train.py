@@ -167,7 +167,12 @@ ERRORS = [
         "'train.async.max_staleness' = 1: one-step-off rollouts need an engine beside the trainer's groups",
     ),
     (
-        ["rollout.engine=remote", "mixing.neighbor_lookup=on_demand"],
+        [
+            "rollout.engine=remote",
+            "rollout.remote.urls=[http://127.0.0.1:1]",
+            "mixing.neighbor_lookup=on_demand",
+            "mixing.refresh_every=1",
+        ],
         1,
         "'mixing.neighbor_lookup' = 'on_demand': rollout servers mix with the trainer's table only",
     ),

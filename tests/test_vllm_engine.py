@@ -499,8 +499,9 @@ def test_weight_sync_from_megatron(engine, model_dir, hf_model):
     from transformers import AutoModelForCausalLM
 
     from megatron_ngrpo.architecture import ArchSpec
+    from megatron_ngrpo.conversion.hf_export import export_hf_tensors
+    from megatron_ngrpo.conversion.hf_import import load_hf_tensors
     from megatron_ngrpo.conversion.hf_io import HFCheckpoint
-    from megatron_ngrpo.conversion.mapping import export_hf_tensors, load_hf_tensors
     from megatron_ngrpo.models.config import ModelConfig
     from megatron_ngrpo.models.provider import build_model
     from megatron_ngrpo.parallel import init_distributed, initialize_model_parallel

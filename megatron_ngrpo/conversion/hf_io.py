@@ -22,13 +22,9 @@ from tqdm import tqdm
 from megatron_ngrpo.architecture import ArchSpec
 from megatron_ngrpo.atomic import atomic_directory
 from megatron_ngrpo.config_loader import ConfigError
-from megatron_ngrpo.conversion.mapping import (
-    ConversionError,
-    check_hf_names,
-    export_hf_tensors,
-    hf_layout,
-    load_hf_tensors,
-)
+from megatron_ngrpo.conversion.hf_export import export_hf_tensors
+from megatron_ngrpo.conversion.hf_import import load_hf_tensors
+from megatron_ngrpo.conversion.mapping import ConversionError, check_hf_names, hf_layout
 from megatron_ngrpo.parallel import is_rank0
 
 INDEX = "model.safetensors.index.json"

@@ -46,6 +46,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("recipes", help="list the recipes")
+    _add_memory_and_plan(sub)
+    r = sub.add_parser("run", help="run a recipe's task (train, eval, conversion)")
+    _add_run_options(r)
+    _add_slurm_options(r.add_argument_group("slurm"))
+    _add_experiment_commands(sub)
+    return p
+
+
+def _add_memory_and_plan(sub) -> None:
+    """``memory`` and ``plan``: a recipe's expected memory and its layout, without GPUs."""
     m = sub.add_parser("memory", help="expected GPU memory per rank of a recipe")
     m.add_argument("recipe")
     m.add_argument("--nodes", type=int)
@@ -59,7 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--nodes", type=int)
     pl.add_argument("--config", help="training config (default: the recipe's)")
 
-    r = sub.add_parser("run", help="run a recipe's task (train, eval, conversion)")
+
+def _add_run_options(r: argparse.ArgumentParser) -> None:
+    """``run``: the task, its configs and inputs, the layout, the rollout group, the submission."""
     r.add_argument("recipe")
     r.add_argument(
         "overrides",
@@ -105,7 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--title", help="experiment title (default ngrpo-<recipe>-<task>)")
     r.add_argument("--dryrun", action="store_true", help="print the job scripts, submit nothing")
     r.add_argument("--detach", action="store_true", help="return after submission (Slurm)")
-    s = r.add_argument_group("slurm")
+
+
+def _add_slurm_options(s) -> None:
+    """``run``'s Slurm options (account, container, environment, packaging, node use)."""
     s.add_argument("--account", default=os.environ.get("NGRPO_SLURM_ACCOUNT", "ngrpo"))
     s.add_argument("--partition", default=os.environ.get("NGRPO_SLURM_PARTITION"))
     s.add_argument("--time", help="time limit (default: the recipe's)")
@@ -145,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="hetjob: seconds between group starts and between monitor checks",
     )
 
+
+def _add_experiment_commands(sub) -> None:
+    """``status``, ``logs`` and ``cancel`` of a submitted experiment."""
     for name in ("status", "logs", "cancel"):
         q = sub.add_parser(name, help=f"{name} of a submitted experiment")
         q.add_argument("experiment", help="experiment id (or title: its latest run)")
@@ -152,7 +170,6 @@ def build_parser() -> argparse.ArgumentParser:
             q.add_argument("--wait", action="store_true", help="wait until every job has ended")
         if name == "logs":
             q.add_argument("--job", help="job name (default: all)")
-    return p
 
 
 def cmd_recipes() -> int:
@@ -239,9 +256,28 @@ def check_not_run(configs: list[str], overrides: list[str]) -> None:
 def make_plan(args: argparse.Namespace):
     # lazy: keeps launch.cli free of NeMo-Run at import (start-up)
     from megatron_ngrpo.launch import experiment
-    from megatron_ngrpo.launch.executors import Cluster
 
-    recipe = recipes.get(args.recipe)
+    recipe = _recipe_with_layout(args)
+    packager = _packager(args)
+    _check_job_paths(args)
+    hf_path = args.hf_path or f"{args.models_dir}/{recipe.hf_name}"
+    tasks = _tasks(args, recipe, hf_path)
+    if args.task in ("train", "eval"):
+        recipes.check_configs(recipe, args.config, args.overrides)
+    if runs_trainer(args):
+        check_not_run(args.config, trainer_overrides(args, recipe, hf_path))
+    return experiment.Plan(
+        title=args.title or f"ngrpo-{recipe.name}-{args.task}",
+        tasks=tasks,
+        executor=args.executor,
+        cluster=_cluster(args, recipe, hf_path, packager),
+        time=recipe.time,
+        configs=[Path(c) for c in args.config],
+    )
+
+
+def _recipe_with_layout(args: argparse.Namespace) -> recipes.Recipe:
+    """The recipe with the ranks, GPUs and rollout nodes per node the options set."""
     layout = {
         k: v
         for k, v in (
@@ -251,15 +287,19 @@ def make_plan(args: argparse.Namespace):
         )
         if v is not None
     }
-    recipe = dataclasses.replace(recipe, **layout)
+    return dataclasses.replace(recipes.get(args.recipe), **layout)
+
+
+def _packager(args: argparse.Namespace) -> str:
+    """git for Slurm, none (this checkout in place) locally, the only choice a local job has."""
     packager = args.packager or ("git" if args.executor == "slurm" else "none")
     if args.executor == "local" and packager != "none":
         raise ConfigError("--packager git: the local executor runs this checkout in place")
-    group_wait = (
-        {}
-        if args.group_wait is None
-        else dict(group_start_wait=args.group_wait, group_monitor_wait=args.group_wait)
-    )
+    return packager
+
+
+def _check_job_paths(args: argparse.Namespace) -> None:
+    """NEMORUN_HOME usable in a Slurm script; every --config file present."""
     home = os.environ.get("NEMORUN_HOME", "")
     if args.executor == "slurm" and not args.container_image and "/nemo_run" in home:
         # NeMo-Run rewrites every "/nemo_run" of a non-container sbatch script to the job directory.
@@ -269,7 +309,13 @@ def make_plan(args: argparse.Namespace):
     for config in args.config:
         if not Path(config).is_file():
             raise ConfigError(f"--config {config!r}: no such file")
-    hf_path = args.hf_path or f"{args.models_dir}/{recipe.hf_name}"
+
+
+def _tasks(args: argparse.Namespace, recipe: recipes.Recipe, hf_path: str) -> list:
+    """The recipe's task rendered; a disaggregated job's rollout servers before it."""
+    # lazy: keeps launch.cli free of NeMo-Run at import (start-up)
+    from megatron_ngrpo.launch import experiment
+
     task = recipes.render(
         recipe,
         args.task,
@@ -282,25 +328,31 @@ def make_plan(args: argparse.Namespace):
         module=args.module,
         disaggregated=args.disaggregated,
     )
-    tasks = [task]
-    if args.disaggregated:
-        if args.executor != "slurm" or args.task != "train":
-            raise ConfigError("--disaggregated: only for --task train on --executor slurm")
-        tasks = [
-            recipes.rollout_server(recipe, hf_path, tuple(shlex.split(args.rollout_args))),
-            task,
-        ]
-    if args.task in ("train", "eval"):
-        recipes.check_configs(recipe, args.config, args.overrides)
-    if runs_trainer(args):
-        check_not_run(args.config, trainer_overrides(args, recipe, hf_path))
+    if not args.disaggregated:
+        return [task]
+    if args.executor != "slurm" or args.task != "train":
+        raise ConfigError("--disaggregated: only for --task train on --executor slurm")
+    return [recipes.rollout_server(recipe, hf_path, tuple(shlex.split(args.rollout_args))), task]
+
+
+def _cluster(args: argparse.Namespace, recipe: recipes.Recipe, hf_path: str, packager: str):
+    """The executor's settings; a Slurm job's outside files checked absolute and, in a
+    container, mounted."""
+    # lazy: keeps launch.cli free of NeMo-Run at import (start-up)
+    from megatron_ngrpo.launch.executors import Cluster
+
     mounts = list(args.mount)
     if args.executor == "slurm":
         files = slurm_files(args, recipe, hf_path)
         job_files.require_absolute(files)
         if args.container_image:
             mounts = job_files.container_mounts(mounts, files)
-    cluster = Cluster(
+    group_wait = (
+        {}
+        if args.group_wait is None
+        else dict(group_start_wait=args.group_wait, group_monitor_wait=args.group_wait)
+    )
+    return Cluster(
         account=args.account,
         partition=args.partition,
         time=args.time,
@@ -312,14 +364,6 @@ def make_plan(args: argparse.Namespace):
         exclusive=args.exclusive,
         mem=args.mem,
         **group_wait,
-    )
-    return experiment.Plan(
-        title=args.title or f"ngrpo-{recipe.name}-{args.task}",
-        tasks=tasks,
-        executor=args.executor,
-        cluster=cluster,
-        time=recipe.time,
-        configs=[Path(c) for c in args.config],
     )
 
 

@@ -383,21 +383,47 @@ def render(
     if task not in TASKS:
         raise ConfigError(f"task {task!r}: expected one of {', '.join(TASKS)}")
     if task in ("train", "eval"):
-        if not configs:
-            raise ConfigError(f"task {task}: --config FILE.yaml is required")
-        for o in overrides:
-            if "=" not in o or o.startswith("-"):
-                raise ConfigError(f"override {o!r}: expected key.sub=value")
-        entry = module or (TRAIN_MODULE if task == "train" else EVAL_MODULE)
-        args = (
-            *(a for c in configs for a in ("--config", c)),
-            *recipe.model_overrides(hf_path),
-            *recipe.rollout_overrides(disaggregated),
-            *overrides,
-        )
-        return TaskSpec(
-            task, Command.python(entry, args), nodes, recipe.procs_per_node, recipe.gpus_per_node
-        )
+        return _entry_task(recipe, task, hf_path, configs, nodes, overrides, module, disaggregated)
+    return _conversion_task(recipe, task, hf_path, checkpoint, output, overrides)
+
+
+def _entry_task(
+    recipe: Recipe,
+    task: str,
+    hf_path: str,
+    configs: tuple[str, ...],
+    nodes: int,
+    overrides: tuple[str, ...],
+    module: str | None,
+    disaggregated: bool,
+) -> TaskSpec:
+    """train / eval: the entry module on the configs, the recipe's overrides, then the user's."""
+    if not configs:
+        raise ConfigError(f"task {task}: --config FILE.yaml is required")
+    for o in overrides:
+        if "=" not in o or o.startswith("-"):
+            raise ConfigError(f"override {o!r}: expected key.sub=value")
+    entry = module or (TRAIN_MODULE if task == "train" else EVAL_MODULE)
+    args = (
+        *(a for c in configs for a in ("--config", c)),
+        *recipe.model_overrides(hf_path),
+        *recipe.rollout_overrides(disaggregated),
+        *overrides,
+    )
+    return TaskSpec(
+        task, Command.python(entry, args), nodes, recipe.procs_per_node, recipe.gpus_per_node
+    )
+
+
+def _conversion_task(
+    recipe: Recipe,
+    task: str,
+    hf_path: str,
+    checkpoint: str | None,
+    output: str | None,
+    overrides: tuple[str, ...],
+) -> TaskSpec:
+    """convert-hf / convert-megatron: the converter at the recipe's TP x PP on one node."""
     if not output:
         raise ConfigError(f"task {task}: --output DIR is required")
     layout = ("--tp", str(recipe.tensor_parallel), "--pp", str(recipe.pipeline_parallel))

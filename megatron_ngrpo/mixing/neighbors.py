@@ -80,23 +80,34 @@ def build_neighbor_table(
         ):
             nbrs = symmetric_neighbors(keys, k - 1, chunk_size)
         else:
-            my_start, my_stop = _dp_share(start, stop, dp_group)
-            parts = [
-                chunk_neighbors(
-                    keys,
-                    torch.arange(c0, min(c0 + chunk_size, my_stop), device=device),
-                    k - 1,
-                    tp_group,
-                )
-                for c0 in range(my_start, my_stop, chunk_size)
-            ]
-            mine = (
-                torch.cat(parts)
-                if parts
-                else torch.zeros(0, k - 1, dtype=torch.long, device=device)
-            )
-            nbrs = _dp_gather(mine, stop - start, dp_group)
+            nbrs = _chunked_neighbors(keys, start, stop, k, chunk_size, tp_group, dp_group, device)
     return torch.cat([anchors.unsqueeze(1), nbrs], dim=1)
+
+
+def _chunked_neighbors(
+    keys: Keys,
+    start: int,
+    stop: int,
+    k: int,
+    chunk_size: int,
+    tp_group: dist.ProcessGroup | None,
+    dp_group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """[stop-start, k-1] neighbours of the query rows ``start:stop``: this DP rank scores its
+    share chunk by chunk, then the shares are all-gathered."""
+    my_start, my_stop = _dp_share(start, stop, dp_group)
+    parts = [
+        chunk_neighbors(
+            keys,
+            torch.arange(c0, min(c0 + chunk_size, my_stop), device=device),
+            k - 1,
+            tp_group,
+        )
+        for c0 in range(my_start, my_stop, chunk_size)
+    ]
+    mine = torch.cat(parts) if parts else torch.zeros(0, k - 1, dtype=torch.long, device=device)
+    return _dp_gather(mine, stop - start, dp_group)
 
 
 def neighbor_table_for_model(

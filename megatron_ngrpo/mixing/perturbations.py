@@ -250,6 +250,26 @@ def decide_for_strategy(
     Strategy ``none`` returns a decision with no mixed row (anchor = argmax, ids = [anchor]).
     """
     tau = cfg.temperature if cfg.temperature is not None else temperature
+    if cfg.strategy in ("neighbor", "none", "soft_thinking"):
+        return _decide_without_draws(
+            cfg, logits, mixed, tau, num_real_tokens, table, vocab_start, tp_group
+        )
+    return _decide_with_draws(
+        cfg, logits, mixed, tau, num_real_tokens, noise, seed, key, position, vocab_start, tp_group
+    )
+
+
+def _decide_without_draws(
+    cfg,
+    logits: torch.Tensor,
+    mixed: torch.Tensor,
+    tau: float,
+    num_real_tokens: int,
+    table: torch.Tensor | None,
+    vocab_start: int,
+    tp_group: dist.ProcessGroup | None,
+) -> MixDecision:
+    """``neighbor``, ``none`` and ``soft_thinking``: functions of the logits alone."""
     strategy = cfg.strategy
     if strategy == "neighbor":
         if table is None:
@@ -265,8 +285,24 @@ def decide_for_strategy(
             vocab_start,
             tp_group,
         )
-    if strategy == "soft_thinking":
-        return soft_thinking(logits, cfg.k, tau, mixed, num_real_tokens, vocab_start, tp_group)
+    return soft_thinking(logits, cfg.k, tau, mixed, num_real_tokens, vocab_start, tp_group)
+
+
+def _decide_with_draws(
+    cfg,
+    logits: torch.Tensor,
+    mixed: torch.Tensor,
+    tau: float,
+    num_real_tokens: int,
+    noise: NoiseSpec | None,
+    seed: int,
+    key: torch.Tensor | None,
+    position: torch.Tensor | None,
+    vocab_start: int,
+    tp_group: dist.ProcessGroup | None,
+) -> MixDecision:
+    """``stht`` and ``gumbel``: random draws counted by (seed, key, position)."""
+    strategy = cfg.strategy
     if key is None or position is None:
         raise ValueError(f"strategy {strategy!r} needs key and position for its draws")
     if strategy == "stht":

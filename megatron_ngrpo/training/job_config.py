@@ -53,8 +53,17 @@ class NGRPOConfig:
     RENAMED = {"eval": "validation"}
 
     def validate(self) -> None:
-        """Cross-section checks (each section validated itself already)."""
+        """Cross-section checks (each section validated itself already), in this order: the
+        parallel layout, the rollout engine's and one-step-off options, the batch arithmetic,
+        the files."""
+        self._check_layout()
+        self._check_rollout_options()
+        self._check_batch_arithmetic()
+        self._check_files()
 
+    def _check_layout(self) -> None:
+        """The options no trainer runs; the model's and vLLM's layouts vs the architecture and
+        the world size."""
         check_not_run(self)
         spec = ArchSpec.from_hf(self.model.hf_path)
         check_layout(spec, self.model)
@@ -75,6 +84,9 @@ class NGRPOConfig:
             )
         if self.rollout.engine == EngineName.vllm:
             vllm_max_model_len(self.rollout.vllm, spec.max_position_embeddings)
+
+    def _check_rollout_options(self) -> None:
+        """What the rollout engine and one-step-off rollouts allow with the other options."""
         if self.train.async_.max_staleness and self.rollout.engine == EngineName.vllm:
             fail(
                 "train.async.max_staleness",
@@ -122,6 +134,9 @@ class NGRPOConfig:
                 "device, two NCCL communicators per group, CUDA RNG-tracker forks unguarded): use "
                 "rollout.engine=remote, or max_staleness=0",
             )
+
+    def _check_batch_arithmetic(self) -> None:
+        """Prompts per step and per mini-batch split over DP ranks, responses over micro-batches."""
         t = self.train
         dp = data_parallel_size(self.model)
         for name in ("prompts_per_step", "mini_batch_prompts"):
@@ -140,6 +155,10 @@ class NGRPOConfig:
                 f"must divide the {per_rank} responses per DP rank of a mini-batch "
                 f"(mini_batch_prompts / DP × rollout.n)",
             )
+
+    def _check_files(self) -> None:
+        """The weights to load, the HF folder and tokenizer, the data and benchmark files."""
+        t = self.train
         if t.load and t.load != "random":
             _require_checkpoint("train.load", t.load)
         elif not t.load and not any(Path(self.model.hf_path).glob("*.safetensors")):

@@ -81,7 +81,8 @@ def check_export(chunks, name: str, rank0_only: bool) -> int:
     """export_hf_tensors equals the HF files exactly, in HF's order of layers; returns count."""
     from megatron_ngrpo.architecture import ArchSpec
     from megatron_ngrpo.conversion.hf_io import HFCheckpoint
-    from megatron_ngrpo.conversion.mapping import export_hf_tensors, hf_layout
+    from megatron_ngrpo.conversion.hf_export import export_hf_tensors
+    from megatron_ngrpo.conversion.mapping import hf_layout
 
     spec = ArchSpec.from_hf(hf_dir(name))
     ref = HFCheckpoint(hf_dir(name))
@@ -111,7 +112,7 @@ def check_tp_shard_export(chunks, name: str) -> int:
 
     from megatron_ngrpo.architecture import ArchSpec
     from megatron_ngrpo.conversion.hf_io import HFCheckpoint
-    from megatron_ngrpo.conversion.mapping import TPShard, check_tp_shards, export_hf_tensors
+    from megatron_ngrpo.conversion.hf_export import TPShard, check_tp_shards, export_hf_tensors
 
     spec = ArchSpec.from_hf(hf_dir(name))
     tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
@@ -141,7 +142,7 @@ def _layout_case(tp: int, pp: int, vpp: int | None):
     def fn():
         from megatron_ngrpo.architecture import ArchSpec
         from megatron_ngrpo.conversion.hf_io import HFCheckpoint
-        from megatron_ngrpo.conversion.mapping import load_hf_tensors
+        from megatron_ngrpo.conversion.hf_import import load_hf_tensors
 
         errors = {}
         for name in MODELS:

@@ -23,7 +23,7 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 def bf16_tp2_mismatch_of_mixed_and_plain_tokens():
     from megatron_ngrpo.architecture import ArchSpec
     from megatron_ngrpo.conversion.hf_io import HFCheckpoint
-    from megatron_ngrpo.conversion.mapping import load_hf_tensors
+    from megatron_ngrpo.conversion.hf_import import load_hf_tensors
     from megatron_ngrpo.grpo.batches import TokenBatch
     from megatron_ngrpo.grpo.logprobs import batch_logprobs
     from megatron_ngrpo.grpo.mismatch import mismatch_metrics, mismatch_sums

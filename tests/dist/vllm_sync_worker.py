@@ -27,7 +27,8 @@ def _syncs_match(trainer_tp: int, vllm_tp: int, kv_heads: int = 2) -> list[dict]
     shard-to-shard, the third sync switches the workers back to full tensors."""
     from megatron_ngrpo.architecture import ArchSpec
     from megatron_ngrpo.conversion.hf_io import HFCheckpoint
-    from megatron_ngrpo.conversion.mapping import export_hf_tensors, load_hf_tensors
+    from megatron_ngrpo.conversion.hf_export import export_hf_tensors
+    from megatron_ngrpo.conversion.hf_import import load_hf_tensors
     from megatron_ngrpo.models.config import ModelConfig
     from megatron_ngrpo.models.provider import build_model
     from megatron_ngrpo.parallel import initialize_model_parallel

@@ -29,18 +29,14 @@ for: the server's facts, the mix records, the neighbour table, HTTP weight pushe
   reports it per response). A slice that fails (connection lost, timeout, server error, stale
   weights) is retried once on the next live server (the failed one is dropped for the rest of
   the run); a second failure is a one-line error naming the server. Every HTTP call has a
-  connect and a request timeout: a dead or hung server never hangs the trainer.
-* ``sync_weights``: a new weight version. The HF-named tensors (the one mapping,
-  ``conversion.mapping.export_hf_tensors``, gathered to rank 0 one parameter at a time) reach
-  every live server in buckets of ``bucket_mb``. ``weight_transfer: http`` (the fallback):
-  safetensors bytes through ``/collective_rpc``, the last bucket loads them (``reload_weights``),
-  then ``/update_weight_version``. ``gloo`` / ``nccl``: vLLM's weight-transfer API, the same
-  trainer engine as the colocated route
-  (:class:`~megatron_ngrpo.rollout.vllm.weight_transfer.WeightSender`, one per server on a thread
-  of its own, all fed by one export, whose client is
-  vLLM's ``HTTPVLLMWeightSyncClient``); the tensors travel over the backend from rank 0 to the
-  server's worker (``transfer_host``: where the servers reach rank 0). With ``verify_weights``
-  each server checks a SHA-256 per tensor (http, gloo).
+  connect and a request timeout (:mod:`~megatron_ngrpo.rollout.remote.http`): a dead or hung
+  server never hangs the trainer.
+* ``sync_weights``: a new weight version, the HF-named tensors pushed to every live server in
+  buckets of ``bucket_mb`` (:mod:`~megatron_ngrpo.rollout.remote.weights`): ``weight_transfer:
+  http`` (the fallback) through ``/collective_rpc``; ``gloo`` / ``nccl`` through vLLM's
+  weight-transfer API, the tensors travelling over the backend from rank 0 to the server's
+  worker (``transfer_host``: where the servers reach rank 0). With ``verify_weights`` each
+  server checks a SHA-256 per tensor (http, gloo).
 * ``set_neighbor_table``: the trainer's table of the current weight version, shipped to every
   server as int32 ``[V, k]`` (≈1.8 MB for a 152k vocabulary with k = 3).
 * ``sleep`` / ``wake_up``: no-ops (the servers' memory is not the trainer's).
@@ -51,9 +47,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import logging
-import queue
-import socket
-import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -63,11 +56,19 @@ import torch
 import torch.distributed as dist
 
 from megatron_ngrpo.architecture import ArchSpec
-from megatron_ngrpo.conversion.mapping import export_hf_tensors
 from megatron_ngrpo.mixing.records import MixRecord
 from megatron_ngrpo.parallel import broadcast_from_rank0, collective_timeout, is_rank0
 from megatron_ngrpo.rollout.config import RemoteConfig
-from megatron_ngrpo.rollout.remote.auth import bearer, read_secret
+from megatron_ngrpo.rollout.remote.auth import read_secret
+from megatron_ngrpo.rollout.remote.http import (
+    CallFailed,
+    RolloutServerError,
+    ServerHTTP,
+    json_object,
+    on_all,
+    short,
+)
+from megatron_ngrpo.rollout.remote.weights import ServerWeights
 from megatron_ngrpo.rollout.types import (
     RolloutBatch,
     RolloutEngine,
@@ -92,18 +93,6 @@ logger = logging.getLogger(__name__)
 INFO_METHOD = "nbr_server_info"
 
 
-class RolloutServerError(RuntimeError):
-    """A rollout server that cannot be used; the message is one line naming it."""
-
-
-class _Failed(Exception):
-    """One failed HTTP call (``retry``: worth another try)."""
-
-    def __init__(self, message: str, retry: bool = True):
-        super().__init__(message)
-        self.retry = retry
-
-
 class RemoteEngine(RolloutEngine):
     """Rollouts on the servers of ``cfg`` for a policy of architecture ``spec``
     (:class:`~megatron_ngrpo.architecture.ArchSpec`) sampling ids ``< num_real_tokens``;
@@ -118,14 +107,12 @@ class RemoteEngine(RolloutEngine):
         self.max_model_len = 0  # the smallest of the servers'
         self.last_sync: dict = {}
         self.servers: list[str] = []
-        self._sessions: dict = {}
-        self._secret = ""  # the job's shared secret (rank 0, read at start-up)
-        self._senders: dict = {}  # url → WeightSender (weight_transfer gloo / nccl)
-        self._workers: dict[str, int] = {}  # url → the server's vLLM TP (workers of one transfer)
         self._noise: dict[str, tuple] = {}  # url → (weight version, STHT noise scale) it holds
         self._table_width: int | None = None  # k of the neighbour table the servers were sent
         multi = dist.is_initialized() and dist.get_world_size() > 1
         self.group = dist.new_group(backend="gloo", timeout=collective_timeout()) if multi else None
+        self.http = ServerHTTP(cfg)  # the job's shared secret set by rank 0 at start-up
+        self.weights = ServerWeights(cfg, spec, self.http, self.group)
         error, start = None, None
         if is_rank0():
             try:
@@ -150,7 +137,7 @@ class RemoteEngine(RolloutEngine):
         """The checked servers' URLs, the newest weight version among them, the smallest
         ``max_model_len``."""
         try:
-            self._secret = read_secret(self.cfg.secret_file, self.cfg.url_dir)
+            self.http.secret = read_secret(self.cfg.secret_file, self.cfg.url_dir)
         except ValueError as e:
             raise RolloutServerError(str(e)) from None
         deadline = time.monotonic() + self.cfg.start_timeout_s
@@ -158,7 +145,7 @@ class RemoteEngine(RolloutEngine):
         infos = [self._info(url, deadline) for url in urls]
         for url, info in zip(urls, infos):
             self.check(url, info)
-            self._workers[url] = int(info.get("tensor_parallel", 1))
+            self.weights.workers[url] = int(info.get("tensor_parallel", 1))
         return urls, max(i["weight_version"] for i in infos), min(i["max_model_len"] for i in infos)
 
     def _registered(self, deadline: float) -> list[str]:
@@ -181,12 +168,12 @@ class RemoteEngine(RolloutEngine):
         hook is not installed yet (still starting)."""
         while True:
             try:
-                r = self._session(url).get(f"{url}/version", timeout=self._timeouts())
+                r = self.http.session(url).get(f"{url}/version", timeout=self.http.timeouts())
             except OSError as e:
                 if time.monotonic() > deadline:
                     raise RolloutServerError(
                         f"rollout server {url}: unreachable after "
-                        f"{self.cfg.start_timeout_s:g} s ({_short(e)})"
+                        f"{self.cfg.start_timeout_s:g} s ({short(e)})"
                     ) from None
                 time.sleep(0.5)
                 continue
@@ -195,15 +182,15 @@ class RemoteEngine(RolloutEngine):
                     f"rollout server {url}: refused the job's shared secret (HTTP 401): "
                     f"the servers were started with another one"
                 )
-            found = _json(r).get("version") if r.status_code == 200 else None
+            found = json_object(r).get("version") if r.status_code == 200 else None
             if not isinstance(found, str):
                 raise RolloutServerError(
                     f"rollout server {url}: not a vLLM server (GET /version: HTTP "
                     f"{r.status_code}); start `python -m megatron_ngrpo.rollout.remote.server`"
                 )
             try:
-                info = self._rpc(url, INFO_METHOD)
-            except _Failed as e:
+                info = self.http.rpc(url, INFO_METHOD)
+            except CallFailed as e:
                 raise RolloutServerError(
                     f"rollout server {url}: vLLM {found} without the rollout worker extension, so no "
                     f"mixing hook (POST /collective_rpc: {e}); start `python -m megatron_ngrpo.rollout.remote.server`"
@@ -212,8 +199,8 @@ class RemoteEngine(RolloutEngine):
                 time.sleep(0.5)  # the launcher installs the hook once vLLM answers
                 continue
             try:
-                version = self._get(url, "/weight_info")["weight_version"]
-            except _Failed as e:
+                version = self.http.get(url, "/weight_info")["weight_version"]
+            except CallFailed as e:
                 raise RolloutServerError(
                     f"rollout server {url}: GET /weight_info failed: {e}"
                 ) from None
@@ -260,80 +247,6 @@ class RemoteEngine(RolloutEngine):
                     f"rollout server {url}: serves a model with {key} = "
                     f"{info.get(key)}, the trainer's is {value}"
                 )
-
-    # ---- HTTP -------------------------------------------------------------------------------
-    def _timeouts(self) -> tuple[float, float]:
-        return self.cfg.connect_timeout_s, self.cfg.request_timeout_s
-
-    def _session(self, url: str):
-        # lazy: HTTP client of the remote engine only
-        import requests
-
-        if url not in self._sessions:
-            self._sessions[url] = requests.Session()
-            self._sessions[url].headers.update(bearer(self._secret))
-        return self._sessions[url]
-
-    def _post(self, url: str, route: str, **kwargs) -> dict:
-        """One POST; raises :class:`_Failed` with a short reason."""
-        return self._call("post", url, route, **kwargs)
-
-    def _get(self, url: str, route: str) -> dict:
-        return self._call("get", url, route)
-
-    def _call(self, method: str, url: str, route: str, **kwargs) -> dict:
-        # lazy: HTTP client of the remote engine only
-        import requests
-
-        try:
-            r = getattr(self._session(url), method)(
-                f"{url}{route}", timeout=self._timeouts(), **kwargs
-            )
-        except requests.Timeout:
-            raise _Failed(
-                f"no answer within {self.cfg.request_timeout_s:g} s "
-                f"(rollout.remote.request_timeout_s)"
-            ) from None
-        except OSError as e:
-            raise _Failed(_short(e)) from None
-        if r.status_code != 200:
-            body = _json(r)
-            reason = body.get("error", body.get("detail", r.text))
-            if isinstance(reason, dict):  # vLLM's ErrorResponse
-                reason = reason.get("message", reason)
-            # A bad request fails the same way everywhere; a server error may pass on another try.
-            raise _Failed(f"HTTP {r.status_code}: {_short(reason)}", retry=r.status_code >= 500)
-        return _json(r)
-
-    def _rpc(self, url: str, method: str, *args) -> object:
-        """``collective_rpc(method, *args)`` on the server's workers (string arguments); the
-        first worker's result (every worker of a TP group runs it)."""
-        answer = self._post(
-            url, "/collective_rpc", json={"method": method, "args": [str(a) for a in args]}
-        )
-        return answer["results"][0]
-
-    def _on_all(self, what: str, fn) -> list:
-        """``fn(url)`` for every live server concurrently, each retried once; one-line error
-        (naming the server and ``what``) otherwise."""
-
-        def call(url):
-            try:
-                return fn(url)
-            except _Failed as first:
-                if not first.retry:
-                    raise RolloutServerError(
-                        f"rollout server {url}: {what} failed: {first}"
-                    ) from None
-                try:
-                    return fn(url)
-                except _Failed as e:
-                    raise RolloutServerError(
-                        f"rollout server {url}: {what} failed twice: {e}"
-                    ) from None
-
-        with ThreadPoolExecutor(len(self.servers)) as pool:
-            return list(pool.map(call, self.servers))
 
     # ---- RolloutEngine ----------------------------------------------------------------------
     def generate(
@@ -407,7 +320,7 @@ class RemoteEngine(RolloutEngine):
             url = servers[i]
             try:
                 return self._generate_on(url, p, k, params, mixing)
-            except _Failed as first:
+            except CallFailed as first:
                 if not first.retry:
                     raise RolloutServerError(
                         f"rollout server {url}: generate failed: {first}"
@@ -421,7 +334,7 @@ class RemoteEngine(RolloutEngine):
                 )
                 try:
                     return self._generate_on(retry, p, k, params, mixing)
-                except _Failed as e:
+                except CallFailed as e:
                     after = "twice" if retry == url else f"after {url} failed ({first})"
                     raise RolloutServerError(
                         f"rollout server {retry}: generate failed {after}: {e}"
@@ -432,7 +345,7 @@ class RemoteEngine(RolloutEngine):
 
     def _generate_on(self, url: str, prompts, keys, params: SamplingParams, mixing) -> RolloutBatch:
         """One request per prompt on ``url`` (concurrently: vLLM batches them), then the call's
-        mix records; raises :class:`_Failed`."""
+        mix records; raises :class:`CallFailed`."""
         call = uuid.uuid4().hex
         stop_ids = []
         if mixing is not None:
@@ -442,7 +355,7 @@ class RemoteEngine(RolloutEngine):
                 self.version,
                 mixing.noise_scale,
             ):
-                self._rpc(url, "nbr_server_set_noise", mixing.noise_scale)
+                self.http.rpc(url, "nbr_server_set_noise", mixing.noise_scale)
                 self._noise[url] = (self.version, mixing.noise_scale)
 
         def one(i):
@@ -454,7 +367,7 @@ class RemoteEngine(RolloutEngine):
             options = sampling_options(
                 params, min(params.max_new_tokens, self.max_model_len - len(prompts[i])), extra
             )
-            return self._post(
+            return self.http.post(
                 url,
                 "/inference/v1/generate",
                 json={
@@ -467,19 +380,19 @@ class RemoteEngine(RolloutEngine):
         try:
             with ThreadPoolExecutor(min(len(prompts), _MAX_REQUESTS)) as pool:
                 answers = list(pool.map(one, range(len(prompts))))
-        except _Failed:
+        except CallFailed:
             if mixing is not None:  # the hook forgets this call's requests (best effort: the
-                with contextlib.suppress(_Failed):  # server may be gone); the slice is retried
-                    self._rpc(url, "nbr_mix_pop", call)
+                with contextlib.suppress(CallFailed):  # server may be gone); the slice is retried
+                    self.http.rpc(url, "nbr_mix_pop", call)
             raise
         # Records lost here would be replayed as plain tokens: a failed pop fails the slice.
-        records = self._rpc(url, "nbr_mix_pop", call) if mixing is not None else {}
+        records = self.http.rpc(url, "nbr_mix_pop", call) if mixing is not None else {}
         return self._batch(
             prompts, params.n, answers, records, mixing.k if mixing is not None else 1
         )
 
     def _batch(self, prompts, n: int, answers: list[dict], records: dict, k: int) -> RolloutBatch:
-        """The batch of one server's answers; :class:`_Failed` (retried) when a response did not
+        """The batch of one server's answers; :class:`CallFailed` (retried) when a response did not
         finish normally or a token was sampled from another weight version than the trainer's
         current one."""
         want = "default" if self.version < 0 else str(self.version)
@@ -487,12 +400,12 @@ class RemoteEngine(RolloutEngine):
         for i, answer in enumerate(answers):
             for c in sorted(answer["choices"], key=lambda c: c["index"]):
                 if c["finish_reason"] not in ("stop", "length"):
-                    raise _Failed(
+                    raise CallFailed(
                         f"prompt {i}, sample {c['index']}: vLLM finished with {c['finish_reason']!r}"
                     )
                 stale = {span["version"] for span in c.get("weight_versions") or []} - {want}
                 if stale:
-                    raise _Failed(
+                    raise CallFailed(
                         f"sampled with weight version {sorted(stale)}, the trainer's is {want}"
                     )
                 prompt_ids.append(list(prompts[i]))
@@ -510,121 +423,9 @@ class RemoteEngine(RolloutEngine):
 
     def sync_weights(self, model_chunks) -> None:
         """Push the trainer's weights to every live server as weight version ``self.version + 1``
-        (collective: every rank drives the export; rank 0 sends)."""
-
+        (collective: every rank drives the export; rank 0 sends; rollout/remote/weights.py)."""
         self.version += 1
-        if self.cfg.weight_transfer != "http":
-            self._transfer_weights(model_chunks)
-            return
-        t0 = time.perf_counter()
-        limit, bucket, size, index = self.cfg.bucket_mb * 2**20, [], 0, 0
-        stats = {"num_params": 0, "bytes": 0, "tensors": 0, "verified": 0, "load_seconds": 0.0}
-        error = None
-
-        def push(named, last):
-            data = base64.b64encode(wire.pack_tensors(named, self.cfg.verify_weights)).decode()
-            t = time.perf_counter()
-            answers = self._on_all(
-                "weight push",
-                lambda url: self._rpc(url, "nbr_server_receive", data, index, int(last)),
-            )
-            if last:
-                self._on_all(
-                    "weight version",
-                    lambda url: self._post(
-                        url, "/update_weight_version", json={"new_version": str(self.version)}
-                    ),
-                )
-                stats["load_seconds"] = time.perf_counter() - t
-                stats["verified"] = min(a["verified"] for a in answers)
-
-        # Every rank drives the export (collectives inside); only rank 0 receives tensors. After
-        # a failure rank 0 still drains it, then every rank raises the same error.
-        for name, t in export_hf_tensors(model_chunks, self.spec, rank0_only=True):
-            stats["tensors"] += 1
-            stats["num_params"] += t.numel()
-            stats["bytes"] += t.numel() * t.element_size()
-            if bucket and size + t.numel() * t.element_size() > limit and error is None:
-                try:
-                    push(bucket, last=False)
-                except RolloutServerError as e:
-                    error = str(e)
-                bucket, size, index = [], 0, index + 1
-            if error is None:
-                bucket.append((name, t))
-                size += t.numel() * t.element_size()
-        if is_rank0() and error is None:
-            try:
-                push(bucket, last=True)
-            except RolloutServerError as e:
-                error = str(e)
-        error, stats = broadcast_from_rank0((error, stats), self.group)
-        if error:
-            raise RolloutServerError(error)
-        self.last_sync = {**stats, "buckets": index + 1, "seconds": time.perf_counter() - t0}
-
-    def _transfer_weights(self, model_chunks) -> None:
-        """``sync_weights`` through vLLM's weight-transfer API: one export for all servers (every
-        rank drives it), which rank 0 fans out to one sender thread per live server
-        (:class:`_Fan`); after a failure the others finish, then every rank raises the first
-        one-line error."""
-        # lazy: keeps rollout.remote.client free of vllm at import (start-up)
-        from megatron_ngrpo.rollout.vllm.weight_transfer import MegatronSource
-
-        t0 = time.perf_counter()
-        layout = MegatronSource(model_chunks, self.spec).metadata()  # vLLM's engines read it
-        export = export_hf_tensors(model_chunks, self.spec, rank0_only=True)
-        stats, error = {}, None
-        if is_rank0():
-            fans = [_Fan(url, self._sender(url), layout) for url in self.servers]
-            for item in export:
-                for fan in fans:
-                    fan.put(item)
-            for fan in fans:
-                fan.close()
-                if fan.error is None:
-                    stats = fan.stats
-                elif error is None:
-                    self._senders.pop(fan.url).close()
-                    e = fan.error
-                    error = (
-                        e
-                        if isinstance(e, RolloutServerError)
-                        else f"rollout server {fan.url}: weight transfer failed: {_short(e)}"
-                    )
-        else:
-            for _ in export:  # the other ranks' share of the collectives
-                pass
-        error, stats = broadcast_from_rank0((str(error) if error else None, stats), self.group)
-        if error:
-            raise RolloutServerError(error)
-        verified = stats["tensors"] if self.cfg.verify_weights else 0
-        self.last_sync = {
-            "num_params": stats["params"],
-            "bytes": stats["bytes"],
-            "tensors": stats["tensors"],
-            "verified": verified,
-            "buckets": stats.get("buckets", 0),
-            "load_seconds": stats["seconds"],
-            "seconds": time.perf_counter() - t0,
-        }
-
-    def _sender(self, url: str):
-        """The :class:`~megatron_ngrpo.rollout.vllm.weight_transfer.WeightSender` of server ``url``
-        (rank 0; built on its first sync)."""
-        # lazy: weight_transfer imports vllm (heavy), only for the gloo / nccl routes
-        from megatron_ngrpo.rollout.vllm.weight_transfer import WeightSender
-
-        if url not in self._senders:
-            self._senders[url] = WeightSender(
-                _server_weight_client(self, url),
-                self.cfg.weight_transfer,
-                self.cfg.bucket_mb * 2**20,
-                self.cfg.verify_weights,
-                num_workers=self._workers.get(url, 1),
-                host=self.cfg.transfer_host or socket.gethostname(),
-            )
-        return self._senders[url]
+        self.last_sync = self.weights.push(model_chunks, self.servers, self.version)
 
     def set_neighbor_table(self, table: torch.Tensor | None) -> None:
         """Ship the trainer's ``[V, k]`` table of the current weight version to every server (None:
@@ -636,9 +437,10 @@ class RemoteEngine(RolloutEngine):
         if is_rank0():
             data = base64.b64encode(wire.pack_tensors([("table", table.to(torch.int32))])).decode()
             try:
-                self._on_all(
+                on_all(
+                    self.servers,
                     "neighbour table",
-                    lambda url: self._rpc(url, "nbr_server_set_table", data, self.version),
+                    lambda url: self.http.rpc(url, "nbr_server_set_table", data, self.version),
                 )
             except RolloutServerError as e:
                 error = str(e)
@@ -648,98 +450,9 @@ class RemoteEngine(RolloutEngine):
         self._table_width = int(table.shape[1])
 
     def close(self) -> None:
-        for sender in self._senders.values():
-            sender.close()
-        self._senders = {}
-        for s in self._sessions.values():
-            s.close()
-        self._sessions = {}
+        self.weights.close()
+        self.http.close()
 
 
 # Concurrent requests per server and generate call (vLLM queues what its batch cannot take).
 _MAX_REQUESTS = 64
-
-
-def _server_weight_client(engine: RemoteEngine, url: str):
-    """vLLM's ``HTTPVLLMWeightSyncClient`` for ``url`` with the rollout client's timeouts, one-line
-    errors naming the server, and the trainer's weight version at ``finish``."""
-    # lazy: vLLM is an optional extra (heavy import)
-    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-
-    class Client(HTTPVLLMWeightSyncClient):
-        def _post(self, path: str, json: dict | None = None) -> None:
-            try:
-                engine._post(url, f"/{path}", json=json)
-            except _Failed as e:
-                raise RolloutServerError(
-                    f"rollout server {url}: weight transfer {path} failed: {e}"
-                ) from None
-
-        def finish_weight_update(self, weight_version: str | None = None) -> None:
-            super().finish_weight_update(str(engine.version))
-
-    return Client(url, engine.cfg.request_timeout_s)
-
-
-class _Fan:
-    """One server's share of a fanned-out export: its sender runs on a thread of its own and
-    reads the tensors from a queue of at most ``_FAN_DEPTH`` (references to the export's own
-    tensors: the extra memory is a few tensors plus each sender's bucket, not a model per
-    server). A sender that failed stops reading; :meth:`put` then skips it."""
-
-    def __init__(self, url: str, sender, layout: list):
-        self.url, self.stats, self.error = url, {}, None
-        self.queue: queue.Queue = queue.Queue(_FAN_DEPTH)
-        self.thread = threading.Thread(target=self._run, args=(sender, layout), daemon=True)
-        self.thread.start()
-
-    def _run(self, sender, layout) -> None:
-        try:
-            self.stats = sender.send(_Stream(iter(self.queue.get, None), layout))
-        except Exception as e:  # noqa: BLE001 - reported by the caller
-            self.error = e
-
-    def put(self, item) -> None:
-        while self.thread.is_alive():
-            try:
-                self.queue.put(item, timeout=0.2)
-                return
-            except queue.Full:
-                continue
-
-    def close(self) -> None:
-        self.put(None)
-        self.thread.join()
-
-
-_FAN_DEPTH = 4
-
-
-class _Stream:
-    """A one-pass vLLM ``WeightSource``: rank 0's share of an export (``export_hf_tensors`` with
-    ``rank0_only``, read once by the sender) and the whole model's layout, computed beforehand on
-    every rank (a collective of the PP group)."""
-
-    def __init__(self, named, layout: list):
-        self.named, self.layout = named, layout
-
-    def metadata(self) -> list:
-        return self.layout
-
-    def __iter__(self):
-        return iter(self.named)
-
-
-def _json(r) -> dict:
-    """A response's JSON object, or {} (not JSON, not an object)."""
-    try:
-        body = r.json()
-    except ValueError:
-        return {}
-    return body if isinstance(body, dict) else {}
-
-
-def _short(e) -> str:
-    """One line of an exception or response text, without urllib3's nested reprs."""
-    text = " ".join(str(e).split())
-    return text if len(text) <= 200 else text[:200] + "..."

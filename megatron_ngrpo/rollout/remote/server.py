@@ -12,7 +12,7 @@ process with the settings the hook needs:
   hook's ``nbr_mix_*`` methods plus the server's ``nbr_server_*`` ones), installed by
   ``collective_rpc("nbr_mix_install")`` once the server answers, before it registers;
 * ``--logprobs-mode raw_logits``, prefix caching and async scheduling off, eager mode,
-  ``VLLM_USE_V2_MODEL_RUNNER=0`` (as the colocated engine, rollout/vllm/engine.py);
+  ``VLLM_USE_V2_MODEL_RUNNER=0`` (as the colocated engine, rollout/vllm/llm.py);
 * ``--enable-scale-out`` for the token-in/token-out route ``POST /inference/v1/generate`` (token
   ids in, token ids and log-probs out; ``sampling_params.extra_args`` opts a request into mixing);
 * ``VLLM_SERVER_DEV_MODE=1`` for ``POST /collective_rpc`` (records, neighbour table, HTTP weight
@@ -132,7 +132,19 @@ def vllm_arguments(args, extra: list[str]) -> tuple[list[str], int]:
     check_vllm_version()
     # The middleware and the hook's installer read it from this process's environment.
     os.environ[SECRET_ENV] = read_secret(args.secret_file or "", args.url_dir or "")
-    gpu, tp = torch.cuda.is_available(), args.tensor_parallel_size
+    gpu = torch.cuda.is_available()
+    backend = _weight_transfer_backend(args, gpu)
+    tokenizer = engine_tokenizer(args.tokenizer, args.model)
+    num_real = real_token_count(
+        args.num_real_tokens, ArchSpec.from_hf(args.model).vocab_size, tokenizer
+    )
+    return _serve_arguments(args, gpu, backend, tokenizer) + extra, num_real
+
+
+def _weight_transfer_backend(args, gpu: bool) -> str:
+    """The weight-transfer route (nccl, gloo or none: HTTP pushes only) after the checks of
+    ``--tensor-parallel-size`` against the GPUs and the route."""
+    tp = args.tensor_parallel_size
     if gpu and torch.cuda.device_count() % tp:
         raise RuntimeError(
             f"--tensor-parallel-size {tp} does not divide the {torch.cuda.device_count()} "
@@ -144,10 +156,13 @@ def vllm_arguments(args, extra: list[str]) -> tuple[list[str], int]:
         raise RuntimeError(
             f"--weight-transfer gloo sends to one worker: --tensor-parallel-size {tp} needs nccl"
         )
-    tokenizer = engine_tokenizer(args.tokenizer, args.model)
-    num_real = real_token_count(
-        args.num_real_tokens, ArchSpec.from_hf(args.model).vocab_size, tokenizer
-    )
+    return backend
+
+
+def _serve_arguments(args, gpu: bool, backend: str, tokenizer) -> list[str]:
+    """``vllm serve``'s options: the model, the layout, N-GRPO's worker extension and raw
+    logits, the secret's middleware, the tokenizer, memory, the weight-transfer route."""
+    tp = args.tensor_parallel_size
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if gpu else "float32")
     out = [
         "--model",
@@ -195,7 +210,7 @@ def vllm_arguments(args, extra: list[str]) -> tuple[list[str], int]:
         out += ["--weight-transfer-config", json.dumps({"backend": backend})]
     if not any(Path(args.model).glob("*.safetensors")):
         out += ["--load-format", "dummy"]  # no HF weights: the trainer's first sync fills them
-    return out + extra, num_real
+    return out
 
 
 def install_hook(base: str, num_real_tokens: int, deadline: float, stop: threading.Event) -> str:

@@ -18,7 +18,7 @@
   in its own vocab shard of vLLM's weights (``NeighborLookup`` over vLLM's TP group, cached until
   the next weight load; equal to the table of those weights).
 * ``sync_weights(model_chunks)`` gathers the Megatron shards with HF names
-  (``conversion.mapping.export_hf_tensors``, one parameter at a time) and loads them into the
+  (``conversion.hf_export.export_hf_tensors``, one parameter at a time) and loads them into the
   live engine by ``cfg.weight_transfer``: ``gloo`` / ``ipc`` / ``nccl`` through vLLM's
   weight-transfer API in buckets of ``sync_bucket_mb``
   (:mod:`~megatron_ngrpo.rollout.vllm.weight_transfer`; ``verify_weights``: SHA-256 per tensor on the
@@ -35,14 +35,10 @@
   Megatron engine matches decoded text; they agree when the text is one token, e.g.
   ``"</think>"`` in R1-Distill-Qwen).
 
-Engine settings: prefix caching is off (block hashes see token ids only, so a later prompt could
-reuse KV computed from mixed embeddings), async scheduling is off (the hook reads sampled ids on
-the host every step), and ``VLLM_USE_V2_MODEL_RUNNER=0`` is pinned: on GPU vLLM 0.32 defaults to
-Model Runner V2, which the V1 hook does not patch (V2 route: hook module docstring).
-``VLLM_ENABLE_V1_MULTIPROCESSING`` follows ``VLLMConfig.in_process`` (process-wide environment;
-set it before the first ``vllm.LLM`` of the process). Per-request vLLM seeds are not passed:
-on CPU a seeded request whose prefill is chunked crashes vLLM 0.32 ("CPU Generator does not use
-offset"); ``SamplingParams.seed`` seeds the mixing gate only.
+Engine settings (prefix caching, async scheduling, the model runner, worker processes):
+:mod:`~megatron_ngrpo.rollout.vllm.llm`, which builds the ``vllm.LLM``. Per-request vLLM seeds
+are not passed: on CPU a seeded request whose prefill is chunked crashes vLLM 0.32 ("CPU
+Generator does not use offset"); ``SamplingParams.seed`` seeds the mixing gate only.
 
 GPU weight sync (not run here): ``ipc`` (colocated) and ``nccl`` are vLLM's own engines on the
 same sender as ``gloo``; ``reload`` passes CUDA tensors straight into ``reload_weights``
@@ -65,14 +61,13 @@ from safetensors.torch import save_file
 from megatron_ngrpo import config_loader
 from megatron_ngrpo.architecture import ArchSpec
 from megatron_ngrpo.atomic import atomic_file
+from megatron_ngrpo.conversion.hf_export import export_hf_tensors
 from megatron_ngrpo.conversion.hf_io import HFCheckpoint
-from megatron_ngrpo.conversion.mapping import TPShard, check_tp_shards, export_hf_tensors
 from megatron_ngrpo.data.tokenizer import engine_tokenizer, special_token_ids
 from megatron_ngrpo.mixing.config import MixingConfig
 from megatron_ngrpo.mixing.neighbors import build_neighbor_table, exclusion_mask
 from megatron_ngrpo.mixing.perturbations import NoiseSpec
 from megatron_ngrpo.models.config import real_token_count
-from megatron_ngrpo.parallel import adopt_timeout
 from megatron_ngrpo.rollout.config import VLLMConfig, vllm_max_model_len
 from megatron_ngrpo.rollout.types import (
     RolloutBatch,
@@ -81,13 +76,8 @@ from megatron_ngrpo.rollout.types import (
     active_mixing,
     validate_request,
 )
-from megatron_ngrpo.rollout.vllm.patches import (
-    keep_trainer_process_groups,
-    quiet_expected_vllm_messages,
-    unique_cpu_shm_names,
-)
+from megatron_ngrpo.rollout.vllm.llm import build_llm, tp_shards_for
 from megatron_ngrpo.rollout.vllm.protocol import (
-    check_vllm_version,
     hook_mix_record,
     request_options,
     sampling_options,
@@ -96,7 +86,6 @@ from megatron_ngrpo.rollout.vllm.replicas import generate_on_replicas
 
 logger = logging.getLogger(__name__)
 
-HOOK = "megatron_ngrpo.rollout.vllm.hook.NeighborMixExtension"
 EMBED_NAME = "model.embed_tokens.weight"
 OUTPUT_NAME = "lm_head.weight"
 # MixingConfig fields the table / noise spec depend on.
@@ -161,8 +150,16 @@ class VLLMEngine(RolloutEngine):
         # Colocated in a multi-rank job: one vLLM worker per rank (external_launcher), vLLM TP over
         # consecutive blocks of ranks; every rank builds its engine at the same point.
         self.colocated = dist.is_initialized() and dist.get_world_size() > 1
-        self.llm = self._build(seed)
-        self.tp_shards = self._tp_shard_sync()
+        self.llm = build_llm(
+            self.cfg,
+            self.hf_path,
+            self.tokenizer,
+            self.max_model_len,
+            self.num_real_tokens,
+            self.colocated,
+            seed,
+        )
+        self.tp_shards = tp_shards_for(self.llm, self.spec, self.cfg, self.colocated)
 
     @classmethod
     def from_config(cls, rollout_cfg, model_cfg, **kwargs) -> VLLMEngine:
@@ -171,104 +168,6 @@ class VLLMEngine(RolloutEngine):
         return cls(
             model_cfg.hf_path, rollout_cfg.vllm, num_real_tokens=model_cfg.num_real_tokens, **kwargs
         )
-
-    # ---- construction -----------------------------------------------------------------------
-    def _build(self, seed: int):
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.cfg.in_process else "1"
-        check_vllm_version()
-        # lazy: vLLM is an optional extra (heavy import)
-        from vllm import LLM
-
-        if dist.is_initialized():
-            keep_trainer_process_groups()
-        if self.colocated and not torch.cuda.is_available():
-            unique_cpu_shm_names()
-        tokenizer = self.tokenizer.name_or_path if self.tokenizer is not None else None
-        quiet_expected_vllm_messages(tokenizer if tokenizer != self.hf_path else None)
-        gpu = torch.cuda.is_available()
-        dtype = self.cfg.dtype if self.cfg.dtype != "auto" else ("bfloat16" if gpu else "float32")
-        memory = (
-            {"gpu_memory_utilization": self.cfg.gpu_memory_utilization}
-            if gpu
-            else {"kv_cache_memory_bytes": self.cfg.kv_cache_memory_bytes}
-        )
-        kwargs = dict(
-            model=self.hf_path,
-            tokenizer=tokenizer,
-            skip_tokenizer_init=self.tokenizer is None,
-            dtype=dtype,
-            tensor_parallel_size=self.cfg.tensor_parallel,
-            max_model_len=self.max_model_len,
-            max_num_seqs=self.cfg.max_num_seqs,
-            enforce_eager=self.cfg.enforce_eager,
-            seed=seed,
-            enable_prefix_caching=False,
-            async_scheduling=False,
-            logprobs_mode="raw_logits",
-            worker_extension_cls=HOOK,
-            **memory,
-        )
-        if (
-            self.cfg.quantization
-        ):  # training refuses it (job_config.check_not_run): syncs unverified
-            kwargs["quantization"] = self.cfg.quantization
-        if self.cfg.max_num_batched_tokens is not None:
-            kwargs["max_num_batched_tokens"] = self.cfg.max_num_batched_tokens
-        if self.colocated:
-            kwargs["distributed_executor_backend"] = "external_launcher"
-        if not any(Path(self.hf_path).glob("*.safetensors")):
-            # A policy without HF weights (train.load=random or a Megatron checkpoint): the first
-            # weight sync fills the randomly initialised engine.
-            kwargs["load_format"] = "dummy"
-        if gpu and self.cfg.sleep_level:
-            kwargs["enable_sleep_mode"] = (
-                True  # CPU vLLM refuses sleep mode: sleep()/wake_up() are no-ops there
-            )
-        if self.cfg.weight_transfer != "reload":
-            # lazy: keeps rollout.vllm.engine free of vllm at import (start-up)
-            from megatron_ngrpo.rollout.vllm.weight_transfer import register
-
-            register()
-            kwargs["weight_transfer_config"] = {"backend": self.cfg.weight_transfer}
-        llm = LLM(**kwargs)
-        if self.colocated:
-            adopt_timeout()  # vLLM made its TP / PP / DP groups with torch's default timeout
-        llm.collective_rpc("nbr_mix_install", args=(self.num_real_tokens,))
-        return llm
-
-    def _tp_shard_sync(self):
-        """The :class:`~megatron_ngrpo.conversion.mapping.TPShard` weight syncs hand this rank's
-        vLLM worker where the layouts allow it (shard-to-shard): colocated, a vLLM TP > 1 that
-        divides the trainer's, PP = 1, KV heads divisible by the trainer's TP
-        (``conversion.mapping.check_tp_shards``). Each worker then gets its TP rank's slice of
-        every linear layer (at equal TP over the same ranks, the rank's own slices; else merged
-        from the ranks that hold them) and only the vocabulary matrices are gathered; the
-        workers' linear loaders are switched to take shards. None: every rank loads full
-        tensors gathered over TP."""
-        if not self.colocated or self.cfg.tensor_parallel == 1:
-            return None
-        # lazy: keeps rollout.vllm.engine free of megatron-core at import (start-up)
-        from megatron.core import parallel_state as ps
-
-        # lazy: vLLM is an optional extra (heavy import)
-        from vllm.distributed.parallel_state import get_tp_group
-
-        if not ps.model_parallel_is_initialized() or check_tp_shards(
-            self.spec,
-            ps.get_tensor_model_parallel_world_size(),
-            ps.get_pipeline_model_parallel_world_size(),
-            self.cfg.tensor_parallel,
-        ):
-            return None
-        self.llm.collective_rpc("nbr_load_tp_shards", args=(True,))
-        logger.info(
-            "vLLM weight sync: shard-to-shard, vLLM TP %d from trainer TP %d (vocabulary "
-            "matrices gathered)",
-            self.cfg.tensor_parallel,
-            ps.get_tensor_model_parallel_world_size(),
-        )
-        return TPShard(self.cfg.tensor_parallel, get_tp_group().rank_in_group)
 
     def close(self) -> None:
         """Shut the engine down (frees its worker processes / KV cache); never raises, so a

@@ -60,7 +60,7 @@ from vllm.distributed.weight_transfer.packed_tensor import (
     DEFAULT_PACKED_NUM_BUFFERS,
 )
 
-from megatron_ngrpo.conversion.mapping import export_hf_layout, export_hf_tensors
+from megatron_ngrpo.conversion.hf_export import export_hf_layout, export_hf_tensors
 from megatron_ngrpo.parallel import collective_timeout
 from megatron_ngrpo.rollout.vllm.wire import digest, first_mismatch
 
@@ -76,9 +76,9 @@ class WeightSyncError(RuntimeError):
 
 class MegatronSource(base.WeightSource):
     """This rank's Megatron chunks as a vLLM ``WeightSource``: ``(HF name, full tensor)`` in
-    model order (:func:`~megatron_ngrpo.conversion.mapping.export_hf_tensors`; iterating is a
+    model order (:func:`~megatron_ngrpo.conversion.hf_export.export_hf_tensors`; iterating is a
     collective of the model-parallel group; ``tp_shards``: the linear layers' slices of a
-    :class:`~megatron_ngrpo.conversion.mapping.TPShard`). ``metadata()`` is the HF layout in
+    :class:`~megatron_ngrpo.conversion.hf_export.TPShard`). ``metadata()`` is the HF layout in
     export order."""
 
     def __init__(self, chunks, spec, tp_shards=None):
