@@ -655,6 +655,6 @@ def test_transfer_host_is_where_the_servers_dial_back(task, servers, monkeypatch
     _, urls, _ = servers
     for host in ("", "10.1.2.3"):
         engine = _engine(task, urls=urls[:1], weight_transfer="gloo", transfer_host=host)
-        engine._sender(urls[0])
+        engine.weights._sender(urls[0])
         engine.close()
     assert hosts == [socket.gethostname(), "10.1.2.3"]
