@@ -525,6 +525,30 @@ def test_train_set_filters_long_prompts(r1):
     )
 
 
+def test_dedup_bad_rows_cache_and_split_switches(tmp_path, r1, monkeypatch):
+    """data.max_bad_fraction lets a file with a malformed row in, data.dedup off keeps a repeated
+    problem, data.cache_dir is where `datasets` caches a file, and a hub source's split is the
+    one asked for (the hub's loader recorded, not reached)."""
+    import datasets
+
+    path = tmp_path / "task.jsonl"
+    rows = [{"problem": "What is 1 + 1?", "answer": "2"}] * 2
+    rows += [{"problem": "What is 2 + 2?", "answer": "4"}, {"problem": "no answer"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = [f"train=[{{path: {path}}}]", "decontaminate=[]", f"cache_dir={tmp_path / 'cache'}"]
+    with pytest.raises(DataError, match="1 of 4 rows malformed"):
+        load_train_set(load(DataConfig, overrides=base), r1)
+    lenient = [*base, "max_bad_fraction=0.5"]
+    assert len(load_train_set(load(DataConfig, overrides=lenient), r1)) == 2
+    assert len(load_train_set(load(DataConfig, overrides=[*lenient, "dedup=false"]), r1)) == 3
+    assert list((tmp_path / "cache").iterdir())
+    asked = []
+    hub = lambda *args, **kwargs: asked.append(kwargs) or datasets.Dataset.from_list(rows[:3])  # noqa: E731
+    monkeypatch.setattr(datasets, "load_dataset", hub)
+    cfg = load(DataConfig, overrides=["train=[{path: org/none, split: test}]", "decontaminate=[]"])
+    assert len(load_train_set(cfg, r1)) == 2 and [a["split"] for a in asked] == ["test"]
+
+
 def test_data_config_errors():
     with pytest.raises(ConfigError, match=r"'train\[0\].answer_list'"):
         load(DataConfig, overrides=["train=[{name: aime24, answer_list: all}]"])

@@ -75,7 +75,8 @@ def _tiny_bert(path: Path) -> Path:
 
 def test_local_model_embedder_mean_pools_against_float64(tmp_path):
     path = _tiny_bert(tmp_path / "bert")
-    cfg = load(DRAConfig, overrides=["embedder=local_model", f"model_path={path}"])
+    local = ["embedder=local_model", f"model_path={path}"]
+    cfg = load(DRAConfig, overrides=local)
     emb = text_embedder(cfg)
     assert isinstance(emb, LocalModelEmbedder)
     texts = ["the answer is four", "so we get x", "a b c the answer is five so we get y z"]
@@ -86,6 +87,12 @@ def test_local_model_embedder_mean_pools_against_float64(tmp_path):
         enc = emb.tokenizer(t, return_tensors="pt")
         ref = model64(**enc).last_hidden_state[0].mean(0)
         assert torch.allclose(got[i].double(), ref, atol=1e-5), i
+    # grpo.dra.max_length: each text's first tokens only
+    short = text_embedder(load(DRAConfig, overrides=[*local, "max_length=3"]))(texts)
+    enc = emb.tokenizer(texts[2], truncation=True, max_length=3, return_tensors="pt")
+    ref = model64(**enc).last_hidden_state[0].mean(0)
+    assert torch.allclose(short[2].double(), ref, atol=1e-5)
+    assert not torch.allclose(short[2], got[2], atol=1e-3)
     with pytest.raises(ConfigError, match="'model_path'"):
         load(DRAConfig, overrides=["embedder=local_model", f"model_path={tmp_path}/missing"])
     with pytest.raises(ConfigError, match="'embedder'"):

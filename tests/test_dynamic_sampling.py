@@ -7,6 +7,7 @@ everywhere exhausts the rounds (one-line error, or a logged partial batch)."""
 from __future__ import annotations
 
 import json
+import re
 
 import test_train
 from test_train import _finish, _launch
@@ -65,6 +66,9 @@ def test_exhausted_rounds_error_or_partial(task, tmp_path):
     assert (
         "error: dynamic sampling: 0 groups with differing rewards after 2 generation rounds" in log
     ), log[-3000:]
+    # The ranks exit with status 3 (train.py); torchrun itself exits 1 and names the rank's status.
+    root_cause = log.split("Root Cause (first observed failure):")[-1]
+    assert re.search(r"exitcode\s*:\s*3 ", root_cause), log[-3000:]
 
     part = tmp_path / "part"
     part.mkdir()

@@ -23,7 +23,7 @@ from megatron_ngrpo.grpo.batches import TokenBatch, split_rows
 from megatron_ngrpo.grpo.config import GRPOConfig
 from megatron_ngrpo.grpo.dra import TfidfEmbedder, dra_rewards, similarity
 from megatron_ngrpo.grpo.kl import kl_estimate
-from megatron_ngrpo.grpo.loss import aggregation_weights, policy_loss
+from megatron_ngrpo.grpo.loss import aggregation_weights, micro_batch_loss, policy_loss
 from megatron_ngrpo.grpo.loss_inputs import LossInputs
 from megatron_ngrpo.mixing.embedding import mixing_inputs
 from megatron_ngrpo.mixing.records import MixRecord
@@ -117,6 +117,27 @@ def test_clipped_surrogate_clip_higher_and_dual_clip():
     # A < 0: max(r, 0.8)·|A| capped at c·|A| = 3 (dual clip)
     assert torch.allclose(loss, torch.tensor([[0.8, 1.1, 1.5, 3.0]]))
     assert clipped.tolist() == [[True, False, False, True]]
+    # clip_low 0.5 keeps r = 0.5 unclipped; no dual clip: r·|A| = 5 unbounded
+    cfg = GRPOConfig(clip_low=0.5, clip_high=0.28, dual_clip=None)
+    loss, _, _ = policy_loss(lp, old, torch.tensor([-1.0]), mask, cfg)
+    assert torch.allclose(loss, torch.tensor([[0.5, 1.1, 1.5, 5.0]]))
+
+
+def test_log_ratio_and_k3_clamps_are_the_configs():
+    """micro_batch_loss bounds log π_θ/π_old by grpo.log_ratio_clamp and k3 by grpo.kl_clamp."""
+    lp, mask = torch.tensor([[3.0]]), torch.ones(1, 1, dtype=torch.bool)
+    inputs = LossInputs(
+        old_logprobs=torch.zeros(1, 1),
+        advantages=torch.tensor([1.0]),
+        active=torch.ones(1, dtype=torch.bool),
+        ref_logprobs=torch.tensor([[9.0]]),  # k3 = e^6 - 7 = 396
+        token_weight=torch.ones(1, 1),
+    )
+    for clamp, kl_clamp in ((20.0, 10.0), (1.0, 2.0)):
+        cfg = GRPOConfig(log_ratio_clamp=clamp, kl_clamp=kl_clamp, clip_high=100.0)
+        _, stats = micro_batch_loss(lp, None, inputs, mask, cfg)
+        assert float(stats["ratio_max"]) == pytest.approx(math.exp(min(3.0, clamp)), rel=1e-6)
+        assert float(stats["kl"]) == pytest.approx(kl_clamp)
 
 
 def test_gspo_uses_one_length_normalised_ratio_per_sequence():

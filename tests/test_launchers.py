@@ -334,6 +334,36 @@ def test_launcher_renders_its_golden_sbatch(name, tmp_path, monkeypatch, capsys)
     check_golden(golden, capsys.readouterr().out, home)
 
 
+@pytest.mark.parametrize("name", ["r1-7b", "r1-14b"])
+def test_cluster_options_reach_the_script(name, tmp_path, monkeypatch, capsys):
+    """--time, --mem, --no-exclusive, --rdzv-port and (hetjob) --group-wait, launch.Cluster's
+    fields, in a one-group job's and a hetjob's script (each renders its torchrun its own way),
+    where the golden ones have their defaults."""
+    home = tmp_path / "nemorun_home"
+    monkeypatch.setenv("NEMORUN_HOME", str(home))
+    monkeypatch.setattr(nemo_run.config, "_NEMORUN_HOME", str(home))  # read at its import
+    config = REPO / "configs" / f"ngrpo_{name.replace('-', '_')}.yaml"
+    flags = ["--time", "02:03:04", "--mem", "100G", "--no-exclusive", "--rdzv-port", "23456"]
+    argv = [*GOLDEN_CASES[name], "--config", str(config), "--dryrun", *flags, "--group-wait", "7"]
+    with (tmp_path / "stdin").open("w+") as stdin:  # git packaging reads stdin
+        monkeypatch.setattr("sys.stdin", stdin)
+        assert cli.main(argv) == 0
+    script, golden = capsys.readouterr().out, (GOLDEN / f"{name}.sbatch").read_text()
+    changes = [
+        (re.search(r"#SBATCH --time=\S+", golden).group(0), "#SBATCH --time=02:03:04"),
+        ("#SBATCH --mem=0", "#SBATCH --mem=100G"),
+        (":29500 ", ":23456 "),
+    ]
+    if name == "r1-14b":
+        changes += [
+            ("\nsleep 30\n", "\nsleep 7\n"),  # between the groups' starts
+            ("    sleep 60\n", "    sleep 7\n"),  # the monitor's checks
+        ]
+    for default, flipped in changes:
+        assert default in golden and default not in script and flipped in script, flipped
+    assert "#SBATCH --exclusive" in golden and "#SBATCH --exclusive" not in script
+
+
 def test_torchrun_gets_one_rank_per_gpu():
     """The NeMo-Run trap: one Slurm task per node, torchrun starts 8 ranks (not 1) on it."""
     text = (GOLDEN / "r1-1.5b.sbatch").read_text()

@@ -140,6 +140,7 @@ def test_metrics_split_mixed_and_plain_positions():
         (["mismatch.mode=icepop", "mismatch.lower=3"], "'mismatch.lower' = 3"),
         (["mismatch.mode=icepop", "tis_cap=2"], "'tis_cap' = 2"),
         (["mismatch.mode=mis", "old_logprobs=rollout"], "needs grpo.old_logprobs = recompute"),
+        (["tis_cap=2", "old_logprobs=rollout"], "'tis_cap' = 2.0: corrects π_old (recomputed)"),
     ],
 )
 def test_config_errors(overrides, message):

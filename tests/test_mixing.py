@@ -366,6 +366,18 @@ def test_decide_for_strategy_dispatch():
         assert (dec.noise is not None) == (strategy == "stht")
         if strategy != "gumbel":
             assert torch.equal(dec.anchor, z.argmax(-1)) and torch.equal(dec.ids[:, 0], dec.anchor)
+    # α's temperature: mixing.temperature, else the sampling temperature (0.7 here)
+    for tau in (None, 0.3):
+        dec = P.decide_for_strategy(
+            MixingConfig(strategy="soft_thinking", temperature=tau), z, mixed, **kw
+        )
+        want = torch.softmax(z.gather(1, dec.ids) / (tau or 0.7), -1)
+        assert torch.allclose(dec.weights[mixed], want[mixed], atol=1e-6), tau
+    # gumbel's weights: softmax of the clean z / mixing.gumbel_temperature on its candidates
+    for t in (1.0, 0.25):
+        cfg = MixingConfig(strategy="gumbel", k=3, gumbel_temperature=t)
+        dec = P.decide_for_strategy(cfg, z, mixed, **kw)
+        assert torch.allclose(dec.weights, torch.softmax(z.gather(1, dec.ids) / t, -1), atol=1e-6)
     none = P.decide_for_strategy(MixingConfig(strategy="none"), z, mixed, **kw)
     assert not none.mixed.any() and torch.equal(none.anchor, z.argmax(-1))
     with pytest.raises(ValueError, match="table"):

@@ -265,3 +265,18 @@ def test_plan_table_shows_the_sender_on_rank_0_only(plans):
     assert float(rows[0][1]) == round((static + 16 * 2**30 + 2 * 152_064 * 3584) / 2**30, 1)
     assert {gib for _, gib in rows[1:]} == {f"{m.total / 2**30:.1f}"}
     assert "weight-sync sender 17.0 GiB" in proc.stdout
+
+
+def test_vllm_reserve_follows_gpu_memory_utilization():
+    """rollout.vllm.gpu_memory_utilization: the colocated engine's share of each GPU in the plan
+    (r1-7b's config gives 0.4)."""
+    assert (
+        plan.recipe_config(
+            recipes.get("r1-7b"), 2, (TOKENIZER,)
+        ).rollout.vllm.gpu_memory_utilization
+        == 0.4
+    )
+    proc = run_plan("r1-7b", "--nodes", "2", TOKENIZER, "rollout.vllm.gpu_memory_utilization=0.3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reserved = 0.3 * plan.memory.H100_BYTES / plan.memory.GIB
+    assert f"+ vLLM reserved {reserved:.1f} GiB =" in proc.stdout, proc.stdout

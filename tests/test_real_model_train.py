@@ -20,6 +20,7 @@ from megatron_ngrpo.conversion.hf_io import HFCheckpoint
 from megatron_ngrpo.data.templates import TemplateConfig, encode_prompt
 from megatron_ngrpo.eval.runner import load_benchmarks, prompt_message
 from megatron_ngrpo.parallel import free_port
+from tests.support.probed_eval import TIMEOUTS_VAR
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "smollm2_135m.yaml"
@@ -125,7 +126,7 @@ def test_eval_cli_scores_the_run_and_hf_export_generates_the_same(runs, real_mod
     cmd = [
         sys.executable,
         "-m",
-        "megatron_ngrpo.eval",
+        "tests.support.probed_eval",  # the eval CLI, then its process groups' timeouts
         "--config",
         str(EVAL_CONFIG),
         f"checkpoint={run}",
@@ -136,11 +137,14 @@ def test_eval_cli_scores_the_run_and_hf_export_generates_the_same(runs, real_mod
         "sampling.max_new_tokens=24",
         "ks=[1]",
         f"output_dir={out}",
+        "dist_timeout_s=97",
     ]
-    r = subprocess.run(
-        cmd, cwd=REPO, env=env_for(real_model), capture_output=True, text=True, timeout=900
-    )
+    timeouts = tmp_path / "timeouts"
+    env = {**env_for(real_model), TIMEOUTS_VAR: str(timeouts)}
+    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-5000:])
+    groups = json.loads(Path(f"{timeouts}.0.json").read_text())
+    assert len(groups) >= 4 and set(groups.values()) == {97.0}, groups  # eval's dist_timeout_s
     summary = json.loads((out / "results.json").read_text())
     assert "heldout" in json.dumps(summary)
     (gens,) = (out / "generations").glob("*.jsonl")

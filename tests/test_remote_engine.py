@@ -599,3 +599,63 @@ def test_server_killed_during_weight_transfer_is_one_line(task, tmp_path, monkey
             and time.monotonic() - t0 < 60
         ), error
         engine.close()
+
+
+def test_connect_timeout_bounds_each_connection_attempt(task):
+    """rollout.remote.connect_timeout_s: a server whose listen queue is full never answers the
+    connection; the first attempt gives up after the connect timeout, not the request timeout."""
+    import socket
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(0)
+    port = server.getsockname()[1]
+    queued = []
+    for _ in range(3):  # fill the queue: later connections wait for a SYN answer
+        c = socket.socket()
+        c.setblocking(False)
+        c.connect_ex(("127.0.0.1", port))
+        queued.append(c)
+    time.sleep(0.2)
+    try:
+        took = {}
+        for connect in (0.2, 3.0):
+            start = time.monotonic()
+            _one_line_error(
+                r"unreachable after 0.01 s \(.*ConnectTimeout",
+                _engine,
+                task,
+                urls=[f"http://127.0.0.1:{port}"],
+                start_timeout_s=0.01,
+                connect_timeout_s=connect,
+            )
+            took[connect] = time.monotonic() - start
+        assert took[0.2] < 2.0 <= 3.0 <= took[3.0] < 20, took
+    finally:
+        for c in (*queued, server):
+            c.close()
+
+
+def test_transfer_host_is_where_the_servers_dial_back(task, servers, monkeypatch):
+    """rollout.remote.transfer_host: the address the gloo/nccl weight sender tells the servers to
+    connect to (default: this host's name). The sender is recorded, not started."""
+    import socket
+
+    from megatron_ngrpo.rollout.vllm import weight_transfer
+
+    hosts = []
+
+    class Sender:
+        def __init__(self, *args, host: str, **kwargs):
+            hosts.append(host)
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(weight_transfer, "WeightSender", Sender)
+    _, urls, _ = servers
+    for host in ("", "10.1.2.3"):
+        engine = _engine(task, urls=urls[:1], weight_transfer="gloo", transfer_host=host)
+        engine.weights._sender(urls[0])
+        engine.close()
+    assert hosts == [socket.gethostname(), "10.1.2.3"]

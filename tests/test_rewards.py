@@ -19,6 +19,7 @@ from megatron_ngrpo.data.datasets import clean_answers
 from megatron_ngrpo.rewards import ChoiceGrader, MathGrader, RewardConfig, build_reward
 from megatron_ngrpo.rewards.equivalence import answers_match, is_parseable
 from megatron_ngrpo.rewards.extract import extract_answer, fallback_answer, last_boxed
+from megatron_ngrpo.rewards.graders import build_grader
 from megatron_ngrpo.rewards.normalize import normalize, numbers_close, to_number, unicode_to_latex
 from megatron_ngrpo.rewards.pool import _REIMPORT_ERROR, GuardedPool
 from megatron_ngrpo.rewards.shaping import format_reward, soft_overlong_penalty
@@ -448,6 +449,55 @@ def test_reward_function_from_config():
         build_reward(
             load(RewardConfig, overrides=["name=mcq", "overlong=soft", "max_response_tokens=4096"])
         )(["Answer: A"], ["A"])
+
+
+def test_grading_fields_reach_the_graders():
+    """build_grader and the reward hand every grading and shaping field of reward.* on: each one
+    flipped changes a score, a shaping term or the worker pool's limits."""
+    items = [
+        (r"first \boxed{4}, then corrected: \boxed{3}", "4"),  # box_rule any
+        ("The final answer is 5", "5"),  # fallback
+        (r"\boxed{5}" + " " * 60, "5"),  # max_response_chars 50
+        ("so we get 18", "18"),  # free_text last_number
+    ]
+    flipped = [
+        "workers=2",
+        "timeout_s=1",
+        "memory_mb=512",
+        "box_rule=any",
+        "fallback=false",
+        "max_response_chars=50",
+    ]
+    with (
+        build_grader(load(RewardConfig, overrides=["workers=1"])) as default,
+        build_grader(load(RewardConfig, overrides=flipped)) as changed,
+        build_grader(load(RewardConfig, overrides=["workers=1", "free_text=last_number"])) as free,
+    ):
+        assert default.score_batch(items) == [0.0, 1.0, 1.0, 0.0]
+        assert changed.score_batch(items) == [1.0, 0.0, 0.0, 0.0]
+        assert free.score_batch(items)[3] == 1.0
+        pool = changed._pool
+        assert (len(default._pool._workers), len(pool._workers)) == (1, 2)
+        start = time.monotonic()
+        assert pool.map(time.sleep, [(60,)], default="x") == ["x"]  # killed after timeout_s
+        assert time.monotonic() - start < 8
+        assert pool.map(bytearray, [(700 * 2**20,)], default="x") == ["x"]  # over memory_mb
+    mcq = [(r"so \boxed{A}", "A"), ("Answer: E", "E")]
+    reference = ["name=mcq", "mcq_mode=reference", "mcq_letters=ABCDE"]
+    assert build_grader(load(RewardConfig, overrides=["name=mcq"])).score_batch(mcq) == [0.0, 0.0]
+    assert build_grader(load(RewardConfig, overrides=reference)).score_batch(mcq) == [1.0, 1.0]
+    shaping = [
+        "name=mcq",
+        "format_weight=1",
+        "format_think_close=</r>",
+        "overlong=soft",
+        "overlong_buffer=10",
+        "max_response_tokens=20",
+        "overlong_weight=2",
+    ]
+    with build_reward(load(RewardConfig, overrides=shaping)) as reward:
+        out = reward(["x</r> \\boxed{A}", "x</think> \\boxed{A}"], ["A", "A"], lengths=[15, 30])
+    assert out.terms == {"format": [1.0, 0.0], "overlong": [-1.0, -2.0]}
 
 
 def test_math_reward_end_to_end():

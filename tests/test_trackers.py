@@ -100,3 +100,34 @@ def test_wandb_and_mlflow_get_the_same_scalars_and_resume_the_same_run(tmp_path,
 def test_tracker_config_errors():
     with pytest.raises(ConfigError, match="'wandb_mode' = 'cloud'"):
         load(TrackersConfig, None, ["wandb_mode=cloud"])
+
+
+def test_run_name_mode_and_mlflow_uri_reach_the_trackers(tmp_path, monkeypatch):
+    """trackers.run_name names both runs (default: the run dir's name), wandb_mode is W&B's mode
+    (online needs its service: W&B's init is recorded instead of run), mlflow_uri the store."""
+    import wandb
+    from mlflow.tracking import MlflowClient
+
+    calls = []
+
+    class _Run:
+        id = "fake"
+
+        def define_metric(self, *args, **kwargs):
+            pass
+
+        def finish(self):
+            pass
+
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: calls.append(kwargs) or _Run())
+    store = tmp_path / "elsewhere"
+    named = TrackersConfig(
+        wandb=True, mlflow=True, run_name="named", wandb_mode="online", mlflow_uri=store.as_uri()
+    )
+    for cfg, run_dir in ((TrackersConfig(wandb=True), tmp_path / "a"), (named, tmp_path / "b")):
+        run_dir.mkdir()
+        MetricsWriter(run_dir, tensorboard=False, trackers=cfg).close()
+    assert [(c["name"], c["mode"]) for c in calls] == [("a", "offline"), ("named", "online")]
+    client = MlflowClient(store.as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("megatron_ngrpo").experiment_id])
+    assert run.info.run_name == "named" and not (tmp_path / "b" / "mlruns").exists()

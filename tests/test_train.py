@@ -19,6 +19,7 @@ from megatron_ngrpo.config_loader import ConfigError
 from megatron_ngrpo.parallel import free_port
 from megatron_ngrpo.training.job_config import load_config
 from tests.harness.checkpoint import written_bytes
+from tests.support.probed_train import GATE_VAR, SaveGatekeeper
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny_test.yaml"
@@ -99,6 +100,12 @@ ERRORS = [
         "'rollout.vllm.max_model_len' = 4096: above the model's max_position_embeddings 64",
     ),
     (["grpo.loss_agg=mean"], 1, "'grpo.loss_agg' = 'mean'"),
+    (
+        ["rollout.max_new_tokens=4"],
+        1,
+        "'reward.overlong_buffer' = 4: the soft overlong penalty's buffer must be shorter than "
+        "the length it counts to (rollout.max_new_tokens = 4)",
+    ),
     (
         ["train.pack_sequences=true", "model.pipeline_parallel=2"],
         2,
@@ -302,7 +309,13 @@ def test_paper_configs_carry_paper_defaults(name):
 
 
 # ---- kill and resume ------------------------------------------------------------------------------
-def _launch(task: Path, run_dir: Path, *overrides: str) -> subprocess.Popen:
+def _launch(
+    task: Path,
+    run_dir: Path,
+    *overrides: str,
+    module: str = "megatron_ngrpo.train",
+    env: dict | None = None,
+) -> subprocess.Popen:
     cmd = [
         sys.executable,
         "-m",
@@ -314,7 +327,7 @@ def _launch(task: Path, run_dir: Path, *overrides: str) -> subprocess.Popen:
         "--master-port",
         str(free_port()),
         "-m",
-        "megatron_ngrpo.train",
+        module,
         "--config",
         str(TINY),
         "--config",
@@ -326,7 +339,7 @@ def _launch(task: Path, run_dir: Path, *overrides: str) -> subprocess.Popen:
     return subprocess.Popen(
         cmd,
         cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
         stdout=log,
         stderr=subprocess.STDOUT,
     )
@@ -377,6 +390,15 @@ def _losses(run_dir: Path) -> list[tuple]:
     return [(r["step"], r["loss"], r["grad_norm"], r["reward/mean"]) for r in rows]
 
 
+def _gated(run_dir: Path) -> tuple[dict, SaveGatekeeper]:
+    """``_launch`` arguments holding the checkpoint writers of a 6-step run with saves every 2
+    steps (tests/support/probed_train.py), and the gatekeeper that opens them."""
+    gate = run_dir.parent / f"{run_dir.name}_gate"
+    gate.mkdir()
+    keeper = SaveGatekeeper(run_dir, gate, saves=[2, 4, 6], last=6)
+    return dict(module="tests.support.probed_train", env={GATE_VAR: str(gate)}), keeper
+
+
 @pytest.mark.parametrize(
     "variant,overrides",
     [
@@ -385,21 +407,43 @@ def _losses(run_dir: Path) -> list[tuple]:
         # TP 2, one-step-off rollouts: the checkpoint holds the in-flight batch and its weights
         ("async", ("train.async.max_staleness=1", "model.tensor_parallel=2")),
         # DP 2, checkpoints written in the background (megatron's async save, published when done)
-        ("async_save", ("train.async_save=true",)),
+        # with the distributed optimizer (the GPU configs' combination); the job's own collective
+        # timeout (its process groups are read by tests/support/probed_train.py)
+        (
+            "async_save",
+            (
+                "train.async_save=true",
+                "optim.distributed_optimizer=true",
+                "train.dist_timeout_s=97",
+            ),
+        ),
     ],
 )
 def test_sigkill_and_resume_is_bit_identical(task, tmp_path, variant, overrides):
     steps = ("train.max_steps=6", "train.save_every=2")
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     straight.mkdir(), killed.mkdir()
-    ref = _launch(task, straight, *steps, *overrides)
-    _finish(ref, straight)
+    # async_save: the first launches hold each save's writers until the next step has run
+    gate = _gated if variant == "async_save" else lambda run: ({}, None)
+    launch_args, keeper = gate(straight)
+    _finish(_launch(task, straight, *steps, *overrides, **launch_args), straight)
+    if keeper is not None:
+        keeper.close()
+        # The step after each save ran while its writers were held: written in the background
+        # (a synchronous save would stall the step until the gatekeeper's patience ran out).
+        assert keeper.overlapped == {2: True, 4: True}, keeper.overlapped
+        for rank in (0, 1):  # every group the job made times out after train.dist_timeout_s
+            timeouts = json.loads((straight / f"group_timeouts.{rank}.json").read_text())
+            assert len(timeouts) >= 8 and set(timeouts.values()) == {97.0}, timeouts
 
-    proc = _launch(task, killed, *steps, *overrides)
+    launch_args, keeper = gate(killed)
+    proc = _launch(task, killed, *steps, *overrides, **launch_args)
     deadline = time.time() + 300
     while _latest(killed) is None and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     _sigkill(proc)
+    if keeper is not None:
+        keeper.close()
     at_kill = _latest(killed)
     assert at_kill in ("iter_0000002", "iter_0000004"), (
         f"kill came too late or too early: latest = {at_kill}"
@@ -419,11 +463,6 @@ def test_sigkill_and_resume_is_bit_identical(task, tmp_path, variant, overrides)
     assert any(k.startswith("optimizer.state.exp_avg.") for k in a)  # both optimizers, model space
     assert _losses(straight) == _losses(killed)
     assert len(list(straight.glob("iter_*"))) == 2  # keep_last
-    if variant == "async_save":
-        assert (
-            "checkpoint iter_0000006: written in the background"
-            in (tmp_path / "killed.log").read_text()
-        )
     if variant != "async":  # DP 2: each rank wrote about half the model and optimizer tensors
         written = written_bytes(killed / "iter_0000006")
         for part in (written["model"], written["optimizer"]):

@@ -414,6 +414,50 @@ def test_greedy_matches_hf(engine, hf_model):
     assert d < TOL, d
 
 
+def test_engine_options_reach_vllm(engine, model_dir):
+    """The fixture's VLLMConfig (not the defaults) as vLLM runs it: its KV cache holds
+    rollout.vllm.kv_cache_memory_bytes (1.2 MB, not 512 MiB), its scheduler takes max_num_seqs
+    and max_num_batched_tokens."""
+    vllm_config = engine.llm.llm_engine.vllm_config
+    sched, cache = vllm_config.scheduler_config, vllm_config.cache_config
+    assert (sched.max_num_seqs, sched.max_num_batched_tokens) == (32, 64)
+    hf = json.loads((model_dir / "config.json").read_text())
+    head_dim = hf["hidden_size"] // hf["num_attention_heads"]
+    per_token = 2 * hf["num_hidden_layers"] * hf["num_key_value_heads"] * head_dim * 4  # fp32 K, V
+    cached = cache.num_gpu_blocks * cache.block_size * per_token
+    assert 0.5 * 1_200_000 < cached <= 1_200_000, (cache.num_gpu_blocks, cache.block_size)
+
+
+def test_worker_process_engine_generates_like_in_process(model_dir, hf_model):
+    """rollout.vllm.in_process false: vLLM's engine core runs in a child process, weights reach
+    it through a file (the reload route), and its greedy output is HF's."""
+    import psutil
+
+    from megatron_ngrpo.conversion.hf_io import HFCheckpoint
+    from megatron_ngrpo.rollout.vllm.engine import VLLMEngine
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    cfg = VLLMConfig(
+        in_process=False, max_model_len=256, kv_cache_memory_bytes=1_200_000, max_num_seqs=32
+    )
+    eng = VLLMEngine(model_dir, cfg, tokenizer=model_dir.parent / "tokenizer")
+    try:
+        assert {p.pid for p in psutil.Process().children(recursive=True)} - before
+        eng.load_weights(list(HFCheckpoint(model_dir).items()))
+        batch = eng.generate(PROMPTS[:4], SamplingParams(n=1, temperature=0.0, max_new_tokens=12))
+    finally:
+        eng.close()
+    for r, prompt in enumerate(PROMPTS[:4]):
+        hf = hf_model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=12,
+            do_sample=False,
+            eos_token_id=1,
+            pad_token_id=1,
+        )[0, len(prompt) :].tolist()
+        assert batch.response_ids[r] == hf, f"prompt {r}"
+
+
 def test_bad_requests(engine):
     params = SamplingParams(max_new_tokens=4)
     with pytest.raises(ValueError, match="prompt 1: empty"):

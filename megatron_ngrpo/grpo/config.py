@@ -82,7 +82,7 @@ class GRPOConfig:
     # engine's "rollout" log-probs.
     old_logprobs: Literal["recompute", "rollout"] = "recompute"
     # Truncated importance sampling: per-token weight min(π_old/π_rollout, tis_cap) (null = off);
-    # short for mismatch.mode = token-tis, mismatch.cap = tis_cap.
+    # short for mismatch.mode = token-tis, mismatch.cap = tis_cap (old_logprobs = recompute only).
     tis_cap: float | None = None
     # Rollout-trainer mismatch corrections (grpo/mismatch.py); its metrics are logged every step
     # with grpo.old_logprobs = recompute.
@@ -110,13 +110,15 @@ class GRPOConfig:
                 self.tis_cap,
                 f"set either tis_cap or mismatch.mode (= {self.mismatch.mode!r}), not both",
             )
-        if self.mismatch.mode != "off" and self.old_logprobs != "recompute":
-            fail(
-                "mismatch.mode",
-                self.mismatch.mode,
-                "corrects π_old (recomputed) against the engine's "
-                "log-probs: needs grpo.old_logprobs = recompute",
-            )
+        # With the engine's log-probs as π_old, ρ = π_old/π_rollout is 1: nothing to correct.
+        for name, value in (("tis_cap", self.tis_cap), ("mismatch.mode", self.mismatch.mode)):
+            if value not in (None, "off") and self.old_logprobs != "recompute":
+                fail(
+                    name,
+                    value,
+                    "corrects π_old (recomputed) against the engine's "
+                    "log-probs: needs grpo.old_logprobs = recompute",
+                )
 
     @property
     def correction(self) -> MismatchConfig:

@@ -70,6 +70,18 @@ class NGRPOConfig:
         if self.mixing.enabled and self.mixing.k > (self.model.num_real_tokens or spec.vocab_size):
             fail("mixing.k", self.mixing.k, "larger than the vocabulary")
         check_vllm_layout(self.rollout, launch_world_size())
+        r = self.reward
+        counted = (
+            "reward.max_response_tokens" if r.max_response_tokens else "rollout.max_new_tokens"
+        )
+        length = r.max_response_tokens or self.rollout.max_new_tokens
+        if r.overlong == "soft" and length <= r.overlong_buffer:
+            fail(
+                "reward.overlong_buffer",
+                r.overlong_buffer,
+                f"the soft overlong penalty's buffer must be shorter than the length it counts to "
+                f"({counted} = {length})",
+            )
         if self.rollout.engine == EngineName.vllm:
             vllm_max_model_len(self.rollout.vllm, spec.max_position_embeddings)
 

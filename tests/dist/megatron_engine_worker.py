@@ -305,6 +305,12 @@ def strategies_replay_tp2_pp2():
         d_train = max_diff(sequence_logprobs(chunks, out, 1.0, 4, vocab_limit=NUM_REAL), out.logprobs)
         assert d_full < 1e-5 and d_train < 1e-5, (strategy, d_full, d_train)
         result[strategy] = dict(mixed=len(out.mixes), d_full=d_full, d_train=d_train)
+        _STATE[strategy] = out
+    # mixing.noise_scale: the same draws (seed, key, position) at twice the scale
+    louder = eng.generate(PROMPTS, params, mixing(0.5, strategy="stht", noise_scale=0.66), keys=[3, 1, 4, 1])
+    first = {(int(s), int(p)): n for s, p, n in zip(_STATE["stht"].mixes.seq, _STATE["stht"].mixes.pos, _STATE["stht"].mixes.noise)}
+    pairs = [(first[(int(s), int(p))], n) for s, p, n in zip(louder.mixes.seq, louder.mixes.pos, louder.mixes.noise) if (int(s), int(p)) in first]
+    assert len(pairs) > 5 and all(torch.allclose(2 * a, b, rtol=1e-5, atol=1e-7) for a, b in pairs)
     return result
 
 

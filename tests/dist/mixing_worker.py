@@ -402,14 +402,15 @@ def _model_case(tp: int, pp: int) -> dict:
         grad = p.grad if p.grad is not None else torch.zeros_like(p)
         errs[name] = _close(grad, ref_grads[name], f"grad of {name}", TOL_GRAD)
 
-    for source in ("input", "output"):
-        cfg = MixingConfig(k=K, neighbor_source=source)
+    for source, metric in (("input", "cosine"), ("output", "cosine"), ("input", "l2")):
+        cfg = MixingConfig(k=K, neighbor_source=source, metric=metric)
         table = neighbor_table_for_model(chunk, cfg, NUM_REAL, special_ids=SPECIAL)
-        key = f"table_{source}"
+        key = f"table_{source}_{metric}"
         if key not in _S:
-            _S[key] = neighbor_table64(ref["emb" if source == "input" else "out"], K, "cosine",
+            _S[key] = neighbor_table64(ref["emb" if source == "input" else "out"], K, metric,
                                        exclusion_mask(PADDED, cfg, NUM_REAL, SPECIAL))
-        assert torch.equal(table, _S[key]), f"neighbour table ({source}) differs at tp={tp} pp={pp}"
+        assert torch.equal(table, _S[key]), f"neighbour table ({source}, {metric}) differs at tp={tp} pp={pp}"
+    assert not torch.equal(_S["table_input_cosine"], _S["table_input_l2"])  # the metric matters here
     return {"compared": len(errs), "max_scaled_err": max(errs.values())}
 
 
