@@ -60,6 +60,10 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "model.num_real_tokens": _t(BATCHES),
     "model.dtype": _t(LAYOUT),
     "model.layer_spec": _t("tests/test_preflight.py::test_modules_follow_the_config"),
+    # The core attention megatron builds (SDPA or unfused) and the plan's s² scores term.
+    "model.attention": _t(
+        "tests/test_attention.py::test_sdpa_attention_is_the_default_and_unfused_selectable"
+    ),
     "model.sequence_parallel": _t(LAYOUT),
     "model.context_parallel": _v(
         "not run by this trainer: anything but 1 is refused wherever a training config is checked "

@@ -49,6 +49,13 @@ PLANS = {
         "rollout.remote.weight_transfer=nccl",
         "rollout.remote.bucket_mb=8192",
     ),
+    "vllm_reserve": (
+        "r1-7b",
+        "--nodes",
+        "2",
+        "tokenizer=deepseek-r1-distill-qwen",
+        "rollout.vllm.gpu_memory_utilization=0.3",
+    ),
 }
 RUN_PLANS = """
 import contextlib, io, json, sys
@@ -267,7 +274,7 @@ def test_plan_table_shows_the_sender_on_rank_0_only(plans):
     assert "weight-sync sender 17.0 GiB" in proc.stdout
 
 
-def test_vllm_reserve_follows_gpu_memory_utilization():
+def test_vllm_reserve_follows_gpu_memory_utilization(plans):
     """rollout.vllm.gpu_memory_utilization: the colocated engine's share of each GPU in the plan
     (r1-7b's config gives 0.4)."""
     assert (
@@ -276,7 +283,7 @@ def test_vllm_reserve_follows_gpu_memory_utilization():
         ).rollout.vllm.gpu_memory_utilization
         == 0.4
     )
-    proc = run_plan("r1-7b", "--nodes", "2", TOKENIZER, "rollout.vllm.gpu_memory_utilization=0.3")
+    proc = plans["vllm_reserve"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     reserved = 0.3 * plan.memory.H100_BYTES / plan.memory.GIB
     assert f"+ vLLM reserved {reserved:.1f} GiB =" in proc.stdout, proc.stdout
