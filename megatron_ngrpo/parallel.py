@@ -69,7 +69,7 @@ def init_distributed(timeout_s: int = DEFAULT_TIMEOUT_S, trace_dir: str | None =
     backend = "nccl" if on_gpu else "gloo"
     if on_gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    if _launched():
+    if launched():
         defaults = {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
         for name, value in defaults.items():
             os.environ.setdefault(name, value)
@@ -94,7 +94,7 @@ def init_distributed(timeout_s: int = DEFAULT_TIMEOUT_S, trace_dir: str | None =
     )
 
 
-def _launched() -> bool:
+def launched() -> bool:
     """Whether the torchrun variables come from a launcher (torchrun, srun, a test harness), not
     from a single-process init of this process or of a parent (they name its port: stale here)."""
     if "RANK" not in os.environ and "MASTER_PORT" not in os.environ:

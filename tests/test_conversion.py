@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_ngrpo.parallel import SINGLE_PROCESS_PORT_VAR
 from tests.harness.multiproc import check, launch
 from tests.harness.tiny import write_tiny_hf
 
@@ -102,7 +103,10 @@ def test_cli_roundtrip_relaunches_under_torchrun(models, tmp_path):
     process group starts."""
     from megatron_ngrpo.conversion.hf_io import HFCheckpoint
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # The variables a single-process init earlier in this pytest process leaves behind (CI's
+    # order): they are ours, not a launcher's, so the CLI must still relaunch under torchrun.
+    stale = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_PORT": "1"}
+    env = {**os.environ, **stale, SINGLE_PROCESS_PORT_VAR: "1", "OMP_NUM_THREADS": "1"}
     src, mdir, hdir = models / "qwen3", tmp_path / "m", tmp_path / "hf"
     run = lambda tool, *args: subprocess.run(  # noqa: E731
         [

@@ -38,9 +38,10 @@ def run(command: str, argv: list[str], nproc: int, fn, **kwargs) -> int:
 
     # lazy: keeps conversion.cli free of torch at import (start-up)
     from megatron_ngrpo.conversion.mapping import ConversionError
-    from megatron_ngrpo.parallel import is_rank0, local_torchrun
+    from megatron_ngrpo.parallel import is_rank0, launched, local_torchrun
 
-    if nproc > 1 and "RANK" not in os.environ:
+    # launched(), not "RANK" in the environment: a parent's single-process init leaves RANK=0 behind
+    if nproc > 1 and not launched():
         cmd = [
             *local_torchrun(nproc),
             "-m",
