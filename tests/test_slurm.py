@@ -17,8 +17,9 @@ all of them).
     rendezvous) with ``rollout.engine=remote``; it finds the server by its registration in the
     job directory and trains 3 steps with mixing through it, replaying the server's log-probs
     within 1e-5. (Slurm 22.05 gives hetjob components distinct nodes: hence the third node.)
-(d) a deliberately failing job (a bad config value for the real trainer) is stopped by the
-    pre-flight step before torchrun, reported FAILED, and the CLI exits non-zero.
+(d) a deliberately failing job (a model folder the cluster lacks) is stopped by the pre-flight
+    step before torchrun, reported FAILED, and the CLI exits non-zero; a bad config value is
+    refused at submission (exit 2, one line), before anything queues.
 """
 
 from __future__ import annotations
@@ -185,7 +186,20 @@ def jobs(cluster, tmp_path_factory):
             "--module",
             TRAIN_MODULE,
             *trainer,
+            # A model folder the cluster lacks: only the node's pre-flight can see that.
+            "--hf-path",
+            str(tmp / "no-model"),
             f"train.run_dir={tmp / 'run-fail'}",
+        ],
+        # A bad value is refused at submission, before the job queues.
+        "refused": [
+            "run",
+            "tiny",
+            "--title",
+            "ngrpo-refused",
+            "--module",
+            TRAIN_MODULE,
+            *trainer,
             "grpo.loss_agg=mean",
         ],
     }
@@ -293,7 +307,7 @@ def test_failed_job_is_reported_and_exits_nonzero(jobs):
     assert "train: FAILED" in out and "did not succeed" in out
     # Refused by the pre-flight step on each node (the batch script's log), torchrun never started.
     sbatch_log = _logs(tmp, "ngrpo-fail", "sbatch_*.out")
-    assert "preflight failed: config field 'grpo.loss_agg' = 'mean'" in sbatch_log, sbatch_log[
+    assert "preflight failed:" in sbatch_log and str(tmp / "no-model") in sbatch_log, sbatch_log[
         -3000:
     ]
     assert "torchrun not started" in sbatch_log and not _logs(
@@ -301,3 +315,9 @@ def test_failed_job_is_reported_and_exits_nonzero(jobs):
     )
     rc, out = start_cli(["status", experiment_id(out)], env, tmp / "status-fail.log").finish()
     assert rc == 1 and "train: FAILED" in out, out[-3000:]
+    rc, out = launches["refused"].finish()
+    assert rc == 2 and out.strip().splitlines()[-1] == (
+        "error: config field 'grpo.loss_agg' = 'mean': expected one of "
+        "('seq-mean-token-mean', 'token-mean', 'seq-mean-token-sum-norm')"
+    ), out[-3000:]
+    assert not (tmp / "nemorun_home" / "experiments" / "ngrpo-refused").exists()
