@@ -46,6 +46,7 @@ def test_both_sides_step_on_the_same_prompts(real_model, tmp_path):
         "--pairs=1",
         "--engines=vllm",
         f"--model={model}",
+        f"--tokenizer={real_model}",  # the tiny folder has weights and config only
         f"--work-dir={tmp_path}",
         f"--out={out}",
     ]
