@@ -85,6 +85,11 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "mixing.exclude_special": _t("tests/test_mixing.py::test_exclusion_mask_from_config"),
     "mixing.exclude_padded": _t("tests/test_mixing.py::test_exclusion_mask_from_config"),
     "mixing.exclude_ids": _t("tests/test_mixing.py::test_exclusion_mask_from_config"),
+    # Both engines: the built-in one on the real model, the vLLM hook in
+    # test_vllm_engine.py::test_special_anchors_stay_unmixed_in_the_hook.
+    "mixing.skip_special_anchors": _t(
+        "tests/test_real_model.py::test_special_anchors_stay_unmixed_in_a_real_rollout"
+    ),
     "mixing.embedding_grad": _t(LIVE + "test_embedding_gradient_and_table_refresh_switches"),
     "mixing.refresh_every": _t(LIVE + "test_embedding_gradient_and_table_refresh_switches"),
     "mixing.neighbor_lookup": _t(ENGINE + "test_on_demand_neighbors_equal_table"),

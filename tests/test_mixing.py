@@ -14,7 +14,7 @@ from megatron_ngrpo.mixing import gemm_cpu as G
 from megatron_ngrpo.mixing import perturbations as P
 from megatron_ngrpo.mixing import topk_certified as T
 from megatron_ngrpo.mixing.config import MixingConfig
-from megatron_ngrpo.mixing.decision import counter_uniform, gate, gate_uniform
+from megatron_ngrpo.mixing.decision import counter_uniform, gate, gate_uniform, id_mask
 from megatron_ngrpo.mixing.neighbors import build_neighbor_table, exclusion_mask
 from tests.harness.multiproc import check, launch
 from tests.harness.records import mix_record
@@ -396,6 +396,40 @@ def test_decide_for_strategy_dispatch():
         )
     with pytest.raises(ValueError, match="k = "):
         P.soft_thinking(z, v + 1, 1.0, mixed, v)
+
+
+def test_special_anchors_stay_unmixed_in_every_strategy():
+    """mixing.skip_special_anchors: a gated row whose anchor is a special id is left unmixed (its
+    STHT noise zero), the other gated rows mix; off (the reference code), every gated row mixes."""
+    v, rows = 20, 6
+    z = torch.randn(rows, v, generator=torch.Generator().manual_seed(0))
+    z[0, 4] = z[3, 17] = 50.0  # argmax: special 4 on gated row 0, real 17 on ungated row 3
+    z[2, 9] = z[1, 11] = z[4, 13] = 50.0  # special 9 on gated row 2; real ids on gated 1 and 4
+    mixed = torch.tensor([True, True, True, False, True, False])
+    special = id_mask([4, 9, 30], v)  # 30: beyond the real ids, ignored
+    assert special.nonzero().flatten().tolist() == [4, 9]
+    kw = dict(
+        temperature=1.0,
+        num_real_tokens=v,
+        table=neighbor_table64(torch.randn(v, 4), 3),
+        noise=P.NoiseSpec(0.1, 4),
+        seed=1,
+        key=torch.arange(rows),
+        position=torch.zeros(rows, dtype=torch.long),
+        special=special,
+    )
+    for strategy in ("neighbor", "soft_thinking", "stht"):
+        on = P.decide_for_strategy(MixingConfig(strategy=strategy), z, mixed, **kw)
+        assert on.mixed.tolist() == [False, True, False, False, True, False], strategy
+        off_cfg = MixingConfig(strategy=strategy, skip_special_anchors=False)
+        off = P.decide_for_strategy(off_cfg, z, mixed, **kw)
+        assert torch.equal(off.mixed, mixed) and torch.equal(off.ids, on.ids), strategy
+        if strategy == "stht":
+            assert (on.noise[[0, 2]] == 0).all() and (on.noise[[1, 4]] != 0).all()
+            assert (off.noise[[0, 2]] != 0).all()
+    # gumbel's anchor is its Gumbel-max sample: skipped where that sample is special
+    dec = P.decide_for_strategy(MixingConfig(strategy="gumbel"), z, mixed, **kw)
+    assert torch.equal(dec.mixed, mixed & ~special[dec.anchor])
 
 
 def _tf32(x: torch.Tensor) -> torch.Tensor:

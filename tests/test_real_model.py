@@ -33,7 +33,12 @@ def results(real_model, tmp_path_factory):
             2,
             timeout=600,
             env=env,
-            only=["logits_tp1pp2", "tied_grad_tp2pp1", "tied_grad_tp1pp2"],
+            only=[
+                "logits_tp1pp2",
+                "tied_grad_tp2pp1",
+                "tied_grad_tp1pp2",
+                "special_anchors_tp1pp2",
+            ],
         ),
     }
 
@@ -64,3 +69,8 @@ def test_tied_matrix_gradient_from_both_uses(results, layout):
     layer; at PP 2 the two stages' copies summed) = float64 transformers within 1e-5 relative."""
     value = check(results, f"tied_grad_{layout}")
     assert value["mixture_rows_nonzero"]
+
+
+def test_special_anchors_stay_unmixed_in_a_real_rollout(results):
+    """mixing.skip_special_anchors on the real model (tests/dist/real_model_worker.py)."""
+    print(check(results, "special_anchors_tp1pp2"))

@@ -369,6 +369,33 @@ def test_stop_after_gate(engine):
     assert gated.texts[1].split()[end - 1 : end + 1] == text.split()
 
 
+def test_special_anchors_stay_unmixed_in_the_hook(engine, monkeypatch):
+    """mixing.skip_special_anchors in the vLLM hook: ids the hook holds as special (here some of a
+    first run's anchors, marked in its state) are never the anchor of a record; each response's
+    first such step is a plain step, the steps before it are unchanged; off, they mix."""
+    params = SamplingParams(n=1, temperature=1.0, max_new_tokens=16, seed=5)
+    prompts = PROMPTS[:4]
+    off = engine.generate(prompts, params, MixingConfig(rate=1.0, k=2, skip_special_anchors=False))
+    runner = engine.llm.collective_rpc(lambda worker: worker.model_runner)[0]
+    special = torch.zeros_like(runner._nm.special)
+    special[SPECIAL] = True
+    anchors = off.mixes.ids[:, 0]
+    special[anchors[off.mixes.pos == 5]] = True  # the anchors of every response's 6th step
+    monkeypatch.setattr(runner._nm, "special", special.to(runner._nm.special.device))
+    on = engine.generate(prompts, params, MixingConfig(rate=1.0, k=2))
+    assert not special[on.mixes.ids[:, 0]].any()
+    for r in range(len(prompts)):
+        mine = off.mixes.seq == r
+        first = int(off.mixes.pos[mine][special[anchors[mine]]].min())
+        got = on.mixes.pos[on.mixes.seq == r].tolist()
+        assert first <= 5 and got[:first] == list(range(first)) and first not in got, (r, got)
+        assert on.response_ids[r][:first] == off.response_ids[r][:first]
+    again = engine.generate(
+        prompts, params, MixingConfig(rate=1.0, k=2, skip_special_anchors=False)
+    )
+    assert torch.equal(again.mixes.ids, off.mixes.ids)  # the marks act only where asked
+
+
 def test_stop_strings_and_ids(engine):
     """Stop strings / stop ids end a mixed response (finish "stop", the stop token included in the
     ids, the string cut from the text); records stay inside the response."""

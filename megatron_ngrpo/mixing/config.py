@@ -44,6 +44,10 @@ class MixingConfig:
     exclude_special: bool = True
     exclude_padded: bool = True
     exclude_ids: list[int] = field(default_factory=list)
+    # A gated step whose anchor is a special/added token (end of turn, EOS) stays unmixed in every
+    # engine (so the replay has no record there): its neighbours carry no meaning. Paper: mixes
+    # reasoning tokens; reference code: mixes every anchor (false).
+    skip_special_anchors: bool = True
     # Gradient into the embedding rows through mixed positions (reference code: probably none).
     embedding_grad: bool = True
     # Recompute the neighbour table every N optimizer steps (0 = only at start).

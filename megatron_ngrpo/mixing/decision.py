@@ -37,6 +37,33 @@ class MixDecision:
     weights: torch.Tensor
     noise: torch.Tensor | None = None
 
+    def select(self, index: torch.Tensor) -> MixDecision:
+        """The decision of rows ``index`` [M] only."""
+        return MixDecision(
+            mixed=self.mixed[index],
+            anchor=self.anchor[index],
+            ids=self.ids[index],
+            weights=self.weights[index],
+            noise=None if self.noise is None else self.noise[index],
+        )
+
+    def unmix_anchors(self, skip: torch.Tensor) -> None:
+        """Leave unmixed the rows whose anchor is flagged in ``skip`` [>= V_real] bool (the
+        special ids: ``mixing.skip_special_anchors``); their noise becomes zero."""
+        keep = ~skip.to(self.anchor.device)[self.anchor]
+        self.mixed = self.mixed & keep
+        if self.noise is not None:
+            self.noise = self.noise * keep.unsqueeze(1).to(self.noise.dtype)
+
+
+def id_mask(ids, num_real_tokens: int, device=None) -> torch.Tensor:
+    """[num_real_tokens] bool, True at the real ids among ``ids`` (special ids → the anchors
+    :meth:`MixDecision.unmix_anchors` skips)."""
+    mask = torch.zeros(num_real_tokens, dtype=torch.bool)
+    real = [i for i in ids if 0 <= i < num_real_tokens]
+    mask[real] = True
+    return mask.to(device) if device is not None else mask
+
 
 # splitmix64 constants as signed int64 (torch has no uint64 arithmetic; int64 wraps alike).
 _M1 = 0xBF58476D1CE4E5B9 - (1 << 64)

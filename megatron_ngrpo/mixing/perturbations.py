@@ -235,6 +235,7 @@ def decide_for_strategy(
     position: torch.Tensor | None = None,
     vocab_start: int = 0,
     tp_group: dist.ProcessGroup | None = None,
+    special: torch.Tensor | None = None,
 ) -> MixDecision:
     """The decision of ``cfg.strategy`` (a :class:`MixingConfig`) for one decode step.
 
@@ -247,16 +248,32 @@ def decide_for_strategy(
         noise: :class:`NoiseSpec` (``stht``).
         seed, key, position: counter of the draws (``stht``, ``gumbel``): key [B] sequence keys,
             position [B] response-token indices — the same ones the gate uses.
+        special: [num_real_tokens] bool, the special ids (:func:`decision.id_mask`): with
+            ``cfg.skip_special_anchors`` a row whose anchor is one stays unmixed.
     Strategy ``none`` returns a decision with no mixed row (anchor = argmax, ids = [anchor]).
     """
     tau = cfg.temperature if cfg.temperature is not None else temperature
     if cfg.strategy in ("neighbor", "none", "soft_thinking"):
-        return _decide_without_draws(
+        dec = _decide_without_draws(
             cfg, logits, mixed, tau, num_real_tokens, table, vocab_start, tp_group
         )
-    return _decide_with_draws(
-        cfg, logits, mixed, tau, num_real_tokens, noise, seed, key, position, vocab_start, tp_group
-    )
+    else:
+        dec = _decide_with_draws(
+            cfg,
+            logits,
+            mixed,
+            tau,
+            num_real_tokens,
+            noise,
+            seed,
+            key,
+            position,
+            vocab_start,
+            tp_group,
+        )
+    if special is not None and cfg.skip_special_anchors:
+        dec.unmix_anchors(special)
+    return dec
 
 
 def _decide_without_draws(

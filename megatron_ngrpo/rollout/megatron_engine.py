@@ -55,7 +55,7 @@ from megatron.core.transformer.utils import set_model_to_sequence_parallel
 
 from megatron_ngrpo.architecture import ArchSpec, unwrap
 from megatron_ngrpo.compat.cpu import device
-from megatron_ngrpo.mixing.decision import anchors
+from megatron_ngrpo.mixing.decision import anchors, id_mask
 from megatron_ngrpo.mixing.embedding import MixBatch, mixing_embedding, mixing_inputs
 from megatron_ngrpo.mixing.neighbors import (
     NeighborLookup,
@@ -144,6 +144,7 @@ class MegatronEngine(RolloutEngine):
         self.eos_token_ids = [int(i) for i in eos_token_ids]
         self.decode = decode
         self.special_ids = [int(i) for i in special_ids]
+        self._special = id_mask(self.special_ids, self.num_real_tokens, device())
         self.max_batch_size = max_batch_size
         self.separate_copy = separate_copy
         self._device = device()
@@ -385,7 +386,7 @@ class MegatronEngine(RolloutEngine):
             producing = (plen[live] <= col) & ~state.done[live]
             packed = None
             if isinstance(aux.get("table"), NeighborLookup):
-                self._ensure_rows(aux["table"], logits, live, producing, col, state)
+                self._ensure_rows(aux["table"], logits, live, producing, col, state, mixing)
             if dist.get_rank() == self._src:
                 packed = self._decide(logits, live, producing, col, state, params, mixing, aux)
             packed = self._broadcast(packed, len(live), mixing.k if mixing is not None else 1)
@@ -474,16 +475,16 @@ class MegatronEngine(RolloutEngine):
         else:
             token = z.argmax(dim=-1)
         packed = torch.zeros(b, 4 + 2 * k, dtype=torch.float64, device=z.device)
-        mixed = torch.zeros(b, dtype=torch.bool)
+        mixed = torch.zeros(b, dtype=torch.bool, device=z.device)
         if mixing is not None:
-            mixed = state.gated(live, producing, t)
-            if bool(mixed.any()):
-                sel = torch.nonzero(mixed).flatten()
+            gated = state.gated(live, producing, t)
+            if bool(gated.any()):
+                sel = torch.nonzero(gated).flatten()
                 rows = sel.to(z.device)
                 dec = decide_for_strategy(
                     mixing,
                     logits[rows],
-                    mixed[sel],
+                    gated[sel],
                     temperature=temp if temp > 0 else 1.0,
                     num_real_tokens=self.num_real_tokens,
                     table=aux.get("table"),
@@ -491,9 +492,11 @@ class MegatronEngine(RolloutEngine):
                     seed=params.seed,
                     key=torch.tensor(state.keys)[live[sel]],
                     position=t[sel],
+                    special=self._special,
                 )
-                if mixing.emit == "anchor":
-                    token[rows] = dec.anchor
+                mixed[rows] = dec.mixed
+                if mixing.emit == "anchor":  # a step left unmixed keeps its sampled token
+                    token[rows] = torch.where(dec.mixed, dec.anchor, token[rows])
                 packed[rows, 4 : 4 + k] = dec.ids.double()
                 packed[rows, 4 + k :] = dec.weights.double()
         packed[:, 0] = token.double()
@@ -501,23 +504,26 @@ class MegatronEngine(RolloutEngine):
             scaled.gather(1, token.unsqueeze(1)).squeeze(1) - torch.logsumexp(scaled, dim=-1)
         ).double()
         finish, mix_stop = self._finish(token.cpu(), live, producing, t, state, params, mixing)
-        mixed &= ~mix_stop
-        packed[:, 2] = mixed.double().to(z.device)
+        mixed &= ~mix_stop.to(z.device)
+        packed[:, 2] = mixed.double()
         packed[:, 3] = finish.double().to(z.device)
         return packed
 
     def _ensure_rows(
-        self, lookup: NeighborLookup, logits, live, producing, col, state: _RowState
+        self, lookup: NeighborLookup, logits, live, producing, col, state: _RowState, mixing
     ) -> None:
         """On-demand neighbours: the decider sends the anchors of this step's gated rows over
-        the model-parallel group (one broadcast of [B] ids, -1 = none) and every rank searches
-        the rows not cached yet (collective over TP, broadcast over PP), so that the decision
-        reads cached rows only."""
+        the model-parallel group (one broadcast of [B] ids, -1 = none; special anchors are -1
+        where the decision skips them) and every rank searches the rows not cached yet
+        (collective over TP, broadcast over PP), so that the decision reads cached rows only."""
         ids = torch.full((len(live),), -1, dtype=torch.long, device=self._device)
         if dist.get_rank() == self._src:
             mixed = state.gated(live, producing, state.column(live, col))
             rows = torch.nonzero(mixed).flatten().to(logits.device)
-            ids[: rows.numel()] = anchors(logits[rows], self.num_real_tokens).to(self._device)
+            found = anchors(logits[rows], self.num_real_tokens).to(self._device)
+            if mixing.skip_special_anchors:
+                found = found.masked_fill(self._special[found], -1)
+            ids[: rows.numel()] = found
         if dist.get_world_size(self.groups.mp) > 1:
             dist.broadcast(ids, src=self._src, group=self.groups.mp)
         lookup.ensure(ids[ids >= 0])

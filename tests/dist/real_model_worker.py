@@ -277,5 +277,35 @@ _tied_grad_case(2, 1)
 _tied_grad_case(1, 2)
 
 
+@case
+def special_anchors_tp1pp2():
+    """One real-model rollout at PP 2 on the built-in engine, every step gated (ρ = 1, on-demand
+    rows): with ``mixing.skip_special_anchors`` (the default) no mixed position has a special
+    anchor; without it the end-of-turn token is mixed like any anchor (issue 37 item 5)."""
+    from megatron_ngrpo.rollout.factory import tokenizer_kwargs
+    from megatron_ngrpo.rollout.megatron_engine import MegatronEngine
+    from megatron_ngrpo.rollout.types import SamplingParams
+
+    chunks, tok = build(1, 2), tokenizer()
+    engine = MegatronEngine(chunks, len(tok), **tokenizer_kwargs(tok))
+    questions = ("What is 2 + 3?", "Name a colour.", "Say hi.", "What is 10 - 4?")
+    texts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                     tokenize=False) for q in questions]
+    prompts = [tok(t, add_special_tokens=False).input_ids for t in texts]
+    params = SamplingParams(n=1, temperature=0.7, max_new_tokens=24, seed=1,
+                            stop_token_ids=[tok.eos_token_id])
+    special = set(special_token_ids(tok))
+    anchors = {}
+    for skip in (False, True):
+        mixing = MixingConfig(rate=1.0, k=3, neighbor_lookup="on_demand", skip_special_anchors=skip)
+        batch = engine.generate(prompts, params, mixing)
+        anchors[skip] = batch.mixes.ids[:, 0].tolist()
+        assert len(anchors[skip]) > 0
+    mixed_special = [tok.convert_ids_to_tokens(a) for a in anchors[False] if a in special]
+    assert mixed_special, "no special anchor met: the rollout cannot tell the option apart"
+    assert not special & set(anchors[True]), anchors[True]
+    return {"special_mixed_without_skip": mixed_special}
+
+
 if __name__ == "__main__":
     run_cases()

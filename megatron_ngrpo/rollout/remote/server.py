@@ -50,7 +50,7 @@ import torch
 
 from megatron_ngrpo.architecture import ArchSpec
 from megatron_ngrpo.atomic import atomic_write
-from megatron_ngrpo.data.tokenizer import engine_tokenizer
+from megatron_ngrpo.data.tokenizer import engine_tokenizer, special_token_ids
 from megatron_ngrpo.models.config import real_token_count
 from megatron_ngrpo.rollout.remote.auth import (
     SECRET_ENV,
@@ -59,7 +59,7 @@ from megatron_ngrpo.rollout.remote.auth import (
     bearer,
     read_secret,
 )
-from megatron_ngrpo.rollout.vllm.protocol import check_vllm_version
+from megatron_ngrpo.rollout.vllm.protocol import HookVocab, check_vllm_version
 
 EXTENSION = "megatron_ngrpo.rollout.remote.server_worker.RolloutServerExtension"
 
@@ -126,9 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def vllm_arguments(args, extra: list[str]) -> tuple[list[str], int]:
-    """vLLM's serve arguments for ``args`` (plus ``extra``, passed through) and the resolved
-    ``num_real_tokens``, after the start-up checks (RuntimeError / ValueError, one line)."""
+def vllm_arguments(args, extra: list[str]) -> tuple[list[str], HookVocab]:
+    """vLLM's serve arguments for ``args`` (plus ``extra``, passed through) and the hook's
+    vocabulary (``num_real_tokens`` resolved, the tokenizer's special ids), after the start-up
+    checks (RuntimeError / ValueError, one line)."""
     check_vllm_version()
     # The middleware and the hook's installer read it from this process's environment.
     os.environ[SECRET_ENV] = read_secret(args.secret_file or "", args.url_dir or "")
@@ -138,7 +139,8 @@ def vllm_arguments(args, extra: list[str]) -> tuple[list[str], int]:
     num_real = real_token_count(
         args.num_real_tokens, ArchSpec.from_hf(args.model).vocab_size, tokenizer
     )
-    return _serve_arguments(args, gpu, backend, tokenizer) + extra, num_real
+    vocab = HookVocab(num_real, tuple(special_token_ids(tokenizer)))
+    return _serve_arguments(args, gpu, backend, tokenizer) + extra, vocab
 
 
 def _weight_transfer_backend(args, gpu: bool) -> str:
@@ -213,7 +215,7 @@ def _serve_arguments(args, gpu: bool, backend: str, tokenizer) -> list[str]:
     return out
 
 
-def install_hook(base: str, num_real_tokens: int, deadline: float, stop: threading.Event) -> str:
+def install_hook(base: str, vocab: HookVocab, deadline: float, stop: threading.Event) -> str:
     """Wait for the server at ``base`` to answer, install the hook on every worker, return the
     runner class ("" when ``stop`` was set first; RuntimeError, one line, when it did not
     install)."""
@@ -235,7 +237,7 @@ def install_hook(base: str, num_real_tokens: int, deadline: float, stop: threadi
         f"{base}/collective_rpc",
         timeout=120,
         headers=bearer(read_secret()),
-        json={"method": "nbr_mix_install", "args": [str(num_real_tokens)]},
+        json={"method": "nbr_mix_install", "args": vocab.install_args()},
     )
     hooks = r.json().get("results") if r.status_code == 200 else None
     if not hooks or not all(str(h).startswith("NeighborMix") for h in hooks):
@@ -246,13 +248,13 @@ def install_hook(base: str, num_real_tokens: int, deadline: float, stop: threadi
     return str(hooks[0])
 
 
-def _start_hook(args, num_real_tokens: int, failed: threading.Event, stop: threading.Event) -> None:
+def _start_hook(args, vocab: HookVocab, failed: threading.Event, stop: threading.Event) -> None:
     """Thread body: install the hook, then register the URL; on failure stop the server."""
     host = "127.0.0.1" if args.host in ("0.0.0.0", "", "::") else args.host
     try:
         hook = install_hook(
             f"http://{host}:{args.port}",
-            num_real_tokens,
+            vocab,
             time.monotonic() + args.start_timeout,
             stop,
         )
@@ -334,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.data_parallel_size > 1:  # later --port / --data-parallel-size override the given ones
         return run_replicas(args, argv)
     try:
-        vllm_argv, num_real = vllm_arguments(args, extra)
+        vllm_argv, vocab = vllm_arguments(args, extra)
     except (RuntimeError, ValueError, OSError) as e:
         print(f"error: rollout server: {_one_line(e)}", file=sys.stderr)
         return 1
@@ -343,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.url_dir:
         Path(args.url_dir).mkdir(parents=True, exist_ok=True)
     failed, stop = threading.Event(), threading.Event()
-    threading.Thread(target=_start_hook, args=(args, num_real, failed, stop), daemon=True).start()
+    threading.Thread(target=_start_hook, args=(args, vocab, failed, stop), daemon=True).start()
     # lazy: vLLM is an optional extra (heavy import)
     from vllm.entrypoints.launchers.api_server.entry import main as serve
 

@@ -124,9 +124,11 @@ class _Request:
 class _MixState:
     """Per-runner state: neighbour table, STHT noise spec, opted-in requests, counters."""
 
-    def __init__(self, device, num_real_tokens: int):
+    def __init__(self, device, num_real_tokens: int, special_ids=()):
         self.device = device
         self.num_real_tokens = num_real_tokens
+        # The special ids (mixing.skip_special_anchors): a gated step anchored there stays plain.
+        self.special = decision.id_mask(special_ids, num_real_tokens, device)
         self.table = None  # [V, k] neighbour table or an on-demand NeighborLookup
         self.noise: NoiseSpec | None = None
         self.requests: dict[str, _Request] = {}
@@ -378,13 +380,15 @@ class NeighborMixRunner:
             temps = temp.tolist()
             for w in gated:
                 groups.setdefault((temps[w[0]], w[1].group), []).append(w)
-        return stop_rows, [
+        decided = (
             self._nm_decide(logits, members, temperature)
             for (temperature, _), members in groups.items()
-        ]
+        )
+        return stop_rows, [g for g in decided if g is not None]
 
-    def _nm_decide(self, logits: torch.Tensor, members, temperature: float) -> _Group:
-        """Decisions of gated rows sharing temperature, seed, emission and strategy settings."""
+    def _nm_decide(self, logits: torch.Tensor, members, temperature: float) -> _Group | None:
+        """Decisions of gated rows sharing temperature, seed, emission and strategy settings;
+        the rows the decision leaves unmixed (special anchors) are plain steps (None: all)."""
         state = self._nm
         r0 = members[0][1]
         rows = torch.tensor([m[0] for m in members], device=logits.device)
@@ -401,7 +405,15 @@ class NeighborMixRunner:
             seed=r0.seed,
             key=[m[1].key for m in members],
             position=[m[2] - m[1].prompt_len for m in members],
+            special=state.special,
         )
+        keep = dec.mixed.tolist()
+        if not all(keep):
+            members = [m for m, mixed in zip(members, keep) if mixed]
+            if not members:
+                return None
+            index = torch.nonzero(dec.mixed).flatten()
+            rows, z, dec = rows[index], z[index], dec.select(index)
         group = _Group(members, rows, dec)
         if r0.emit_anchor and r0.decision.strategy == "neighbor":
             group.rank = 1  # the argmax of z (unused rows are -inf): nothing ranks above it
@@ -448,9 +460,10 @@ class NeighborMixRunner:
 class NeighborMixExtension:
     """vLLM worker extension: ``collective_rpc("nbr_mix_...")`` methods on every worker."""
 
-    def nbr_mix_install(self, num_real_tokens: int) -> str:
+    def nbr_mix_install(self, num_real_tokens: int, special_ids: list[int] | None = None) -> str:
         """Put :class:`NeighborMixRunner` in front of the model runner's class (idempotent).
-        Ids ``>= num_real_tokens`` are never sampled (as in the Megatron engine)."""
+        Ids ``>= num_real_tokens`` are never sampled (as in the Megatron engine); ``special_ids``
+        never anchor a mix where a request asks ``mixing.skip_special_anchors``."""
         runner = self.model_runner
         cfg = runner.vllm_config
         if cfg.parallel_config.pipeline_parallel_size > 1:
@@ -481,7 +494,7 @@ class NeighborMixExtension:
         if not isinstance(runner, NeighborMixRunner):
             cls = type(runner)
             runner.__class__ = type(f"NeighborMix{cls.__name__}", (NeighborMixRunner, cls), {})
-            runner._nm = _MixState(runner.device, int(num_real_tokens))
+            runner._nm = _MixState(runner.device, int(num_real_tokens), special_ids or ())
         return type(runner).__name__
 
     def nbr_mix_set_table(self, table, noise: tuple[float, int] | None = None) -> None:

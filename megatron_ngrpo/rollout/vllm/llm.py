@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from megatron_ngrpo.architecture import ArchSpec
 from megatron_ngrpo.conversion.hf_export import TPShard, check_tp_shards
+from megatron_ngrpo.data.tokenizer import special_token_ids
 from megatron_ngrpo.parallel import adopt_timeout
 from megatron_ngrpo.rollout.config import VLLMConfig
 from megatron_ngrpo.rollout.vllm.patches import (
@@ -27,7 +28,7 @@ from megatron_ngrpo.rollout.vllm.patches import (
     quiet_expected_vllm_messages,
     unique_cpu_shm_names,
 )
-from megatron_ngrpo.rollout.vllm.protocol import check_vllm_version
+from megatron_ngrpo.rollout.vllm.protocol import HookVocab, check_vllm_version
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,8 @@ def build_llm(
     colocated: bool,
     seed: int,
 ):
-    """The ``vllm.LLM`` on ``hf_path`` with the mixing hook installed (``num_real_tokens``);
+    """The ``vllm.LLM`` on ``hf_path`` with the mixing hook installed (``num_real_tokens``, the
+    tokenizer's special ids);
     ``colocated``: one in-process worker per rank of the trainer's job (external launcher)."""
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if cfg.in_process else "1"
@@ -60,7 +62,8 @@ def build_llm(
     llm = LLM(**llm_arguments(cfg, hf_path, tokenizer, max_model_len, colocated, seed))
     if colocated:
         adopt_timeout()  # vLLM made its TP / PP / DP groups with torch's default timeout
-    llm.collective_rpc("nbr_mix_install", args=(num_real_tokens,))
+    vocab = HookVocab(num_real_tokens, tuple(special_token_ids(tokenizer)))
+    llm.collective_rpc("nbr_mix_install", args=tuple(vocab.install_args()))
     return llm
 
 

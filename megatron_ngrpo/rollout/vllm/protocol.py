@@ -122,8 +122,23 @@ PRIVATE_TOUCH_POINTS: tuple[tuple[str, str], ...] = (
 )
 
 OPTION_KEY = "nbr_mix"
+
+
+@dataclasses.dataclass(frozen=True)
+class HookVocab:
+    """What ``nbr_mix_install`` takes: ids ``>= num_real_tokens`` are never sampled;
+    ``special_ids`` never anchor a mix (``mixing.skip_special_anchors``)."""
+
+    num_real_tokens: int
+    special_ids: tuple[int, ...] = ()
+
+    def install_args(self) -> list:
+        """The RPC's arguments (JSON-able: the remote server sends them over HTTP)."""
+        return [self.num_real_tokens, list(self.special_ids)]
+
+
 # MixingConfig fields the per-step decision reads (sent with every request).
-DECISION_FIELDS = ("strategy", "k", "temperature", "gumbel_temperature")
+DECISION_FIELDS = ("strategy", "k", "temperature", "gumbel_temperature", "skip_special_anchors")
 
 
 def supported_vllm(version: str) -> bool:
