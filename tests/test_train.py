@@ -403,7 +403,6 @@ def _gated(run_dir: Path) -> tuple[dict, SaveGatekeeper]:
     "variant,overrides",
     [
         ("adam", ()),  # DP 2, sharded (reshardable) optimizer state
-        ("distopt", ("optim.distributed_optimizer=true",)),  # DP 2, parallel model-space blocks
         # TP 2, one-step-off rollouts: the checkpoint holds the in-flight batch and its weights
         ("async", ("train.async.max_staleness=1", "model.tensor_parallel=2")),
         # DP 2, checkpoints written in the background (megatron's async save, published when done)
