@@ -494,6 +494,34 @@ def _generate_while_killing(engine, victim: subprocess.Popen, prompts) -> tuple[
     return result["out"], time.monotonic() - t0
 
 
+def test_transfer_host_is_where_the_servers_dial_back(task, servers, monkeypatch):
+    """rollout.remote.transfer_host: the address the gloo/nccl weight sender tells the servers to
+    connect to (default: this host's name). The sender is recorded, not started."""
+    import socket
+
+    from megatron_ngrpo.rollout.vllm import weight_transfer
+
+    hosts = []
+
+    class Sender:
+        def __init__(self, *args, host: str, **kwargs):
+            hosts.append(host)
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(weight_transfer, "WeightSender", Sender)
+    _, urls, _ = servers
+    for host in ("", "10.1.2.3"):
+        # before the tests that kill the servers (module order); bounded if they are gone
+        engine = _engine(
+            task, urls=urls[:1], weight_transfer="gloo", transfer_host=host, start_timeout_s=60
+        )
+        engine.weights._sender(urls[0])
+        engine.close()
+    assert hosts == [socket.gethostname(), "10.1.2.3"]
+
+
 def test_killed_servers_retry_then_one_line_error(task, servers):
     from megatron_ngrpo.rollout.remote.client import RolloutServerError
 
@@ -634,28 +662,3 @@ def test_connect_timeout_bounds_each_connection_attempt(task):
     finally:
         for c in (*queued, server):
             c.close()
-
-
-def test_transfer_host_is_where_the_servers_dial_back(task, servers, monkeypatch):
-    """rollout.remote.transfer_host: the address the gloo/nccl weight sender tells the servers to
-    connect to (default: this host's name). The sender is recorded, not started."""
-    import socket
-
-    from megatron_ngrpo.rollout.vllm import weight_transfer
-
-    hosts = []
-
-    class Sender:
-        def __init__(self, *args, host: str, **kwargs):
-            hosts.append(host)
-
-        def close(self) -> None:
-            pass
-
-    monkeypatch.setattr(weight_transfer, "WeightSender", Sender)
-    _, urls, _ = servers
-    for host in ("", "10.1.2.3"):
-        engine = _engine(task, urls=urls[:1], weight_transfer="gloo", transfer_host=host)
-        engine.weights._sender(urls[0])
-        engine.close()
-    assert hosts == [socket.gethostname(), "10.1.2.3"]
