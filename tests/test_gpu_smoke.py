@@ -46,31 +46,26 @@ def test_cpu_mode_runs_two_mixing_grpo_steps(tmp_path):
     assert (tmp_path / "summary.txt").read_text().splitlines()[0].startswith("stage")
 
 
-def test_a_failing_stage_is_a_row_and_the_exit_status(tmp_path):
-    """Without the task (stage skipped) the GRPO stage cannot load its config: a FAIL row naming
-    the reason, the refused stage still runs, exit status 1."""
-    code, rows, out = smoke(tmp_path, "--skip", "env", "task", "preflight", "vllm")
-    refused = [r["detail"] for r in rows if r["stage"] == "refused"]
-    assert any(d.startswith("context parallelism") for d in refused), refused
-    grpo = next(r for r in rows if r["stage"] == "grpo")
-    assert grpo["status"] == "FAIL" and "paths.yaml" in grpo["detail"], grpo
-    assert any(r["stage"] == "refused" and r["status"] != "SKIP" for r in rows), out
-    assert code == 1 and "FAILED: grpo" in out
-
-
 def test_a_missing_te_or_vllm_fails_unless_allowed(tmp_path):
     """TE never imports on CPU; vLLM is made absent here by a package of that name that fails to
-    import, ahead on the path."""
+    import, ahead on the path. The strict run also shows a failing stage as a row: without the
+    task (stage skipped) the GRPO stage cannot load its config, a FAIL row naming the reason; the
+    refused stage still runs; exit status 1."""
     broken = tmp_path / "site" / "vllm"
     broken.mkdir(parents=True)
     (broken / "__init__.py").write_text("raise ImportError('vllm absent (test stub)')\n")
-    only = ("--skip", "task", "preflight", "grpo", "refused")  # env and vllm: no task needed
-    code, rows, out = smoke(tmp_path / "strict", *only, path=str(tmp_path / "site"))
+    code, rows, out = smoke(
+        tmp_path / "strict", "--skip", "task", "preflight", path=str(tmp_path / "site")
+    )
     status = {r["stage"]: (r["status"], r["detail"]) for r in rows}
     assert status["env"][0] == "FAIL" and status["vllm"][0] == "FAIL", out
     assert "transformer_engine.pytorch (allow with --allow-missing te)" in status["env"][1]
     assert "vllm (allow with --allow-missing vllm)" in status["env"][1]
-    assert code == 1 and "all stages passed" not in out
+    assert status["grpo"][0] == "FAIL" and "paths.yaml" in status["grpo"][1], status["grpo"]
+    refused = [r["detail"] for r in rows if r["stage"] == "refused"]
+    assert any(d.startswith("context parallelism") for d in refused), refused
+    assert code == 1 and "all stages passed" not in out and "FAILED: " in out
+    only = ("--skip", "task", "preflight", "grpo", "refused")  # env and vllm: no task needed
     code, rows, out = smoke(
         tmp_path / "allowed", "--allow-missing", "te,vllm", *only, path=str(tmp_path / "site")
     )

@@ -24,7 +24,7 @@ def results(real_model, tmp_path_factory):
         3,
         timeout=900,
         env=env,
-        only=["logits_tp1pp1", "logits_tp3pp1", "roundtrip_tp3", "neighbors_tp1", "neighbors_tp3"],
+        only=["logits_tp1pp1", "logits_tp3pp1", "roundtrip_tp3", "neighbors_tp3"],
     )
     return {
         **three,
@@ -56,7 +56,8 @@ def test_roundtrip_bit_exact(results):
     assert check(results, "roundtrip_tp3") == 272
 
 
-@pytest.mark.parametrize("tp", [1, 3])
+# TP 1 on this embedding: tests/test_neighbor_lookup.py (the full table = float64 at its anchors).
+@pytest.mark.parametrize("tp", [3])
 def test_neighbor_table_equals_brute_force(results, tp):
     value = check(results, f"neighbors_tp{tp}")
     print(tp, value)

@@ -503,8 +503,9 @@ VLLM = ("rollout.engine=vllm", "rollout.vllm.max_model_len=64", "train.max_steps
 def test_colocated_vllm_trains_with_mixing_and_resumes(vllm_task, tmp_path, layout):
     """2 ranks, one in-process vLLM worker each (external_launcher): ≥ 3 steps with mixing; the
     trainer's recomputed log-probs equal the engine's within 1e-5 (so the synced weights and the
-    trainer's neighbour table are the ones vLLM used); a run killed after its first checkpoint
-    resumes to the end."""
+    trainer's neighbour table are the ones vLLM used); at TP 2, a run killed after its first
+    checkpoint resumes to the end (the engines' resume does not depend on the layout: DP 2 runs
+    straight only)."""
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     straight.mkdir(), killed.mkdir()
     _finish(_launch(vllm_task, straight, *VLLM, *layout), straight)
@@ -518,6 +519,8 @@ def test_colocated_vllm_trains_with_mixing_and_resumes(vllm_task, tmp_path, layo
             and r["weight_sync/bytes"] == 4 * r["weight_sync/num_params"]
         )
         assert r["weight_sync/table_seconds"] < 0.05  # the trainer's table is shipped, not rebuilt
+    if "model.tensor_parallel=1" in layout:
+        return
 
     proc = _launch(vllm_task, killed, *VLLM, *layout, "train.save_every=1")
     deadline = time.time() + 300

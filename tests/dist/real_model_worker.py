@@ -190,7 +190,6 @@ def _neighbors_case(tp: int):
     return case(fn)
 
 
-_neighbors_case(1)
 _neighbors_case(3)
 
 
