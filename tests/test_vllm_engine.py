@@ -121,7 +121,9 @@ def max_delta(batch, replayed) -> float:
 
 
 def check_records(batch, mixing, params, keys):
-    """Anchor emitted at mixed positions (paper mode); mixed positions are exactly the gate's."""
+    """Anchor emitted at mixed positions (paper mode); mixed positions are exactly the gate's
+    (every gated step mixes: skip_special_anchors off, whose own test leaves steps out)."""
+    assert not mixing.skip_special_anchors
     batch.validate(VOCAB)
     m = batch.mixes
     assert m.k == mixing.k and not set(m.ids[:, 1:].flatten().tolist()) & set(SPECIAL)
@@ -142,7 +144,7 @@ def test_replay_matches_engine_logprobs(engine, hf_model, rate, emit, temperatur
     """Engine log-probs = exact HF replay of (tokens, records) within 1e-5, under chunked prefill,
     n=2 and preemption; dropping the records breaks the match."""
     before = engine.llm.collective_rpc("nbr_mix_stats")[0]
-    mixing = MixingConfig(rate=rate, emit=emit, k=3)
+    mixing = MixingConfig(rate=rate, emit=emit, k=3, skip_special_anchors=False)
     params = SamplingParams(n=2, temperature=temperature, max_new_tokens=40, seed=11)
     batch = engine.generate(PROMPTS, params, mixing, keys=KEYS)
     stats = engine.llm.collective_rpc("nbr_mix_stats")[0]
@@ -573,7 +575,7 @@ def test_weight_sync_from_megatron(engine, model_dir, hf_model):
         d_old = max_delta(greedy, hf_replay(hf_model, greedy, 1.0))
         assert d_new < TOL and d_old > 1e-2, (d_new, d_old)  # the weights did change
 
-        mixing = MixingConfig(rate=0.3, k=3)
+        mixing = MixingConfig(rate=0.3, k=3, skip_special_anchors=False)
         params = SamplingParams(n=2, temperature=0.8, max_new_tokens=24, seed=2)
         batch = engine.generate(PROMPTS[:10], params, mixing, keys=KEYS[:10])
         check_records(batch, mixing, params, KEYS[:10])
