@@ -407,8 +407,8 @@ class NeighborMixRunner:
             position=[m[2] - m[1].prompt_len for m in members],
             special=state.special,
         )
-        keep = dec.mixed.tolist()
-        if not all(keep):
+        keep = dec.mixed.tolist() if r0.decision.skip_special_anchors else ()
+        if not all(keep):  # one host read, only where the decision can leave rows out
             members = [m for m, mixed in zip(members, keep) if mixed]
             if not members:
                 return None
