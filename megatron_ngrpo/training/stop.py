@@ -27,6 +27,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections import deque
 from datetime import datetime
@@ -90,7 +91,9 @@ class StopControl:
         self.last_step: int | None = None
         self.step_seconds = 0.0
         self._previous = {}
-        if cfg.enabled:
+        # Python installs handlers from the main thread only (a trainer built elsewhere, e.g. in
+        # a benchmark's thread, keeps the deadline but not the signals).
+        if cfg.enabled and threading.current_thread() is threading.main_thread():
             for s in SIGNALS:
                 self._previous[s] = signal.signal(s, self._on_signal)
 

@@ -394,9 +394,7 @@ class Trainer:
         started = time.perf_counter()
         meta = checkpoint_meta(self.cfg.model, config=dataclasses.asdict(self.cfg))
         protect = (self.best["checkpoint"],) if self.best else ()
-        if (
-            self.async_saves is not None
-        ):  # one save in flight at a time: keep_last counts complete ones
+        if self.async_saves is not None:  # one save in flight: keep_last counts complete ones
             self.async_saves.maybe_finalize_async_calls(blocking=True)
         state = {
             "step": self.step,
