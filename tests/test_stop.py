@@ -82,6 +82,8 @@ def test_switched_off_nothing_is_handled(control):
 def test_a_signal_is_a_flag_acted_on_at_the_boundary(group, control):
     c = control()
     assert c.agreed() is None
+    for s in (signal.SIGUSR1, signal.SIGTERM):  # else the kills below would end this test run
+        assert signal.getsignal(s) == c._on_signal
     os.kill(os.getpid(), signal.SIGUSR1)
     os.kill(os.getpid(), signal.SIGTERM)  # the first signal names the stop
     assert c.signal_name == "SIGUSR1" and c.agreed() == "signal:SIGUSR1"
