@@ -67,6 +67,7 @@ def _train(trainer) -> int:
     # lazy: keeps train free of torch at import (start-up)
     import torch.distributed as dist
 
+    # lazy: keeps train free of torch at import (start-up)
     from megatron_ngrpo.training.stop import EXIT_CONTINUE, error_reason
 
     code, reason = 0, "done"

@@ -131,3 +131,33 @@ def test_run_name_mode_and_mlflow_uri_reach_the_trackers(tmp_path, monkeypatch):
     client = MlflowClient(store.as_uri())
     (run,) = client.search_runs([client.get_experiment_by_name("megatron_ngrpo").experiment_id])
     assert run.info.run_name == "named" and not (tmp_path / "b" / "mlruns").exists()
+
+
+def test_a_planned_stop_is_told_to_the_trackers(tmp_path, monkeypatch):
+    """A planned stop (training/stop.py) ends the W&B run cleanly with a ``preempted`` tag and
+    its reason in the summary, the MLflow run KILLED with a ``stop`` tag; a resumed run is
+    RUNNING again."""
+    import wandb
+    from mlflow.tracking import MlflowClient
+
+    class _Run:
+        id, tags, summary, finished = "fake", ("x",), {}, 0
+
+        def define_metric(self, *args, **kwargs):
+            pass
+
+        def finish(self):
+            self.finished += 1
+
+    run = _Run()
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: run)
+    cfg = TrackersConfig(wandb=True, mlflow=True, project="t")
+    MetricsWriter(tmp_path, tensorboard=False, trackers=cfg).close("signal:SIGUSR1")
+    assert run.tags == ("x", "preempted") and run.summary == {"stop": "signal:SIGUSR1"}
+    assert run.finished == 1
+    client = MlflowClient((tmp_path / "mlruns").as_uri())
+    mlflow_run = json.loads((tmp_path / "trackers.json").read_text())["mlflow"]
+    got = client.get_run(mlflow_run)
+    assert got.info.status == "KILLED" and got.data.tags["stop"] == "signal:SIGUSR1"
+    MetricsWriter(tmp_path, tensorboard=False, trackers=cfg)  # resumed, still running
+    assert client.get_run(mlflow_run).info.status == "RUNNING"

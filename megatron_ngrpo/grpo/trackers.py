@@ -120,12 +120,13 @@ class Trackers:
     def close(self, stopped: str | None = None) -> None:
         """End the tracker runs; ``stopped``: a planned stop's reason (training/stop.py), recorded
         as ``stop`` (W&B summary, MLflow tag) with a ``preempted`` W&B tag, the run ending
-        cleanly (W&B exit code 0; MLflow KILLED, RUNNING again when the run resumes)."""
+        cleanly (W&B: finished with exit code 0; MLflow: KILLED, RUNNING again when the run
+        resumes)."""
         if self._wandb is not None:
             if stopped:
                 self._wandb.summary["stop"] = stopped
                 self._wandb.tags = (*(self._wandb.tags or ()), "preempted")
-            self._wandb.finish(exit_code=0)
+            self._wandb.finish()
             self._wandb = None
         if self._mlflow is not None:
             if stopped:
