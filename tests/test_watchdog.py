@@ -110,12 +110,15 @@ def test_verdict_names_the_ranks_behind_the_front(tmp_path):
             pass
         with dogs[0].stage("update", 7):
             report = dogs[0].report(late)
+            # The same verdict whichever rank's deadline expired first: the one behind, here.
+            behind = dogs[1].report(_Open("rollout", 7, 0.0, 60.0, time.time()))
     assert report["line"].startswith(
         "watchdog: stage 'update' at step 7: ranks [1, 2] did not arrive (rank 1 last seen in "
         "'rollout' at step 7, 0 s ago; rank 2 never seen in this job); rank 0's 'update' deadline "
         f"of 120 s expired; stacks in {tmp_path / HANG_DIR} (none from ranks [0, 1, 2])"
     ), report["line"]
     assert report["missing"] == [1, 2] and report["stage"] == "update"
+    assert behind["line"].startswith(report["line"].split("; rank 0's")[0] + "; rank 1's 'rollout'")
     dogs = dogs[:1] + [Watchdog(WatchdogConfig(), 1800, tmp_path, 1, 2, "now")]
     dogs[0]._seq = 0
     with dogs[0].stage("save", 8), dogs[1].stage("save", 8):
