@@ -325,7 +325,7 @@ class Watchdog:
 
     def _fire(self, late: _Open) -> None:
         """This rank's deadline expired: dump, and report unless another rank does."""
-        reason = f"'{late.stage}' at step {late.step} exceeded its {late.deadline:g} s deadline"
+        reason = f"'{late.stage}' at step {late.step} exceeded its {late.deadline:.0f} s deadline"
         try:
             fd = os.open(self._request_path(), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
@@ -371,14 +371,15 @@ class Watchdog:
                 seen.append(
                     f"rank {r} last seen {where} '{b['stage']}' at step {b['step']}, {ago:.0f} s ago"
                 )
-        head = f"watchdog: stage '{front['stage']}' at step {front['step']}: "
+        point = "after stage" if front["state"] == "after" else "stage"
+        head = f"watchdog: {point} '{front['stage']}' at step {front['step']}: "
         if missing:
             head += f"ranks {missing} did not arrive ({'; '.join(seen)}); "
         else:
             head += "every rank arrived (the hang is inside the stage); "
         no_stack = [r for r in range(self.world_size) if not self._has_stack(r)]
         line = (
-            f"{head}rank {self.rank}'s '{late.stage}' deadline of {late.deadline:g} s expired; "
+            f"{head}rank {self.rank}'s '{late.stage}' deadline of {late.deadline:.0f} s expired; "
             f"stacks in {self.dir}" + (f" (none from ranks {no_stack})" if no_stack else "")
         )
         return {
