@@ -137,6 +137,9 @@ from megatron_ngrpo.training.watchdog import Watchdog, WatchdogConfig
 run_dir, rank = Path(sys.argv[1]), int(sys.argv[2])
 dog = Watchdog(WatchdogConfig(rollout_s=30, update_s=2), 1800, run_dir, rank, 2, "job1")
 dog.start()
+peer = run_dir / "hang" / "rank1.json"
+while rank == 0 and '"rollout"' not in (peer.read_text() if peer.exists() else ""):
+    time.sleep(0.05)  # rank 1 is in 'rollout' first (the test's own bound: 60 s)
 with dog.stage("rollout", 7):
     if rank == 1:
         time.sleep(120)  # stuck: rank 0 goes on and waits in 'update'
