@@ -260,6 +260,21 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "train.warmstart.batch_size": _t(WARMSTART),
     "train.warmstart.lr": _t(WARMSTART),
     "train.dist_timeout_s": _t("tests/test_train.py::test_sigkill_and_resume_is_bit_identical"),
+    # The watchdog's deadlines and switch (training/watchdog.py: Deadlines, Watchdog.start).
+    **{
+        f"train.watchdog.{name}": _t("tests/test_watchdog.py::test_deadlines_follow_the_config")
+        for name in (
+            "enabled",
+            "rollout_s",
+            "weight_sync_s",
+            "update_s",
+            "save_s",
+            "validation_s",
+            "first_s",
+            "floor_s",
+            "factor",
+        )
+    },
     "train.async.max_staleness": _t(
         "tests/test_train.py::test_sigkill_and_resume_is_bit_identical"
     ),

@@ -14,6 +14,7 @@ from megatron_ngrpo.config_loader import fail
 from megatron_ngrpo.eval.config import EvalSamplingConfig
 from megatron_ngrpo.grpo.dynamic_sampling import DynamicSamplingConfig
 from megatron_ngrpo.grpo.trackers import TrackersConfig
+from megatron_ngrpo.training.watchdog import WatchdogConfig
 
 
 @dataclass
@@ -153,6 +154,9 @@ class TrainConfig:
     # Seconds a collective waits for the slowest rank (process-group timeout): longer than the
     # longest rollout of one data-parallel group and than a checkpoint save.
     dist_timeout_s: int = 1800
+    # Per-stage deadlines: a hang is explained (stacks, the ranks that did not arrive) and the job
+    # exits 76 before the process-group timeout (training/watchdog.py).
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     # Read and written as ``train.async`` (a Python keyword: config_loader maps ``async_``).
     async_: AsyncConfig = field(default_factory=AsyncConfig)
     # DAPO dynamic sampling: drop uniform-reward groups and refill the batch (grpo/dynamic_sampling.py).
@@ -172,6 +176,7 @@ class TrainConfig:
                 fail(name, getattr(self, name), "must be >= 1")
         if self.dist_timeout_s < 1:
             fail("dist_timeout_s", self.dist_timeout_s, "must be >= 1")
+        self.watchdog.check_below(self.dist_timeout_s)
         for name in ("max_tokens_per_micro_batch", "max_steps", "save_every"):
             if getattr(self, name) < 0:
                 fail(name, getattr(self, name), "must be >= 0")

@@ -72,6 +72,7 @@ from megatron_ngrpo.training.step_metrics import dump_generations, rollout_metri
 from megatron_ngrpo.training.stop import StopControl
 from megatron_ngrpo.training.validation import BEST_FILE, Validator, best_decision
 from megatron_ngrpo.training.warmstart import warm_start_policy
+from megatron_ngrpo.training.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
 WARMSTART_DIR = "warmstart"
@@ -148,6 +149,7 @@ class Trainer:
         if dist.get_rank() == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
+        self.watchdog = Watchdog.for_job(cfg.train.watchdog, cfg.train.dist_timeout_s, self.run_dir)
         self.prompts = PromptBatches(
             self.examples, cfg.train.prompts_per_step, seed=cfg.data.seed, shuffle=cfg.data.shuffle
         )
@@ -200,6 +202,8 @@ class Trainer:
     def _build_stages(self) -> None:
         cfg, t = self.cfg, self.cfg.train
         engine, producer = build_rollouts(cfg, self.chunks, self.tokenizer, t.seed)
+        # Every weight sync (rollout, one-step-off launch, validation) is a watchdog stage.
+        engine.sync_weights = self.watchdog.watched("weight_sync", engine.sync_weights)
         # The most decode positions one weight version serves on a DP rank: auto's cost rule.
         positions = t.prompts_per_step // self.dp_size * cfg.rollout.n * cfg.rollout.max_new_tokens
         mode = resolve_mode(
@@ -300,17 +304,20 @@ class Trainer:
             bar.close()
             self.metrics.close(self.stopped)
             self.rollouts.close()
+            self.watchdog.close()
 
     def train_step(self) -> dict[str, float]:
         """One GRPO step: roll out and score, build the loss inputs, update, report."""
         self.timer.reset()
-        scored = self.rollouts.next(self.step, self.updates, self.total_steps)
-        batch = TokenBatch.from_rollout(scored.rollout, pad_id=self.pad_id, device=self.device)
-        built = self.loss_inputs.build(scored, batch)
-        if self.cfg.train.dump_generations:
-            dump_generations(self.run_dir, self.step, scored, built.inputs)
-        with self.timer("update"):
-            update_metrics = self._update(batch.with_inputs(built.inputs))
+        with self.watchdog.stage("rollout", self.step + 1):
+            scored = self.rollouts.next(self.step, self.updates, self.total_steps)
+        with self.watchdog.stage("update", self.step + 1):  # the loss inputs and the update
+            batch = TokenBatch.from_rollout(scored.rollout, pad_id=self.pad_id, device=self.device)
+            built = self.loss_inputs.build(scored, batch)
+            if self.cfg.train.dump_generations:
+                dump_generations(self.run_dir, self.step, scored, built.inputs)
+            with self.timer("update"):
+                update_metrics = self._update(batch.with_inputs(built.inputs))
         return {
             **scored.metrics,
             **built.metrics,
@@ -362,8 +369,9 @@ class Trainer:
 
     def validate(self) -> dict[str, float]:
         """The validation benchmarks on the current weights (every rank: same metrics)."""
-        self.rollouts.settle()  # the engine is free: an in-flight batch is kept
-        return self.validator.run(self.chunks, self.step, self.updates)
+        with self.watchdog.stage("validation", self.step):
+            self.rollouts.settle()  # the engine is free: an in-flight batch is kept
+            return self.validator.run(self.chunks, self.step, self.updates)
 
     def _keep_if_best(self, metrics: dict) -> bool:
         """Save and remember the checkpoint when mean@n improved; True if it saved. The save is
@@ -404,18 +412,19 @@ class Trainer:
             **self.neighbors.state_dict(),
             "best": self.best,
         }
-        path = save_training_checkpoint(
-            self.run_dir,
-            self.step,
-            self.chunks,
-            meta,
-            self.optimizer,
-            state,
-            self.cfg.train.keep_last,
-            protect,
-            rank_state=self.rollouts.state_dict(),
-            async_queue=None if sync else self.async_saves,
-        )
+        with self.watchdog.stage("save", self.step):
+            path = save_training_checkpoint(
+                self.run_dir,
+                self.step,
+                self.chunks,
+                meta,
+                self.optimizer,
+                state,
+                self.cfg.train.keep_last,
+                protect,
+                rank_state=self.rollouts.state_dict(),
+                async_queue=None if sync else self.async_saves,
+            )
         if self.async_saves is not None and not sync:
             logger.info("checkpoint %s: written in the background", path.name)
         self.saved_step = self.step

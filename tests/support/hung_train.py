@@ -1,0 +1,48 @@
+"""``python -m tests.support.hung_train [arguments of megatron_ngrpo.train]``: the training entry
+point with one rank made to hang inside a collective (tests/test_watchdog.py).
+
+``$NGRPO_HANG_AT`` = ``<rank>:<step>``: at the start of step ``<step>``'s rollout, rank ``<rank>``
+enters a barrier on a gloo group that no other rank joins (every rank creates the group at set-up,
+as groups must be). It blocks inside the collective, in C++ with the GIL released, as a rank whose
+peer died or whose network hangs would; the other ranks go on to their next collective and wait
+for it there. Test-only: the package holds no hook.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+
+HANG_VAR = "NGRPO_HANG_AT"
+
+
+def _hang_in_a_collective(rank: int, step: int) -> None:
+    import torch.distributed as dist
+
+    from megatron_ngrpo.training.rollout_stage import RolloutStage
+    from megatron_ngrpo.training.trainer import Trainer
+
+    init, rollout = Trainer._init_parallel, RolloutStage.next
+    side: list = []
+
+    def init_with_side_group(self) -> None:
+        init(self)
+        side.append(dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=600)))
+
+    def next_or_hang(self, s: int, updates: int, total_steps: int):
+        if dist.get_rank() == rank and s + 1 == step:
+            dist.barrier(group=side[0])  # nobody else comes: blocks for the group's 600 s
+        return rollout(self, s, updates, total_steps)
+
+    Trainer._init_parallel = init_with_side_group
+    RolloutStage.next = next_or_hang
+
+
+if __name__ == "__main__":
+    from megatron_ngrpo.train import main
+
+    if HANG_VAR in os.environ:
+        hang_rank, hang_step = map(int, os.environ[HANG_VAR].split(":"))
+        _hang_in_a_collective(hang_rank, hang_step)
+    sys.exit(main(sys.argv[1:]))
