@@ -71,14 +71,18 @@ class _Staging:
 
 
 def in_thread(fn, *args):
-    """Run ``fn(*args)`` on a daemon helper thread; the returned ``join(timeout_s, stage)`` waits
-    at most ``timeout_s`` and returns its result, re-raises its error, or raises a one-line
-    :class:`WeightSyncError` naming ``stage`` when the deadline passes (the thread is left
-    behind: a call blocked in a library cannot be cancelled)."""
+    """Run ``fn(*args)`` on a daemon helper thread (on the caller's CUDA device); the returned
+    ``join(timeout_s, stage)`` waits at most ``timeout_s`` and returns its result, re-raises its
+    error, or raises a one-line :class:`WeightSyncError` naming ``stage`` when the deadline passes
+    (the thread is left behind: a call blocked in a library cannot be cancelled)."""
     out: dict = {}
+    # CUDA's current device is per thread: the helper runs on the caller's (NCCL, its streams)
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None
 
     def run():
         try:
+            if device is not None:
+                torch.cuda.set_device(device)
             out["result"] = fn(*args)
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
             out["error"] = e
@@ -151,7 +155,7 @@ class BucketReceiver:
         dtypes = [getattr(torch, d) for d in update_info.dtype_names]
         offsets, size = _layout(dtypes, update_info.shapes)
         buf = self._receive(size)  # a fresh one: see _Staging
-        tensors = _views(buf, dtypes, update_info.shapes, offsets)
+        tensors = self._unpack(buf, dtypes, update_info.shapes, offsets)
         if update_info.digests is not None:
             bad = first_mismatch(
                 zip(update_info.names, tensors), dict(zip(update_info.names, update_info.digests))
@@ -159,6 +163,9 @@ class BucketReceiver:
             if bad:
                 raise WeightSyncError(bad)
         load_bucket(self.model, list(zip(update_info.names, tensors)))
+
+    def _unpack(self, buf, dtypes, shapes, offsets) -> list[torch.Tensor]:
+        return _views(buf, dtypes, shapes, offsets)
 
 
 class BucketSender:
