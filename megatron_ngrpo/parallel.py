@@ -80,7 +80,7 @@ def init_distributed(timeout_s: int = DEFAULT_TIMEOUT_S, trace_dir: str | None =
     # launcher, which reads them, and marked as ours (SINGLE_PROCESS_PORT_VAR): a later init in
     # this process, or a child process inheriting them, would otherwise rendezvous on a port that
     # is still held (EADDRINUSE in CI).
-    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=collective_timeout())
+    store = listening_store("127.0.0.1", 0, 1, collective_timeout())
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(store.port),
@@ -91,6 +91,22 @@ def init_distributed(timeout_s: int = DEFAULT_TIMEOUT_S, trace_dir: str | None =
     os.environ[SINGLE_PROCESS_PORT_VAR] = str(store.port)
     dist.init_process_group(
         backend=backend, store=store, rank=0, world_size=1, timeout=collective_timeout()
+    )
+
+
+def listening_store(host: str, port: int, world_size: int, timeout: datetime.timedelta):
+    """A master ``TCPStore`` listening on ``host``'s address only (``port`` 0: a free one).
+    torch binds a master store to every interface whatever host it is given; a socket bound
+    here and handed over (``master_listen_fd``) keeps it on the one interface."""
+    sock = socket.create_server((host, port), backlog=128)
+    return dist.TCPStore(
+        host,
+        sock.getsockname()[1],
+        world_size,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timeout,
+        master_listen_fd=sock.detach(),  # the store owns the descriptor from here
     )
 
 

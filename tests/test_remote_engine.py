@@ -55,10 +55,12 @@ def secret(tmp_path_factory):
     os.environ.update({k: v for k, v in saved.items() if v is not None})
 
 
-def _auth() -> dict:
-    from megatron_ngrpo.rollout.remote.auth import bearer, read_secret
+def _auth(url: str):
+    """The ``requests`` auth of a session with the server at ``url`` (it proves the job's secret
+    first, then every request carries a MAC)."""
+    from megatron_ngrpo.rollout.remote.auth import ClientAuth, read_secret
 
-    return bearer(read_secret())
+    return ClientAuth(url, read_secret(), 30)
 
 
 @pytest.fixture(scope="module")
@@ -109,14 +111,17 @@ def _running_servers(task, url_dir: Path, count: int):
                 start_new_session=True,
             )
         )
+    from megatron_ngrpo.rollout.remote.auth import registration_dir
+
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
-        while len(list(url_dir.glob("*.url"))) < count:
+        folder = registration_dir(url_dir)
+        while len(list(folder.glob("*.url"))) < count:
             dead = [p for p in procs if p.poll() is not None]
             assert not dead, (url_dir.parent / f"{url_dir.name}_server0.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "rollout servers did not start"
             time.sleep(0.5)
-        yield [f.read_text() for f in sorted(url_dir.glob("*.url"))], procs
+        yield [f.read_text() for f in sorted(folder.glob("*.url"))], procs
     finally:
         for p in procs:
             _kill(p)
@@ -141,7 +146,7 @@ def _versions(url: str) -> tuple[int, int]:
     """The server's weight version and the weight version of its neighbour table."""
     import requests
 
-    weights = requests.get(f"{url}/weight_info", timeout=10, headers=_auth()).json()[
+    weights = requests.get(f"{url}/weight_info", timeout=10, auth=_auth(url)).json()[
         "weight_version"
     ]
     table = _server_info(url)["table_version"]
@@ -152,7 +157,7 @@ def _server_info(url: str) -> dict:
     import requests
 
     answer = requests.post(
-        f"{url}/collective_rpc", json={"method": "nbr_server_info"}, timeout=60, headers=_auth()
+        f"{url}/collective_rpc", json={"method": "nbr_server_info"}, timeout=60, auth=_auth(url)
     )
     return answer.json()["results"][0]
 
@@ -283,9 +288,10 @@ def _largest_tensor_bytes(task) -> int:
 
 
 def test_servers_refuse_requests_without_the_jobs_secret(task, servers, secret, tmp_path):
-    """Every route the client uses (vLLM's dev-mode ones included) answers 401 without the job's
-    secret or with another one; /health stays open; a client with another secret gets one line; a
-    server without any secret does not start."""
+    """Every route the client uses (vLLM's dev-mode ones included) answers 401 without a session
+    MAC (the static secret itself is no credential); /health stays open; a client with another
+    secret refuses the server (it does not prove that one) in one line; a server without any
+    secret does not start."""
     import requests
 
     from megatron_ngrpo.rollout.remote.auth import SECRET_ENV, SECRET_FILE_ENV
@@ -306,18 +312,24 @@ def test_servers_refuse_requests_without_the_jobs_secret(task, servers, secret, 
         ("post", "/update_weights", {"update_info": {}}),
         ("post", "/update_weight_version", {"new_version": "9"}),
     ]
-    for headers in ({}, {"Authorization": "Bearer not-the-secret"}, {"Authorization": secret}):
+    for headers in (
+        {},
+        {"Authorization": "Bearer not-the-secret"},
+        {"Authorization": f"Bearer {secret}"},
+        {"Authorization": secret},
+    ):
         for method, route, body in routes:
             r = getattr(requests, method)(f"{url}{route}", json=body, headers=headers, timeout=30)
             assert r.status_code == 401, (route, headers, r.status_code, r.text[:200])
     assert requests.get(f"{url}/health", timeout=30).status_code == 200
-    assert requests.get(f"{url}/version", headers=_auth(), timeout=30).status_code == 200
+    assert requests.get(f"{url}/version", auth=_auth(url), timeout=30).status_code == 200
     assert _versions(url)[0] >= -1  # nothing above changed the weight version it had
 
     other = tmp_path / "other_secret"
     other.write_text("another-job")
+    other.chmod(0o600)
     _one_line_error(
-        r"refused the job's shared secret \(HTTP 401\)",
+        r"did not prove the job's secret, so nothing was sent to it",
         _engine,
         task,
         urls=[url],
@@ -368,7 +380,8 @@ def test_startup_errors_are_one_line(task, servers, tmp_path, capsys, monkeypatc
     threading.Thread(target=other.serve_forever, daemon=True).start()
     try:
         _one_line_error(
-            r"not a vLLM server \(GET /version: HTTP 404\); start `python -m megatron_ngrpo.rollout.remote.server`$",
+            r"did not prove the job's secret, so nothing was sent to it \(POST /ngrpo/handshake: "
+            r"HTTP 501, no proof of the job's secret\)$",
             _engine,
             task,
             urls=[f"http://127.0.0.1:{other.server_address[1]}"],

@@ -1,30 +1,23 @@
 """The weight-transfer groups admit no stranger. gloo (issue #29 item 11): its TCP store takes
 whoever reaches the port, so both members prove the per-session key (sent to the worker over the
 authenticated control route) before any weights move; the trainer's real ``trainer_init`` and the
-worker's real group set-up, against a process that reached the port without the key. nccl (issue
-#40 item 3): no port is opened; the NCCL unique id travels over the control route only."""
+worker's real group set-up, against a process that reached the port without the key; the store
+listens on the given host only. nccl: tests/test_nccl_transfer.py."""
 
 from __future__ import annotations
 
 import datetime
-import secrets
 import threading
 
 import pytest
-import torch
 import torch.distributed as dist
-from vllm.distributed.weight_transfer import factory
-from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferInitInfo
 
-from megatron_ngrpo.rollout.vllm import weight_transfer
 from megatron_ngrpo.rollout.vllm.weight_transfer import (
     GlooTrainerInitInfo,
     GlooTrainerWeightTransferEngine,
-    WeightSender,
     WeightSyncError,
     _pair_group,
 )
-from tests.support.vllm_weights import NamedSource
 
 TIMEOUT_S = 30.0
 
@@ -91,42 +84,21 @@ def test_stranger_as_trainer_is_refused():
     assert "the worker that joined did not prove" in str(out["stranger"])
 
 
+def test_gloo_store_listens_on_the_given_host_only():
+    """torch binds a master TCPStore to every interface; the route's store binds ``host``."""
+    import psutil
+
+    client = _Joiner(None)
+    engine = _trainer_init(client)
+    port = engine.store.port
+    listening = [
+        c.laddr
+        for c in psutil.Process().net_connections("tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+    ]
+    assert [a.ip for a in listening] == ["127.0.0.1"], listening
+
+
 def test_no_key_is_refused_before_the_group_forms():
     with pytest.raises(WeightSyncError, match="no session key"):
         _pair_group("127.0.0.1", 1, 1, TIMEOUT_S, "", store=object())
-
-
-def test_nccl_route_admits_only_holders_of_the_control_routes_unique_id(monkeypatch):
-    """The ``nccl`` route opens no rendezvous port (vLLM's own trainer side hosts a TCP store
-    from which anyone could read the NCCL unique id and join the communicator): the trainer mints
-    the unique id and it reaches the workers only inside their init info, over the control route.
-    The NCCL calls themselves need a GPU; here they record what they are given."""
-    from vllm.distributed import utils as vllm_dist_utils
-
-    uid = secrets.token_bytes(128)
-    joined = {}
-    monkeypatch.setattr(weight_transfer, "mint_nccl_uid", lambda: uid)
-    monkeypatch.setattr(
-        weight_transfer, "join_nccl", lambda u, rank, size: joined.update(trainer=(u, rank, size))
-    )
-
-    def rendezvous_port(*args, **kwargs):
-        raise AssertionError("a rendezvous port was opened: a stranger could reach it")
-
-    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)  # GPU 0, as it were
-    monkeypatch.setattr(dist, "TCPStore", rendezvous_port)
-    monkeypatch.setattr(vllm_dist_utils.StatelessProcessGroup, "create", rendezvous_port)
-
-    class ControlRoute:
-        """Where the rollout server's secret-guarded HTTP route reaches its workers."""
-
-        def init_weight_transfer_engine(self, payload: dict) -> None:
-            info = NCCLWeightTransferInitInfo(**payload)  # vLLM's worker side parses it
-            joined["workers"] = (info.nccl_unique_id_bytes, info.master_address, info.rank_offset)
-
-    sender = WeightSender(ControlRoute(), "nccl", 2**20, num_workers=2)
-    weight_transfer.register()
-    factory.WeightTransferTrainerFactory.trainer_init(
-        sender._init_info(), client=sender.client, source=NamedSource([])
-    )
-    assert joined == {"trainer": (uid, 0, 3), "workers": (uid, None, 1)}

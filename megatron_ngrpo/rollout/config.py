@@ -134,12 +134,14 @@ class RemoteConfig:
     # weight-transfer API with the servers' backend ("gloo" on CPU servers, "nccl" on GPU ones):
     # global rank 0 sends buckets straight to each server's worker (rollout/vllm/weight_transfer.py).
     weight_transfer: Literal["http", "gloo", "nccl"] = "http"
-    # Address the servers reach global rank 0 at for gloo (default: its host name); nccl opens no
-    # port of its own (NCCL's bootstrap picks its interface: NCCL_SOCKET_IFNAME).
+    # Address the gloo route's store binds on global rank 0 and the servers dial (default: its host
+    # name); on nccl, NCCL's bootstrap listener (started when the unique id is minted) picks its own
+    # interface (NCCL_SOCKET_IFNAME).
     transfer_host: str = ""
     # Tensors per HTTP request / transfer bucket up to this size (MiB).
     bucket_mb: int = 512
-    # The servers check a SHA-256 per received tensor against the trainer's (costs hashing time).
+    # The servers check a SHA-256 per received tensor against the trainer's before loading it
+    # (every route; costs hashing time).
     verify_weights: bool = False
     # File holding the job's shared secret the servers require (rollout/remote/auth.py); empty:
     # $NGRPO_ROLLOUT_SECRET, else the file $NGRPO_ROLLOUT_SECRET_FILE.
@@ -158,13 +160,6 @@ class RemoteConfig:
             fail("bucket_mb", self.bucket_mb, "must be >= 1")
         if self.weight_transfer not in ("http", "gloo", "nccl"):
             fail("weight_transfer", self.weight_transfer, "expected http, gloo or nccl")
-        if self.verify_weights and self.weight_transfer == "nccl":
-            fail(
-                "verify_weights",
-                self.verify_weights,
-                "no per-tensor check on vLLM's nccl engine "
-                "(rollout.remote.weight_transfer=http or gloo)",
-            )
 
 
 @dataclass

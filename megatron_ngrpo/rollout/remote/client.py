@@ -14,10 +14,11 @@ The routes are vLLM's: ``/health``, ``/version``, ``/weight_info``, ``/inference
 calling the worker extension's methods (rollout/remote/server_worker.py) for what vLLM has no route
 for: the server's facts, the mix records, the neighbour table, HTTP weight pushes.
 
-* Every request carries the job's shared secret (rollout/remote/auth.py; the servers refuse
-  any other with HTTP 401).
-* Start-up (the constructor), one-line errors before training starts: no shared secret, a
-  server refusing it, a server that does not answer within ``start_timeout_s``, a server that is not vLLM, a vLLM other than the minor
+* Each server proves the job's shared secret before the client sends it anything, and every
+  request then carries a MAC of a session derived from it (rollout/remote/auth.py; the servers
+  refuse any other request, a replayed one included, with HTTP 401).
+* Start-up (the constructor), one-line errors before training starts: no shared secret (or its
+  file readable by others), a server that does not prove it, a server that does not answer within ``start_timeout_s``, a server that is not vLLM, a vLLM other than the minor
   version the hook was written for, a vLLM without the rollout worker extension or without the
   hook installed, a wire protocol or model (vocabulary, hidden size, ``num_real_tokens``) other
   than the trainer's, another weight-transfer backend.
@@ -59,7 +60,7 @@ from megatron_ngrpo.architecture import ArchSpec
 from megatron_ngrpo.mixing.records import MixRecord
 from megatron_ngrpo.parallel import broadcast_from_rank0, collective_timeout, is_rank0
 from megatron_ngrpo.rollout.config import RemoteConfig
-from megatron_ngrpo.rollout.remote.auth import read_secret
+from megatron_ngrpo.rollout.remote.auth import ServerProofError, read_secret, registration_dir
 from megatron_ngrpo.rollout.remote.http import (
     CallFailed,
     RolloutServerError,
@@ -138,37 +139,78 @@ class RemoteEngine(RolloutEngine):
         ``max_model_len``."""
         try:
             self.http.secret = read_secret(self.cfg.secret_file, self.cfg.url_dir)
+            folder = registration_dir(self.cfg.url_dir) if not self.cfg.urls else None
         except ValueError as e:
             raise RolloutServerError(str(e)) from None
         deadline = time.monotonic() + self.cfg.start_timeout_s
-        urls = list(self.cfg.urls) or self._registered(deadline)
+        urls = list(self.cfg.urls) or self._registered(folder, deadline)
         infos = [self._info(url, deadline) for url in urls]
         for url, info in zip(urls, infos):
             self.check(url, info)
             self.weights.workers[url] = int(info.get("tensor_parallel", 1))
         return urls, max(i["weight_version"] for i in infos), min(i["max_model_len"] for i in infos)
 
-    def _registered(self, deadline: float) -> list[str]:
-        """The URLs the servers wrote to ``url_dir`` (a hetjob's training group may start first)."""
-        folder, want = Path(self.cfg.url_dir), self.cfg.num_servers
+    def _registered(self, folder: Path, deadline: float) -> list[str]:
+        """The URLs of ``num_servers`` servers registered in this run's ``folder`` (a hetjob's
+        training group may start first) that proved the job's secret; a registration whose server
+        refuses the connection or fails the proof is stale (a killed server, another job's) and
+        ignored until its file changes."""
+        want, live, ignored = self.cfg.num_servers, set(), {}  # ignored: file → (mtime, reason)
         while True:
-            files = sorted(folder.glob("*.url")) if folder.is_dir() else []
-            if len(files) >= want:
-                return [f.read_text().strip() for f in files]
+            for f in sorted(folder.glob("*.url")):
+                try:
+                    mtime, url = f.stat().st_mtime, f.read_text().strip()
+                except OSError:
+                    continue  # removed meanwhile (a server that stopped)
+                if url in live or ignored.get(f, (None,))[0] == mtime:
+                    continue
+                reason = self._proven(url)
+                if reason is None:
+                    live.add(url)
+                elif reason:
+                    logger.warning("rollout servers: ignoring %s (%s)", f, reason)
+                    ignored[f] = (mtime, reason)
+            if len(live) >= want:
+                return sorted(live)[:want]
             if time.monotonic() > deadline:
+                stale = "".join(f"; ignored {f.name}: {why}" for f, (_, why) in ignored.items())
                 raise RolloutServerError(
-                    f"rollout servers: {len(files)} of {want} registered in {folder} after "
-                    f"{self.cfg.start_timeout_s:g} s (rollout.remote.start_timeout_s)"
+                    f"rollout servers: {len(live)} of {want} registered in {folder} after "
+                    f"{self.cfg.start_timeout_s:g} s (rollout.remote.start_timeout_s){stale}"
                 )
             time.sleep(0.5)
+
+    def _proven(self, url: str) -> str | None:
+        """None when the server at ``url`` proved the job's secret, else why not ("" when it may
+        still answer: try again)."""
+        # lazy: HTTP client of the remote engine only
+        import requests
+
+        try:
+            self.http.session(url).auth.handshake()
+        except ServerProofError as e:
+            return f"did not prove the job's secret: {e}"
+        except requests.Timeout:
+            return ""
+        except requests.ConnectionError as e:
+            return f"unreachable, a stale registration ({short(e)})"
+        except OSError:
+            return ""
+        return None
 
     def _info(self, url: str, deadline: float) -> dict:
         """The server's facts: vLLM's ``/version`` and ``/weight_info``, and the worker
         extension's ``nbr_server_info``; retried until ``deadline`` while nothing answers or the
-        hook is not installed yet (still starting)."""
+        hook is not installed yet (still starting). The server proves the job's secret before
+        the first request (:class:`~megatron_ngrpo.rollout.remote.auth.ClientAuth`)."""
         while True:
             try:
                 r = self.http.session(url).get(f"{url}/version", timeout=self.http.timeouts())
+            except ServerProofError as e:
+                raise RolloutServerError(
+                    f"rollout server {url}: did not prove the job's secret, so nothing was sent "
+                    f"to it ({e})"
+                ) from None
             except OSError as e:
                 if time.monotonic() > deadline:
                     raise RolloutServerError(
@@ -179,8 +221,8 @@ class RemoteEngine(RolloutEngine):
                 continue
             if r.status_code == 401:
                 raise RolloutServerError(
-                    f"rollout server {url}: refused the job's shared secret (HTTP 401): "
-                    f"the servers were started with another one"
+                    f"rollout server {url}: refused this client's requests (HTTP 401: "
+                    f"{short(json_object(r).get('error', r.text))})"
                 )
             found = json_object(r).get("version") if r.status_code == 200 else None
             if not isinstance(found, str):
@@ -229,7 +271,7 @@ class RemoteEngine(RolloutEngine):
                 f"this trainer speaks {wire.PROTOCOL} (different code versions)"
             )
         route = self.cfg.weight_transfer
-        if route != "http" and info.get("weight_transfer") != route:
+        if route != "http" and info.get("weight_transfer") != wire.BACKENDS[route]:
             raise RolloutServerError(
                 f"rollout server {url}: weight-transfer backend "
                 f"{info.get('weight_transfer')!r}, the trainer sends with {route!r} "

@@ -1,7 +1,7 @@
 """HTTP to the rollout servers (:mod:`megatron_ngrpo.rollout.remote.client`'s transport).
 
-One ``requests`` session per server carrying the job's shared secret
-(:mod:`~megatron_ngrpo.rollout.remote.auth`), a connect and a request timeout on every call (a
+One ``requests`` session per server, authenticated both ways with the job's shared secret (the
+server proves it first, then every request carries a MAC: :mod:`~megatron_ngrpo.rollout.remote.auth`), a connect and a request timeout on every call (a
 dead or hung server never hangs the trainer), and one-line reasons: a failed call raises
 :class:`CallFailed` (``retry``: worth another try), a server that cannot be used
 :class:`RolloutServerError`.
@@ -12,7 +12,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 from megatron_ngrpo.rollout.config import RemoteConfig
-from megatron_ngrpo.rollout.remote.auth import bearer
+from megatron_ngrpo.rollout.remote.auth import ClientAuth, ServerProofError
 
 
 class RolloutServerError(RuntimeError):
@@ -45,7 +45,7 @@ class ServerHTTP:
 
         if url not in self._sessions:
             self._sessions[url] = requests.Session()
-            self._sessions[url].headers.update(bearer(self.secret))
+            self._sessions[url].auth = ClientAuth(url, self.secret, self.timeouts())
         return self._sessions[url]
 
     def post(self, url: str, route: str, **kwargs) -> dict:
@@ -70,6 +70,10 @@ class ServerHTTP:
             ) from None
         except OSError as e:
             raise CallFailed(short(e)) from None
+        except ServerProofError as e:
+            raise CallFailed(
+                f"did not prove the job's secret, nothing sent: {e}", retry=False
+            ) from None
         if r.status_code != 200:
             body = json_object(r)
             reason = body.get("error", body.get("detail", r.text))

@@ -18,12 +18,14 @@ process with the settings the hook needs:
 * ``VLLM_SERVER_DEV_MODE=1`` for ``POST /collective_rpc`` (records, neighbour table, HTTP weight
   pushes, server facts) and vLLM's weight-transfer routes (``/init_weight_transfer_engine``,
   ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``, ``/weight_info``);
-  every route but ``/health`` requires the job's shared secret (``--middleware``
-  :class:`~megatron_ngrpo.rollout.remote.auth.SecretMiddleware`; the secret from
+  every route but ``/health`` requires a MAC of a session that the server opened by proving the
+  job's shared secret to the client first (``--middleware``
+  :class:`~megatron_ngrpo.rollout.remote.guard.SecretGuard`; the secret from
   ``$NGRPO_ROLLOUT_SECRET`` or the file ``$NGRPO_ROLLOUT_SECRET_FILE`` / ``--secret-file`` or ``<url-dir>/.rollout_secret``,
   never the command line), and the server binds this host's address, not every interface;
-* ``--weight-transfer-config {"backend": B}``: ``nccl`` on GPU, the project's ``gloo`` engine on
-  CPU at TP 1 (rollout/vllm/weight_transfer.py), none otherwise (HTTP pushes only).
+* ``--weight-transfer-config {"backend": B}``: the project's proven NCCL engine on GPU
+  (``ngrpo_nccl``, rollout/vllm/nccl_transfer.py), its ``gloo`` engine on CPU at TP 1
+  (rollout/vllm/weight_transfer.py), none otherwise (HTTP pushes only).
 
 The weight version is vLLM's own (``finish_weight_update(weight_version)``; every response says
 which versions produced its tokens). Arguments this parser does not know go to vLLM unchanged.
@@ -31,8 +33,9 @@ which versions produced its tokens). Arguments this parser does not know go to v
 Start-up refuses, with one line on stderr and exit code 1: a vLLM other than the release the
 hook patches, no shared secret, a hook that did not install, a TP that does not divide the
 visible GPUs. With
-``--url-dir`` the server writes ``<url-dir>/<host>_<port>.url`` (its base URL) once the hook is
-installed, which is how the training group of a hetjob finds it.
+``--url-dir`` the server writes ``<url-dir>/<run scope>/<host>_<port>.url`` (its base URL; the run
+scope names the Slurm allocation, :func:`~megatron_ngrpo.rollout.remote.auth.registration_dir`)
+once the hook is installed, which is how the training group of a hetjob finds it.
 """
 
 import argparse
@@ -55,10 +58,12 @@ from megatron_ngrpo.models.config import real_token_count
 from megatron_ngrpo.rollout.remote.auth import (
     SECRET_ENV,
     SECRET_FILE_ENV,
-    SecretMiddleware,
-    bearer,
+    ClientAuth,
     read_secret,
+    registration_dir,
 )
+from megatron_ngrpo.rollout.remote.guard import SecretGuard
+from megatron_ngrpo.rollout.vllm import wire
 from megatron_ngrpo.rollout.vllm.protocol import HookVocab, check_vllm_version
 
 EXTENSION = "megatron_ngrpo.rollout.remote.server_worker.RolloutServerExtension"
@@ -194,7 +199,7 @@ def _serve_arguments(args, gpu: bool, backend: str, tokenizer) -> list[str]:
         "--uvicorn-log-level",
         "warning",
         "--middleware",
-        f"{SecretMiddleware.__module__}.{SecretMiddleware.__name__}",
+        f"{SecretGuard.__module__}.{SecretGuard.__name__}",
     ]
     out += (
         ["--tokenizer", tokenizer.name_or_path]
@@ -209,7 +214,7 @@ def _serve_arguments(args, gpu: bool, backend: str, tokenizer) -> list[str]:
     if args.max_num_batched_tokens is not None:
         out += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if backend != "none":
-        out += ["--weight-transfer-config", json.dumps({"backend": backend})]
+        out += ["--weight-transfer-config", json.dumps({"backend": wire.BACKENDS[backend]})]
     if not any(Path(args.model).glob("*.safetensors")):
         out += ["--load-format", "dummy"]  # no HF weights: the trainer's first sync fills them
     return out
@@ -236,7 +241,7 @@ def install_hook(base: str, vocab: HookVocab, deadline: float, stop: threading.E
     r = requests.post(
         f"{base}/collective_rpc",
         timeout=120,
-        headers=bearer(read_secret()),
+        auth=ClientAuth(base, read_secret(), 120),
         json={"method": "nbr_mix_install", "args": vocab.install_args()},
     )
     hooks = r.json().get("results") if r.status_code == 200 else None
@@ -284,7 +289,7 @@ def _host_address() -> str:
 
 
 def _url_file(args) -> Path:
-    return Path(args.url_dir) / f"{args.advertise_host}_{args.port}.url"
+    return registration_dir(args.url_dir) / f"{args.advertise_host}_{args.port}.url"
 
 
 def _one_line(e: BaseException) -> str:
@@ -343,7 +348,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.update(VLLM_SERVER_DEV_MODE="1", VLLM_USE_V2_MODEL_RUNNER="0")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     if args.url_dir:
-        Path(args.url_dir).mkdir(parents=True, exist_ok=True)
+        try:
+            registration_dir(args.url_dir)
+        except ValueError as e:
+            print(f"error: rollout server: {e}", file=sys.stderr)
+            return 1
     failed, stop = threading.Event(), threading.Event()
     threading.Thread(target=_start_hook, args=(args, vocab, failed, stop), daemon=True).start()
     # lazy: vLLM is an optional extra (heavy import)

@@ -9,7 +9,7 @@ tensors travel as base64 safetensors bytes (:func:`megatron_ngrpo.rollout.vllm.w
 Every worker of the server's TP group runs each call.
 
 vLLM imports this module in every worker process before it builds the worker's weight-transfer
-engine, so importing it registers the project's ``gloo`` engine there: a server's workers are
+engine, so importing it registers the project's ``gloo`` and proven ``nccl`` engines there: a server's workers are
 spawned, not forked, and would not know an engine registered in the launcher's process.
 """
 
@@ -20,15 +20,17 @@ import base64
 import torch
 
 from megatron_ngrpo.mixing.perturbations import NoiseSpec
+from megatron_ngrpo.rollout.remote.auth import read_secret
 from megatron_ngrpo.rollout.vllm import wire
-from megatron_ngrpo.rollout.vllm.hook import NeighborMixExtension, NeighborMixRunner
-from megatron_ngrpo.rollout.vllm.weight_transfer import (
+from megatron_ngrpo.rollout.vllm.buckets import (
     WeightSyncError,
     begin_reload,
     end_reload,
     load_bucket,
-    register,
 )
+from megatron_ngrpo.rollout.vllm.hook import NeighborMixExtension, NeighborMixRunner
+from megatron_ngrpo.rollout.vllm.nccl_transfer import http_proof, worker_rank
+from megatron_ngrpo.rollout.vllm.weight_transfer import register
 
 register()
 
@@ -56,6 +58,14 @@ class RolloutServerExtension(NeighborMixExtension):
             "table_version": getattr(self, "_nbr_table_version", None),
             "weight_push_held_bytes": getattr(self, "_nbr_held_bytes", 0),
         }
+
+    def nbr_server_prove(self, nonce: str) -> list:
+        """``[rank, proof]``: this worker's rank in the ``nccl`` transfer group and its answer to
+        the trainer's challenge ``nonce`` (hex), made with the job's secret the server was
+        started with (rollout/vllm/nccl_transfer.py); the trainer sends the NCCL unique id only
+        once every worker answered right."""
+        rank = worker_rank(self.model_runner.vllm_config.parallel_config, 1)
+        return [rank, http_proof(read_secret(), bytes.fromhex(nonce), rank).hex()]
 
     def nbr_server_set_table(self, data: str, version: str) -> str:
         """Install the trainer's ``[V, k]`` neighbour table (``data``: base64 of

@@ -7,8 +7,10 @@ of ``bucket_mb``. ``weight_transfer: http`` (the fallback): safetensors bytes th
 ``/update_weight_version``. ``gloo`` / ``nccl``: vLLM's weight-transfer API, the same trainer
 engine as the colocated route (:class:`~megatron_ngrpo.rollout.vllm.weight_transfer.WeightSender`,
 one per server on a thread of its own, all fed by one export, whose client is vLLM's
-``HTTPVLLMWeightSyncClient``). After a failure rank 0 still drains the export, then every rank
-raises the same one-line error.
+``HTTPVLLMWeightSyncClient`` over the authenticated session). Every wait has a deadline (the
+sender's stages ``train.dist_timeout_s`` each, the fan-out's queue and join that plus the
+request timeout), each expiry one line naming the server and the stage. After a failure rank 0
+still drains the export, then every rank raises the same one-line error.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import time
 
 from megatron_ngrpo.architecture import ArchSpec
 from megatron_ngrpo.conversion.hf_export import export_hf_tensors
-from megatron_ngrpo.parallel import broadcast_from_rank0, is_rank0
+from megatron_ngrpo.parallel import broadcast_from_rank0, collective_timeout, is_rank0
 from megatron_ngrpo.rollout.config import RemoteConfig
 from megatron_ngrpo.rollout.remote.http import (
     CallFailed,
@@ -114,7 +116,8 @@ class ServerWeights:
         export = export_hf_tensors(model_chunks, self.spec, rank0_only=True)
         stats, error = {}, None
         if is_rank0():
-            fans = [_Fan(url, self._sender(url), layout) for url in servers]
+            deadline_s = collective_timeout().total_seconds() + self.cfg.request_timeout_s
+            fans = [_Fan(url, self._sender(url), layout, deadline_s) for url in servers]
             for item in export:
                 for fan in fans:
                     fan.put(item)
@@ -161,6 +164,7 @@ class ServerWeights:
                 self.cfg.verify_weights,
                 num_workers=self.workers.get(url, 1),
                 host=self.cfg.transfer_host or socket.gethostname(),
+                secret=self.http.secret,
             )
         return self._senders[url]
 
@@ -184,6 +188,20 @@ class ServerWeights:
             def finish_weight_update(self, weight_version: str | None = None) -> None:
                 super().finish_weight_update(str(weights.version))
 
+            def prove_workers(self, nonce: str) -> list:
+                """Every worker's answer to the ``nccl`` route's challenge
+                (rollout/vllm/nccl_transfer.py).."""
+                try:
+                    return weights.http.post(
+                        url,
+                        "/collective_rpc",
+                        json={"method": "nbr_server_prove", "args": [nonce]},
+                    )["results"]
+                except CallFailed as e:
+                    raise RolloutServerError(
+                        f"rollout server {url}: weight transfer nccl proof failed: {e}"
+                    ) from None
+
         return Client(url, self.cfg.request_timeout_s)
 
     def close(self) -> None:
@@ -196,10 +214,11 @@ class _Fan:
     """One server's share of a fanned-out export: its sender runs on a thread of its own and
     reads the tensors from a queue of at most ``_FAN_DEPTH`` (references to the export's own
     tensors: the extra memory is a few tensors plus each sender's bucket, not a model per
-    server). A sender that failed stops reading; :meth:`put` then skips it."""
+    server). A sender that failed stops reading; :meth:`put` then skips it. A sender that takes
+    no tensor, or does not finish, within ``deadline_s`` is given up (its thread left behind)."""
 
-    def __init__(self, url: str, sender, layout: list):
-        self.url, self.stats, self.error = url, {}, None
+    def __init__(self, url: str, sender, layout: list, deadline_s: float):
+        self.url, self.stats, self.error, self.deadline_s = url, {}, None, deadline_s
         self.queue: queue.Queue = queue.Queue(_FAN_DEPTH)
         self.thread = threading.Thread(target=self._run, args=(sender, layout), daemon=True)
         self.thread.start()
@@ -208,19 +227,30 @@ class _Fan:
         try:
             self.stats = sender.send(_Stream(iter(self.queue.get, None), layout))
         except Exception as e:  # noqa: BLE001 - reported by the caller
-            self.error = e
+            if self.error is None:
+                self.error = e
 
     def put(self, item) -> None:
-        while self.thread.is_alive():
+        give_up = time.monotonic() + self.deadline_s
+        while self.thread.is_alive() and self.error is None:
             try:
                 self.queue.put(item, timeout=0.2)
                 return
             except queue.Full:
-                continue
+                if time.monotonic() > give_up:
+                    self._stuck("took no tensor")
 
     def close(self) -> None:
         self.put(None)
-        self.thread.join()
+        self.thread.join(self.deadline_s if self.error is None else 0)
+        if self.thread.is_alive():
+            self._stuck("did not finish")
+
+    def _stuck(self, what: str) -> None:
+        self.error = self.error or RolloutServerError(
+            f"rollout server {self.url}: weight transfer: the sender {what} within "
+            f"{self.deadline_s:g} s (train.dist_timeout_s + rollout.remote.request_timeout_s)"
+        )
 
 
 _FAN_DEPTH = 4

@@ -6,18 +6,17 @@ The trainer side is a vLLM ``TrainerWeightTransferEngine`` driven through
 tensors, names and shapes from :mod:`megatron_ngrpo.conversion.mapping`):
 
 * ``gloo`` (registered here, both sides): CPU / tests. A two-member gloo group (trainer sender,
-  vLLM worker) over a TCP store opened by the trainer; tensors travel in buckets of
-  ``bucket_bytes`` packed into one flat byte buffer, the worker unpacks views and loads them with
-  ``model.load_weights`` inside vLLM's layerwise reload (as vLLM's ``ipc`` engine does).
-  ``verify``: the update info carries each tensor's SHA-256 and the worker checks what it received
-  before loading (one-line :class:`WeightSyncError` naming the tensor). The store admits anyone,
-  so both members prove a per-session key before any weights move (:func:`_prove_pair`).
-* ``ipc`` (colocated, GPU) and ``nccl`` (disaggregated, GPU): vLLM's own engines, packed into
-  buffers of ``bucket_bytes``. Not measured here (no GPU). ``nccl`` opens no rendezvous port:
-  vLLM's own trainer side hosts a TCP store that anyone can read the NCCL unique id from and join
-  the communicator with, so the trainer here mints the unique id itself and hands it to the
-  workers over the authenticated control route only (:class:`NCCLUidTrainerWeightTransferEngine`;
-  vLLM's worker engine joins from it as from a torch-free trainer's).
+  vLLM worker) over a TCP store opened by the trainer (bound to ``host``); tensors travel in the
+  project's buckets (rollout/vllm/buckets.py: one flat byte buffer of up to ``bucket_bytes``,
+  ``verify``: each tensor's SHA-256 checked by the worker before loading). The store admits
+  anyone who reaches it, so both members prove a per-session key before any weights move
+  (:func:`_prove_pair`).
+* ``nccl`` (disaggregated, GPU; rollout/vllm/nccl_transfer.py, both sides): the same buckets,
+  broadcast over an NCCL communicator whose unique id the trainer mints only after the server's
+  workers proved the job's secret for this sync, and whose members prove it again over the
+  communicator before any weights move. Not run on a GPU.
+* ``ipc`` (colocated, GPU): vLLM's own engine, packed into buffers of ``bucket_bytes``. Not
+  measured here (no GPU).
 * ``nccl_m2n`` (vLLM's shard-to-shard engine) is not wired: its trainer engine needs vLLM's
   ``M2NWeightSource`` (DTensor-style placements per parameter of one HF tensor), while a
   Megatron shard of ``linear_qkv`` / ``linear_fc1`` fuses several; colocated shard-to-shard runs
@@ -25,7 +24,7 @@ tensors, names and shapes from :mod:`megatron_ngrpo.conversion.mapping`):
 
 Memory: the source gathers one Megatron parameter at a time over TP (and broadcasts it over PP),
 and the sender holds at most one bucket (a tensor larger than the bucket travels alone; the
-``gloo`` sender keeps that buffer between syncs), so the peak extra memory is one bucket plus
+``gloo`` / ``nccl`` sender keeps that buffer between syncs), so the peak extra memory is one bucket plus
 one full tensor, never the model. Every rank is the sender of its own colocated vLLM engine;
 the gather is a collective of the model-parallel group. With ``MegatronSource(tp_shards=...)``
 (colocated, vLLM's TP size divides the trainer's) the linear layers are not gathered: each rank
@@ -36,12 +35,10 @@ are gathered.
 
 from __future__ import annotations
 
-import base64
 import datetime
 import hashlib
 import hmac
 import secrets
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -49,27 +46,21 @@ from typing import ClassVar
 
 import torch
 import torch.distributed as dist
-from vllm.distributed.weight_transfer import base, nccl_common
+from vllm.distributed.weight_transfer import base
 from vllm.distributed.weight_transfer import factory as _factory
-from vllm.distributed.weight_transfer.nccl_engine import (
-    NCCLTrainerWeightTransferEngine,
-    NCCLWeightTransferInitInfo,
-)
-from vllm.distributed.weight_transfer.packed_tensor import (
-    DEFAULT_PACKED_BUFFER_SIZE_BYTES,
-    DEFAULT_PACKED_NUM_BUFFERS,
-)
 
 from megatron_ngrpo.conversion.hf_export import export_hf_layout, export_hf_tensors
-from megatron_ngrpo.parallel import collective_timeout
-from megatron_ngrpo.rollout.vllm.wire import digest, first_mismatch
-
-_ALIGN = 16  # byte alignment of each tensor in a packed bucket (any dtype view is legal)
-
-
-class WeightSyncError(RuntimeError):
-    """A tensor arrived different from what the trainer sent."""
-
+from megatron_ngrpo.parallel import collective_timeout, listening_store
+from megatron_ngrpo.rollout.vllm import nccl_transfer
+from megatron_ngrpo.rollout.vllm.buckets import (
+    BucketReceiver,
+    BucketSender,
+    BucketUpdateInfo,
+    WeightSyncError,
+    _Staging,
+    in_thread,
+)
+from megatron_ngrpo.rollout.vllm.wire import NCCL_BACKEND
 
 # ---------------------------------------------------------------- the trainer's weights
 
@@ -128,48 +119,6 @@ class GlooInitInfo(base.WeightTransferInitInfo):
     key: str = ""
 
 
-@dataclass
-class GlooUpdateInfo(base.WeightTransferUpdateInfo):
-    """One bucket: the tensors packed in order, each at a multiple of 16 bytes."""
-
-    names: list[str]
-    dtype_names: list[str]
-    shapes: list[list[int]]
-    digests: list[str] | None = None
-
-
-def _layout(dtypes: list[torch.dtype], shapes: list[list[int]]) -> tuple[list[int], int]:
-    """Byte offsets of the tensors in a bucket and its total size."""
-    offsets, size = [], 0
-    for dt, shape in zip(dtypes, shapes):
-        offsets.append(size)
-        n = torch.Size(shape).numel() * dt.itemsize
-        size += -(-n // _ALIGN) * _ALIGN
-    return offsets, size
-
-
-def _views(buf: torch.Tensor, dtypes, shapes, offsets) -> list[torch.Tensor]:
-    return [
-        buf[o : o + torch.Size(s).numel() * dt.itemsize].view(dt).view(s)
-        for o, dt, s in zip(offsets, dtypes, shapes)
-    ]
-
-
-class _Staging:
-    """The sender's reused bucket buffer: a fresh multi-MiB tensor for every bucket costs the
-    page faults of zero-filled pages at every sync (~1 ms per M fp32 params here), more than
-    the copy into it. The receiver cannot reuse one: vLLM's layerwise reload keeps the loaded
-    tensors (views of the bucket) until each layer is complete, some until the reload ends."""
-
-    def __init__(self):
-        self.buf = torch.empty(0, dtype=torch.uint8)
-
-    def get(self, size: int) -> torch.Tensor:
-        if self.buf.numel() < size:
-            self.buf = torch.empty(size, dtype=torch.uint8)
-        return self.buf[:size]
-
-
 def _pair_group(host: str, port: int, rank: int, timeout_s: float, key: str, store=None):
     """The two-member gloo group (rank 0 trainer, rank 1 vLLM worker), its peer proven to hold
     ``key`` (:func:`_prove_pair`)."""
@@ -223,78 +172,23 @@ def _prove_pair(group, rank: int, key: str, where: str) -> None:
         )
 
 
-def begin_reload(model) -> None:
-    """Open a sync of ``model``'s weights in buckets (vLLM's layerwise reload: each layer is
-    processed once all its tensors arrived; the receiver holds a bucket, not the model)."""
-    # lazy: vLLM internals, resolved inside the worker
-    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-    initialize_layerwise_reload(model)
-
-
-def load_bucket(model, named: list[tuple[str, torch.Tensor]]) -> None:
-    """Load one bucket of HF-named tensors inside :func:`begin_reload` / :func:`end_reload`."""
-    # lazy: vLLM internals, resolved inside the worker
-    from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
-
-    with disable_mtp_completeness_check():
-        model.load_weights(named)
-
-
-def end_reload(model, model_config) -> None:
-    """Close the sync (layers no bucket touched get their previous weights back)."""
-    # lazy: vLLM internals, resolved inside the worker
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-    finalize_layerwise_reload(model, model_config)
-
-
-class GlooWeightTransferEngine(base.WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
+class GlooWeightTransferEngine(
+    BucketReceiver, base.WeightTransferEngine[GlooInitInfo, BucketUpdateInfo]
+):
     """vLLM worker side of the ``gloo`` route (registered as ``"gloo"``)."""
 
     init_info_cls = GlooInitInfo
-    update_info_cls = GlooUpdateInfo
+    update_info_cls = BucketUpdateInfo
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         self.group = _pair_group(
             init_info.host, init_info.port, 1, init_info.timeout_s, init_info.key
         )
 
-    def start_weight_update(self) -> None:
-        begin_reload(self.model)
-
-    def finish_weight_update(self) -> None:
-        end_reload(self.model, self.model_config)
-
-    def update_weights(self, update_info: dict) -> None:
-        # The base class ends with torch.accelerator.synchronize(), which raises on CPU; the gloo
-        # receive is synchronous and load_weights copies on the current stream.
-        try:
-            self.receive_weights(self.parse_update_info(update_info))
-        except BaseException:
-            # Close vLLM's layerwise reload (the worker ends the session on errors): untouched
-            # layers get their previous weights back, so the next full sync can start.
-            self.finish_weight_update()
-            raise
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-
-    def receive_weights(self, update_info: GlooUpdateInfo) -> None:
-        dtypes = [getattr(torch, d) for d in update_info.dtype_names]
-        offsets, size = _layout(dtypes, update_info.shapes)
-        buf = torch.empty(size, dtype=torch.uint8)  # a fresh one: see _Staging
+    def _receive(self, size: int) -> torch.Tensor:
+        buf = torch.empty(size, dtype=torch.uint8)
         self.group.recv([buf], 0, 0).wait()
-        tensors = self._unpack(buf, dtypes, update_info.shapes, offsets)
-        if update_info.digests is not None:
-            bad = first_mismatch(
-                zip(update_info.names, tensors), dict(zip(update_info.names, update_info.digests))
-            )
-            if bad:
-                raise WeightSyncError(bad)
-        load_bucket(self.model, list(zip(update_info.names, tensors)))
-
-    def _unpack(self, buf, dtypes, shapes, offsets) -> list[torch.Tensor]:
-        return _views(buf, dtypes, shapes, offsets)
+        return buf
 
     def shutdown(self) -> None:
         self.group = None
@@ -313,7 +207,9 @@ class GlooTrainerInitInfo(base.TrainerInitInfo):
     timeout_s: float = 1800.0
 
 
-class GlooTrainerWeightTransferEngine(base.TrainerWeightTransferEngine[GlooTrainerInitInfo]):
+class GlooTrainerWeightTransferEngine(
+    BucketSender, base.TrainerWeightTransferEngine[GlooTrainerInitInfo]
+):
     """Sends the source in buckets over the pair group; the worker receives inside
     ``update_weights``, which runs on a helper thread meanwhile (both sides meet in the same
     send/recv)."""
@@ -324,166 +220,41 @@ class GlooTrainerWeightTransferEngine(base.TrainerWeightTransferEngine[GlooTrain
     def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client, source=None):
         engine = cls(client=client, source=source, is_sender=True)
         engine.info = init_info
-        store = dist.TCPStore(
-            init_info.host,
-            init_info.port,
-            2,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=init_info.timeout_s),
+        store = listening_store(
+            init_info.host, init_info.port, 2, datetime.timedelta(seconds=init_info.timeout_s)
         )
         key = secrets.token_hex(32)
         worker = asdict(GlooInitInfo(init_info.host, store.port, init_info.timeout_s, key))
-        join = _in_thread(client.init_weight_transfer_engine, worker)
+        join = in_thread(client.init_weight_transfer_engine, worker)
         engine.group = _pair_group(
             init_info.host, store.port, 0, init_info.timeout_s, key, store=store
         )
-        join()
+        join(init_info.timeout_s, "init_weight_transfer_engine")
         engine.store = store
         engine.stats = {}
         engine.staging = _Staging()
         return engine
 
-    def send_weights(self) -> None:
-        stats = {"tensors": 0, "params": 0, "bytes": 0, "buckets": 0}
-        self.client.start_weight_update()
-        bucket, size = [], 0
-        for name, t in self.source:
-            n = t.numel() * t.element_size()
-            if bucket and size + n > self.info.bucket_bytes:
-                self._send(bucket, stats)
-                bucket, size = [], 0
-            bucket.append((name, t.detach()))
-            size += n
-            stats["tensors"] += 1
-            stats["params"] += t.numel()
-            stats["bytes"] += n
-        if bucket:
-            self._send(bucket, stats)
-        self.client.finish_weight_update()
-        self.stats = stats
-
-    def _send(self, bucket: list[tuple[str, torch.Tensor]], stats: dict) -> None:
-        dtypes = [t.dtype for _, t in bucket]
-        shapes = [list(t.shape) for _, t in bucket]
-        offsets, size = _layout(dtypes, shapes)
-        buf = self.staging.get(size)
-        for view, (_, t) in zip(_views(buf, dtypes, shapes, offsets), bucket):
-            view.copy_(t)
-        info = GlooUpdateInfo(
-            names=[n for n, _ in bucket],
-            dtype_names=[str(d).split(".")[-1] for d in dtypes],
-            shapes=shapes,
-            digests=[digest(t) for _, t in bucket] if self.info.verify else None,
-        )
-        join = _in_thread(self.client.update_weights, asdict(info))
+    def _transmit(self, buf: torch.Tensor) -> None:
         self.group.send([buf], 1, 0).wait()
-        join()
-        stats["buckets"] += 1
 
     def shutdown(self) -> None:
         self.group = self.store = self.staging = None
 
 
-def _in_thread(fn, *args):
-    """Run ``fn(*args)`` on a helper thread; the returned callable joins it and re-raises."""
-    out: dict = {}
-
-    def run():
-        try:
-            fn(*args)
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-            out["error"] = e
-
-    th = threading.Thread(target=run, daemon=True)
-    th.start()
-
-    def join():
-        th.join()
-        if "error" in out:
-            raise out["error"]
-
-    return join
-
-
-# ---------------------------------------------------------------- nccl: no open rendezvous
-
-
-@dataclass
-class NCCLUidTrainerInitInfo(base.TrainerInitInfo):
-    """Trainer side of the ``nccl`` route: the group's size (1 + the workers) and vLLM's packed
-    buffers. No address: nothing listens for the workers (:class:`NCCLUidTrainerWeightTransferEngine`)."""
-
-    backend: ClassVar[str] = "nccl_uid"  # the trainer-side registry's name; the workers' is "nccl"
-    world_size: int = 2
-    packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
-    packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
-
-
-def mint_nccl_uid() -> bytes:
-    """A fresh NCCL unique id (its bootstrap address and a random value)."""
-    # lazy: loads the NCCL library (GPU machines)
-    from vllm.distributed.device_communicators.pynccl_wrapper import NCCLLibrary
-
-    return bytes(NCCLLibrary().ncclGetUniqueId().internal)
-
-
-def join_nccl(uid: bytes, rank: int, world_size: int):
-    """This process's communicator of the group of ``uid`` (vLLM's ``PyNcclCommunicator``)."""
-    device = torch.accelerator.current_device_index()
-    return nccl_common.uid_init_process_group(uid, rank, world_size, device)
-
-
-class NCCLUidTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
-    """vLLM's NCCL trainer engine (packed broadcasts from rank 0), but the communicator forms from
-    an NCCL unique id minted here and sent to the workers only inside their init info, i.e. over
-    the control route (the rollout server's secret-guarded HTTP).
-
-    Why: vLLM's own trainer side opens a TCP store at ``master_port`` and publishes the unique id
-    there; the store has no authentication, so whoever reaches the port could read it and join the
-    communicator as a worker (and receive the weights), or take a worker's place and stall the
-    sync. Here no port is opened for the rendezvous, and the unique id, the one thing that admits a
-    process to the group, never leaves the authenticated route. The workers are vLLM's stock
-    ``nccl`` engine, which joins from a unique id as it does for a torch-free trainer."""
-
-    init_info_cls = NCCLUidTrainerInitInfo
-
-    @classmethod
-    def trainer_init(cls, init_info: NCCLUidTrainerInitInfo, *, client, source=None):
-        engine = cls(
-            client=client,
-            source=source,
-            packed=True,
-            packed_buffer_size_bytes=init_info.packed_buffer_size_bytes,
-            packed_num_buffers=init_info.packed_num_buffers,
-        )
-        uid = mint_nccl_uid()
-        worker = NCCLWeightTransferInitInfo(
-            rank_offset=1,
-            world_size=init_info.world_size,
-            nccl_unique_id_b64=base64.b64encode(uid).decode(),
-            packed=True,
-            packed_buffer_size_bytes=init_info.packed_buffer_size_bytes,
-            packed_num_buffers=init_info.packed_num_buffers,
-        )
-        # the workers block in their init until every rank joined: both at once
-        join = _in_thread(
-            client.init_weight_transfer_engine, nccl_common.worker_init_payload(worker)
-        )
-        engine.model_update_group = join_nccl(uid, 0, init_info.world_size)
-        join()
-        return engine
-
-
 def register() -> None:
-    """Register the ``gloo`` engines and the ``nccl`` trainer engine with vLLM's factories
-    (idempotent; call before building an ``LLM`` with ``weight_transfer_config={"backend":
-    "gloo"}`` in this process)."""
+    """Register the project's engines with vLLM's factories, both sides (idempotent; call before
+    building an ``LLM`` with ``weight_transfer_config={"backend": "gloo"}`` in this process, and
+    in every server worker: rollout/remote/server_worker.py)."""
     engines = _factory.WeightTransferEngineFactory
     trainers = _factory.WeightTransferTrainerFactory
-    if "gloo" not in engines._registry:
-        engines.register_engine("gloo", GlooWeightTransferEngine)
-    for cls in (GlooTrainerWeightTransferEngine, NCCLUidTrainerWeightTransferEngine):
+    for name, cls in (
+        ("gloo", GlooWeightTransferEngine),
+        (NCCL_BACKEND, nccl_transfer.ProvenNCCLWeightTransferEngine),
+    ):
+        if name not in engines._registry:
+            engines.register_engine(name, cls)
+    for cls in (GlooTrainerWeightTransferEngine, nccl_transfer.NCCLUidTrainerWeightTransferEngine):
         if cls.init_info_cls.backend not in trainers._registry:
             trainers.register_engine(cls.init_info_cls.backend, cls)
 
@@ -500,13 +271,17 @@ class WeightSender:
             route}``) or any ``VLLMWeightSyncClient``.
         route: the backend.
         bucket_bytes: the largest bucket / packed buffer.
-        verify: per-tensor SHA-256 check on the worker (``gloo``; vLLM's engines have none).
+        verify: per-tensor SHA-256 check on the worker before loading (``gloo``, ``nccl``;
+            vLLM's ``ipc`` engine has none).
         num_workers: vLLM workers behind ``llm`` (``nccl``: the transfer group is 1 + this).
-        host: address the trainer's rendezvous listens on (``gloo``; ``nccl`` opens none: NCCL's
-            bootstrap uses its own interface, ``NCCL_SOCKET_IFNAME``).
-        timeout_s: how long a ``gloo`` transfer waits for the worker (rendezvous, each bucket);
+        host: address the trainer's ``gloo`` rendezvous store binds and the worker dials
+            (``nccl``: NCCL's bootstrap listener, started when the unique id is minted, picks its
+            own interface, ``NCCL_SOCKET_IFNAME``).
+        timeout_s: the deadline of every wait of a transfer (rendezvous, proofs, each bucket);
             default: the job's collective timeout (``train.dist_timeout_s``), as every other
             process group of the job.
+        secret: the job's shared secret (``nccl``: the workers prove it before the unique id is
+            minted, and every member proves it again over the communicator).
     """
 
     def __init__(
@@ -518,12 +293,13 @@ class WeightSender:
         num_workers: int = 1,
         host: str = "127.0.0.1",
         timeout_s: float | None = None,
+        secret: str = "",
     ):
         if route not in ("gloo", "ipc", "nccl"):
             raise ValueError(f"weight_transfer = {route!r}: expected gloo, ipc or nccl")
         self.client = LLMClient(llm) if hasattr(llm, "llm_engine") else llm
         self.route, self.bucket_bytes, self.verify = route, bucket_bytes, verify
-        self.num_workers, self.host = num_workers, host
+        self.num_workers, self.host, self.secret = num_workers, host, secret
         self.timeout_s = collective_timeout().total_seconds() if timeout_s is None else timeout_s
         self.engine = None
         self.current = None
@@ -544,10 +320,13 @@ class WeightSender:
             return IPCTrainerInitInfo(
                 rank=0, packed=True, packed_buffer_size_bytes=self.bucket_bytes
             )
-        return NCCLUidTrainerInitInfo(
+        return nccl_transfer.NCCLUidTrainerInitInfo(
             rank=0,
             world_size=1 + self.num_workers,
-            packed_buffer_size_bytes=self.bucket_bytes,
+            bucket_bytes=self.bucket_bytes,
+            verify=self.verify,
+            timeout_s=self.timeout_s,
+            secret=self.secret,
         )
 
     def send(self, source) -> dict:

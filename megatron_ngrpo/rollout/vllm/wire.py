@@ -18,7 +18,11 @@ import torch
 
 # Bumped whenever a payload or a worker-extension method changes: a server and a client of
 # different protocols refuse each other at start-up.
-PROTOCOL = 2
+PROTOCOL = 3
+# The servers' vLLM weight-transfer backend of each route (rollout/vllm/nccl_transfer.py: the
+# proven NCCL engine, not vLLM's stock "nccl").
+NCCL_BACKEND = "ngrpo_nccl"
+BACKENDS = {"gloo": "gloo", "nccl": NCCL_BACKEND}
 
 
 def digest(t: torch.Tensor) -> str:
