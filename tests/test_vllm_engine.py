@@ -121,15 +121,19 @@ def max_delta(batch, replayed) -> float:
 
 
 def check_records(batch, mixing, params, keys):
-    """Anchor emitted at mixed positions (paper mode); mixed positions are exactly the gate's
-    (every gated step mixes: skip_special_anchors off, whose own test leaves steps out)."""
+    """Anchor emitted at mixed positions (paper mode), mostly not (reference mode); mixed
+    positions are exactly the gate's (every gated step mixes: skip_special_anchors off, whose own
+    test leaves steps out)."""
     assert not mixing.skip_special_anchors
     batch.validate(VOCAB)
     m = batch.mixes
     assert m.k == mixing.k and not set(m.ids[:, 1:].flatten().tolist()) & set(SPECIAL)
+    emitted = [batch.response_ids[int(m.seq[j])][int(m.pos[j])] for j in range(len(m))]
+    not_anchor = sum(e != a for e, a in zip(emitted, m.ids[:, 0].tolist()))
     if mixing.emit == "anchor":
-        for j in range(len(m)):
-            assert batch.response_ids[int(m.seq[j])][int(m.pos[j])] == int(m.ids[j, 0])
+        assert not_anchor == 0
+    else:  # the sample: at T = 1 on the tiny random model, another token at most mixed steps
+        assert not_anchor > len(m) // 4, (not_anchor, len(m))
     for r, toks in enumerate(batch.response_ids):
         i, child = divmod(r, params.n)
         t = torch.arange(len(toks))
