@@ -70,7 +70,7 @@ def _generate_and_grade(cfg: EvalConfig, graders: dict) -> EvalResult | int:
     problems = -(-sum(len(b.problems) for b in benchmarks) // ps.get_data_parallel_world_size())
     positions = problems * params.n * params.max_new_tokens
     special = special_token_ids(tokenizer)
-    mixing = eval_mixing(cfg.mixing, engine, chunks, num_real, special, positions)
+    mixing = eval_mixing(cfg.mixing, engine, chunks, num_real, special, positions=positions)
     is_main = int(os.environ.get("RANK", "0")) == 0
     result = evaluate(
         engine,

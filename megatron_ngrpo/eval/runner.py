@@ -281,7 +281,8 @@ def eval_mixing(
     model_chunks: list,
     num_real_tokens: int,
     special_ids=(),
-    positions: int = 0,
+    *,
+    positions: int,
 ) -> MixingConfig | None:
     """The mixing an evaluation generates with: None (the paper) unless ``mixing.at_eval`` (the
     inference-time ablation) and mixing is enabled; then its neighbour source resolved as the
