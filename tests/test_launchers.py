@@ -677,3 +677,37 @@ def test_git_packaged_job_finds_what_the_recipes_need(tmp_path):
     assert p.stdout.strip() == str(
         code / "megatron_ngrpo" / "launch" / "plan.py"
     )  # the archive's code ran
+
+
+@pytest.mark.parametrize(
+    "rollout_args,refused",
+    [
+        ("--quantization fp8", "'--quantization'"),
+        ("--max-num-seqs 8 -qfp8", "'-qfp8'"),
+        ("--kv_cache_dtype=fp8_e4m3", "'--kv_cache_dtype=fp8_e4m3'"),
+        ("--no-enforce-eager", "'--no-enforce-eager'"),
+        ("-O3", "'-O3'"),
+    ],
+)
+def test_rollout_servers_refuse_what_the_colocated_engine_refuses(
+    rollout_args, refused, tmp_path, monkeypatch, capsys
+):
+    """FP8 (and the other options the colocated engine refuses or the hook needs fixed) through
+    ``--rollout-args``: one line from ``ngrpo-launch run`` before it plans the job, and from the
+    rollout server before vLLM starts."""
+    from megatron_ngrpo.rollout.remote import server
+
+    monkeypatch.setenv("NEMORUN_HOME", str(tmp_path / "home"))
+    config = REPO / "configs" / "ngrpo_r1_14b.yaml"
+    argv = [*GOLDEN_CASES["r1-14b"], "--config", str(config), "--dryrun"]
+    argv.append(f"--rollout-args={rollout_args}")
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: --rollout-args: rollout server option {refused} is refused")
+    assert "\n" not in err
+    model = tmp_path / "model"
+    assert server.main(["--model", str(model), "--port", "1", *rollout_args.split()]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: rollout server: ")
+    assert f"rollout server option {refused} is refused" in err
+    assert "\n" not in err and not model.exists()

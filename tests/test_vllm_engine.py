@@ -447,6 +447,35 @@ def test_greedy_matches_hf(engine, hf_model):
     assert d < TOL, d
 
 
+@pytest.mark.parametrize("level", [0, 1, 2])
+def test_sleep_level_reaches_vllm(monkeypatch, level):
+    """rollout.vllm.sleep_level as a GPU run uses it (CUDA faked: CPU vLLM refuses sleep mode, so
+    the calls are no-ops here): vLLM built with sleep mode unless 0, and the engine's sleep
+    between rollouts at that level, then its wake-up; level 0 never sleeps."""
+    from megatron_ngrpo.rollout.vllm.engine import VLLMEngine
+    from megatron_ngrpo.rollout.vllm.llm import llm_arguments
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = VLLMConfig(sleep_level=level)
+    assert llm_arguments(cfg, "/no/model", None, 64, False, 0).get("enable_sleep_mode") == (
+        True if level else None
+    )
+    calls = []
+
+    class SpyLLM:
+        def sleep(self, level):
+            calls.append(("sleep", level))
+
+        def wake_up(self):
+            calls.append(("wake_up",))
+
+    engine = object.__new__(VLLMEngine)  # the two methods only: no vLLM started
+    engine.cfg, engine.llm = cfg, SpyLLM()
+    engine.sleep()
+    engine.wake_up()
+    assert calls == ([("sleep", level), ("wake_up",)] if level else [])
+
+
 def test_engine_options_reach_vllm(engine, model_dir):
     """The fixture's VLLMConfig (not the defaults) as vLLM runs it: its KV cache holds
     rollout.vllm.kv_cache_memory_bytes (1.2 MB, not 512 MiB), its scheduler takes max_num_seqs
