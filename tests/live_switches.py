@@ -130,10 +130,8 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "rollout.vllm.in_process": _t(
         "tests/test_vllm_engine.py::test_worker_process_engine_generates_like_in_process"
     ),
-    "rollout.vllm.sleep_level": _v(
-        "GPU only: CPU vLLM refuses sleep mode, so the engine asks for it only with CUDA "
-        "(rollout/vllm/engine.py); not run here, and no GPU test sets it"
-    ),
+    # CUDA faked (CPU vLLM refuses sleep mode): the level reaches vllm.LLM and its sleep calls.
+    "rollout.vllm.sleep_level": _t("tests/test_vllm_engine.py::test_sleep_level_reaches_vllm"),
     "rollout.vllm.weight_transfer": _t("tests/test_vllm_engine.py::test_weight_sync_from_megatron"),
     "rollout.vllm.sync_bucket_mb": _t("tests/test_vllm_engine.py::test_weight_sync_from_megatron"),
     "rollout.vllm.verify_weights": _t(

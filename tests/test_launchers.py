@@ -336,15 +336,17 @@ def test_launcher_renders_its_golden_sbatch(name, tmp_path, monkeypatch, capsys)
 
 @pytest.mark.parametrize("name", ["r1-7b", "r1-14b"])
 def test_cluster_options_reach_the_script(name, tmp_path, monkeypatch, capsys):
-    """--time, --mem, --no-exclusive, --rdzv-port and (hetjob) --group-wait, launch.Cluster's
-    fields, in a one-group job's and a hetjob's script (each renders its torchrun its own way),
-    where the golden ones have their defaults."""
+    """--time, --mem, --no-exclusive, --rdzv-port and (hetjob) --group-start-wait and
+    --group-monitor-wait (told apart by their values), launch.Cluster's fields, in a one-group
+    job's and a hetjob's script (each renders its torchrun its own way), where the golden ones
+    have their defaults."""
     home = tmp_path / "nemorun_home"
     monkeypatch.setenv("NEMORUN_HOME", str(home))
     monkeypatch.setattr(nemo_run.config, "_NEMORUN_HOME", str(home))  # read at its import
     config = REPO / "configs" / f"ngrpo_{name.replace('-', '_')}.yaml"
     flags = ["--time", "02:03:04", "--mem", "100G", "--no-exclusive", "--rdzv-port", "23456"]
-    argv = [*GOLDEN_CASES[name], "--config", str(config), "--dryrun", *flags, "--group-wait", "7"]
+    flags += ["--group-start-wait", "7", "--group-monitor-wait", "9"]
+    argv = [*GOLDEN_CASES[name], "--config", str(config), "--dryrun", *flags]
     with (tmp_path / "stdin").open("w+") as stdin:  # git packaging reads stdin
         monkeypatch.setattr("sys.stdin", stdin)
         assert cli.main(argv) == 0
@@ -357,7 +359,7 @@ def test_cluster_options_reach_the_script(name, tmp_path, monkeypatch, capsys):
     if name == "r1-14b":
         changes += [
             ("\nsleep 30\n", "\nsleep 7\n"),  # between the groups' starts
-            ("    sleep 60\n", "    sleep 7\n"),  # the monitor's checks
+            ("    sleep 60\n", "    sleep 9\n"),  # the monitor's checks
         ]
     for default, flipped in changes:
         assert default in golden and default not in script and flipped in script, flipped
@@ -675,3 +677,37 @@ def test_git_packaged_job_finds_what_the_recipes_need(tmp_path):
     assert p.stdout.strip() == str(
         code / "megatron_ngrpo" / "launch" / "plan.py"
     )  # the archive's code ran
+
+
+@pytest.mark.parametrize(
+    "rollout_args,refused",
+    [
+        ("--quantization fp8", "'--quantization'"),
+        ("--max-num-seqs 8 -qfp8", "'-qfp8'"),
+        ("--kv_cache_dtype=fp8_e4m3", "'--kv_cache_dtype=fp8_e4m3'"),
+        ("--no-enforce-eager", "'--no-enforce-eager'"),
+        ("-O3", "'-O3'"),
+    ],
+)
+def test_rollout_servers_refuse_what_the_colocated_engine_refuses(
+    rollout_args, refused, tmp_path, monkeypatch, capsys
+):
+    """FP8 (and the other options the colocated engine refuses or the hook needs fixed) through
+    ``--rollout-args``: one line from ``ngrpo-launch run`` before it plans the job, and from the
+    rollout server before vLLM starts."""
+    from megatron_ngrpo.rollout.remote import server
+
+    monkeypatch.setenv("NEMORUN_HOME", str(tmp_path / "home"))
+    config = REPO / "configs" / "ngrpo_r1_14b.yaml"
+    argv = [*GOLDEN_CASES["r1-14b"], "--config", str(config), "--dryrun"]
+    argv.append(f"--rollout-args={rollout_args}")
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: --rollout-args: rollout server option {refused} is refused")
+    assert "\n" not in err
+    model = tmp_path / "model"
+    assert server.main(["--model", str(model), "--port", "1", *rollout_args.split()]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: rollout server: ")
+    assert f"rollout server option {refused} is refused" in err
+    assert "\n" not in err and not model.exists()

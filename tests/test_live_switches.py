@@ -330,6 +330,21 @@ def test_embedding_gradient_and_table_refresh_switches(runs):
     assert [x["mixing/table_refreshed"] for x in run["rows"]] == [1, 0]
 
 
+def test_mixing_defaults_through_the_trainer(runs):
+    """The trainer at the mixing defaults that configs/tiny_test.yaml overrides: ``auto`` with
+    ``refresh_every`` 1 over 1024 vocabulary rows resolves to on-demand rows (searched at every
+    step, no table built), and special anchors stay unmixed (``skip_special_anchors``) where the
+    same run with the option off mixes some."""
+    r = check(runs, "mixing_defaults")
+    run, special = r["defaults"], r["special"]
+    assert len(run["rows"]) == 2
+    for row in run["rows"]:
+        assert row["mixing/neighbor_rows_searched"] > 0 and row["mixing/table_refreshed"] == 0, row
+    assert sum(c["mixed"] for c in run["calls"]) > 0
+    assert sum(c["special_anchors_mixed"] for c in run["calls"]) == 0
+    assert sum(c["special_anchors_mixed"] for c in special["calls"]) > 0
+
+
 def test_validation_and_evaluation_switches(runs):
     """Validation every step on 3 problems of a file, 2 samples each with its own sampling
     settings, one problem per engine call; the best checkpoint kept or not. The evaluation CLI:

@@ -25,10 +25,15 @@ def test_greedy_matches_full_forward_and_tp1(results, layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_replay_logprobs(results, layout):
     """Log-probs of sampled, mixed (ρ=0.1 anchor / ρ=1 sample, n=3, ragged prompts) responses
-    equal a full-forward replay of the records and the trainer's sequence_logprobs (1e-5)."""
+    equal a full-forward replay of the records and the trainer's sequence_logprobs (1e-5).
+    ``emit``: the anchor (the record's ids[0]) at every mixed step, or the sample (T = 1.3),
+    which on the tiny model is another token at most mixed steps."""
     value = check(results, f"replay_{layout}")
     for v in value.values():
         assert v["d_full"] < 1e-5 and v["d_train"] < 1e-5
+    assert value["rho0.1"]["emitted_not_anchor"] == 0
+    sample = value["rho1"]
+    assert sample["emitted_not_anchor"] > sample["mixed"] // 4, sample
 
 
 def test_determinism_gates_anchor(results):

@@ -147,3 +147,54 @@ def test_config_errors(overrides, message):
     with pytest.raises(ConfigError) as e:
         load(GRPOConfig, None, overrides)
     assert message in str(e.value)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_rejected_tokens_leave_the_trainers_sum_and_normaliser(tmp_path, agg):
+    """Through the trainer's update (grpo/update.py ``loss_and_grads`` on a tiny model, one
+    process): a token-mask correction's rejected tokens are out of both the loss's sum and its
+    normaliser, by value against the float64 reference (counting them in the normaliser passed
+    every other test)."""
+    from megatron_ngrpo.grpo.batches import TokenBatch
+    from megatron_ngrpo.grpo.update import UpdateSettings, loss_and_grads, wrap_for_training
+    from megatron_ngrpo.mixing.records import MixRecord
+    from megatron_ngrpo.models.config import ModelConfig
+    from megatron_ngrpo.models.provider import build_model
+    from megatron_ngrpo.parallel import init_distributed, initialize_model_parallel
+    from megatron_ngrpo.rollout.types import RolloutBatch
+    from tests.harness.tiny import write_tiny_hf
+    from tests.support.replay import sequence_logprobs
+
+    init_distributed()
+    initialize_model_parallel(1, 1, None, seed=0)
+    hf = write_tiny_hf(tmp_path / "hf", weights=False, vocab_size=64, hidden_size=32,
+                       num_layers=1, intermediate_size=64)  # fmt: skip
+    chunks = wrap_for_training(
+        build_model(ModelConfig(hf_path=str(hf), make_vocab_size_divisible_by=8))
+    )
+    g = torch.Generator().manual_seed(3)
+    lengths = [7, 5, 9, 2, 6, 4]
+    rb = RolloutBatch([[1, 2, 3]] * 6, [torch.randint(4, 64, (n,), generator=g).tolist()
+                      for n in lengths], [[0.0] * n for n in lengths], ["stop"] * 6,
+                      MixRecord.empty(6, 2), [0, 0, 1, 1, 2, 2])  # fmt: skip
+    tb = TokenBatch.from_rollout(rb)
+    new = tb.label_aligned(sequence_logprobs(chunks, rb, 1.0, 3), torch.float64)
+    mask = tb.mask
+    old = new + (torch.rand(new.shape, generator=g, dtype=torch.float64) - 0.5) * 0.6 * mask
+    gap = (torch.rand(new.shape, generator=g, dtype=torch.float64) - 0.5) * 2.4
+    rollout = old + gap * (torch.rand(new.shape, generator=g) < 0.5) * mask
+    rollout[3] = old[3] + 1.0 * mask[3]  # every token of one response rejected
+    adv = torch.randn(6, generator=g, dtype=torch.float64)
+    mc = MismatchConfig(mode="token-mask", lower=0.6, upper=1.4)
+    cfg = GRPOConfig(loss_agg=agg, kl_mode="off", mismatch=mc)
+    f = torch.float32
+    weight, keep = correction(old.to(f), rollout.to(f), mask, cfg.correction)
+    assert 0 < int((mask & ~keep).sum()) < int(mask.sum()) and not (mask[3] & keep[3]).any()
+    inputs = LossInputs(old_logprobs=old.to(f), advantages=adv.to(f),
+                        active=torch.ones(6, dtype=torch.bool), tis_weight=weight, keep=keep)  # fmt: skip
+    stats = loss_and_grads(chunks, tb.with_inputs(inputs), cfg, UpdateSettings(1.0, 2))
+    ref = _reference(new, old, rollout, adv, mask, cfg, mc)
+    assert stats["loss"] == pytest.approx(ref, rel=1e-5, abs=1e-7)
+    kept = mask & keep
+    want = int(kept.sum()) if agg == "token-mean" else int(kept.any(1).sum())
+    assert stats["normaliser"] == want

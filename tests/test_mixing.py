@@ -19,6 +19,7 @@ from megatron_ngrpo.mixing.neighbors import build_neighbor_table, exclusion_mask
 from tests.harness.multiproc import check, launch
 from tests.harness.records import mix_record
 from tests.harness.reference import neighbor_table64, splitmix_uniform64
+from tests.harness.reference import tf32 as _tf32
 
 WORKER = Path(__file__).parent / "dist" / "mixing_worker.py"
 MODEL_LAYOUTS = ["model_tp1", "model_tp2", "model_tp4", "model_pp2", "model_tp2_pp2"]
@@ -430,11 +431,6 @@ def test_special_anchors_stay_unmixed_in_every_strategy():
     # gumbel's anchor is its Gumbel-max sample: skipped where that sample is special
     dec = P.decide_for_strategy(MixingConfig(strategy="gumbel"), z, mixed, **kw)
     assert torch.equal(dec.mixed, mixed & ~special[dec.anchor])
-
-
-def _tf32(x: torch.Tensor) -> torch.Tensor:
-    """fp32 rounded to TF32 (10 mantissa bits, round to nearest) as tensor cores do to inputs."""
-    return ((x.contiguous().view(torch.int32) + 0x1000) & ~0x1FFF).view(torch.float32)
 
 
 @pytest.mark.parametrize("rows", [None, (0, 1500)])  # symmetric full table / general query slice

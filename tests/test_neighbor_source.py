@@ -14,10 +14,11 @@ from test_train import _finish, _launch, task  # noqa: F401 (task: the module fi
 
 from megatron_ngrpo.grpo.metrics import PhaseTimer
 from megatron_ngrpo.mixing.config import MixingConfig
+from megatron_ngrpo.mixing.neighbor_mode import resolve_mode
 from megatron_ngrpo.mixing.records import MixRecord
 from megatron_ngrpo.rollout.types import RolloutBatch, RolloutEngine
 from megatron_ngrpo.training.job_config import NGRPOConfig
-from megatron_ngrpo.training.neighbor_source import NeighborSource, resolve_mode
+from megatron_ngrpo.training.neighbor_source import NeighborSource
 from megatron_ngrpo.training.rollout_stage import RolloutStage
 
 V = 49152  # SmolLM2-135M's vocabulary

@@ -65,13 +65,18 @@ def _generate_and_grade(cfg: EvalConfig, graders: dict) -> EvalResult | int:
     chunks = build_policy(cfg.model, cfg.checkpoint)
     engine = build_engine(cfg, chunks, tokenizer)
     num_real = real_token_count(cfg.model.num_real_tokens, spec.vocab_size, tokenizer)
-    mixing = eval_mixing(cfg.mixing, engine, chunks, num_real, special_token_ids(tokenizer))
+    params = SamplingParams.from_config(cfg.sampling, tokenizer.eos_token_id)
+    # auto's cost rule: the decode positions of this DP rank's share of every benchmark
+    problems = -(-sum(len(b.problems) for b in benchmarks) // ps.get_data_parallel_world_size())
+    positions = problems * params.n * params.max_new_tokens
+    special = special_token_ids(tokenizer)
+    mixing = eval_mixing(cfg.mixing, engine, chunks, num_real, special, positions=positions)
     is_main = int(os.environ.get("RANK", "0")) == 0
     result = evaluate(
         engine,
         tokenizer,
         benchmarks,
-        SamplingParams.from_config(cfg.sampling, tokenizer.eos_token_id),
+        params,
         graders,
         template=cfg.template,
         ks=cfg.ks or None,

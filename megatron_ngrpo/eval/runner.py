@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from megatron_ngrpo.architecture import unwrap
 from megatron_ngrpo.data.config import SourceConfig
 from megatron_ngrpo.data.datasets import Problem, as_source, load_source, prompt_too_long
 from megatron_ngrpo.data.templates import (
@@ -42,6 +43,7 @@ from megatron_ngrpo.eval.passk import benchmark_metrics
 from megatron_ngrpo.eval.report import write_report
 from megatron_ngrpo.eval.result import EvalResult, read_generations
 from megatron_ngrpo.mixing.config import MixingConfig
+from megatron_ngrpo.mixing.neighbor_mode import resolve_mode
 from megatron_ngrpo.mixing.neighbors import neighbor_table_for_model
 from megatron_ngrpo.rewards.extract import extract_answer, last_boxed
 from megatron_ngrpo.rollout.types import RolloutEngine, SamplingParams
@@ -279,17 +281,26 @@ def eval_mixing(
     model_chunks: list,
     num_real_tokens: int,
     special_ids=(),
+    *,
+    positions: int,
 ) -> MixingConfig | None:
     """The mixing an evaluation generates with: None (the paper) unless ``mixing.at_eval`` (the
-    inference-time ablation) and mixing is enabled; then ``engine`` gets the neighbour table of
-    the evaluated weights ``model_chunks`` (a collective of the model-parallel group)."""
+    inference-time ablation) and mixing is enabled; then its neighbour source resolved as the
+    trainer's is (:func:`~megatron_ngrpo.mixing.neighbor_mode.resolve_mode` over the
+    ``positions`` this DP rank decodes): ``engine`` gets the neighbour table of the evaluated
+    weights ``model_chunks`` (a collective of the model-parallel group) or, on demand, none."""
     if not (mixing.at_eval and mixing.enabled):
         return None
-    if mixing.strategy == "neighbor":
-        engine.set_neighbor_table(
-            neighbor_table_for_model(model_chunks, mixing, num_real_tokens, special_ids).cpu()
-        )
-    return mixing
+    vocab = unwrap(model_chunks[0]).vocab_size
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    mode = resolve_mode(mixing, engine.neighbors_on_demand, positions, vocab, device_type)
+    if mode == "none":
+        return mixing
+    table = None
+    if mode == "table":
+        table = neighbor_table_for_model(model_chunks, mixing, num_real_tokens, special_ids).cpu()
+    engine.set_neighbor_table(table)
+    return dataclasses.replace(mixing, neighbor_lookup=mode)
 
 
 def evaluate(

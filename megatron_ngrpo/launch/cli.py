@@ -154,10 +154,13 @@ def _add_slurm_options(s) -> None:
     )
     s.add_argument("--mem", help="memory per node (e.g. 0 = all)")
     s.add_argument(
-        "--group-wait",
+        "--group-start-wait", type=int, default=None, help="hetjob: seconds between group starts"
+    )
+    s.add_argument(
+        "--group-monitor-wait",
         type=int,
         default=None,
-        help="hetjob: seconds between group starts and between monitor checks",
+        help="hetjob: seconds between the monitor's checks of the groups",
     )
 
 
@@ -347,11 +350,10 @@ def _cluster(args: argparse.Namespace, recipe: recipes.Recipe, hf_path: str, pac
         job_files.require_absolute(files)
         if args.container_image:
             mounts = job_files.container_mounts(mounts, files)
-    group_wait = (
-        {}
-        if args.group_wait is None
-        else dict(group_start_wait=args.group_wait, group_monitor_wait=args.group_wait)
-    )
+    waits = {
+        "group_start_wait": args.group_start_wait,
+        "group_monitor_wait": args.group_monitor_wait,
+    }
     return Cluster(
         account=args.account,
         partition=args.partition,
@@ -363,7 +365,7 @@ def _cluster(args: argparse.Namespace, recipe: recipes.Recipe, hf_path: str, pac
         rdzv_port=args.rdzv_port,
         exclusive=args.exclusive,
         mem=args.mem,
-        **group_wait,
+        **{name: value for name, value in waits.items() if value is not None},
     )
 
 

@@ -19,6 +19,7 @@ from megatron_ngrpo.launch import memory
 from megatron_ngrpo.models.config import ModelConfig
 from megatron_ngrpo.models.provider import check_layout
 from megatron_ngrpo.rollout.config import EngineName
+from megatron_ngrpo.rollout.remote.passthrough import refused_argument
 
 # Entry points, run as ``python -m`` of the installed (or packaged) package, never as checkout paths.
 TRAIN_MODULE = "megatron_ngrpo.train"
@@ -456,7 +457,10 @@ def _conversion_task(
 def rollout_server(recipe: Recipe, hf_path: str, extra: tuple[str, ...] = ()) -> TaskSpec:
     """The rollout group of a disaggregated job: on every node, one rollout server process
     (vLLM with N-GRPO's mixing hook, :mod:`megatron_ngrpo.rollout.remote.server`) running one engine of
-    vLLM TP per block of the node's GPUs; ``extra``: more server options."""
+    vLLM TP per block of the node's GPUs; ``extra``: more server options (those a server refuses,
+    rollout/remote/passthrough.py, raise ConfigError)."""
+    if problem := refused_argument(extra):
+        raise ConfigError(f"--rollout-args: {problem}")
     argv = (
         "python",
         "-m",

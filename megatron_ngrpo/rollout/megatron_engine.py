@@ -57,6 +57,7 @@ from megatron_ngrpo.architecture import ArchSpec, unwrap
 from megatron_ngrpo.compat.cpu import device
 from megatron_ngrpo.mixing.decision import anchors, id_mask
 from megatron_ngrpo.mixing.embedding import MixBatch, mixing_embedding, mixing_inputs
+from megatron_ngrpo.mixing.neighbor_mode import resolve_mode
 from megatron_ngrpo.mixing.neighbors import (
     NeighborLookup,
     neighbor_lookup_for_model,
@@ -102,7 +103,7 @@ class MegatronEngine(RolloutEngine):
         decode: token ids → text; needed for stop strings, ``stop_after`` and ``texts``.
         special_ids: ids excluded from neighbour sets (passed to the table builder).
         neighbor_table: a given [V, k] neighbour table (anchor first, see also
-            :meth:`set_neighbor_table`); None = from the model, per ``mixing.lookup_mode``: the
+            :meth:`set_neighbor_table`); None = from the model, per :func:`resolve_mode`: the
             whole table (:func:`~megatron_ngrpo.mixing.neighbors.neighbor_table_for_model`) at
             the first mixed generate after construction or :meth:`sync_weights`, or on-demand
             rows of the anchors each decode step mixes (:class:`NeighborLookup`, sharded over TP,
@@ -284,14 +285,14 @@ class MegatronEngine(RolloutEngine):
 
     def _mixing_aux(self, mixing, positions: int) -> dict:
         """What the strategy needs from the weights: ``table`` (neighbor: the [V, k] table, or
-        the on-demand :class:`NeighborLookup` per ``mixing.lookup_mode`` of ``positions`` decode
+        the on-demand :class:`NeighborLookup` per :func:`resolve_mode` of ``positions`` decode
         positions) or ``noise`` (stht), built collectively on first use and cached until
         :meth:`sync_weights` (one per weight version; a lookup keeps its rows until then)."""
         if mixing.strategy == "neighbor":
             if self._fixed_table is not None:
                 return {"table": self._fixed_table.to(self._device)}
-            mode = mixing.lookup_mode(
-                positions, unwrap(self.chunks[0]).vocab_size, self._device.type
+            mode = resolve_mode(
+                mixing, True, positions, unwrap(self.chunks[0]).vocab_size, self._device.type
             )
             key = (
                 mode,

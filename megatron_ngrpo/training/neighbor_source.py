@@ -1,10 +1,10 @@
 """The one owner of the rollouts' neighbour source: per weight version, the whole [V, k] table,
 exact rows searched on demand by the engine, or none.
 
-The mode is resolved once per run from ``mixing.neighbor_lookup`` (``table | on_demand | auto``;
-``auto`` by :meth:`~megatron_ngrpo.mixing.config.MixingConfig.lookup_mode`'s cost rule over the
-most decode positions one weight version serves on a DP rank) and from whether the engine can
-search rows itself (:attr:`~megatron_ngrpo.rollout.types.RolloutEngine.neighbors_on_demand`).
+The mode is resolved once per run by :func:`~megatron_ngrpo.mixing.neighbor_mode.resolve_mode`
+(the one resolver of ``auto``, which engines and the evaluation CLI call too) over the most
+decode positions one weight version serves on a DP rank and whether the engine can search rows
+itself (:attr:`~megatron_ngrpo.rollout.types.RolloutEngine.neighbors_on_demand`).
 Engines receive the resolved mixing config, never ``auto``, and after every weight sync the
 engine's table is set by :meth:`NeighborSource.apply`, to None too: a table handed to the engine
 for another weight version (a validation pass, an earlier step) never survives into a rollout.
@@ -14,35 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Literal
 
 import torch
 
 from megatron_ngrpo.mixing.config import MixingConfig
+from megatron_ngrpo.mixing.neighbor_mode import NeighborMode
 from megatron_ngrpo.rollout.types import RolloutEngine, active_mixing
-
-NeighborMode = Literal["none", "table", "on_demand"]
-
-
-def resolve_mode(
-    mixing: MixingConfig,
-    engine_searches: bool,
-    positions: int,
-    vocab_size: int,
-    device_type: str,
-) -> NeighborMode:
-    """The neighbour source of a run whose rollouts decode at most ``positions`` tokens per DP
-    rank and weight version over a ``vocab_size`` (padded) vocabulary on ``device_type``."""
-    if not (mixing.enabled and mixing.strategy == "neighbor"):
-        return "none"
-    if not engine_searches:
-        if mixing.neighbor_lookup == "on_demand":
-            raise ValueError(
-                "mixing.neighbor_lookup = on_demand: this engine mixes with the trainer's table "
-                "only (use table or auto)"
-            )
-        return "table"
-    return mixing.lookup_mode(positions, vocab_size, device_type)
 
 
 class NeighborSource:
@@ -50,7 +27,7 @@ class NeighborSource:
 
     Args:
         mixing: the run's mixing section.
-        mode: :func:`resolve_mode`'s answer.
+        mode: :func:`~megatron_ngrpo.mixing.neighbor_mode.resolve_mode`'s answer.
         build_table: computes the [V, k] table of the current weights (a collective of the
             model-parallel group; called only in "table" mode when due).
     """

@@ -49,6 +49,7 @@ from megatron_ngrpo.grpo.batches import TokenBatch
 from megatron_ngrpo.grpo.metrics import MetricsWriter, PhaseTimer, dp_max
 from megatron_ngrpo.grpo.update import UpdateSettings, loss_and_grads, wrap_for_training
 from megatron_ngrpo.mixing.embedding import mixing_embedding
+from megatron_ngrpo.mixing.neighbor_mode import resolve_mode
 from megatron_ngrpo.mixing.neighbors import neighbor_table_for_model
 from megatron_ngrpo.models.config import real_token_count, use_te
 from megatron_ngrpo.models.provider import build_model
@@ -64,7 +65,7 @@ from megatron_ngrpo.training.checkpoint import (
 )
 from megatron_ngrpo.training.job_config import NGRPOConfig
 from megatron_ngrpo.training.loss_stage import LossInputStage
-from megatron_ngrpo.training.neighbor_source import NeighborSource, resolve_mode
+from megatron_ngrpo.training.neighbor_source import NeighborSource
 from megatron_ngrpo.training.optimizer import build_optimizer, ddp_config
 from megatron_ngrpo.training.reference import ReferencePolicy
 from megatron_ngrpo.training.rollout_stage import RolloutStage

@@ -167,12 +167,21 @@ def mixing_at_eval():
 
     with MathGrader(timeout_s=30.0, workers=1) as grader:
         paper = run(None)
-        off = eval_mixing(MixingConfig(rate=1.0, at_eval=False), engine, chunks, real, [tok.eos_token_id])
+        positions = 2 * N * MAX_NEW  # this rank's 2 of the 3 problems
+        off = eval_mixing(MixingConfig(rate=1.0, at_eval=False), engine, chunks, real, [tok.eos_token_id],
+                          positions=positions)
         assert off is None and run(off).generations == paper.generations
         assert all("mixed_steps" not in r for r in paper.generations["toy"])
-        on = eval_mixing(MixingConfig(rate=0.5, k=3, at_eval=True), engine, chunks, real, [tok.eos_token_id])
-        assert on is not None and engine._fixed_table.shape == (512, 3)
+        # auto, resolved as the trainer's: over 100x this rank's positions → the table; 0.5 · 24
+        # positions · 40 < 512 rows → on-demand rows, the earlier table dropped
+        many = eval_mixing(MixingConfig(rate=0.5, k=3, at_eval=True), engine, chunks, real, [tok.eos_token_id],
+                           positions=100 * positions)
+        assert many.neighbor_lookup == "table" and engine._fixed_table.shape == (512, 3)
+        on = eval_mixing(MixingConfig(rate=0.5, k=3, at_eval=True), engine, chunks, real, [tok.eos_token_id],
+                         positions=positions)
+        assert on.neighbor_lookup == "on_demand" and engine._fixed_table is None
         mixed = run(on)
+        assert engine.neighbor_rows_searched() > 0
     steps = [r["mixed_steps"] for r in mixed.generations["toy"]]
     assert len(steps) == 3 * N and sum(steps) > 0, steps
     assert mixed.settings["mixing"]["at_eval"] is True

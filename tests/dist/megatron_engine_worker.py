@@ -189,6 +189,12 @@ def mixed_positions(batch, r: int) -> list[int]:
     return [p for p, _, _ in sequence_mixes(batch.mixes, r)]
 
 
+def emitted_not_anchor(batch) -> int:
+    """Mixed positions whose emitted token is not the record's anchor (ids[0])."""
+    return sum(resp[p] != ids[0] for r, resp in enumerate(batch.response_ids)
+               for p, ids, _ in sequence_mixes(batch.mixes, r))
+
+
 # ---- cases ----------------------------------------------------------------------------------
 def _greedy(tp, pp):
     from megatron_ngrpo.rollout.types import SamplingParams
@@ -231,7 +237,7 @@ def _replay(tp, pp):
         assert out.response_ids == ref.response_ids and max_diff(
             [torch.tensor(x) for x in ref.logprobs], out.logprobs) < 1e-5
         result[name] = dict(mixed=len(out.mixes), tokens=len(ids), d_full=d_full, d_train=d_train,
-                            d_without_mixes=d_plain)
+                            d_without_mixes=d_plain, emitted_not_anchor=emitted_not_anchor(out))
     return result
 
 

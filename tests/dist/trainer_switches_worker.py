@@ -99,7 +99,7 @@ def _shift(r: int, t: int) -> float:
 def engine_calls(calls: list, shifted: dict | None):
     """The built-in engine's calls appended to ``calls``: the prompts, the sampling settings and
     per response (prompt length, response length, finish reason), the largest token id sampled or
-    mixed; with ``shifted``, the returned
+    mixed, the mixed positions and those whose anchor is a special id; with ``shifted``, the returned
     log-probs moved by :func:`_shift` and the tokens of each shift counted there."""
     from megatron_ngrpo.rollout.megatron_engine import MegatronEngine
 
@@ -117,6 +117,10 @@ def engine_calls(calls: list, shifted: dict | None):
                 ],
                 "largest_id": max(
                     [t for r in batch.response_ids for t in r] + batch.mixes.ids.flatten().tolist()
+                ),
+                "mixed": len(batch.mixes),
+                "special_anchors_mixed": sum(
+                    a in self.special_ids for a in batch.mixes.ids[:, 0].tolist()
                 ),
             }
         )
@@ -338,6 +342,30 @@ def embedding_gradient_and_table_refresh():
             "train.max_steps=2",
             "mixing.embedding_grad=false",
             "mixing.refresh_every=0",
+        ),
+    }
+
+
+@case
+def mixing_defaults():
+    """Two steps at MixingConfig's defaults of the fields configs/tiny_test.yaml overrides
+    (``refresh_every``, ``skip_special_anchors``; ``neighbor_lookup`` is ``auto`` there too), the
+    vocabulary padded to 1024 rows, where ``auto``'s cost rule picks on-demand rows; and the same
+    run mixing special anchors (tiny_test's setting), where the policy mixes some."""
+    from megatron_ngrpo.mixing.config import MixingConfig
+
+    d = MixingConfig()
+    defaults = (
+        "train.max_steps=2",
+        "model.make_vocab_size_divisible_by=1024",
+        f"mixing.neighbor_lookup={d.neighbor_lookup}",
+        f"mixing.refresh_every={d.refresh_every}",
+        f"mixing.skip_special_anchors={str(d.skip_special_anchors).lower()}",
+    )
+    return {
+        "defaults": observed("mixing_defaults", *defaults),
+        "special": observed(
+            "mixing_special", *defaults, f"mixing.skip_special_anchors={not d.skip_special_anchors}"
         ),
     }
 

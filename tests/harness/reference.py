@@ -9,6 +9,11 @@ import numpy as np
 import torch
 
 
+def tf32(x: torch.Tensor) -> torch.Tensor:
+    """fp32 rounded to TF32 (10 mantissa bits, round to nearest) as tensor cores do to inputs."""
+    return ((x.contiguous().view(torch.int32) + 0x1000) & ~0x1FFF).view(torch.float32)
+
+
 def similarity_matrix64(weight: torch.Tensor, metric: str, rows=None) -> torch.Tensor:
     """[R, V] float64 similarity of query rows ``rows`` (default all) to every row, one query at a
     time: cosine = q·r / (max(‖q‖, ε)·max(‖r‖, ε)) (a zero row scores 0), dot, l2 = -‖q-r‖²,

@@ -63,6 +63,7 @@ from megatron_ngrpo.rollout.remote.auth import (
     registration_dir,
 )
 from megatron_ngrpo.rollout.remote.guard import SecretGuard
+from megatron_ngrpo.rollout.remote.passthrough import refused_argument
 from megatron_ngrpo.rollout.vllm import wire
 from megatron_ngrpo.rollout.vllm.protocol import HookVocab, check_vllm_version
 
@@ -135,6 +136,8 @@ def vllm_arguments(args, extra: list[str]) -> tuple[list[str], HookVocab]:
     """vLLM's serve arguments for ``args`` (plus ``extra``, passed through) and the hook's
     vocabulary (``num_real_tokens`` resolved, the tokenizer's special ids), after the start-up
     checks (RuntimeError / ValueError, one line)."""
+    if problem := refused_argument(extra):
+        raise ValueError(problem)
     check_vllm_version()
     # The middleware and the hook's installer read it from this process's environment.
     os.environ[SECRET_ENV] = read_secret(args.secret_file or "", args.url_dir or "")

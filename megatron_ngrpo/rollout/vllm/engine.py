@@ -13,9 +13,9 @@
 * The neighbour table (``mixing.neighbors.build_neighbor_table``) is computed here, on the full
   HF matrix (input embedding or output layer per ``neighbor_source``, padded rows
   ``>= num_real_tokens`` and special ids excluded), from the checkpoint at start-up and from the
-  synced tensors after every ``sync_weights``, then sent to the workers; or, when
-  ``mixing.lookup_mode`` is "on_demand", each worker searches the rows of the anchors it mixes
-  in its own vocab shard of vLLM's weights (``NeighborLookup`` over vLLM's TP group, cached until
+  synced tensors after every ``sync_weights``, then sent to the workers; or, when ``resolve_mode``
+  (mixing/neighbor_mode.py) says "on_demand", each worker searches the rows of the anchors it
+  mixes in its own vocab shard of vLLM's weights (``NeighborLookup`` over vLLM's TP group, cached until
   the next weight load; equal to the table of those weights).
 * ``sync_weights(model_chunks)`` gathers the Megatron shards with HF names
   (``conversion.hf_export.export_hf_tensors``, one parameter at a time) and loads them into the
@@ -65,6 +65,7 @@ from megatron_ngrpo.conversion.hf_export import export_hf_tensors
 from megatron_ngrpo.conversion.hf_io import HFCheckpoint
 from megatron_ngrpo.data.tokenizer import engine_tokenizer, special_token_ids
 from megatron_ngrpo.mixing.config import MixingConfig
+from megatron_ngrpo.mixing.neighbor_mode import resolve_mode
 from megatron_ngrpo.mixing.neighbors import build_neighbor_table, exclusion_mask
 from megatron_ngrpo.mixing.perturbations import NoiseSpec
 from megatron_ngrpo.models.config import real_token_count
@@ -204,11 +205,9 @@ class VLLMEngine(RolloutEngine):
                 most = torch.tensor([positions])
                 dist.all_reduce(most, op=dist.ReduceOp.MAX)
                 positions = int(most)
+            device_type = "cuda" if torch.cuda.is_available() else "cpu"
             self._ensure_strategy(
-                mixing,
-                mixing.lookup_mode(
-                    positions, self.spec.vocab_size, "cuda" if torch.cuda.is_available() else "cpu"
-                ),
+                mixing, resolve_mode(mixing, True, positions, self.spec.vocab_size, device_type)
             )
         if self.colocated:
             return generate_on_replicas(

@@ -1,0 +1,139 @@
+"""Mutants of live switches (issue #45 item 2): per registry entry of tests/live_switches.py, small
+source patches that switch the option off (or wire it wrongly), and the test that must then fail.
+
+A :class:`Mutant` replaces ``old`` (exactly one occurrence) by ``new`` in ``file`` of a copy of
+the tree; its ``test`` is the entry's registry test unless it names another (an implementation
+detail the trainer-level test cannot see, killed by the unit test that reads it, e.g. the
+normaliser of a mismatch correction). ``fast``: its test runs within about a minute on a loaded
+2-core machine, so CI's rotating sample may draw it. scripts/mutants.py applies them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Mutant:
+    file: str
+    old: str
+    new: str
+    test: str = ""  # default: the entry's registry test
+    fast: bool = False
+
+
+ENGINE = "megatron_ngrpo/rollout/megatron_engine.py"
+HOOK = "megatron_ngrpo/rollout/vllm/hook.py"
+
+MUTANTS: dict[str, list[Mutant]] = {
+    # ---- mixing ---------------------------------------------------------------------------------
+    "mixing.emit": [
+        Mutant(ENGINE, 'if mixing.emit == "anchor":  # a step', "if True:  # a step"),
+        Mutant(
+            HOOK,
+            'emit_anchor = opts["emit"] == "anchor"',
+            "emit_anchor = True",
+            test="tests/test_vllm_engine.py::test_replay_matches_engine_logprobs[0.3-sample-1.0]",
+        ),
+    ],
+    "mixing.neighbor_lookup": [
+        Mutant(
+            "megatron_ngrpo/mixing/neighbor_mode.py",
+            "    return mixing.lookup_mode(positions, vocab_size, device_type)",
+            '    return "table" if mixing.neighbor_lookup == "auto" else '
+            "mixing.lookup_mode(positions, vocab_size, device_type)",
+            test="tests/test_neighbor_source.py::test_lookup_resolves_once_per_run",
+            fast=True,
+        ),
+    ],
+    "mixing.skip_special_anchors": [
+        Mutant(
+            "megatron_ngrpo/mixing/perturbations.py",
+            "if special is not None and cfg.skip_special_anchors:",
+            "if False:",
+        ),
+        Mutant(
+            "megatron_ngrpo/mixing/perturbations.py",
+            "if special is not None and cfg.skip_special_anchors:",
+            "if False:",
+            test="tests/test_mixing.py::test_special_anchors_stay_unmixed_in_every_strategy",
+            fast=True,
+        ),
+        Mutant(
+            HOOK,
+            "keep = dec.mixed.tolist() if r0.decision.skip_special_anchors else ()",
+            "keep = ()",
+            test="tests/test_vllm_engine.py::test_special_anchors_stay_unmixed_in_the_hook",
+        ),
+    ],
+    # ---- grpo -----------------------------------------------------------------------------------
+    "grpo.mismatch.mode": [
+        Mutant("megatron_ngrpo/training/loss_stage.py", 'if corr.mode != "off":', "if False:"),
+        Mutant(
+            "megatron_ngrpo/grpo/update.py",
+            "kept = batch.mask if inputs.keep is None else batch.mask & inputs.keep",
+            "kept = batch.mask",
+            test="tests/test_mismatch.py::test_rejected_tokens_leave_the_trainers_sum_and_normaliser",
+            fast=True,
+        ),
+    ],
+    "grpo.tis_cap": [
+        Mutant(
+            "megatron_ngrpo/grpo/config.py",
+            "        if self.tis_cap is not None:\n",
+            "        if False:\n",
+        ),
+        Mutant(
+            "megatron_ngrpo/grpo/config.py",
+            "        if self.tis_cap is not None:\n",
+            "        if False:\n",
+            test="tests/test_mismatch.py::test_tis_cap_is_token_tis",
+            fast=True,
+        ),
+    ],
+    # ---- training -------------------------------------------------------------------------------
+    "train.async_save": [
+        Mutant(
+            "megatron_ngrpo/training/trainer.py", "if t.async_save:", "if False and t.async_save:"
+        ),
+    ],
+    "train.pack_sequences": [
+        Mutant(
+            "megatron_ngrpo/training/trainer.py",
+            'packing=("thd" if use_te(cfg.model) else "mask") if t.pack_sequences else "",',
+            'packing="",',
+        ),
+    ],
+    "train.dynamic_sampling.enabled": [
+        Mutant(
+            "megatron_ngrpo/training/rollout_stage.py",
+            "if fewest >= need or len(rounds) == ds.max_gen_batches:",
+            "if True:",
+        ),
+    ],
+    # ---- rollout and launch ---------------------------------------------------------------------
+    "rollout.vllm.sleep_level": [
+        Mutant(
+            "megatron_ngrpo/rollout/vllm/engine.py",
+            "self.llm.sleep(level=self.cfg.sleep_level)",
+            "self.llm.sleep(level=1)",
+            fast=True,
+        ),
+    ],
+    "launch.cluster.group_start_wait": [
+        Mutant(
+            "megatron_ngrpo/launch/executors.py",
+            "wait_time_for_group_job=cluster.group_start_wait,",
+            "wait_time_for_group_job=cluster.group_monitor_wait,",
+            fast=True,
+        ),
+    ],
+    "launch.cluster.mem": [
+        Mutant(
+            "megatron_ngrpo/launch/executors.py",
+            'mem=cluster.mem if cluster.mem is not None else ("0" if gpu else None),',
+            'mem="0" if gpu else None,',
+            fast=True,
+        ),
+    ],
+}
