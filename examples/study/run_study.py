@@ -41,7 +41,8 @@ from pathlib import Path
 
 import yaml
 
-from examples.arithmetic.task import write_chat_task, write_task
+from examples.arithmetic.task import TASKS, write_chat_task, write_task
+from examples.study import passk_study
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -54,9 +55,9 @@ ARMS = {
 }
 
 
-def write_tiny(task_dir: Path) -> dict:
+def write_tiny(task_dir: Path, task: str, heldout_per_level: int) -> dict:
     """The tiny recipe's task (model, tokenizer, warm-start data) and its config paths."""
-    write_task(task_dir)
+    write_task(task_dir, heldout_per_level=heldout_per_level, task=task)
     return {
         "tokenizer": str(task_dir / "tokenizer"),
         "model": {"hf_path": str(task_dir / "model")},
@@ -66,10 +67,12 @@ def write_tiny(task_dir: Path) -> dict:
     }
 
 
-def write_smollm2(task_dir: Path) -> dict:
+def write_smollm2(task_dir: Path, task: str, heldout_per_level: int) -> dict:
     """The real model's chat task; validation on every other held-out problem (32 per list length)
     sampled as the rollouts are (n = 4, T = 1), so that pass@n and the diversity metrics mean
     something and one validation costs about 3 minutes on one core."""
+    if task != "maxmin" or heldout_per_level != 64:
+        raise SystemExit("--recipe smollm2: only --task maxmin --heldout-per-level 64")
     write_chat_task(task_dir)
     rows = (task_dir / "heldout.jsonl").read_text().splitlines()
     (task_dir / "heldout_study.jsonl").write_text("".join(r + "\n" for r in rows[::2]))
@@ -313,11 +316,18 @@ def plot(
     fig.savefig(path, dpi=120)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--recipe", choices=list(RECIPES), default="tiny")
+    ap.add_argument("--task", choices=sorted(TASKS), default="maxmin", help="the tiny task")
+    ap.add_argument(
+        "--heldout-per-level", type=int, default=64, help="held-out problems per task level"
+    )
+    ap.add_argument(
+        "--n", type=int, help="validation samples per problem (default: the recipe's config)"
+    )
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "study")
     ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from {list(ARMS)}")
     ap.add_argument("--seeds", type=int, default=5)
@@ -336,20 +346,61 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("overrides", nargs="*", help="extra config overrides for every run, a.b=c")
     args = ap.parse_args(argv)
-    arms = args.arms.split(",")
-    unknown = [a for a in arms if a not in ARMS]
+    args.arms = args.arms.split(",")
+    unknown = [a for a in args.arms if a not in ARMS]
     if unknown:
         ap.error(f"--arms: unknown {unknown}; expected some of {list(ARMS)}")
+    # The start of the pass@k curve is the validation before the first GRPO step; the caller's
+    # overrides come last and win.
+    args.overrides = [
+        "validation.at_start=true",
+        *([f"validation.sampling.n={args.n}"] if args.n else []),
+        *args.overrides,
+    ]
+    return args
 
+
+def baseline_text(results: dict, agg: dict, baseline: Path) -> tuple[str, float]:
+    """The untrained model's line under the table, and its mean@n (for the plot)."""
+    average = json.loads(baseline.read_text())["average"]
+    m = agg["metric"]
+    base = average[m]
+    text = (
+        f"untrained model ({baseline}): {m} {base:.3f} ± {average[f'se({m})']:.3f} (s.e.), "
+        f"pass@{m.split('@')[1]} {average['pass@' + m.split('@')[1]]:.3f}\n\n"
+        f"last validation minus the untrained model, paired by problem (± s.e.):\n"
+    )
+    for arm, runs in results.items():
+        text += "".join(
+            f"- {arm} seed {seed}: {r['vs_untrained'][0]:+.3f} ± {r['vs_untrained'][1]:.3f}\n"
+            for seed, r in sorted(runs.items())
+        )
+    return text, base
+
+
+def passk_curves(run_dir: Path, curve: dict[int, float]) -> dict[str, dict]:
+    """pass@k at the first validation (step 0 with validation.at_start) and at the last."""
+    return {
+        phase: passk_study.run_curve(
+            read_generations(run_dir / "validation" / f"step{step:07d}" / "generations")
+        )
+        | {"step": step}
+        for phase, step in (("start", min(curve)), ("end", max(curve)))
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
     config, write, title = RECIPES[args.recipe]
     out = args.out.resolve()
     # Seed-major order: the arms of one seed run side by side, under the same load.
-    jobs = [(arm, seed) for seed in range(args.seeds) for arm in arms]
+    jobs = [(arm, seed) for seed in range(args.seeds) for arm in args.arms]
     if args.summarise_only:
         dirs = [out / "runs" / f"{arm}_seed{seed}" for arm, seed in jobs]
     else:
         paths = out / "task_paths.yaml"
-        paths.write_text(yaml.safe_dump(write(out / "task")))
+        task_paths = write(out / "task", args.task, args.heldout_per_level)
+        paths.write_text(yaml.safe_dump(task_paths))
         with ThreadPoolExecutor(args.parallel) as pool:
             dirs = list(
                 pool.map(
@@ -358,32 +409,29 @@ def main(argv: list[str] | None = None) -> int:
                 )
             )
     base_records = read_generations(args.baseline.parent / "generations") if args.baseline else None
-    results: dict[str, dict[int, dict]] = {arm: {} for arm in arms}
+    results: dict[str, dict[int, dict]] = {arm: {} for arm in args.arms}
+    curves: dict[str, dict[int, dict]] = {arm: {} for arm in args.arms}
     for (arm, seed), run_dir in zip(jobs, dirs):
         results[arm][seed] = summarise_run(run_dir, base_records)
-    agg = aggregate(results)
+        curves[arm][seed] = passk_curves(run_dir, results[arm][seed]["curve"])
+    agg, passk = aggregate(results), passk_study.aggregate(curves)
     text, base = table(agg), None
     if args.baseline:
-        average = json.loads(args.baseline.read_text())["average"]
-        m = agg["metric"]
-        base = average[m]
-        text += (
-            f"untrained model ({args.baseline}): {m} {base:.3f} ± {average[f'se({m})']:.3f} (s.e.), "
-            f"pass@{m.split('@')[1]} {average['pass@' + m.split('@')[1]]:.3f}\n\n"
-            f"last validation minus the untrained model, paired by problem (± s.e.):\n"
-        )
-        for arm, runs in results.items():
-            text += "".join(
-                f"- {arm} seed {seed}: {r['vs_untrained'][0]:+.3f} ± {r['vs_untrained'][1]:.3f}\n"
-                for seed, r in sorted(runs.items())
-            )
+        line, base = baseline_text(results, agg, args.baseline)
+        text += line
+    text += "\n" + passk_study.table(passk)
     (out / "results.json").write_text(
-        json.dumps({"aggregate": agg, "runs": results, "baseline": base}, indent=1)
+        json.dumps(
+            {"aggregate": agg, "runs": results, "baseline": base, "passk": passk, "curves": curves},
+            indent=1,
+        )
     )
     (out / "table.md").write_text(text)
     plot(results, out / "heldout.png", agg["metric"], title, base)
+    heldout = {arm: {s: r["curve"] for s, r in runs.items()} for arm, runs in results.items()}
+    passk_study.plot(passk, heldout, out / "passk.png", title)
     print(text)
-    print(f"wrote {out / 'results.json'}, {out / 'table.md'}, {out / 'heldout.png'}")
+    print(f"wrote {out / 'results.json'}, {out / 'table.md'}, {out / 'heldout.png'}, passk.png")
     return 0
 
 
