@@ -11,8 +11,9 @@ Writes, into a directory:
   supervised warm-start (stated as such in the README).
 The answers are graded by the project's own math grader, exactly as real runs are.
 
-``--task sums`` writes a harder task of the same shape with room to explore (examples/study): a
-chain of two to four two-digit numbers added and subtracted, ``37+52-18=`` → ``\\boxed{71}``.
+``--task sums`` writes a task of the same shape with room to explore (examples/study): numbers
+added and subtracted, three one-digit ones (``7+5-8=``), a two-digit and two one-digit ones
+(``47+5-8=``) or two two-digit ones (``47-58=``) by level, answered as ``\\boxed{44}``.
 A tiny warm-started policy gets a digit wrong often but not always, so its pass@k climbs with k
 where max / min is near its ceiling at k = 1.
 
@@ -40,35 +41,46 @@ LEVELS = {1: 2, 2: 3, 3: 4}
 OPS = {"max": max, "min": min}
 
 
-def max_min(rng: random.Random, length: int) -> tuple[str, int]:
-    """``max(37,52,18)=`` / ``min(...)=`` of ``length`` two-digit numbers, and its answer."""
+def max_min(rng: random.Random, level: int) -> tuple[str, int]:
+    """``max(37,52,18)=`` / ``min(...)=`` of 2-4 two-digit numbers (by level), and its answer."""
     op = rng.choice(sorted(OPS))
-    xs = [rng.randint(10, 99) for _ in range(length)]
+    xs = [rng.randint(10, 99) for _ in range(LEVELS[level])]
     return f"{op}({','.join(map(str, xs))})=", OPS[op](xs)
 
 
-def sums(rng: random.Random, length: int) -> tuple[str, int]:
-    """``37+52-18=``: ``length`` two-digit numbers, each after the first added or subtracted."""
-    xs = [rng.randint(10, 99) for _ in range(length)]
+# sums: the digits of each number, by level.
+SUM_DIGITS = {1: (1, 1, 1), 2: (2, 1, 1), 3: (2, 2)}
+
+
+def sums(rng: random.Random, level: int) -> tuple[str, int]:
+    """``47+5-8=``: numbers of ``SUM_DIGITS[level]`` digits, each after the first added or
+    subtracted (2,916 distinct problems at level 1)."""
+    xs = [rng.randint(1 if d == 1 else 10, 10**d - 1) for d in SUM_DIGITS[level]]
     signs = [rng.choice((1, -1)) for _ in xs[1:]]
     text = str(xs[0]) + "".join(("+" if s > 0 else "-") + str(x) for s, x in zip(signs, xs[1:]))
     return f"{text}=", xs[0] + sum(s * x for s, x in zip(signs, xs[1:]))
 
 
-# Task name → problem generator (rng, list length) → (problem text, integer answer).
-TASKS = {"maxmin": max_min, "sums": sums}
+# Task name → (problem generator (rng, level) → (problem text, integer answer), problems per level).
+TASKS = {"maxmin": (max_min, 12000), "sums": (sums, 2000)}
 
 
 def problems(
-    seed: int, per_level: int = 12000, levels: tuple[int, ...] = (1, 2, 3), task: str = "maxmin"
+    seed: int,
+    per_level: int | None = None,
+    levels: tuple[int, ...] = (1, 2, 3),
+    task: str = "maxmin",
 ) -> list[dict]:
-    """``per_level`` distinct problems of ``task`` per level (``level`` field: list length)."""
+    """``per_level`` (default: the task's) distinct problems of ``task`` per level (``level``
+    field: list length)."""
+    generate, default_per_level = TASKS[task]
+    per_level = per_level or default_per_level
     rng = random.Random(seed)
     out, seen = [], set()
     for level in levels:
         count = 0
         while count < per_level:
-            problem, answer = TASKS[task](rng, LEVELS[level])
+            problem, answer = generate(rng, level)
             if problem in seen:
                 continue
             seen.add(problem)
