@@ -48,19 +48,31 @@ def test_study_runs_arms_and_seeds_and_writes_table_and_plot(tmp_path):
     for arm in ("grpo", "ngrpo"):
         for seed in ("0", "1"):
             run = results["runs"][arm][seed]
-            assert sorted(int(s) for s in run["curve"]) == [1, 2]
+            # validation.at_start (the study sets it): step 0 is the warm-started policy.
+            assert sorted(int(s) for s in run["curve"]) == [0, 1, 2]
             assert 0.0 <= run["mean"] <= 1.0 and 1.0 <= run["distinct_answers"] <= 4.0
     assert "p_vs_grpo" in agg["arms"]["ngrpo"] and "p_vs_grpo" not in agg["arms"]["grpo"]
     assert "| ngrpo |" in (out / "table.md").read_text()
     assert (out / "heldout.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    # Mixing happened in the N-GRPO arm only.
-    mixed = {
+    assert (out / "passk.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # pass@k from step 0 (start) and the last step (end); both arms share the warm-start.
+    start = {arm: results["curves"][arm]["0"]["start"] for arm in ("grpo", "ngrpo")}
+    assert start["grpo"]["step"] == 0 and results["curves"]["grpo"]["0"]["end"]["step"] == 2
+    assert start["grpo"]["mean"] == start["ngrpo"]["mean"] and start["grpo"]["ks"] == [1, 2, 4]
+    assert "end pass@4" in results["passk"]["paired"]["ngrpo"]
+    assert "MDD (80 % power)" in (out / "table.md").read_text()
+    # Mixing happened in the N-GRPO arm only (the step-0 row is validation only).
+    rows = {
         arm: [
-            json.loads(line)["mixing/mixed_token_frac"]
+            json.loads(line)
             for line in (out / "runs" / f"{arm}_seed0" / "metrics.jsonl").read_text().splitlines()
         ]
         for arm in ("grpo", "ngrpo")
     }
+    assert all(
+        set(rs[0]) == {"step"} | {k for k in rs[0] if k.startswith("val/")} for rs in rows.values()
+    )
+    mixed = {arm: [r["mixing/mixed_token_frac"] for r in rs[1:]] for arm, rs in rows.items()}
     assert all(x == 0 for x in mixed["grpo"]) and any(x > 0 for x in mixed["ngrpo"])
     # The mixing report reads the dumped records back: every mix counted, classes are shares.
     report = mixing_report.report([out / "runs" / "ngrpo_seed0"], top=3)
