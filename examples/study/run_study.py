@@ -1,11 +1,13 @@
-"""The seeded study: plain GRPO vs N-GRPO vs its baselines on the arithmetic task, several seeds each.
+"""The seeded study: plain GRPO vs N-GRPO vs its baselines on an arithmetic task, several seeds each.
 
 Every (arm, seed) run is one training job of a recipe in one process (TP=1) so that runs go two at
 a time on a 2-core machine; arms differ only in the exploration strategy, and a seed gives every
 arm the same warm-start and the same prompt order. Recipes (``--recipe``):
 
 - ``tiny`` (default): the main job (``configs/tiny_cpu.yaml``: a 2-layer model, supervised
-  warm-start, then GRPO), results in ``examples/study/RESULTS.md``;
+  warm-start, then GRPO) on ``--task maxmin`` (the main job's max / min task) or ``--task sums``
+  (one- and two-digit sums: room to explore, pass@64 far above pass@1), results in
+  ``examples/study/RESULTS.md``;
 - ``smollm2``: the real pretrained model (``configs/smollm2_135m_arith.yaml``, SmolLM2-135M-Instruct
   on the chat-phrased task), validated with sampling (n = 4) on every other held-out problem, with
   each step's generations and mix records dumped; results in ``examples/smollm2/RESULTS.md``.
@@ -19,9 +21,18 @@ and saved validation generations:
 - rollout diversity on the held-out problems at the last validation: distinct extracted answers
   per problem, mean pairwise edit distance between a problem's responses, and the entropy (nats) of
   its answer distribution;
+- pass@k for k = 1, 2, 4, ..., n (unbiased estimator per problem) before the first GRPO step
+  (``validation.at_start``) and at the last validation: mean ± std over seeds per arm with a
+  bootstrap interval over problems, and the paired difference of each arm against GRPO at
+  pass@1 and pass@n (paired-t interval, p) beside the smallest difference the design could
+  detect at 80 % power (``examples/study/passk_study.py``);
 - ``heldout.png``: held-out mean@n per step per arm, mean over seeds with a ±1 std band;
-- ``results.json`` and ``table.md`` (the table that ``RESULTS.md`` quotes).
+  ``passk.png``: that curve beside pass@k against k (log2 axis) at the start and the end;
+- ``results.json`` and ``table.md`` (the tables that ``RESULTS.md`` quotes).
 
+    python -m examples.study.run_study --task sums --heldout-per-level 32 --n 64 \
+        --arms grpo,ngrpo,stht --seeds 8 --steps 100 --out runs/study_sums \
+        validation.every=25 validation.keep_best=false
     python -m examples.study.run_study --out runs/study --seeds 5 --steps 60
     python -m examples.study.run_study --recipe smollm2 --arms grpo,ngrpo --seeds 3 --steps 10 \
         --out runs/study_smollm2
