@@ -124,7 +124,7 @@ def table(agg: dict, base: str = "grpo") -> str:
         for phase in ("start", "end"):
             r = phases[phase]
             cells = [
-                f"{m:.3f} ± {s:.3f} [{lo:.2f}, {hi:.2f}]"
+                f"{m:.3f}{f' ± {s:.3f}' if len(agg['seeds']) > 1 else ''} [{lo:.2f}, {hi:.2f}]"
                 for m, s, lo, hi in zip(r["mean"], r["std"], r["low"], r["high"])
             ]
             lines.append(f"| {arm} | {phase} | " + " | ".join(cells) + " |")

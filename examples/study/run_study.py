@@ -103,7 +103,7 @@ RECIPES = {
     "tiny": (
         "configs/tiny_cpu.yaml",
         write_tiny,
-        "max / min task (examples/arithmetic), tiny Qwen2, CPU: mean ± 1 std over seeds",
+        "{task} task (examples/arithmetic), tiny Qwen2, CPU: mean ± 1 std over seeds",
     ),
     "smollm2": (
         "configs/smollm2_135m_arith.yaml",
@@ -403,6 +403,7 @@ def passk_curves(run_dir: Path, curve: dict[int, float]) -> dict[str, dict]:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     config, write, title = RECIPES[args.recipe]
+    title = title.format(task="max / min" if args.task == "maxmin" else args.task)
     out = args.out.resolve()
     # Seed-major order: the arms of one seed run side by side, under the same load.
     jobs = [(arm, seed) for seed in range(args.seeds) for arm in args.arms]
