@@ -157,12 +157,14 @@ def test_passk_analysis_on_synthetic_seeds():
     t975, t80 = stats.t.ppf(0.975, 2), stats.t.ppf(0.8, 2)
     assert r["ci"] == pytest.approx([1 / 6 - t975 * se, 1 / 6 + t975 * se])
     assert r["mdd"] == pytest.approx((t975 + t80) * se)
+    t975_8, t80_8 = stats.t.ppf(0.975, 7), stats.t.ppf(0.8, 7)
+    assert passk_study.mdd(sd, 8) == pytest.approx((t975_8 + t80_8) * sd / math.sqrt(8))
     assert r["p"] == pytest.approx(stats.ttest_rel(d, np.zeros(3)).pvalue)
     # pass@1 differences: (1/8)/4, (1/8)/4, 0.
     assert pairs["end pass@1"]["mean"] == pytest.approx(1 / 48)
     assert pairs["start pass@1"]["mean"] == 0 and math.isnan(pairs["start pass@1"]["p"])
     text = passk_study.table(agg)
-    assert "| wide | end pass@8 | +0.167 |" in text and "MDD" in text
+    assert "| wide | end pass@8 | +0.167 |" in text and "MDD at 8 seeds" in text
     # The z-based rule of thumb is the large-sample limit of the t-based MDD.
     big = passk_study.paired(list(np.random.default_rng(0).normal(0.1, 0.05, 400)))
     z = stats.norm.ppf(0.975) + stats.norm.ppf(0.8)

@@ -52,6 +52,13 @@ def run_curve(records: list[dict], resamples: int = 1000, seed: int = 0) -> dict
     }
 
 
+def mdd(sd: float, seeds: int) -> float:
+    """Minimum detectable paired difference (two-sided α = 0.05, power 0.8) with ``seeds``
+    seeds and paired std ``sd``: (t_{1−α/2, m−1} + t_{power, m−1}) · sd / √m."""
+    df = seeds - 1
+    return float((stats.t.ppf(1 - ALPHA / 2, df) + stats.t.ppf(POWER, df)) * sd / math.sqrt(seeds))
+
+
 def paired(diffs: list[float]) -> dict:
     """Mean paired difference over seeds, its 95 % paired-t interval, two-sided p, and the
     minimum detectable difference (two-sided α = 0.05, power 0.8) of a paired t-test with this
@@ -63,7 +70,7 @@ def paired(diffs: list[float]) -> dict:
         return {"seeds": m, "mean": mean, "sd": math.nan, "ci": [math.nan] * 2, "p": math.nan}
     sd = float(d.std(ddof=1))
     se = sd / math.sqrt(m)
-    t_alpha, t_power = stats.t.ppf(1 - ALPHA / 2, m - 1), stats.t.ppf(POWER, m - 1)
+    t_alpha = stats.t.ppf(1 - ALPHA / 2, m - 1)
     p = float(2 * stats.t.sf(abs(mean) / se, m - 1)) if se > 0 else math.nan
     return {
         "seeds": m,
@@ -71,7 +78,7 @@ def paired(diffs: list[float]) -> dict:
         "sd": sd,
         "ci": [mean - t_alpha * se, mean + t_alpha * se],
         "p": p,
-        "mdd": float((t_alpha + t_power) * se),
+        "mdd": mdd(sd, m),
     }
 
 
@@ -111,9 +118,10 @@ def aggregate(curves: dict[str, dict[int, dict]], base: str = "grpo") -> dict:
     return out
 
 
-def table(agg: dict, base: str = "grpo") -> str:
+def table(agg: dict, base: str = "grpo", plan: int = 8) -> str:
     """pass@k per arm (mean ± std over seeds) at the start and the end, then the paired
-    differences against ``base`` with their minimum detectable difference."""
+    differences against ``base`` with their minimum detectable difference, and the one a study
+    of ``plan`` seeds would have at the same paired std (for planning a larger run)."""
     first = next(iter(agg["arms"].values()))["end"]
     ks = first["ks"]
     lines = [
@@ -137,17 +145,19 @@ def table(agg: dict, base: str = "grpo") -> str:
             f"\npaired difference vs {base} over seeds (arm − {base}): mean, 95 % paired-t "
             f"interval, two-sided p, and the minimum detectable difference (MDD, α = {ALPHA}, "
             f"power {POWER:.0%}) of this design from the observed paired std\n\n"
-            "| arm | metric | difference | 95 % CI | p | paired sd | MDD (80 % power) |\n"
-            "|---|---|---|---|---|---|---|\n"
+            f"| arm | metric | difference | 95 % CI | p | paired sd | MDD (80 % power) "
+            f"| MDD at {plan} seeds, same sd |\n"
+            "|---|---|---|---|---|---|---|---|\n"
         )
         for arm, rows in agg["paired"].items():
             for metric, r in rows.items():
                 if r["seeds"] < 2:
-                    text += f"| {arm} | {metric} | {r['mean']:+.3f} | — | — | — | — |\n"
+                    text += f"| {arm} | {metric} | {r['mean']:+.3f} | — | — | — | — | — |\n"
                     continue
                 text += (
                     f"| {arm} | {metric} | {r['mean']:+.3f} | [{r['ci'][0]:+.3f}, "
-                    f"{r['ci'][1]:+.3f}] | {r['p']:.3f} | {r['sd']:.3f} | {r['mdd']:.3f} |\n"
+                    f"{r['ci'][1]:+.3f}] | {r['p']:.3f} | {r['sd']:.3f} | {r['mdd']:.3f} "
+                    f"| {mdd(r['sd'], plan):.3f} |\n"
                 )
     return text
 

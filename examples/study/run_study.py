@@ -345,6 +345,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=60, help="GRPO steps per run")
     ap.add_argument("--parallel", type=int, default=2, help="runs at a time (one core each)")
     ap.add_argument(
+        "--plan-seeds",
+        type=int,
+        default=8,
+        help="also state the MDD a study of this many seeds would have at the observed paired std",
+    )
+    ap.add_argument(
         "--summarise-only",
         action="store_true",
         help="no training: the table, plot and results of the runs as they are in --out",
@@ -431,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.baseline:
         line, base = baseline_text(results, agg, args.baseline)
         text += line
-    text += "\n" + passk_study.table(passk)
+    text += "\n" + passk_study.table(passk, plan=args.plan_seeds)
     (out / "results.json").write_text(
         json.dumps(
             {"aggregate": agg, "runs": results, "baseline": base, "passk": passk, "curves": curves},
