@@ -334,6 +334,9 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "reward.max_response_tokens": _t("tests/test_rewards.py::test_reward_function_from_config"),
     # ---- validation (validation.sampling.*: also the evaluation CLI's sampling) -------------------
     "validation.every": _t(VALIDATION),
+    "validation.at_start": _t(
+        "tests/test_study.py::test_study_runs_arms_and_seeds_and_writes_table_and_plot"
+    ),
     "validation.benchmarks": _t(VALIDATION),
     "validation.limit": _t(VALIDATION),
     "validation.sampling.n": _t(VALIDATION),

@@ -221,6 +221,17 @@ def test_report_files(scripted_run):
     summary = (out / "summary.md").read_text()
     assert "| aime24 | 3 | 41.7 | 41.7 | 50.0 | 66.7 |" in summary
     assert (out / "passk.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The bootstrap interval over problems brackets every pass@k, and is not a point.
+    interval = saved["passk_interval"]
+    assert set(interval) == {"aime24", "math500"} and set(interval["aime24"]) == {
+        "pass@1",
+        "pass@2",
+        "pass@4",
+    }
+    for name, per_k in interval.items():
+        for k, (low, high) in per_k.items():
+            assert low <= saved["metrics"][name][k] <= high
+    assert interval["aime24"]["pass@4"][0] < interval["aime24"]["pass@4"][1]
     lines = (out / "generations" / "aime24.jsonl").read_text().splitlines()
     assert len(lines) == 12 and json.loads(lines[0])["answers"] == ["204"]
 

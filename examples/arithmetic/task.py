@@ -11,6 +11,12 @@ Writes, into a directory:
   supervised warm-start (stated as such in the README).
 The answers are graded by the project's own math grader, exactly as real runs are.
 
+``--task sums`` writes a task of the same shape with room to explore (examples/study): numbers
+added and subtracted, three one-digit ones (``7+5-8=``), a two-digit and two one-digit ones
+(``47+5-8=``) or two two-digit ones (``47-58=``) by level, answered as ``\\boxed{44}``.
+A tiny warm-started policy gets a digit wrong often but not always, so its pass@k climbs with k
+where max / min is near its ceiling at k = 1.
+
 ``--chat`` writes only ``train.jsonl`` / ``heldout.jsonl``, the same problems and the same held-out
 split phrased for a pretrained chat model ("What is the largest of the numbers 37, 52 and 18?"),
 for the real-model recipe (configs/smollm2_135m_arith.yaml), whose instruction asks for the box.
@@ -35,20 +41,50 @@ LEVELS = {1: 2, 2: 3, 3: 4}
 OPS = {"max": max, "min": min}
 
 
-def problems(seed: int, per_level: int = 12000, levels: tuple[int, ...] = (1, 2, 3)) -> list[dict]:
-    """``per_level`` distinct problems ``max(37,52,18)=`` / ``min(...)=`` per level (``level`` field)."""
+def max_min(rng: random.Random, level: int) -> tuple[str, int]:
+    """``max(37,52,18)=`` / ``min(...)=`` of 2-4 two-digit numbers (by level), and its answer."""
+    op = rng.choice(sorted(OPS))
+    xs = [rng.randint(10, 99) for _ in range(LEVELS[level])]
+    return f"{op}({','.join(map(str, xs))})=", OPS[op](xs)
+
+
+# sums: the digits of each number, by level.
+SUM_DIGITS = {1: (1, 1, 1), 2: (2, 1, 1), 3: (2, 2)}
+
+
+def sums(rng: random.Random, level: int) -> tuple[str, int]:
+    """``47+5-8=``: numbers of ``SUM_DIGITS[level]`` digits, each after the first added or
+    subtracted (2,916 distinct problems at level 1)."""
+    xs = [rng.randint(1 if d == 1 else 10, 10**d - 1) for d in SUM_DIGITS[level]]
+    signs = [rng.choice((1, -1)) for _ in xs[1:]]
+    text = str(xs[0]) + "".join(("+" if s > 0 else "-") + str(x) for s, x in zip(signs, xs[1:]))
+    return f"{text}=", xs[0] + sum(s * x for s, x in zip(signs, xs[1:]))
+
+
+# Task name → (problem generator (rng, level) → (problem text, integer answer), problems per level).
+TASKS = {"maxmin": (max_min, 12000), "sums": (sums, 2000)}
+
+
+def problems(
+    seed: int,
+    per_level: int | None = None,
+    levels: tuple[int, ...] = (1, 2, 3),
+    task: str = "maxmin",
+) -> list[dict]:
+    """``per_level`` (default: the task's) distinct problems of ``task`` per level (``level``
+    field: list length)."""
+    generate, default_per_level = TASKS[task]
+    per_level = per_level or default_per_level
     rng = random.Random(seed)
     out, seen = [], set()
     for level in levels:
         count = 0
         while count < per_level:
-            op = rng.choice(sorted(OPS))
-            xs = [rng.randint(10, 99) for _ in range(LEVELS[level])]
-            problem = f"{op}({','.join(map(str, xs))})="
+            problem, answer = generate(rng, level)
             if problem in seen:
                 continue
             seen.add(problem)
-            out.append({"problem": problem, "answer": str(OPS[op](xs)), "level": level})
+            out.append({"problem": problem, "answer": str(answer), "level": level})
             count += 1
     rng.shuffle(out)
     return out
@@ -81,6 +117,7 @@ def write_task(
     heldout_per_level: int = 64,
     hidden_size: int = 64,
     num_layers: int = 2,
+    task: str = "maxmin",
 ) -> dict:
     from tests.harness.tiny import tiny_hf_config
 
@@ -101,7 +138,7 @@ def write_task(
     )
     (out / "model").mkdir(exist_ok=True)
     (out / "model" / "config.json").write_text(json.dumps(cfg, indent=1))
-    held, rest = split(problems(seed), heldout_per_level)
+    held, rest = split(problems(seed, task=task), heldout_per_level)
     # The warm-start's worked solutions and the GRPO prompts are disjoint halves: every training
     # reward is then earned on a problem the model never saw solved, as on the held-out set.
     sft, train = rest[: len(rest) // 2], rest[len(rest) // 2 :]
@@ -149,11 +186,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("out", type=Path)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--task", choices=sorted(TASKS), default="maxmin")
     ap.add_argument(
         "--chat", action="store_true", help="only the problems, phrased for a chat model"
     )
     args = ap.parse_args()
-    print(json.dumps((write_chat_task if args.chat else write_task)(args.out, args.seed)))
+    if args.chat and args.task != "maxmin":
+        ap.error("--chat: only the max / min task has a chat phrasing")
+    written = (
+        write_chat_task(args.out, args.seed)
+        if args.chat
+        else write_task(args.out, args.seed, task=args.task)
+    )
+    print(json.dumps(written))
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
-"""The seeded study: plain GRPO vs N-GRPO vs its baselines on the arithmetic task, several seeds each.
+"""The seeded study: plain GRPO vs N-GRPO vs its baselines on an arithmetic task, several seeds each.
 
 Every (arm, seed) run is one training job of a recipe in one process (TP=1) so that runs go two at
 a time on a 2-core machine; arms differ only in the exploration strategy, and a seed gives every
 arm the same warm-start and the same prompt order. Recipes (``--recipe``):
 
 - ``tiny`` (default): the main job (``configs/tiny_cpu.yaml``: a 2-layer model, supervised
-  warm-start, then GRPO), results in ``examples/study/RESULTS.md``;
+  warm-start, then GRPO) on ``--task maxmin`` (the main job's max / min task) or ``--task sums``
+  (one- and two-digit sums: room to explore, pass@64 far above pass@1), results in
+  ``examples/study/RESULTS.md``;
 - ``smollm2``: the real pretrained model (``configs/smollm2_135m_arith.yaml``, SmolLM2-135M-Instruct
   on the chat-phrased task), validated with sampling (n = 4) on every other held-out problem, with
   each step's generations and mix records dumped; results in ``examples/smollm2/RESULTS.md``.
@@ -19,9 +21,18 @@ and saved validation generations:
 - rollout diversity on the held-out problems at the last validation: distinct extracted answers
   per problem, mean pairwise edit distance between a problem's responses, and the entropy (nats) of
   its answer distribution;
+- pass@k for k = 1, 2, 4, ..., n (unbiased estimator per problem) before the first GRPO step
+  (``validation.at_start``) and at the last validation: mean ± std over seeds per arm with a
+  bootstrap interval over problems, and the paired difference of each arm against GRPO at
+  pass@1 and pass@n (paired-t interval, p) beside the smallest difference the design could
+  detect at 80 % power (``examples/study/passk_study.py``);
 - ``heldout.png``: held-out mean@n per step per arm, mean over seeds with a ±1 std band;
-- ``results.json`` and ``table.md`` (the table that ``RESULTS.md`` quotes).
+  ``passk.png``: that curve beside pass@k against k (log2 axis) at the start and the end;
+- ``results.json`` and ``table.md`` (the tables that ``RESULTS.md`` quotes).
 
+    python -m examples.study.run_study --task sums --heldout-per-level 32 --n 64 \
+        --arms grpo,ngrpo,stht --seeds 8 --steps 100 --out runs/study_sums \
+        validation.every=25 validation.keep_best=false
     python -m examples.study.run_study --out runs/study --seeds 5 --steps 60
     python -m examples.study.run_study --recipe smollm2 --arms grpo,ngrpo --seeds 3 --steps 10 \
         --out runs/study_smollm2
@@ -41,7 +52,8 @@ from pathlib import Path
 
 import yaml
 
-from examples.arithmetic.task import write_chat_task, write_task
+from examples.arithmetic.task import TASKS, write_chat_task, write_task
+from examples.study import passk_study
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -54,9 +66,9 @@ ARMS = {
 }
 
 
-def write_tiny(task_dir: Path) -> dict:
+def write_tiny(task_dir: Path, task: str, heldout_per_level: int) -> dict:
     """The tiny recipe's task (model, tokenizer, warm-start data) and its config paths."""
-    write_task(task_dir)
+    write_task(task_dir, heldout_per_level=heldout_per_level, task=task)
     return {
         "tokenizer": str(task_dir / "tokenizer"),
         "model": {"hf_path": str(task_dir / "model")},
@@ -66,10 +78,12 @@ def write_tiny(task_dir: Path) -> dict:
     }
 
 
-def write_smollm2(task_dir: Path) -> dict:
+def write_smollm2(task_dir: Path, task: str, heldout_per_level: int) -> dict:
     """The real model's chat task; validation on every other held-out problem (32 per list length)
     sampled as the rollouts are (n = 4, T = 1), so that pass@n and the diversity metrics mean
     something and one validation costs about 3 minutes on one core."""
+    if task != "maxmin" or heldout_per_level != 64:
+        raise SystemExit("--recipe smollm2: only --task maxmin --heldout-per-level 64")
     write_chat_task(task_dir)
     rows = (task_dir / "heldout.jsonl").read_text().splitlines()
     (task_dir / "heldout_study.jsonl").write_text("".join(r + "\n" for r in rows[::2]))
@@ -89,7 +103,7 @@ RECIPES = {
     "tiny": (
         "configs/tiny_cpu.yaml",
         write_tiny,
-        "max / min task (examples/arithmetic), tiny Qwen2, CPU: mean ± 1 std over seeds",
+        "{task} task (examples/arithmetic), tiny Qwen2, CPU: mean ± 1 std over seeds",
     ),
     "smollm2": (
         "configs/smollm2_135m_arith.yaml",
@@ -313,16 +327,29 @@ def plot(
     fig.savefig(path, dpi=120)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--recipe", choices=list(RECIPES), default="tiny")
+    ap.add_argument("--task", choices=sorted(TASKS), default="maxmin", help="the tiny task")
+    ap.add_argument(
+        "--heldout-per-level", type=int, default=64, help="held-out problems per task level"
+    )
+    ap.add_argument(
+        "--n", type=int, help="validation samples per problem (default: the recipe's config)"
+    )
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "study")
     ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from {list(ARMS)}")
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=60, help="GRPO steps per run")
     ap.add_argument("--parallel", type=int, default=2, help="runs at a time (one core each)")
+    ap.add_argument(
+        "--plan-seeds",
+        type=int,
+        default=8,
+        help="also state the MDD a study of this many seeds would have at the observed paired std",
+    )
     ap.add_argument(
         "--summarise-only",
         action="store_true",
@@ -336,20 +363,62 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("overrides", nargs="*", help="extra config overrides for every run, a.b=c")
     args = ap.parse_args(argv)
-    arms = args.arms.split(",")
-    unknown = [a for a in arms if a not in ARMS]
+    args.arms = args.arms.split(",")
+    unknown = [a for a in args.arms if a not in ARMS]
     if unknown:
         ap.error(f"--arms: unknown {unknown}; expected some of {list(ARMS)}")
+    # The start of the pass@k curve is the validation before the first GRPO step; the caller's
+    # overrides come last and win.
+    args.overrides = [
+        "validation.at_start=true",
+        *([f"validation.sampling.n={args.n}"] if args.n else []),
+        *args.overrides,
+    ]
+    return args
 
+
+def baseline_text(results: dict, agg: dict, baseline: Path) -> tuple[str, float]:
+    """The untrained model's line under the table, and its mean@n (for the plot)."""
+    average = json.loads(baseline.read_text())["average"]
+    m = agg["metric"]
+    base = average[m]
+    text = (
+        f"untrained model ({baseline}): {m} {base:.3f} ± {average[f'se({m})']:.3f} (s.e.), "
+        f"pass@{m.split('@')[1]} {average['pass@' + m.split('@')[1]]:.3f}\n\n"
+        f"last validation minus the untrained model, paired by problem (± s.e.):\n"
+    )
+    for arm, runs in results.items():
+        text += "".join(
+            f"- {arm} seed {seed}: {r['vs_untrained'][0]:+.3f} ± {r['vs_untrained'][1]:.3f}\n"
+            for seed, r in sorted(runs.items())
+        )
+    return text, base
+
+
+def passk_curves(run_dir: Path, curve: dict[int, float]) -> dict[str, dict]:
+    """pass@k at the first validation (step 0 with validation.at_start) and at the last."""
+    return {
+        phase: passk_study.run_curve(
+            read_generations(run_dir / "validation" / f"step{step:07d}" / "generations")
+        )
+        | {"step": step}
+        for phase, step in (("start", min(curve)), ("end", max(curve)))
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
     config, write, title = RECIPES[args.recipe]
+    title = title.format(task="max / min" if args.task == "maxmin" else args.task)
     out = args.out.resolve()
     # Seed-major order: the arms of one seed run side by side, under the same load.
-    jobs = [(arm, seed) for seed in range(args.seeds) for arm in arms]
+    jobs = [(arm, seed) for seed in range(args.seeds) for arm in args.arms]
     if args.summarise_only:
         dirs = [out / "runs" / f"{arm}_seed{seed}" for arm, seed in jobs]
     else:
         paths = out / "task_paths.yaml"
-        paths.write_text(yaml.safe_dump(write(out / "task")))
+        task_paths = write(out / "task", args.task, args.heldout_per_level)
+        paths.write_text(yaml.safe_dump(task_paths))
         with ThreadPoolExecutor(args.parallel) as pool:
             dirs = list(
                 pool.map(
@@ -358,32 +427,29 @@ def main(argv: list[str] | None = None) -> int:
                 )
             )
     base_records = read_generations(args.baseline.parent / "generations") if args.baseline else None
-    results: dict[str, dict[int, dict]] = {arm: {} for arm in arms}
+    results: dict[str, dict[int, dict]] = {arm: {} for arm in args.arms}
+    curves: dict[str, dict[int, dict]] = {arm: {} for arm in args.arms}
     for (arm, seed), run_dir in zip(jobs, dirs):
         results[arm][seed] = summarise_run(run_dir, base_records)
-    agg = aggregate(results)
+        curves[arm][seed] = passk_curves(run_dir, results[arm][seed]["curve"])
+    agg, passk = aggregate(results), passk_study.aggregate(curves)
     text, base = table(agg), None
     if args.baseline:
-        average = json.loads(args.baseline.read_text())["average"]
-        m = agg["metric"]
-        base = average[m]
-        text += (
-            f"untrained model ({args.baseline}): {m} {base:.3f} ± {average[f'se({m})']:.3f} (s.e.), "
-            f"pass@{m.split('@')[1]} {average['pass@' + m.split('@')[1]]:.3f}\n\n"
-            f"last validation minus the untrained model, paired by problem (± s.e.):\n"
-        )
-        for arm, runs in results.items():
-            text += "".join(
-                f"- {arm} seed {seed}: {r['vs_untrained'][0]:+.3f} ± {r['vs_untrained'][1]:.3f}\n"
-                for seed, r in sorted(runs.items())
-            )
+        line, base = baseline_text(results, agg, args.baseline)
+        text += line
+    text += "\n" + passk_study.table(passk, plan=args.plan_seeds)
     (out / "results.json").write_text(
-        json.dumps({"aggregate": agg, "runs": results, "baseline": base}, indent=1)
+        json.dumps(
+            {"aggregate": agg, "runs": results, "baseline": base, "passk": passk, "curves": curves},
+            indent=1,
+        )
     )
     (out / "table.md").write_text(text)
     plot(results, out / "heldout.png", agg["metric"], title, base)
+    heldout = {arm: {s: r["curve"] for s, r in runs.items()} for arm, runs in results.items()}
+    passk_study.plot(passk, heldout, out / "passk.png", title)
     print(text)
-    print(f"wrote {out / 'results.json'}, {out / 'table.md'}, {out / 'heldout.png'}")
+    print(f"wrote {out / 'results.json'}, {out / 'table.md'}, {out / 'heldout.png'}, passk.png")
     return 0
 
 

@@ -1,4 +1,5 @@
-"""Pass@k (unbiased estimator) and Mean@n (N-GRPO paper §4.1; Chen et al. 2021)."""
+"""Pass@k (unbiased estimator) and Mean@n (N-GRPO paper §4.1; Chen et al. 2021), per problem and
+as a curve over k with a bootstrap interval over problems."""
 
 from __future__ import annotations
 
@@ -45,3 +46,25 @@ def benchmark_metrics(correct: np.ndarray, ks: Sequence[int] | None = None) -> d
         float(correct.mean(axis=1).std(ddof=1) / np.sqrt(problems)) if problems > 1 else 0.0
     )
     return out
+
+
+def pass_at_k_curve(counts: Sequence[int], n: int, ks: Sequence[int]) -> np.ndarray:
+    """``counts`` [problems] correct samples out of ``n`` → [problems, len(ks)] unbiased pass@k
+    of each problem (the unbiased estimator, not 1 − (1 − c/n)^k, which is biased low)."""
+    return np.array([[pass_at_k(n, int(c), k) for k in ks] for c in counts], dtype=np.float64)
+
+
+def bootstrap_interval(
+    per_problem: np.ndarray, resamples: int = 1000, seed: int = 0, level: float = 0.95
+) -> tuple[np.ndarray, np.ndarray]:
+    """Percentile bootstrap over problems of the mean of ``per_problem`` [problems, ...]: the
+    problems are resampled with replacement (a seeded generator: the same interval every call);
+    returns (low, high), each of shape ``per_problem.shape[1:]``."""
+    values = np.asarray(per_problem, dtype=np.float64)
+    if values.ndim < 1 or len(values) == 0:
+        raise ValueError(f"per_problem must be [problems, ...] and non-empty, got {values.shape}")
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(values), size=(resamples, len(values)))
+    means = values[idx].mean(axis=1)  # [resamples, ...]
+    tail = 100 * (1 - level) / 2
+    return np.percentile(means, tail, axis=0), np.percentile(means, 100 - tail, axis=0)

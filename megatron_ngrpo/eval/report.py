@@ -1,5 +1,8 @@
 """Evaluation outputs: results.json, results.csv, summary.md, passk.png, generations/*.jsonl.
 
+pass@k comes with a 95 % bootstrap interval over problems (results.json ``passk_interval``, the
+band on passk.png): a benchmark of a few dozen problems moves by several points between draws.
+
 Every file is written to a temporary name and renamed, so a killed run never leaves a half
 file behind.
 """
@@ -11,7 +14,10 @@ import io
 import json
 from pathlib import Path
 
+import numpy as np
+
 from megatron_ngrpo.atomic import atomic_write
+from megatron_ngrpo.eval.passk import bootstrap_interval, pass_at_k_curve
 from megatron_ngrpo.eval.result import GENERATIONS_DIR, EvalResult
 
 AVERAGE = "average"
@@ -61,7 +67,21 @@ def to_markdown(result: EvalResult) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_passk(result: EvalResult, path: Path) -> None:
+def passk_interval(result: EvalResult) -> dict[str, dict[str, list[float]]]:
+    """Per benchmark with saved generations, ``{"pass@k": [low, high]}``: the seeded 95 %
+    percentile bootstrap over problems (1000 resamples) of the pass@k the metrics report."""
+    out = {}
+    for name, records in result.generations.items():
+        ks = sorted(int(k.split("@")[1]) for k in result.metrics[name] if k.startswith("pass@"))
+        counts = np.zeros(1 + max(r["problem"] for r in records), dtype=np.int64)
+        for r in records:
+            counts[r["problem"]] += r["score"] > 0.5
+        low, high = bootstrap_interval(pass_at_k_curve(counts, result.n, ks))
+        out[name] = {f"pass@{k}": [float(a), float(b)] for k, a, b in zip(ks, low, high)}
+    return out
+
+
+def plot_passk(result: EvalResult, path: Path, interval: dict | None = None) -> None:
     # lazy: plotting only
     import matplotlib
 
@@ -72,11 +92,14 @@ def plot_passk(result: EvalResult, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
     for name, m in result.metrics.items():
         ks = sorted(int(k.split("@")[1]) for k in m if k.startswith("pass@"))
-        ax.plot(ks, [100 * m[f"pass@{k}"] for k in ks], marker="o", label=name)
+        line = ax.plot(ks, [100 * m[f"pass@{k}"] for k in ks], marker="o", label=name)
+        if interval and name in interval:
+            band = np.array([interval[name][f"pass@{k}"] for k in ks]) * 100
+            ax.fill_between(ks, band[:, 0], band[:, 1], color=line[0].get_color(), alpha=0.2)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("k")
     ax.set_ylabel("Pass@k (%)")
-    ax.set_title(f"Pass@k (n = {result.n})")
+    ax.set_title(f"Pass@k (n = {result.n}; band: 95 % bootstrap over problems)", fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -94,14 +117,16 @@ def write_report(result: EvalResult, out_dir: str | Path) -> Path:
             out / GENERATIONS_DIR / f"{name}.jsonl",
             "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records),
         )
+    interval = passk_interval(result)
     summary = {
         "n": result.n,
         "metrics": result.metrics,
         "average": result.average,
+        "passk_interval": interval,
         "settings": result.settings,
     }
     atomic_write(out / "results.json", json.dumps(summary, indent=1))
     atomic_write(out / "results.csv", to_csv(result))
     atomic_write(out / "summary.md", to_markdown(result))
-    plot_passk(result, out / "passk.png")
+    plot_passk(result, out / "passk.png", interval)
     return out

@@ -202,6 +202,9 @@ class ValidationConfig:
     sampling: EvalSamplingConfig = field(default_factory=EvalSamplingConfig)
     # Save a checkpoint at every improvement of mean@n and name it in run_dir/best.
     keep_best: bool = True
+    # Also validate before the first GRPO step (after a warm-start), logged as step 0: the start
+    # of a pass@k curve (examples/study). A resumed run does not repeat it.
+    at_start: bool = False
     # Per rank and engine call: rows × (longest prompt + max_new_tokens) ≤ this (at least one
     # problem's n samples; the problems are split over the data-parallel ranks).
     max_tokens_per_call: int = 2**18

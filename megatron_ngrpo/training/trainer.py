@@ -272,6 +272,8 @@ class Trainer:
             disable=not (cfg.progress and dist.get_rank() == 0),
         )
         try:
+            if self.step == 0 and self.cfg.validation.every and self.cfg.validation.at_start:
+                self.metrics.write(0, self.validate())
             while self.step < self.total_steps:
                 self.stopped = self.stop.agreed()  # the step boundary: every rank, one collective
                 if self.stopped:
