@@ -1,0 +1,161 @@
+"""Cases of the batch-invariant mode (``rollout.batch_invariant``), one 2-process torchrun launch.
+
+One tiny random Qwen2 (GQA, padded vocabulary) is written once as a TP=1 megatron checkpoint and
+loaded at TP 1 (both ranks a replica) and TP 2, in fp32 and bf16. The built-in engine generates
+mixed (N-GRPO, ρ = 0.3) and plain rows; the trainer's replay (``sequence_logprobs``: the
+micro-batches and padding of the log-prob pass, not the engine's batch) scores them. Each case
+reports the gap with the mode off (the default kernels) and asserts ``torch.equal`` with it on.
+``BI_REVERT`` (an op name) switches one op back to its default inside the mode: the leak tests.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+
+from tests.harness.multiproc import case, run_cases, shared_tmpdir
+
+VOCAB, NUM_REAL, K = 500, 480, 3
+PROMPTS = [[5, 17, 33, 2, 9, 41, 7], [300, 12], [77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87], [401]]
+_STATE: dict = {}
+
+
+def _model_cfg(tp: int, dtype: str):
+    from megatron_ngrpo.models.config import ModelConfig
+
+    return ModelConfig(
+        hf_path=_STATE["hf"], tensor_parallel=tp, dtype=dtype, num_real_tokens=NUM_REAL
+    )
+
+
+def _checkpoint() -> str:
+    if "ckpt" in _STATE:
+        return _STATE["ckpt"]
+    from megatron.core import dist_checkpointing
+
+    from megatron_ngrpo.models.provider import build_model
+    from megatron_ngrpo.parallel import initialize_model_parallel
+    from tests.harness.tiny import write_tiny_hf
+
+    root = shared_tmpdir("batch_invariant_")
+    if dist.get_rank() == 0:
+        atexit.register(shutil.rmtree, root, ignore_errors=True)
+    _STATE["hf"] = str(
+        write_tiny_hf(
+            os.path.join(root, "hf"),
+            weights=False,
+            vocab_size=VOCAB,
+            num_heads=8,
+            num_kv_heads=4,
+            initializer_range=0.05,
+        )
+    )
+    initialize_model_parallel(1, 1, seed=1234)
+    chunks = build_model(_model_cfg(1, "float32"))
+    ckpt = os.path.join(root, "ckpt")
+    if dist.get_rank() == 0:
+        os.makedirs(ckpt)
+    dist.barrier()
+    dist_checkpointing.save({"model": chunks[0].sharded_state_dict()}, ckpt)
+    _STATE["ckpt"] = ckpt
+    return ckpt
+
+
+def model(tp: int, dtype: str) -> list:
+    """Fresh model chunks at TP ``tp`` in ``dtype``, the checkpoint's weights."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_ngrpo.models.provider import build_model
+    from megatron_ngrpo.parallel import initialize_model_parallel
+
+    ckpt = _checkpoint()
+    initialize_model_parallel(tp, 1, seed=99)
+    chunks = build_model(_model_cfg(tp, dtype))
+    state = dist_checkpointing.load({"model": chunks[0].sharded_state_dict()}, ckpt)
+    chunks[0].load_state_dict(state["model"])
+    return chunks
+
+
+def neighbor_table() -> torch.Tensor:
+    """A fixed random neighbour table [512, K] (anchor first)."""
+    gen = torch.Generator().manual_seed(0)
+    table = torch.arange(512).unsqueeze(1).repeat(1, K)
+    table[:NUM_REAL, 1:] = torch.randint(0, NUM_REAL, (NUM_REAL, K - 1), generator=gen)
+    return table
+
+
+def generate(chunks, invariant: bool, rate: float, max_batch_size: int = 0, prompts=PROMPTS):
+    from megatron_ngrpo.mixing.config import MixingConfig
+    from megatron_ngrpo.rollout.megatron_engine import MegatronEngine
+    from megatron_ngrpo.rollout.types import SamplingParams
+
+    eng = MegatronEngine(
+        chunks,
+        NUM_REAL,
+        neighbor_table=neighbor_table(),
+        eos_token_ids=[1],
+        batch_invariant=invariant,
+        max_batch_size=max_batch_size,
+    )
+    params = SamplingParams(n=3, temperature=0.9, top_p=0.95, max_new_tokens=14, seed=5)
+    mixing = MixingConfig(rate=rate, k=K) if rate else None
+    return eng.generate(prompts, params, mixing, keys=list(range(10, 10 + len(prompts))))
+
+
+def gap(chunks, out, micro_batch_size: int = 4) -> dict:
+    """Engine vs trainer replay log-probs of ``out``: max |gap|, tokens not bitwise equal, split
+    into mixed and plain tokens."""
+    from tests.harness.records import sequence_mixes
+    from tests.support.replay import sequence_logprobs
+
+    replay = sequence_logprobs(chunks, out, 0.9, micro_batch_size, vocab_limit=NUM_REAL)
+    res = {"mixed": [0, 0, 0.0], "plain": [0, 0, 0.0]}  # tokens, unequal, max |gap|
+    for r, (lp, eng) in enumerate(zip(replay, out.logprobs)):
+        eng = torch.tensor(eng, dtype=torch.float32)
+        mixed_pos = {p + 1 for p, _, _ in sequence_mixes(out.mixes, r)}  # label after a mixed input
+        for t in range(len(eng)):
+            kind = res["mixed" if t in mixed_pos else "plain"]
+            d = float((lp[t] - eng[t]).abs())
+            kind[0] += 1
+            kind[1] += int(not torch.equal(lp[t], eng[t]))
+            kind[2] = max(kind[2], d)
+    return {k: dict(tokens=v[0], unequal=v[1], max_abs=v[2]) for k, v in res.items()}
+
+
+def _parity(tp: int, dtype: str):
+    """Mode off: the measured gap; mode on: every token torch.equal (mixed and plain rows)."""
+    chunks = model(tp, dtype)
+    result = {}
+    for rate in (0.3, 0.0):
+        name = "mixed_rows" if rate else "plain_rows"
+        off = generate(chunks, False, rate)
+        result[f"off_{name}"] = gap(chunks, off)
+    from megatron_ngrpo.models.batch_invariant import enable_batch_invariant
+
+    enable_batch_invariant(chunks)
+    for rate in (0.3, 0.0):
+        name = "mixed_rows" if rate else "plain_rows"
+        on = generate(chunks, True, rate)
+        g = gap(chunks, on)
+        result[f"on_{name}"] = g
+        assert rate == 0 or g["mixed"]["tokens"] > 5, g
+        assert g["mixed"]["unequal"] == 0 and g["plain"]["unequal"] == 0, (name, g)
+    return result
+
+
+for _tp in (1, 2):
+    for _dtype in ("float32", "bfloat16"):
+
+        def _bound(tp=_tp, dtype=_dtype):
+            return _parity(tp, dtype)
+
+        _bound.__name__ = f"parity_tp{_tp}_{_dtype}"
+        case(_bound)
+
+
+if __name__ == "__main__":
+    run_cases()
