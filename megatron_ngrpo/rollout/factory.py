@@ -6,10 +6,10 @@ from dataclasses import replace
 
 from megatron_ngrpo.architecture import ArchSpec
 from megatron_ngrpo.data.tokenizer import special_token_ids
+from megatron_ngrpo.models.batch_invariant import enable_batch_invariant
 from megatron_ngrpo.models.config import real_token_count
 from megatron_ngrpo.parallel import duplicate_model_parallel_groups
 from megatron_ngrpo.rollout.config import EngineName
-from megatron_ngrpo.models.batch_invariant import enable_batch_invariant
 from megatron_ngrpo.rollout.megatron_engine import MegatronEngine
 from megatron_ngrpo.rollout.remote.client import RemoteEngine
 from megatron_ngrpo.rollout.types import RolloutEngine
