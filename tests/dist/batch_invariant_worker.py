@@ -157,5 +157,71 @@ for _tp in (1, 2):
         case(_bound)
 
 
+# ---- through the trainer ------------------------------------------------------------------------
+def train_step(name: str, *overrides: str) -> dict:
+    """One step of configs/tiny_test.yaml on the arithmetic task (``NGRPO_TASK``) with one
+    mini-batch (its first); its metrics and the trainer's forward-only passes (no graph, not
+    the engine's)."""
+    from pathlib import Path
+
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_ngrpo.training.job_config import load_config
+    from megatron_ngrpo.training.trainer import Trainer
+
+    run_dir = Path(_STATE.setdefault("tmp", shared_tmpdir("bi_train_"))) / name
+    task = Path(os.environ["NGRPO_TASK"])
+    tiny = Path(__file__).resolve().parents[2] / "configs" / "tiny_test.yaml"
+    cfg = load_config([tiny, task / "paths.yaml"], [
+        f"train.run_dir={run_dir}", "train.max_steps=1", "train.save_every=0",
+        "train.mini_batch_prompts=4", *overrides])
+    original, replays = GPTModel.forward, []
+
+    def forward(self, *args, **kwargs):
+        if kwargs.get("inference_context") is None and not torch.is_grad_enabled():
+            replays.append(1)
+        return original(self, *args, **kwargs)
+
+    GPTModel.forward = forward
+    try:
+        trainer = Trainer(cfg)
+        trainer.setup()
+        trainer.run()
+    finally:
+        GPTModel.forward = original
+    dist.barrier()
+    import json
+
+    row = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    keys = [k for k in row if k.startswith(("mismatch/", "first_update/", "logprob_gap/"))]
+    return {"metrics": {k: row[k] for k in keys}, "replay_forwards": len(replays)}
+
+
+def _trainer(tp: int, dtype: str):
+    """With the mode: the engine's log-probs are the trainer's π_old bit for bit (recompute:
+    every mismatch gap and k3 KL 0; rollout: the first mini-batch's log-ratio 0 on every
+    token, one replay fewer); without it the first log-ratio is not 0."""
+    layout = (f"model.tensor_parallel={tp}", f"model.dtype={dtype}")
+    on = ("rollout.batch_invariant=true", *layout)
+    recompute = train_step(f"recompute_{tp}_{dtype}", *on)
+    rollout = train_step(f"rollout_{tp}_{dtype}", *on, "grpo.old_logprobs=rollout")
+    default = train_step(f"default_{tp}_{dtype}", *layout, "grpo.old_logprobs=rollout")
+    m = recompute["metrics"]
+    assert m["mismatch/mixed/logprob_gap"] == 0 and m["mismatch/plain/logprob_gap"] == 0, m
+    assert m["mismatch/mixed/kl"] == 0 and m["mismatch/plain/kl"] == 0, m
+    assert m["logprob_gap/max_abs"] == 0, m
+    assert rollout["metrics"]["first_update/abs_log_ratio"] == 0, rollout
+    assert rollout["replay_forwards"] < recompute["replay_forwards"], (rollout, recompute)
+    assert default["metrics"]["first_update/abs_log_ratio"] > 0, default
+    return {"recompute": recompute, "rollout": rollout, "default": default}
+
+
+for _tp, _dtype in ((1, "float32"), (2, "bfloat16")):
+    def _bound_trainer(tp=_tp, dtype=_dtype):
+        return _trainer(tp, dtype)
+    _bound_trainer.__name__ = f"trainer_tp{_tp}_{_dtype}"
+    case(_bound_trainer)
+
+
 if __name__ == "__main__":
     run_cases()
