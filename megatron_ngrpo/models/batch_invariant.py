@@ -129,6 +129,7 @@ def enable_batch_invariant(chunks) -> None:
             elif isinstance(mod, DotProductAttention):
                 if mod.attn_mask_type != AttnMaskType.causal:
                     raise ValueError("rollout.batch_invariant: causal attention only")
+                mod._default_class = type(mod)
                 mod.__class__ = RowwiseAttention
             elif type(mod).__module__.startswith("megatron.core.extensions.transformer_engine"):
                 raise ValueError(
@@ -139,5 +140,13 @@ def enable_batch_invariant(chunks) -> None:
         inner.batch_invariant = True
 
 
-def is_batch_invariant(model) -> bool:
-    return bool(getattr(unwrap(model), "batch_invariant", False))
+def disable_batch_invariant(chunks) -> None:
+    """Undo :func:`enable_batch_invariant` in place (bench/bench_zero_mismatch.py compares both
+    forwards on one model)."""
+    for chunk in chunks:
+        inner = unwrap(chunk)
+        for mod in inner.modules():
+            mod.__dict__.pop("_forward_impl", None)
+            if isinstance(mod, RowwiseAttention):
+                mod.__class__ = mod._default_class
+        inner.batch_invariant = False

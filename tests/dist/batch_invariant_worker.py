@@ -11,6 +11,7 @@ reports the gap with the mode off (the default kernels) and asserts ``torch.equa
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 
@@ -126,35 +127,110 @@ def gap(chunks, out, micro_batch_size: int = 4) -> dict:
     return {k: dict(tokens=v[0], unequal=v[1], max_abs=v[2]) for k, v in res.items()}
 
 
-def _parity(tp: int, dtype: str):
-    """Mode off: the measured gap; mode on: every token torch.equal (mixed and plain rows)."""
-    chunks = model(tp, dtype)
-    result = {}
-    for rate in (0.3, 0.0):
-        name = "mixed_rows" if rate else "plain_rows"
-        off = generate(chunks, False, rate)
-        result[f"off_{name}"] = gap(chunks, off)
+def _unequal(g: dict) -> int:
+    return g["mixed"]["unequal"] + g["plain"]["unequal"]
+
+
+def _invariant_run(chunks, revert: str = "") -> dict:
+    """Mode on (with op ``revert`` switched back to its default): the engine's mixed and plain
+    rows vs the trainer's replay in micro-batches of 4 and of 1, and the engine decoding all
+    rows at once vs one row at a time (bs N vs bs 1)."""
     from megatron_ngrpo.models.batch_invariant import enable_batch_invariant
 
     enable_batch_invariant(chunks)
-    for rate in (0.3, 0.0):
-        name = "mixed_rows" if rate else "plain_rows"
-        on = generate(chunks, True, rate)
-        g = gap(chunks, on)
-        result[f"on_{name}"] = g
-        assert rate == 0 or g["mixed"]["tokens"] > 5, g
-        assert g["mixed"]["unequal"] == 0 and g["plain"]["unequal"] == 0, (name, g)
-    return result
+    with reverted(chunks, revert) if revert else contextlib.nullcontext():
+        mixed, plain = generate(chunks, True, 0.3), generate(chunks, True, 0.0)
+        alone = generate(chunks, True, 0.3, max_batch_size=1)
+        res = {"mixed_rows": gap(chunks, mixed), "plain_rows": gap(chunks, plain),
+               "micro_batch_1": gap(chunks, mixed, micro_batch_size=1)}
+    assert res["mixed_rows"]["mixed"]["tokens"] > 5, res
+    res["bs1_vs_bsN_unequal"] = sum(
+        int(not torch.equal(torch.tensor(a), torch.tensor(b)))
+        for a, b in zip(alone.logprobs, mixed.logprobs))
+    res["unequal"] = sum(_unequal(res[k]) for k in ("mixed_rows", "plain_rows", "micro_batch_1"))
+    res["unequal"] += res["bs1_vs_bsN_unequal"]
+    return res
+
+
+def _parity(tp: int, dtype: str):
+    """Mode off: the measured gap; mode on: every token torch.equal."""
+    chunks = model(tp, dtype)
+    off = {f"off_{n}": gap(chunks, generate(chunks, False, r))
+           for n, r in (("mixed_rows", 0.3), ("plain_rows", 0.0))}
+    on = _invariant_run(chunks)
+    assert on["unequal"] == 0, on
+    return {**off, **{f"on_{k}": v for k, v in on.items()}}
 
 
 for _tp in (1, 2):
     for _dtype in ("float32", "bfloat16"):
-
         def _bound(tp=_tp, dtype=_dtype):
             return _parity(tp, dtype)
-
         _bound.__name__ = f"parity_tp{_tp}_{_dtype}"
         case(_bound)
+
+
+# ---- leak tests: one op back to its default inside the mode -------------------------------------
+@contextlib.contextmanager
+def reverted(chunks, op: str):
+    """Switch ``op`` back to its default inside the mode: ``linear`` (megatron's GEMM on all M
+    rows), ``attention`` (torch SDPA), ``engine_logsoftmax`` (the engine's logsumexp over the
+    gathered vocabulary), ``trainer_logsoftmax`` (the trainer's default vocab-parallel log-prob
+    function: valid-column GEMM in chunks, all-reduce merge)."""
+    from megatron_ngrpo.architecture import unwrap
+    from megatron_ngrpo.grpo import token_logprobs as tl
+    from megatron_ngrpo.models.attention import SDPAttention
+    from megatron_ngrpo.models.batch_invariant import RowwiseAttention
+    from megatron_ngrpo.rollout.megatron_engine import MegatronEngine
+
+    undo = []
+    mods = [m for c in chunks for m in unwrap(c).modules()]
+    if op == "linear":
+        for m in mods:
+            if "_forward_impl" in m.__dict__:
+                impl = m.__dict__.pop("_forward_impl")
+                undo.append(lambda m=m, f=impl: setattr(m, "_forward_impl", f))
+    elif op == "attention":
+        for m in mods:
+            if isinstance(m, RowwiseAttention):
+                m.__class__ = SDPAttention
+                undo.append(lambda m=m: setattr(m, "__class__", RowwiseAttention))
+    elif op == "engine_logsoftmax":
+        f = MegatronEngine._token_logprobs
+        undo.append(lambda: setattr(MegatronEngine, "_token_logprobs", f))
+        MegatronEngine._token_logprobs = lambda self, z, scaled, token, temp: (
+            scaled.gather(1, token.unsqueeze(1)).squeeze(1) - torch.logsumexp(scaled, dim=-1))
+    elif op == "trainer_logsoftmax":
+        f = tl._InvariantLogProbs
+        undo.append(lambda: setattr(tl, "_InvariantLogProbs", f))
+        tl._InvariantLogProbs = tl._LinearVocabParallelLogProbs
+    else:
+        raise ValueError(op)
+    try:
+        yield
+    finally:
+        for f in undo:
+            f()
+
+
+# (op, tp, dtype): where reverting the op changes bits on this CPU (bf16 GEMMs and a 2-rank
+# merge are M- and order-free here, so ``linear`` and ``trainer_logsoftmax`` leak in fp32).
+LEAKS = [("linear", 1, "float32"), ("linear", 2, "float32"), ("attention", 1, "float32"),
+         ("attention", 2, "bfloat16"), ("engine_logsoftmax", 1, "float32"),
+         ("engine_logsoftmax", 2, "bfloat16"), ("trainer_logsoftmax", 1, "float32"),
+         ("trainer_logsoftmax", 2, "float32")]
+
+
+def _leak(tp: int, dtype: str, op: str):
+    res = _invariant_run(model(tp, dtype), op)
+    return {k: res[k] for k in ("unequal", "bs1_vs_bsN_unequal")}
+
+
+for _op, _tp, _dtype in LEAKS:
+    def _bound_leak(tp=_tp, dtype=_dtype, op=_op):
+        return _leak(tp, dtype, op)
+    _bound_leak.__name__ = f"leak_{_op}_tp{_tp}_{_dtype}"
+    case(_bound_leak)
 
 
 # ---- through the trainer ------------------------------------------------------------------------
@@ -194,6 +270,7 @@ def train_step(name: str, *overrides: str) -> dict:
 
     row = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
     keys = [k for k in row if k.startswith(("mismatch/", "first_update/", "logprob_gap/"))]
+    keys.append("mixing/mixed_token_frac")
     return {"metrics": {k: row[k] for k in keys}, "replay_forwards": len(replays)}
 
 
@@ -209,7 +286,7 @@ def _trainer(tp: int, dtype: str):
     m = recompute["metrics"]
     assert m["mismatch/mixed/logprob_gap"] == 0 and m["mismatch/plain/logprob_gap"] == 0, m
     assert m["mismatch/mixed/kl"] == 0 and m["mismatch/plain/kl"] == 0, m
-    assert m["logprob_gap/max_abs"] == 0, m
+    assert m["logprob_gap/max_abs"] == 0 and m["mixing/mixed_token_frac"] > 0, m
     assert rollout["metrics"]["first_update/abs_log_ratio"] == 0, rollout
     assert rollout["replay_forwards"] < recompute["replay_forwards"], (rollout, recompute)
     assert default["metrics"]["first_update/abs_log_ratio"] > 0, default
