@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_ngrpo.config_loader import ConfigError
 from megatron_ngrpo.models.batch_invariant import BLOCK_ROWS, row_blocks
 from megatron_ngrpo.models.invariant_logsoftmax import gathered_logprobs, ordered_merge, shard_stats
+from megatron_ngrpo.training.job_config import load_config
 from tests import test_train
 from tests.harness.multiproc import check, launch
 
@@ -31,6 +33,35 @@ LEAKS = [
     ("trainer_logsoftmax", "tp2_float32"),
 ]
 task = test_train.task  # the arithmetic task fixture (module scope)
+
+
+REFUSED = [
+    (
+        ["rollout.engine=vllm"],
+        1,
+        "'rollout.batch_invariant' = True: needs rollout.engine = megatron",
+    ),
+    (["model.tensor_parallel=2", "model.sequence_parallel=true"], 2, "reduce-scatter"),
+    (
+        ["model.tensor_parallel=4"],
+        4,
+        "'model.tensor_parallel' = 4: rollout.batch_invariant: at most 2",
+    ),
+    (["train.pack_sequences=true"], 1, "no packing mask"),
+]
+
+
+@pytest.mark.parametrize("overrides,world,message", REFUSED, ids=[e[0][-1] for e in REFUSED])
+def test_what_the_mode_cannot_make_invariant_is_refused(
+    task, monkeypatch, overrides, world, message
+):
+    """One line at load time, naming the field and value."""
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(ConfigError) as err:
+        load_config(
+            [test_train.TINY, task / "paths.yaml"], ["rollout.batch_invariant=true", *overrides]
+        )
+    assert message in str(err.value) and "\n" not in str(err.value)
 
 
 @pytest.fixture(scope="module")

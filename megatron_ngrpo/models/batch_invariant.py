@@ -38,7 +38,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
 from megatron_ngrpo.architecture import unwrap
-from megatron_ngrpo.rollout.config import BATCH_INVARIANT_MAX_TP
+from megatron_ngrpo.models.config import BATCH_INVARIANT_MAX_TP
 
 # Rows per GEMM call: every linear (and log-prob block) runs on exactly this many rows.
 BLOCK_ROWS = 16

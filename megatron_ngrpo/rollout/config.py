@@ -10,9 +10,6 @@ from megatron_ngrpo.config_loader import fail
 from megatron_ngrpo.rollout.types import SamplingParams
 
 DEFAULT_MAX_MODEL_LEN = 4096
-# rollout.batch_invariant: a TP all-reduce of two operands is order-free (a + b = b + a); more
-# would need an ordered all-gather + sum (not implemented).
-BATCH_INVARIANT_MAX_TP = 2
 
 
 class EngineName(StrEnum):

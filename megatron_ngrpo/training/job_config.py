@@ -21,11 +21,10 @@ from megatron_ngrpo.data.datasets import require_local_files
 from megatron_ngrpo.data.tokenizer import tokenizer_folder
 from megatron_ngrpo.grpo.config import GRPOConfig
 from megatron_ngrpo.mixing.config import MixingConfig
-from megatron_ngrpo.models.config import ModelConfig, use_te
+from megatron_ngrpo.models.config import BATCH_INVARIANT_MAX_TP, ModelConfig, use_te
 from megatron_ngrpo.models.provider import check_layout
 from megatron_ngrpo.rewards.config import RewardConfig
 from megatron_ngrpo.rollout.config import (
-    BATCH_INVARIANT_MAX_TP,
     EngineName,
     RolloutConfig,
     check_vllm_layout,
