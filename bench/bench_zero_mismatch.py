@@ -86,7 +86,11 @@ def main() -> None:
         max_seconds=args.max_seconds,
         group=dist.group.WORLD,
     )
-    prompts = [list(range(5 + i, 25 + i)) for i in range(8)]
+    if dist.get_rank() == 0:
+        print(f"max |engine - replay| per step, mode on: {gaps[True]}, off: {gaps[False]}")
+        print(steps, flush=True)
+    vocab = engine.num_real_tokens
+    prompts = [[(7 * i + j) % vocab for j in range(20)] for i in range(8)]
     params = SamplingParams(n=4, temperature=1.0, max_new_tokens=16, seed=3)
 
     def generate(on: bool):
@@ -106,8 +110,6 @@ def main() -> None:
         group=dist.group.WORLD,
     )
     if dist.get_rank() == 0:
-        print(f"max |engine - replay| per step, mode on: {gaps[True]}, off: {gaps[False]}")
-        print(steps)
         print(tokens)
 
 

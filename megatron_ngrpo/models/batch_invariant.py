@@ -42,6 +42,8 @@ from megatron_ngrpo.models.config import BATCH_INVARIANT_MAX_TP
 
 # Rows per GEMM call: every linear (and log-prob block) runs on exactly this many rows.
 BLOCK_ROWS = 16
+# (row, head) pairs per attention matmul: every call has this batch, padded.
+ATTENTION_BLOCK = 64
 
 
 def row_blocks(x: torch.Tensor, fn) -> torch.Tensor:
@@ -66,8 +68,10 @@ class RowwiseAttention(DotProductAttention):
     """Core attention computed per query row against exactly the keys it attends to.
 
     query [sq, b, np, hn], key / value [sk, b, ng, hn]; causal: query i sees keys
-    0 … sk − sq + i (a prefill: sq = sk; a decode step: sq = 1 against the cache). Scores,
-    softmax and the weighted sum in fp32, rounded once to the input dtype. Output [sq, b, np·hn].
+    0 … sk − sq + i (a prefill: sq = sk; a decode step: sq = 1 against the cache). Per query
+    position, the (row, head) pairs go through fixed batches of :data:`ATTENTION_BLOCK` (padded):
+    scores, softmax and the weighted sum in fp32, rounded once to the input dtype.
+    Output [sq, b, np·hn].
     """
 
     def forward(
@@ -89,21 +93,34 @@ class RowwiseAttention(DotProductAttention):
                 "RowwiseAttention (rollout.batch_invariant): causal attention without an "
                 "explicit mask only (no packing)"
             )
-        sq, b, heads, _ = query.shape
-        sk, groups = key.shape[0], heads // key.shape[2]
-        rows = []
-        for j in range(b):
-            k = key[:, j].transpose(0, 1).repeat_interleave(groups, 0).float()  # [np, sk, hn]
-            v = value[:, j].transpose(0, 1).repeat_interleave(groups, 0).float()
-            cols = []
-            for i in range(sq):
-                n = sk - sq + i + 1
-                q = query[i, j].float().unsqueeze(1).contiguous()  # [np, 1, hn]
-                kn, vn = k[:, :n].contiguous(), v[:, :n].contiguous()
-                p = torch.softmax(torch.bmm(q, kn.transpose(1, 2)) * self.softmax_scale, dim=-1)
-                cols.append(torch.bmm(p, vn).squeeze(1).to(query.dtype))
-            rows.append(torch.stack(cols))
-        return torch.stack(rows, dim=1).reshape(sq, b, self.hidden_size_per_partition)
+        sq, b, heads, hn = query.shape
+        sk = key.shape[0]
+
+        def pairs(t):  # [s, b, g, hn] -> [b·np, s, hn] fp32, padded to whole blocks
+            t = t.permute(1, 2, 0, 3).repeat_interleave(heads // t.shape[2], 1)
+            t = t.reshape(b * heads, t.shape[2], hn).float()
+            return F.pad(t, (0, 0, 0, 0, 0, (-b * heads) % ATTENTION_BLOCK))
+
+        q, k, v = pairs(query), pairs(key), pairs(value)
+        cols = []
+        for i in range(sq):
+            n = sk - sq + i + 1
+            out = [
+                self._block(
+                    q[a : a + ATTENTION_BLOCK, i : i + 1],
+                    k[a : a + ATTENTION_BLOCK, :n],
+                    v[a : a + ATTENTION_BLOCK, :n],
+                )
+                for a in range(0, q.shape[0], ATTENTION_BLOCK)
+            ]
+            cols.append(torch.cat(out)[: b * heads])
+        return torch.stack(cols).to(query.dtype).view(sq, b, heads * hn)
+
+    def _block(self, q, k, v):
+        """[B, 1, hn], [B, n, hn] × 2 (one fixed block) → [B, hn] fp32."""
+        k, v = k.contiguous(), v.contiguous()
+        p = torch.softmax(torch.bmm(q.contiguous(), k.transpose(1, 2)) * self.softmax_scale, -1)
+        return torch.bmm(p, v).squeeze(1)
 
 
 def enable_batch_invariant(chunks) -> None:
