@@ -66,16 +66,16 @@ def _checkpoint() -> str:
     return ckpt
 
 
-def model(tp: int, dtype: str) -> list:
-    """Fresh model chunks at TP ``tp`` in ``dtype``, the checkpoint's weights."""
+def model(tp: int, dtype: str, pp: int = 1) -> list:
+    """Fresh model chunks at TP ``tp`` × PP ``pp`` in ``dtype``, the checkpoint's weights."""
     from megatron.core import dist_checkpointing
 
     from megatron_ngrpo.models.provider import build_model
     from megatron_ngrpo.parallel import initialize_model_parallel
 
     ckpt = _checkpoint()
-    initialize_model_parallel(tp, 1, seed=99)
-    chunks = build_model(_model_cfg(tp, dtype))
+    initialize_model_parallel(tp, pp, seed=99)
+    chunks = build_model(_model_cfg(tp, dtype, pp))
     state = dist_checkpointing.load({"model": chunks[0].sharded_state_dict()}, ckpt)
     chunks[0].load_state_dict(state["model"])
     return chunks
@@ -152,9 +152,9 @@ def _invariant_run(chunks, revert: str = "") -> dict:
     return res
 
 
-def _parity(tp: int, dtype: str):
+def _parity(tp: int, dtype: str, pp: int = 1):
     """Mode off: the measured gap; mode on: every token torch.equal."""
-    chunks = model(tp, dtype)
+    chunks = model(tp, dtype, pp)
     off = {f"off_{n}": gap(chunks, generate(chunks, False, r))
            for n, r in (("mixed_rows", 0.3), ("plain_rows", 0.0))}
     on = _invariant_run(chunks)
@@ -168,6 +168,12 @@ for _tp in (1, 2):
             return _parity(tp, dtype)
         _bound.__name__ = f"parity_tp{_tp}_{_dtype}"
         case(_bound)
+
+
+@case
+def parity_pp2_bfloat16():
+    """Two pipeline stages (hidden states sent between them in the engine and the schedule)."""
+    return _parity(1, "bfloat16", pp=2)
 
 
 # ---- leak tests: one op back to its default inside the mode -------------------------------------
