@@ -25,12 +25,11 @@ PROMPTS = [[5, 17, 33, 2, 9, 41, 7], [300, 12], [77, 78, 79, 80, 81, 82, 83, 84,
 _STATE: dict = {}
 
 
-def _model_cfg(tp: int, dtype: str):
+def _model_cfg(tp: int, dtype: str, pp: int = 1):
     from megatron_ngrpo.models.config import ModelConfig
 
-    return ModelConfig(
-        hf_path=_STATE["hf"], tensor_parallel=tp, dtype=dtype, num_real_tokens=NUM_REAL
-    )
+    return ModelConfig(hf_path=_STATE["hf"], tensor_parallel=tp, pipeline_parallel=pp,
+                       dtype=dtype, num_real_tokens=NUM_REAL)
 
 
 def _checkpoint() -> str:
