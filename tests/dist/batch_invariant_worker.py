@@ -201,21 +201,20 @@ def reverted(chunks, op: str):
                 m.__class__ = SDPAttention
                 undo.append(lambda m=m: setattr(m, "__class__", RowwiseAttention))
     elif op == "engine_logsoftmax":
-        f = MegatronEngine._token_logprobs
-        undo.append(lambda: setattr(MegatronEngine, "_token_logprobs", f))
+        undo.append(lambda f=MegatronEngine._token_logprobs: setattr(
+            MegatronEngine, "_token_logprobs", f))
         MegatronEngine._token_logprobs = lambda self, z, scaled, token, temp: (
             scaled.gather(1, token.unsqueeze(1)).squeeze(1) - torch.logsumexp(scaled, dim=-1))
     elif op == "trainer_logsoftmax":
-        f = tl._InvariantLogProbs
-        undo.append(lambda: setattr(tl, "_InvariantLogProbs", f))
+        undo.append(lambda f=tl._InvariantLogProbs: setattr(tl, "_InvariantLogProbs", f))
         tl._InvariantLogProbs = tl._LinearVocabParallelLogProbs
     else:
         raise ValueError(op)
     try:
         yield
     finally:
-        for f in undo:
-            f()
+        for restore in undo:
+            restore()
 
 
 # (op, tp, dtype): where reverting the op changes bits on this CPU (bf16 GEMMs and a 2-rank
