@@ -110,6 +110,9 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "rollout.stop": _t(BATCHES),
     "rollout.separate_copy": _t(BATCHES),
     "rollout.max_batch_size": _t(BATCHES),
+    "rollout.batch_invariant": _t(
+        "tests/test_batch_invariant.py::test_trainer_old_logprobs_from_the_engine_are_exact"
+    ),
     "rollout.vllm.tensor_parallel": _t(
         "tests/test_vllm_engine.py::test_colocated_weights_equal_the_trainers_after_every_sync"
     ),

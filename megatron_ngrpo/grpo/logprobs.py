@@ -57,6 +57,7 @@ def token_logprobs(
         vocab_limit=vocab_limit,
         group=head.group,
         with_entropy=with_entropy,
+        invariant=head.batch_invariant,
     )
 
 

@@ -29,6 +29,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_ngrpo.models.batch_invariant import BLOCK_ROWS, row_blocks
+from megatron_ngrpo.models.invariant_logsoftmax import ordered_merge, shard_stats
+
 # Upper bound of one float32 chunk buffer; a chunk is also at most 1/8 of the rows, so the buffers
 # stay within a fraction of one float32 [rows, V/TP] tensor (launch/memory.py plans them).
 CHUNK_BYTES = 256 * 2**20
@@ -157,6 +160,39 @@ class _LinearVocabParallelLogProbs(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
+class _InvariantLogProbs(_LinearVocabParallelLogProbs):
+    """The batch-invariant mode's forward (``rollout.batch_invariant``): the logits of the whole
+    shard (padded columns included, as the output layer computes them) on fixed row blocks, the
+    stats of :func:`~megatron_ngrpo.models.invariant_logsoftmax.shard_stats`, all-gathered over
+    TP and merged in rank order: the engine's sampler computes the same bits from its gathered
+    logits. The backward is the base class's."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, inv_temp, vocab_start, valid, group, with_entropy):
+        local, owned = _localise(labels, vocab_start, valid)
+        n = hidden.shape[0]
+        stats = hidden.new_zeros(4, n, dtype=torch.float32)
+        step = max(BLOCK_ROWS, chunk_rows(n, weight.shape[0]) // BLOCK_ROWS * BLOCK_ROWS)
+        for a in range(0, n, step):
+            b = min(a + step, n)
+            z = row_blocks(hidden[a:b], lambda blk: torch.matmul(blk, weight.t()))
+            stats[:, a:b] = shard_stats(z, inv_temp, local[a:b], owned[a:b], valid, with_entropy)
+            del z
+        if group is None:
+            shards = stats.unsqueeze(0)
+        else:
+            parts = [torch.empty_like(stats) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, stats, group=group)
+            shards = torch.stack(parts)
+        logprobs, entropy, top, total = ordered_merge(shards)
+        if not with_entropy:
+            entropy = torch.zeros_like(logprobs)
+        ctx.save_for_backward(hidden, weight, top, total, local, owned)
+        ctx.inv_temp, ctx.valid = inv_temp, valid
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+
 def _main_grad_target(weight) -> torch.Tensor | None:
     """``weight.main_grad`` when the backward adds straight into megatron DDP's fp32 (or wider)
     gradient buffer; None otherwise (a 16-bit one would round every chunk's addition)."""
@@ -183,6 +219,7 @@ def linear_vocab_parallel_logprobs(
     vocab_limit: int | None = None,
     group=None,
     with_entropy: bool = False,
+    invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(z / τ)[labels] over the TP-split vocabulary, and optionally the entropy, for
     the logits z = hidden @ weight.T, never formed whole.
@@ -190,12 +227,14 @@ def linear_vocab_parallel_logprobs(
     ``hidden`` [..., h] (cast to the weight's dtype, as the output layer computes); ``weight``
     [V/TP, h] this rank's rows, the first being global id ``vocab_start``; ``labels`` [...]
     global ids; columns with global id ≥ ``vocab_limit`` are left out of the softmax; ``group``
-    the TP group (None: the whole vocabulary is here). Returns log-probs [...] float32,
+    the TP group (None: the whole vocabulary is here); ``invariant``: the batch-invariant
+    forward (:class:`_InvariantLogProbs`). Returns log-probs [...] float32,
     differentiable in ``hidden`` (this rank's partial sum: the caller reduces it over TP) and in
     ``weight``, and entropy [...] float32 (a metric, no gradient) or None."""
     h = hidden.shape[-1]
     lead = hidden.shape[:-1]
-    lp, ent = _LinearVocabParallelLogProbs.apply(
+    fn = _InvariantLogProbs if invariant else _LinearVocabParallelLogProbs
+    lp, ent = fn.apply(
         hidden.reshape(-1, h).to(weight.dtype),
         weight,
         labels.reshape(-1),

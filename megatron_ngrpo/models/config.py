@@ -11,6 +11,10 @@ import torch
 from megatron_ngrpo.architecture import ArchSpec
 from megatron_ngrpo.config_loader import ConfigError, fail
 
+# rollout.batch_invariant (models/batch_invariant.py): a TP all-reduce of two operands is
+# order-free (a + b = b + a); more would need an ordered all-gather + sum (not implemented).
+BATCH_INVARIANT_MAX_TP = 2
+
 
 @dataclass
 class ModelConfig:

@@ -38,12 +38,14 @@ class OutputHead:
     ``hidden`` [..., h]: the output layer's input (fp32 from ``Float16Module``, model dtype
     otherwise); ``weight`` [V/TP, h]: this rank's rows of the output (or tied embedding) matrix,
     the first being global id ``vocab_start``; ``group``: the TP group. The logits would be
-    ``hidden @ weight.T``."""
+    ``hidden @ weight.T``. ``batch_invariant``: the model runs the batch-invariant forward
+    (models/batch_invariant.py), so the log-probs take its log-softmax."""
 
     hidden: torch.Tensor
     weight: torch.nn.Parameter
     vocab_start: int
     group: torch.distributed.ProcessGroup
+    batch_invariant: bool = False
 
 
 class HiddenOutputLayer(ColumnParallelLinear):
@@ -108,4 +110,5 @@ def output_head(model, hidden: torch.Tensor) -> OutputHead:
         weight=weight,
         vocab_start=layer.tp_group.rank() * weight.shape[0],
         group=layer.tp_group,
+        batch_invariant=getattr(inner, "batch_invariant", False),
     )

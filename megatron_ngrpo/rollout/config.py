@@ -175,6 +175,9 @@ class RolloutConfig:
     separate_copy: bool = False
     # Megatron engine: max sequences decoded at once (0 = whole batch).
     max_batch_size: int = 0
+    # Megatron engine: batch-invariant forward on both sides (models/batch_invariant.py), so every
+    # sampled token's log-prob equals the trainer's replay bit for bit (CPU reference path).
+    batch_invariant: bool = False
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     remote: RemoteConfig = field(default_factory=RemoteConfig)
 
@@ -182,6 +185,12 @@ class RolloutConfig:
         if self.engine not in EngineName.__members__:
             fail("engine", self.engine, f"expected one of {', '.join(EngineName)}")
         self.engine = EngineName(self.engine)
+        if self.batch_invariant and self.engine != EngineName.megatron:
+            fail(
+                "batch_invariant",
+                True,
+                f"needs rollout.engine = megatron (the trainer's own model code), not {self.engine}",
+            )
         if self.temperature <= 0:
             fail("temperature", self.temperature, "must be > 0 for RL rollouts")
         SamplingParams.from_config(self).validate(fail)

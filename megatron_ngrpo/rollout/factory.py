@@ -6,6 +6,7 @@ from dataclasses import replace
 
 from megatron_ngrpo.architecture import ArchSpec
 from megatron_ngrpo.data.tokenizer import special_token_ids
+from megatron_ngrpo.models.batch_invariant import enable_batch_invariant
 from megatron_ngrpo.models.config import real_token_count
 from megatron_ngrpo.parallel import duplicate_model_parallel_groups
 from megatron_ngrpo.rollout.config import EngineName
@@ -56,6 +57,8 @@ def build_engine(
             "generate beside the trainer (rollout.engine = megatron or remote)"
         )
     if cfg.rollout.engine == EngineName.megatron:
+        if cfg.rollout.batch_invariant:  # the trainer's replay too, not only the engine's copy
+            enable_batch_invariant(model_chunks)
         if beside_trainer:
             return MegatronEngine.from_config(
                 replace(cfg.rollout, separate_copy=True),

@@ -67,6 +67,8 @@ from megatron_ngrpo.mixing.perturbations import (
     NoiseSpec,
     decide_for_strategy,
 )
+from megatron_ngrpo.models.batch_invariant import enable_batch_invariant
+from megatron_ngrpo.models.invariant_logsoftmax import gathered_logprobs
 from megatron_ngrpo.models.provider import build_model
 from megatron_ngrpo.rollout.megatron_decode import (
     _LENGTH,
@@ -117,6 +119,9 @@ class MegatronEngine(RolloutEngine):
             a megatron ``ProcessGroupCollection`` with ``tp``, ``pp``, ``mp``; default megatron's.
             Groups of their own let a separate copy generate on a second thread while the
             trainer runs collectives (training/async_rollout.py).
+        batch_invariant: generate with the batch-invariant forward (``rollout.batch_invariant``,
+            models/batch_invariant.py; enabled on the chunks here) and report the trainer's
+            log-prob function's values: the trainer's replay equals them bit for bit.
     """
 
     neighbors_on_demand = True
@@ -135,6 +140,7 @@ class MegatronEngine(RolloutEngine):
         separate_copy: bool = False,
         model_cfg=None,
         groups=None,
+        batch_invariant: bool = False,
     ):
 
         if separate_copy and model_cfg is None:
@@ -159,6 +165,9 @@ class MegatronEngine(RolloutEngine):
             self._copy_weights(model_chunks)
         else:
             self.chunks = list(model_chunks)
+        self.batch_invariant = batch_invariant
+        if batch_invariant:
+            enable_batch_invariant(self.chunks)
         inner = unwrap(self.chunks[0])
         self.config = inner.config
         self.max_seq_len = int(max_seq_len or inner.max_sequence_length)
@@ -175,6 +184,7 @@ class MegatronEngine(RolloutEngine):
             max_batch_size=rollout_cfg.max_batch_size,
             separate_copy=rollout_cfg.separate_copy,
             model_cfg=model_cfg,
+            batch_invariant=rollout_cfg.batch_invariant,
             **kwargs,
         )
 
@@ -501,14 +511,20 @@ class MegatronEngine(RolloutEngine):
                 packed[rows, 4 : 4 + k] = dec.ids.double()
                 packed[rows, 4 + k :] = dec.weights.double()
         packed[:, 0] = token.double()
-        packed[:, 1] = (
-            scaled.gather(1, token.unsqueeze(1)).squeeze(1) - torch.logsumexp(scaled, dim=-1)
-        ).double()
+        packed[:, 1] = self._token_logprobs(z, scaled, token, temp if temp > 0 else 1.0).double()
         finish, mix_stop = self._finish(token.cpu(), live, producing, t, state, params, mixing)
         mixed &= ~mix_stop.to(z.device)
         packed[:, 2] = mixed.double()
         packed[:, 3] = finish.double().to(z.device)
         return packed
+
+    def _token_logprobs(self, z, scaled, token, temp: float) -> torch.Tensor:
+        """log softmax(z / T)[token] [B]: in the batch-invariant mode the trainer's function
+        (models/invariant_logsoftmax.py, per TP shard of ``z``), else from ``scaled`` = z / T."""
+        if self.batch_invariant:
+            shards = dist.get_world_size(self.groups.tp)
+            return gathered_logprobs(z, token, temp, shards, self.num_real_tokens)
+        return scaled.gather(1, token.unsqueeze(1)).squeeze(1) - torch.logsumexp(scaled, dim=-1)
 
     def _ensure_rows(
         self, lookup: NeighborLookup, logits, live, producing, col, state: _RowState, mixing

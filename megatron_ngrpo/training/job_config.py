@@ -21,7 +21,7 @@ from megatron_ngrpo.data.datasets import require_local_files
 from megatron_ngrpo.data.tokenizer import tokenizer_folder
 from megatron_ngrpo.grpo.config import GRPOConfig
 from megatron_ngrpo.mixing.config import MixingConfig
-from megatron_ngrpo.models.config import ModelConfig
+from megatron_ngrpo.models.config import BATCH_INVARIANT_MAX_TP, ModelConfig, use_te
 from megatron_ngrpo.models.provider import check_layout
 from megatron_ngrpo.rewards.config import RewardConfig
 from megatron_ngrpo.rollout.config import (
@@ -101,6 +101,8 @@ class NGRPOConfig:
                 "rollout servers mix with the trainer's table only (rollout.engine = remote): "
                 "use table or auto",
             )
+        if self.rollout.batch_invariant:
+            self._check_batch_invariant()
         if self.train.pack_sequences and self.model.pipeline_parallel > 1:
             fail(
                 "train.pack_sequences",
@@ -134,6 +136,31 @@ class NGRPOConfig:
                 "device, two NCCL communicators per group, CUDA RNG-tracker forks unguarded): use "
                 "rollout.engine=remote, or max_staleness=0",
             )
+
+    def _check_batch_invariant(self) -> None:
+        """What ``rollout.batch_invariant`` cannot make order-fixed (models/batch_invariant.py)."""
+        m = self.model
+        if m.sequence_parallel and m.tensor_parallel > 1:
+            fail(
+                "model.sequence_parallel",
+                True,
+                "rollout.batch_invariant: reduce-scatter has no fixed order (set it false)",
+            )
+        if m.tensor_parallel > BATCH_INVARIANT_MAX_TP:
+            fail(
+                "model.tensor_parallel",
+                m.tensor_parallel,
+                f"rollout.batch_invariant: at most {BATCH_INVARIANT_MAX_TP} (a larger all-reduce is not "
+                "order-fixed)",
+            )
+        if self.train.pack_sequences:
+            fail(
+                "train.pack_sequences",
+                True,
+                "rollout.batch_invariant: its row-wise attention takes no packing mask",
+            )
+        if use_te(m):
+            fail("model.layer_spec", m.layer_spec, "rollout.batch_invariant: the local spec only")
 
     def _check_batch_arithmetic(self) -> None:
         """Prompts per step and per mini-batch split over DP ranks, responses over micro-batches."""

@@ -1,0 +1,150 @@
+"""Zero mismatch (``rollout.batch_invariant``): the built-in engine's log-prob of every sampled
+token ``torch.equal``s the trainer's replay (models/batch_invariant.py,
+models/invariant_logsoftmax.py). Multi-process cases in tests/dist/batch_invariant_worker.py;
+the all-layout and leak cases are ``slow`` (minutes; ``pytest -m slow tests/test_batch_invariant.py``).
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_ngrpo.config_loader import ConfigError
+from megatron_ngrpo.models.batch_invariant import BLOCK_ROWS, row_blocks
+from megatron_ngrpo.models.invariant_logsoftmax import gathered_logprobs, ordered_merge, shard_stats
+from megatron_ngrpo.training.job_config import load_config
+from tests import test_train
+from tests.harness.multiproc import check, launch
+
+WORKER = Path(__file__).parent / "dist" / "batch_invariant_worker.py"
+FAST = ["parity_tp1_float32", "parity_tp2_bfloat16", "trainer_tp1_float32"]
+SLOW_PARITY = ["tp1_bfloat16", "tp2_float32", "pp2_bfloat16"]
+# (op switched back to its default inside the mode, layout): tokens must then differ somewhere
+# (tests/dist/batch_invariant_worker.py LEAKS; bf16 GEMMs and a 2-rank merge are M- and
+# order-free on this CPU, so ``linear`` and ``trainer_logsoftmax`` are checked in fp32).
+LEAKS = [
+    ("linear", "tp1_float32"),
+    ("linear", "tp2_float32"),
+    ("attention", "tp1_float32"),
+    ("attention", "tp2_bfloat16"),
+    ("engine_logsoftmax", "tp1_float32"),
+    ("engine_logsoftmax", "tp2_bfloat16"),
+    ("trainer_logsoftmax", "tp1_float32"),
+    ("trainer_logsoftmax", "tp2_float32"),
+]
+task = test_train.task  # the arithmetic task fixture (module scope)
+
+
+REFUSED = [
+    (
+        ["rollout.engine=vllm"],
+        1,
+        "'rollout.batch_invariant' = True: needs rollout.engine = megatron",
+    ),
+    (["model.tensor_parallel=2", "model.sequence_parallel=true"], 2, "reduce-scatter"),
+    (
+        ["model.tensor_parallel=4"],
+        4,
+        "'model.tensor_parallel' = 4: rollout.batch_invariant: at most 2",
+    ),
+    (["train.pack_sequences=true"], 1, "no packing mask"),
+]
+
+
+@pytest.mark.parametrize("overrides,world,message", REFUSED, ids=[e[0][-1] for e in REFUSED])
+def test_what_the_mode_cannot_make_invariant_is_refused(
+    task, monkeypatch, overrides, world, message
+):
+    """One line at load time, naming the field and value."""
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(ConfigError) as err:
+        load_config(
+            [test_train.TINY, task / "paths.yaml"], ["rollout.batch_invariant=true", *overrides]
+        )
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.fixture(scope="module")
+def results(task):
+    return launch(WORKER, nproc=2, env={"NGRPO_TASK": str(task)}, only=FAST)
+
+
+@pytest.fixture(scope="module")
+def slow_results(task):
+    cases = [f"parity_{x}" for x in SLOW_PARITY] + ["trainer_tp2_bfloat16"]
+    cases += [f"leak_{op}_{layout}" for op, layout in LEAKS]
+    return launch(WORKER, nproc=2, timeout=1800, env={"NGRPO_TASK": str(task)}, only=cases)
+
+
+def test_fixed_row_blocks_make_a_gemm_row_independent_of_m():
+    """The CPU fp32 GEMM gives a row another summation in M = 1 than in M = 37 (why the mode
+    blocks every linear); on fixed blocks of BLOCK_ROWS rows the row is the same."""
+    torch.manual_seed(0)
+    w, x = torch.randn(384, 128), torch.randn(37, 128)
+    full = x @ w.t()
+    assert any(not torch.equal(full[i], (x[i : i + 1] @ w.t())[0]) for i in range(37))
+    blocked = row_blocks(x, lambda b: b @ w.t())
+    assert blocked.shape == full.shape and BLOCK_ROWS > 1
+    for i in range(37):
+        assert torch.equal(blocked[i], row_blocks(x[i : i + 1], lambda b: b @ w.t())[0])
+
+
+def test_gathered_logprobs_are_the_shards_merged_in_rank_order():
+    """The engine's side (gathered logits) equals per-shard stats merged in rank order (the
+    trainer's), padded columns left out, and log_softmax to rounding."""
+    torch.manual_seed(1)
+    z, labels = torch.randn(5, 64) * 3, torch.tensor([0, 17, 31, 32, 50])
+    lp = gathered_logprobs(z, labels, 0.7, shards=2, vocab_limit=60)
+    stats = []
+    for r in range(2):
+        local = labels - 32 * r
+        owned = (local >= 0) & (local < min(32, 60 - 32 * r))
+        stats.append(
+            shard_stats(
+                z[:, 32 * r : 32 * (r + 1)],
+                1 / 0.7,
+                local.clamp(0, 31),
+                owned,
+                min(32, 60 - 32 * r),
+            )
+        )
+    assert torch.equal(lp, ordered_merge(torch.stack(stats))[0])
+    ref = torch.log_softmax(z[:, :60] / 0.7, dim=-1).gather(1, labels[:, None]).squeeze(1)
+    assert torch.allclose(lp, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["tp1_float32", "tp2_bfloat16"])
+def test_engine_logprobs_equal_the_replay(results, layout):
+    """Mixed (ρ = 0.3) and plain rows: every engine log-prob torch.equals the trainer's replay
+    (micro-batches of 4 and of 1), and the engine decoding one row at a time gives the batch's
+    bits; the default forward's gap is reported beside it (bench/results/zero_mismatch.md)."""
+    value = check(results, f"parity_{layout}")
+    assert value["on_unequal"] == 0 and value["on_mixed_rows"]["mixed"]["tokens"] > 5
+    assert value["off_plain_rows"]["plain"]["unequal"] > 0  # the default does differ
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", SLOW_PARITY)
+def test_engine_logprobs_equal_the_replay_other_layouts(slow_results, layout):
+    assert check(slow_results, f"parity_{layout}")["on_unequal"] == 0
+
+
+def test_trainer_old_logprobs_from_the_engine_are_exact(results):
+    """Through the trainer (tiny config, mixing): with the mode, the recompute pass finds every
+    mismatch gap and k3 KL 0, and with ``grpo.old_logprobs: rollout`` the first mini-batch's
+    log-ratio is 0 on every token (ratio ≡ 1) with one replay pass fewer; without the mode the
+    first log-ratio is not 0."""
+    check(results, "trainer_tp1_float32")
+
+
+@pytest.mark.slow
+def test_trainer_old_logprobs_exact_tp2_bf16(slow_results):
+    check(slow_results, "trainer_tp2_bfloat16")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("op,layout", LEAKS)
+def test_leak_with_one_op_reverted(slow_results, op, layout):
+    """The parity checks (bs 1 vs bs N, decode vs the replay's prefill, mixed and plain rows)
+    fail when one op is switched back to its default kernel."""
+    assert check(slow_results, f"leak_{op}_{layout}")["unequal"] > 0
