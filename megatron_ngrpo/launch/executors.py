@@ -58,6 +58,9 @@ class Cluster:
     container_image: str | None = None
     container_mounts: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    # Variables the job inherits from the launcher's environment, never written into its script
+    # (launch/passthrough.py).
+    passthrough: tuple[str, ...] = ()
     # "git": the committed HEAD is archived into the job directory (reproducible); "none": jobs
     # run the checkout in place (it must be visible on the compute nodes).
     packager: str = "git"
