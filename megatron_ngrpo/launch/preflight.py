@@ -105,16 +105,25 @@ def check_imports(
 
 
 def needed_modules(cfg, gpus: int) -> dict[str, tuple[str, ...]]:
-    # lazy: keeps launch.preflight free of torch at import, as load_config in preflight()
-    from megatron_ngrpo.rollout.config import EngineName
-
     modules = dict(ALWAYS)
-    if cfg.rollout.engine == EngineName.vllm:
+    if needs_vllm(cfg):
         modules.update(VLLM)
     if gpus and cfg.model.layer_spec in ("auto", "te"):
         modules.update(TE)
     modules.update({m: d for m, d in TRACKERS.items() if getattr(cfg.train.trackers, m)})
     return modules
+
+
+def needs_vllm(cfg) -> bool:
+    """Whether the trainer imports vLLM: the colocated engine, and a disaggregated trainer's
+    ``nccl`` / ``gloo`` weight routes (rollout/vllm/weight_transfer.py, at its first sync)."""
+    # lazy: keeps launch.preflight free of torch at import, as load_config in preflight()
+    from megatron_ngrpo.rollout.config import EngineName
+
+    remote = cfg.rollout.engine == EngineName.remote
+    return cfg.rollout.engine == EngineName.vllm or (
+        remote and cfg.rollout.remote.weight_transfer in ("nccl", "gloo")
+    )
 
 
 def cuda_problem(vllm: bool) -> str | None:
@@ -146,12 +155,12 @@ def preflight(configs: list[str], overrides: list[str], gpus: int, world_size: i
     import torch
 
     # lazy: imports megatron-core, checked just above
-    from megatron_ngrpo.rollout.config import EngineName
+    from megatron_ngrpo.conversion import safetensors_header
     from megatron_ngrpo.training.job_config import check_device, load_config
 
     os.environ["WORLD_SIZE"] = str(world_size)  # validation at the job's world size
     cfg = load_config(configs, overrides)
-    vllm = cfg.rollout.engine == EngineName.vllm
+    vllm = needs_vllm(cfg)
     spec = ranges(vllm)
     more, problems = check_imports(
         {m: d for m, d in needed_modules(cfg, gpus).items() if m not in ALWAYS}, spec
@@ -164,6 +173,7 @@ def preflight(configs: list[str], overrides: list[str], gpus: int, world_size: i
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if have < gpus:
         problems.append(f"{have} GPU(s) visible, the node's ranks need {gpus}")
+    problems += safetensors_header.directory_problems(cfg.model.hf_path)
     if problems:
         raise PreflightError("\n".join(problems))
     check_device(cfg, gpu=gpus > 0)
