@@ -84,3 +84,24 @@ def test_preflight_names_a_truncated_weights_file(task, tmp_path):
         f"{weights}: {weights.stat().st_size} bytes, its tensors end at byte "
         f"{weights.stat().st_size + 1}: truncated"
     ]
+
+
+def test_eval_checks_weights_and_vllm_before_process_groups(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from megatron_ngrpo import pins
+    from megatron_ngrpo.config_loader import ConfigError
+    from megatron_ngrpo.eval import __main__ as eval_main
+
+    weights = _weights(tmp_path / "model.safetensors")
+    cfg = SimpleNamespace(
+        rollout=SimpleNamespace(engine="vllm"), model=SimpleNamespace(hf_path=tmp_path)
+    )
+    monkeypatch.setattr(pins, "vllm_mismatch", lambda: None)
+    eval_main.check_device(cfg)
+    weights.write_bytes(weights.read_bytes()[:-1])
+    with pytest.raises(ConversionError, match=rf"^{weights}: \d+ bytes, its tensors end"):
+        eval_main.check_device(cfg)
+    monkeypatch.setattr(pins, "vllm_mismatch", lambda: "vllm 0.0.1 is not 0.32.0")
+    with pytest.raises(ConfigError, match=r"^config field 'rollout.engine' = 'vllm': vllm 0.0.1"):
+        eval_main.check_device(cfg)
