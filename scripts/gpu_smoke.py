@@ -13,15 +13,16 @@ becomes a FAIL row and the next stage still runs:
   rendered job script runs it before torchrun;
 * ``grpo``: 2 GRPO steps of ``configs/tiny_test.yaml`` with neighbour mixing on the built-in Megatron
   engine, bf16, the TE layer spec when TE imports (else the local spec; the row says which), one
-  checkpoint save; the ``memory`` row compares its peak allocated memory with the memory plan's
-  allocated terms of that layout (PASS up to :data:`MEMORY_RATIO` times them; the plan's fixed
-  term for the CUDA context and NCCL is memory ``max_memory_allocated`` does not count);
+  checkpoint save; the ``memory`` row checks the memory plan's layout-dependent terms of that
+  layout (activations, logits, KV) on their own, within :data:`MEMORY_BOUNDS` (:class:`StepWindows`);
 * ``vllm``: the same 2 steps with colocated vLLM TP 1 in sleep mode (a FAIL where vLLM does not
   import, a SKIP where ``--allow-missing vllm`` says so);
 * ``refused``: routes that cannot work are refused by config validation, one row each.
 
 Prints one summary table (also ``WORK/summary.txt``, ``WORK/summary.json``; each stage's log is
-``WORK/<stage>.log``); exit status 1 if any row failed. ``--cpu``: float32, gloo, local spec, vLLM
+``WORK/<stage>.log``) and a last line counting the rows passed and skipped; exit status 1 if any
+row failed. ``--skip env`` / ``--skip vllm`` leave TE / vLLM unchecked: a FAIL row unless
+``--allow-missing`` names it. ``--cpu``: float32, gloo, local spec, vLLM
 without sleep mode, so the script itself is tested on a machine without GPU (tests/test_gpu_smoke.py).
 
     bash scripts/gpu_smoke.sh [--cpu] [--allow-missing te,vllm] [--skip STAGE ...] [--work DIR]
@@ -241,6 +242,7 @@ def _train(args, engine: str) -> dict:
         "peak_kind": "torch max_memory_allocated" if cuda else "process max RSS",
         "static": windows.static,
         "window_peak": windows.peak,
+        "optimizer_steps": windows.steps,
     }
 
 
@@ -252,15 +254,14 @@ class StepWindows:
     checkpoint save after the last). Both 0 without CUDA."""
 
     def __init__(self, cuda: bool):
-        self.cuda, self.static, self.peak, self._steps = cuda, 0, 0, 0
+        self.cuda, self.static, self.peak, self.steps = cuda, 0, 0, 0
 
     def __enter__(self):
-        import torch
+        from torch.optim import optimizer
 
-        opt = torch.optim.optimizer
         self._hooks = [
-            opt.register_optimizer_step_pre_hook(self._before),
-            opt.register_optimizer_step_post_hook(self._after),
+            optimizer.register_optimizer_step_pre_hook(self._before),
+            optimizer.register_optimizer_step_post_hook(self._after),
         ]
         return self
 
@@ -271,15 +272,15 @@ class StepWindows:
     def _before(self, *_) -> None:
         import torch
 
-        if self.cuda and self._steps:
+        if self.cuda and self.steps:
             self.peak = max(self.peak, torch.cuda.max_memory_allocated())
 
     def _after(self, *_) -> None:
         import torch
 
-        self._steps += 1
+        self.steps += 1
         if self.cuda:
-            if self._steps == 1:
+            if self.steps == 1:
                 self.static = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
 
@@ -333,7 +334,8 @@ def memory_row(run: dict, static: int, layout_terms: int, cpu: bool) -> dict:
         return {
             "stage": "memory",
             "status": "INFO",
-            "detail": f"{run['peak_kind']} {mib(run['peak'])}; plan {mib(static + layout_terms)}",
+            "detail": f"{run['peak_kind']} {mib(run['peak'])}; plan {mib(static + layout_terms)}; "
+            f"{run['optimizer_steps']} optimizer steps seen",
         }
     measured = run["window_peak"] - run["static"]
     ratio = measured / layout_terms

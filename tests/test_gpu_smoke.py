@@ -43,6 +43,10 @@ def test_cpu_mode_runs_two_mixing_grpo_steps(tmp_path):
     }, out
     grpo = next(r for r in rows if r["stage"] == "grpo")
     assert "2 steps" in grpo["detail"] and "local layer spec" in grpo["detail"], grpo
+    # The memory row's windows are cut at optimizer steps: 2 mini-batches in each of 2 steps.
+    assert next(r for r in rows if r["stage"] == "memory")["detail"].endswith(
+        "; 4 optimizer steps seen"
+    ), rows
     assert code == 0 and "all stages passed" not in out
     assert out.splitlines()[-1].startswith("[gpu_smoke] 3 passed, 3 skipped, 1 information only")
     assert (tmp_path / "summary.txt").read_text().splitlines()[0].startswith("stage")
