@@ -105,3 +105,25 @@ def test_eval_checks_weights_and_vllm_before_process_groups(tmp_path, monkeypatc
     monkeypatch.setattr(pins, "vllm_mismatch", lambda: "vllm 0.0.1 is not 0.32.0")
     with pytest.raises(ConfigError, match=r"^config field 'rollout.engine' = 'vllm': vllm 0.0.1"):
         eval_main.check_device(cfg)
+
+
+def test_rollout_server_nodes_get_their_own_preflight(tmp_path):
+    """A hetjob's rollout group runs ``preflight --server`` with the server's model (vLLM, GPUs,
+    weights), as the training group runs the trainer's."""
+    from megatron_ngrpo.launch import executors, recipes
+
+    recipe = recipes.get("r1-14b")
+    server = recipes.rollout_server(recipe, "/models/m")
+    assert executors.runs_preflight(server)
+    line = executors.preflight_line(server, executors.Cluster(packager="none"), "/job", 0)
+    assert line.startswith("srun --het-group=0 --nodes=2 --ntasks-per-node=1 ")
+    assert "megatron_ngrpo.launch.preflight --gpus 8 --server --model /models/m ||" in line
+    weights = _weights(tmp_path / "model.safetensors")
+    weights.write_bytes(weights.read_bytes()[:-1])
+    with pytest.raises(preflight.PreflightError) as e:
+        preflight.server_report(str(tmp_path), gpus=0)
+    assert str(e.value).splitlines() == [preflight.safetensors_header.problem(weights)]
+    weights.unlink()
+    assert preflight.server_report(str(tmp_path), gpus=0).startswith(
+        "preflight ok (rollout server): torch "
+    )

@@ -30,6 +30,7 @@ from packaging.utils import canonicalize_name
 
 from megatron_ngrpo import pins
 from megatron_ngrpo.config_loader import ConfigError
+from megatron_ngrpo.conversion import safetensors_header
 
 # Import name -> the distribution names it may be installed under, of what every training job
 # imports.
@@ -151,11 +152,7 @@ def preflight(configs: list[str], overrides: list[str], gpus: int, world_size: i
     found, problems = check_imports(ALWAYS, ranges(vllm=False))
     if problems:
         raise PreflightError("\n".join(problems))
-    # lazy: torch, checked just above
-    import torch
-
     # lazy: imports megatron-core, checked just above
-    from megatron_ngrpo.conversion import safetensors_header
     from megatron_ngrpo.training.job_config import check_device, load_config
 
     os.environ["WORLD_SIZE"] = str(world_size)  # validation at the job's world size
@@ -169,11 +166,8 @@ def preflight(configs: list[str], overrides: list[str], gpus: int, world_size: i
         problems.insert(0, problem)
     if gpus and (problem := cuda_problem(vllm)):
         problems.append(problem)
-    # is_available first: on a CPU-only host the CPU shim (compat/cpu.py) makes device_count say 1.
-    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if have < gpus:
-        problems.append(f"{have} GPU(s) visible, the node's ranks need {gpus}")
-    problems += safetensors_header.directory_problems(cfg.model.hf_path)
+    have, more_problems = node_problems(gpus, cfg.model.hf_path)
+    problems += more_problems
     if problems:
         raise PreflightError("\n".join(problems))
     check_device(cfg, gpu=gpus > 0)
@@ -181,6 +175,33 @@ def preflight(configs: list[str], overrides: list[str], gpus: int, world_size: i
         f"preflight ok: Python {sys.version.split()[0]}, {', '.join(found + more)}, "
         f"{have} GPU(s), world size {world_size}"
     )
+
+
+def node_problems(gpus: int, model: str) -> tuple[int, list[str]]:
+    """The GPUs this node shows, and its problems: fewer than ``gpus``, or a safetensors file of
+    ``model`` that cannot be read (one line naming it)."""
+    # lazy: checked by check_imports first
+    import torch
+
+    # is_available first: on a CPU-only host the CPU shim (compat/cpu.py) makes device_count say 1.
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    problems = [f"{have} GPU(s) visible, the node's ranks need {gpus}"] if have < gpus else []
+    return have, problems + safetensors_header.directory_problems(model)
+
+
+def server_report(model: str, gpus: int) -> str:
+    """``--server``: a rollout-server node of a disaggregated job (rollout/remote/server.py):
+    torch and vLLM within their pins, torch a CUDA build of vLLM's CUDA on a GPU node, the GPUs,
+    the weights (``--model``) readable."""
+    found, problems = check_imports({"torch": ("torch",), **VLLM}, ranges(vllm=True))
+    if not problems:
+        if gpus and (problem := cuda_problem(vllm=True)):
+            problems.append(problem)
+        have, more = node_problems(gpus, model)
+        problems += more
+    if problems:
+        raise PreflightError("\n".join(problems))
+    return f"preflight ok (rollout server): {', '.join(found)}, {have} GPU(s)"
 
 
 def image_report() -> str:
@@ -210,6 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--image", action="store_true", help="check the job image's packages against the pins"
     )
+    ap.add_argument(
+        "--server", action="store_true", help="a rollout-server node: vLLM, GPUs, --model"
+    )
+    ap.add_argument("--model", help="--server: the served HF checkpoint directory")
     ap.add_argument("--world-size", type=int, default=1, help="ranks in the whole job")
     ap.add_argument("--config", action="append", default=[], metavar="FILE")
     ap.add_argument("overrides", nargs="*", metavar="a.b=c")
@@ -219,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.image:
             print(image_report(), flush=True)
+        elif args.server:
+            print(server_report(args.model or "", args.gpus), flush=True)
         else:
             print(preflight(args.config, args.overrides, args.gpus, args.world_size), flush=True)
     except ConfigError as e:
