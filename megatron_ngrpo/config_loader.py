@@ -31,6 +31,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 T = TypeVar("T")
+# Deepest nesting of mappings and lists a config file or override may have (the trainer's: 4).
+MAX_DEPTH = 32
 
 
 class ConfigError(ValueError):
@@ -73,20 +75,12 @@ def compose(
     renamed = getattr(cls, "RENAMED", {})
     if isinstance(yaml_paths, (str, Path)):
         yaml_paths = [yaml_paths]
-    merged = OmegaConf.structured(cls)
+    merged = _structured(cls)
     for path in yaml_paths or []:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {str(path)!r}: invalid YAML: {_one_line(e)}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {str(path)!r}: top level must be a mapping")
-        data = _keyword_fields(_rename_sections(data, renamed, f"config file {str(path)!r}"))
+        source = f"config file {str(path)!r}"
+        data = _keyword_fields(_rename_sections(_read_yaml(Path(path)), renamed, source))
         _check_input(cls, data)
-        merged = _merge(merged, OmegaConf.create(data), f"config file {str(path)!r}")
+        merged = _merge(merged, data, source)
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected key.sub=value")
@@ -96,6 +90,7 @@ def compose(
             item = renamed[head] + item[len(head) :]
         key, value = item.split("=", 1)
         item = ".".join(_field_name(k) for k in key.split(".")) + "=" + value
+        _check_events(value, f"override {item!r}")
         try:
             parsed = OmegaConf.from_dotlist([item])
         except (yaml.YAMLError, OmegaConfBaseException) as e:
@@ -105,6 +100,63 @@ def compose(
         _check_input(cls, OmegaConf.to_container(parsed))
         merged = _merge(merged, parsed, f"override {item!r}")
     return OmegaConf.to_object(merged)
+
+
+@functools.cache
+def _structured(cls: type):
+    """``cls``'s defaults as a structured config, built once (a few hundred ms for the trainer's):
+    merging copies it, nothing here changes it."""
+    return OmegaConf.structured(cls)
+
+
+def _read_yaml(path: Path) -> dict:
+    """A config file's top-level mapping; every problem one :class:`ConfigError` line naming the
+    file (missing, not UTF-8, invalid YAML, an alias, too deeply nested, not a mapping)."""
+    source = f"config file {str(path)!r}"
+    if not path.is_file():
+        raise ConfigError(f"{source} does not exist")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{source}: not UTF-8 text: byte {raw[e.start]:#04x} at offset {e.start}"
+        ) from None
+    _check_events(text, source)
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}: invalid YAML: {_one_line(e)}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: top level must be a mapping")
+    return data
+
+
+def _check_events(text: str, source: str) -> None:
+    """Refuses YAML aliases (``*name``) and nesting deeper than :data:`MAX_DEPTH` before anything
+    builds the data: OmegaConf copies each alias, so a few hundred bytes of nested aliases (an
+    "alias bomb") would expand without end, and deep nesting overflows the recursive builders.
+    The event stream is read iteratively; syntax errors are left to the parser that reads the
+    text next."""
+    depth = 0
+    try:
+        for event in yaml.parse(text, Loader=yaml.SafeLoader):
+            if isinstance(event, yaml.AliasEvent):
+                raise ConfigError(
+                    f"{source}: YAML alias '*{event.anchor}' (line {event.start_mark.line + 1}): "
+                    "aliases are not read, write the value out"
+                )
+            if isinstance(event, yaml.CollectionStartEvent):
+                depth += 1
+                if depth > MAX_DEPTH:
+                    raise ConfigError(
+                        f"{source}: nested deeper than {MAX_DEPTH} levels "
+                        f"(line {event.start_mark.line + 1})"
+                    )
+            elif isinstance(event, yaml.CollectionEndEvent):
+                depth -= 1
+    except yaml.YAMLError:
+        pass
 
 
 def validate(obj, prefix: str = "") -> None:
@@ -237,7 +289,9 @@ def _deprecated(old: str, new: str, source: str) -> None:
 
 def _merge(base, other, source: str):
     try:
-        return OmegaConf.merge(base, other)
+        return OmegaConf.merge(
+            base, other if OmegaConf.is_config(other) else OmegaConf.create(other)
+        )
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or ""
         raise ConfigError(

@@ -68,6 +68,8 @@ EXTRAS = {
     "dev": [
         "pytest",
         "pytest-timeout",
+        # tests/test_config_fuzz.py: seeded (derandomized) fuzzing of the config loader.
+        "hypothesis",
         "faiss-cpu",
         "scipy>=1.11",
         "ruff>=0.17,<0.18",

@@ -87,8 +87,42 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def read_meta(path: str | Path) -> dict:
-    path = resolve_checkpoint(path)
-    return json.loads((path / META_FILE).read_text())
+    """A checkpoint's metadata; an unreadable or invalid file is one :class:`ConversionError`
+    line naming it."""
+    file = resolve_checkpoint(path) / META_FILE
+    try:
+        meta = json.loads(file.read_text())
+    except (OSError, ValueError) as e:  # ValueError: JSONDecodeError, UnicodeDecodeError
+        why = " ".join(str(e).split())[:120]
+        raise ConversionError(f"{file}: unreadable checkpoint metadata ({why})") from None
+    if not isinstance(meta, dict):
+        raise ConversionError(f"{file}: checkpoint metadata is not a JSON object")
+    return meta
+
+
+def check_parts(directory: Path) -> None:
+    """Every data file the checkpoint's index (torch DCP's ``.metadata``, which megatron-core's
+    ``torch_dist`` format writes) names is present and long enough for the byte ranges it lists:
+    a corrupt index, or a missing or truncated part, is one :class:`ConversionError` line naming
+    the file, before anything is read (instead of an ``EOFError`` traceback mid-load)."""
+    # lazy: torch.distributed.checkpoint is only needed where a checkpoint is loaded
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        index = FileSystemReader(str(directory)).read_metadata()
+    except Exception as e:  # pickle's errors of a corrupt index are of many types
+        raise ConversionError(
+            f"{directory / '.metadata'}: unreadable checkpoint index ({type(e).__name__})"
+        ) from None
+    ends: dict[str, int] = {}
+    for info in (index.storage_data or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        part = directory / name
+        if not part.is_file():
+            raise ConversionError(f"{part}: missing (the checkpoint's index names it)")
+        if (size := part.stat().st_size) < end:
+            raise ConversionError(f"{part}: {size} bytes, its tensors end at byte {end}: truncated")
 
 
 def model_config_for(
@@ -285,6 +319,7 @@ def load_megatron_checkpoint(
 
     directory = resolve_checkpoint(directory)
     meta = read_meta(directory)
+    check_parts(directory)
     state = {**_sharded_state_dict(model_chunks), **(extra or {})}
     stored = dist_checkpointing.load_tensors_metadata(str(directory))
     repad = _check_against(stored, state, str(directory))

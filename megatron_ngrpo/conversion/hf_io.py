@@ -22,6 +22,7 @@ from tqdm import tqdm
 from megatron_ngrpo.architecture import ArchSpec
 from megatron_ngrpo.atomic import atomic_directory
 from megatron_ngrpo.config_loader import ConfigError
+from megatron_ngrpo.conversion import safetensors_header
 from megatron_ngrpo.conversion.hf_export import export_hf_tensors
 from megatron_ngrpo.conversion.hf_import import load_hf_tensors
 from megatron_ngrpo.conversion.mapping import ConversionError, check_hf_names, hf_layout
@@ -110,6 +111,8 @@ class HFCheckpoint(Mapping):
         self.shapes: dict[str, tuple[int, ...]] = {}
         self._handles: dict[Path, object] = {}
         for f in files:
+            if bad := safetensors_header.problem(f):
+                raise ConversionError(bad)
             with safe_open(f, framework="pt") as h:
                 for name in h.keys():
                     self._file[name] = f

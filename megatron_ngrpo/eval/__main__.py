@@ -14,8 +14,11 @@ import logging
 import os
 import sys
 
+from megatron_ngrpo import pins
 from megatron_ngrpo.architecture import ArchSpec
 from megatron_ngrpo.config_loader import ConfigError, load
+from megatron_ngrpo.conversion import safetensors_header
+from megatron_ngrpo.conversion.mapping import ConversionError
 from megatron_ngrpo.data.tokenizer import load_tokenizer, special_token_ids
 from megatron_ngrpo.eval.config import EvalConfig
 from megatron_ngrpo.eval.report import to_markdown
@@ -58,11 +61,16 @@ def _generate_and_grade(cfg: EvalConfig, graders: dict) -> EvalResult | int:
     try:
         benchmarks = load_benchmarks(list(cfg.benchmarks) + list(cfg.extra_benchmarks), cfg.limit)
         check_prompt_lengths(benchmarks, tokenizer, cfg.template, *prompt_budget(cfg, spec))
-    except ConfigError as e:  # a bad row (DataError), before any process group starts
+        check_device(cfg)
+    except (ConfigError, ConversionError) as e:  # before any process group starts
         print(f"error: {e}", file=sys.stderr)
         return 2
     init_distributed(cfg.dist_timeout_s)
-    chunks = build_policy(cfg.model, cfg.checkpoint)
+    try:
+        chunks = build_policy(cfg.model, cfg.checkpoint)
+    except ConversionError as e:  # a corrupt checkpoint or weights file, named
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     engine = build_engine(cfg, chunks, tokenizer)
     num_real = real_token_count(cfg.model.num_real_tokens, spec.vocab_size, tokenizer)
     params = SamplingParams.from_config(cfg.sampling, tokenizer.eos_token_id)
@@ -87,6 +95,15 @@ def _generate_and_grade(cfg: EvalConfig, graders: dict) -> EvalResult | int:
         mixing=mixing,
     )
     return result if is_main else 0
+
+
+def check_device(cfg: EvalConfig) -> None:
+    """The trainer's pre-flight for an eval job, before any process group: vLLM's version where
+    the engine is vLLM, and every safetensors file of ``model.hf_path`` readable (one line)."""
+    if cfg.rollout.engine == EngineName.vllm and (problem := pins.vllm_mismatch()):
+        raise ConfigError(f"config field 'rollout.engine' = 'vllm': {problem}")
+    if problems := safetensors_header.directory_problems(cfg.model.hf_path):
+        raise ConversionError(problems[0])
 
 
 def main(argv: list[str] | None = None) -> int:

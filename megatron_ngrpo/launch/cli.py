@@ -26,16 +26,15 @@ import sys
 from pathlib import Path
 
 from megatron_ngrpo.config_loader import ConfigError
-from megatron_ngrpo.launch import job_files, plan, recipes
+from megatron_ngrpo.launch import job_files, passthrough, plan, recipes
 from megatron_ngrpo.launch.memory import GIB
 from megatron_ngrpo.rollout.config import EngineName
 
 
-def _key_value(text: str) -> tuple[str, str]:
-    if "=" not in text:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    key, value = text.split("=", 1)
-    return key, value
+def _env_item(text: str) -> tuple[str, str | None]:
+    """``NAME=VALUE``, or ``NAME`` (passed through: launch/passthrough.py)."""
+    key, eq, value = text.partition("=")
+    return key, value if eq else None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -132,9 +131,11 @@ def _add_slurm_options(s) -> None:
         "--env",
         action="append",
         default=[],
-        type=_key_value,
-        metavar="KEY=VALUE",
-        help="environment variable of the job (e.g. NCCL_SOCKET_IFNAME=ib0)",
+        type=_env_item,
+        metavar="KEY[=VALUE]",
+        help="environment variable of the job (e.g. NCCL_SOCKET_IFNAME=ib0); KEY alone passes "
+        "this environment's value without writing it into the job script (credentials: "
+        "an inline value of a *KEY*/*TOKEN*/*SECRET*/*PASSWORD* name is refused)",
     )
     s.add_argument(
         "--packager",
@@ -354,13 +355,15 @@ def _cluster(args: argparse.Namespace, recipe: recipes.Recipe, hf_path: str, pac
         "group_start_wait": args.group_start_wait,
         "group_monitor_wait": args.group_monitor_wait,
     }
+    env, passthrough_names = passthrough.split(args.env)
     return Cluster(
         account=args.account,
         partition=args.partition,
         time=args.time,
         container_image=args.container_image,
         container_mounts=mounts,
-        env=dict(args.env),
+        env=env,
+        passthrough=passthrough_names,
         packager=packager,
         rdzv_port=args.rdzv_port,
         exclusive=args.exclusive,

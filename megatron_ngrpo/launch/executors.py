@@ -19,7 +19,7 @@ from pathlib import Path
 
 import nemo_run as run
 
-from megatron_ngrpo.launch.recipes import TRAIN_MODULE, TaskSpec
+from megatron_ngrpo.launch.recipes import ROLLOUT_SERVER, TRAIN_MODULE, TaskSpec
 
 # The checkout: megatron_ngrpo/launch/executors.py -> the repository root.
 REPO = Path(__file__).resolve().parents[2]
@@ -58,6 +58,9 @@ class Cluster:
     container_image: str | None = None
     container_mounts: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    # Variables the job inherits from the launcher's environment, never written into its script
+    # (launch/passthrough.py).
+    passthrough: tuple[str, ...] = ()
     # "git": the committed HEAD is archived into the job directory (reproducible); "none": jobs
     # run the checkout in place (it must be visible on the compute nodes).
     packager: str = "git"
@@ -139,8 +142,27 @@ def slurm_executor(
 
 
 def runs_preflight(task: TaskSpec) -> bool:
-    """Jobs that get the pre-flight check: the trainer's (its config is the one checked)."""
-    return task.command.argv[:3] == ("python", "-m", TRAIN_MODULE)
+    """Jobs that get the pre-flight check: the trainer's (its config is the one checked) and a
+    disaggregated job's rollout servers (``--server``: their vLLM, GPUs and weights)."""
+    return task.command.argv[:3] in (
+        ("python", "-m", TRAIN_MODULE),
+        ("python", "-m", ROLLOUT_SERVER),
+    )
+
+
+def preflight_argv(task: TaskSpec) -> tuple[str, ...]:
+    """The pre-flight's options for ``task``: the trainer's config, or the server's model."""
+    argv = task.command.argv
+    if argv[:3] == ("python", "-m", ROLLOUT_SERVER):
+        return (
+            "--gpus",
+            str(task.gpus_per_node),
+            "--server",
+            "--model",
+            argv[argv.index("--model") + 1],
+        )
+    world = str(task.nodes * task.procs_per_node)
+    return ("--gpus", str(task.gpus_per_node), "--world-size", world, *argv[3:])
 
 
 def preflight_line(
@@ -149,16 +171,7 @@ def preflight_line(
     """The sbatch line that runs :mod:`megatron_ngrpo.launch.preflight` once on every node of
     ``task``, as its ranks will run (same container, mounts and code), before torchrun starts: a
     failing node prints its one line and the job ends without requeueing."""
-    check = (
-        "python",
-        "-m",
-        PREFLIGHT_MODULE,
-        "--gpus",
-        str(task.gpus_per_node),
-        "--world-size",
-        str(task.nodes * task.procs_per_node),
-        *task.command.argv[3:],
-    )
+    check = ("python", "-m", PREFLIGHT_MODULE, *preflight_argv(task))
     srun = [
         "srun",
         *([f"--het-group={het_group}"] if het_group is not None else []),

@@ -16,6 +16,7 @@ from typing import BinaryIO
 
 import nemo_run as run
 
+from megatron_ngrpo.launch import passthrough
 from megatron_ngrpo.launch.executors import (
     Cluster,
     local_executor,
@@ -138,8 +139,9 @@ def _add(exp: run.Experiment, plan: Plan) -> list[str]:
 
 
 def _add_preflight(exp: run.Experiment, plan: Plan, tasks: dict[int | None, TaskSpec]) -> None:
-    """The pre-flight lines (executors.preflight_line) of the trainer's group in the job's setup.
-    The job directory is known once the job is added, hence after ``exp.add``."""
+    """The pre-flight lines (executors.preflight_line) of the trainer's group in the job's setup,
+    and the checks that ``--env NAME`` variables arrived (launch/passthrough.py). The job
+    directory is known once the job is added, hence after ``exp.add``."""
     job = exp.jobs[-1]
     # A hetjob's JobGroup holds the groups merged into one executor.
     executor = job.executors if hasattr(job, "executors") else job.executor
@@ -149,9 +151,12 @@ def _add_preflight(exp: run.Experiment, plan: Plan, tasks: dict[int | None, Task
         if runs_preflight(task)
     ]
     if lines:
-        executor.setup_lines = "\n".join(
-            ["# pre-flight (python -m megatron_ngrpo.launch.preflight)", *lines]
-        )
+        lines.insert(0, "# pre-flight (python -m megatron_ngrpo.launch.preflight)")
+    if plan.cluster.passthrough:
+        lines += ["# --env passed through (values not written here)"]
+        lines += passthrough.check_lines(plan.cluster.passthrough)
+    if lines:
+        executor.setup_lines = "\n".join(lines)
 
 
 def dryrun(plan: Plan) -> dict[str, str]:

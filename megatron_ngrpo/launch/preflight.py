@@ -30,6 +30,7 @@ from packaging.utils import canonicalize_name
 
 from megatron_ngrpo import pins
 from megatron_ngrpo.config_loader import ConfigError
+from megatron_ngrpo.conversion import safetensors_header
 
 # Import name -> the distribution names it may be installed under, of what every training job
 # imports.
@@ -105,16 +106,25 @@ def check_imports(
 
 
 def needed_modules(cfg, gpus: int) -> dict[str, tuple[str, ...]]:
-    # lazy: keeps launch.preflight free of torch at import, as load_config in preflight()
-    from megatron_ngrpo.rollout.config import EngineName
-
     modules = dict(ALWAYS)
-    if cfg.rollout.engine == EngineName.vllm:
+    if needs_vllm(cfg):
         modules.update(VLLM)
     if gpus and cfg.model.layer_spec in ("auto", "te"):
         modules.update(TE)
     modules.update({m: d for m, d in TRACKERS.items() if getattr(cfg.train.trackers, m)})
     return modules
+
+
+def needs_vllm(cfg) -> bool:
+    """Whether the trainer imports vLLM: the colocated engine, and a disaggregated trainer's
+    ``nccl`` / ``gloo`` weight routes (rollout/vllm/weight_transfer.py, at its first sync)."""
+    # lazy: keeps launch.preflight free of torch at import, as load_config in preflight()
+    from megatron_ngrpo.rollout.config import EngineName
+
+    remote = cfg.rollout.engine == EngineName.remote
+    return cfg.rollout.engine == EngineName.vllm or (
+        remote and cfg.rollout.remote.weight_transfer in ("nccl", "gloo")
+    )
 
 
 def cuda_problem(vllm: bool) -> str | None:
@@ -142,16 +152,12 @@ def preflight(configs: list[str], overrides: list[str], gpus: int, world_size: i
     found, problems = check_imports(ALWAYS, ranges(vllm=False))
     if problems:
         raise PreflightError("\n".join(problems))
-    # lazy: torch, checked just above
-    import torch
-
     # lazy: imports megatron-core, checked just above
-    from megatron_ngrpo.rollout.config import EngineName
     from megatron_ngrpo.training.job_config import check_device, load_config
 
     os.environ["WORLD_SIZE"] = str(world_size)  # validation at the job's world size
     cfg = load_config(configs, overrides)
-    vllm = cfg.rollout.engine == EngineName.vllm
+    vllm = needs_vllm(cfg)
     spec = ranges(vllm)
     more, problems = check_imports(
         {m: d for m, d in needed_modules(cfg, gpus).items() if m not in ALWAYS}, spec
@@ -160,10 +166,8 @@ def preflight(configs: list[str], overrides: list[str], gpus: int, world_size: i
         problems.insert(0, problem)
     if gpus and (problem := cuda_problem(vllm)):
         problems.append(problem)
-    # is_available first: on a CPU-only host the CPU shim (compat/cpu.py) makes device_count say 1.
-    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if have < gpus:
-        problems.append(f"{have} GPU(s) visible, the node's ranks need {gpus}")
+    have, more_problems = node_problems(gpus, cfg.model.hf_path)
+    problems += more_problems
     if problems:
         raise PreflightError("\n".join(problems))
     check_device(cfg, gpu=gpus > 0)
@@ -171,6 +175,33 @@ def preflight(configs: list[str], overrides: list[str], gpus: int, world_size: i
         f"preflight ok: Python {sys.version.split()[0]}, {', '.join(found + more)}, "
         f"{have} GPU(s), world size {world_size}"
     )
+
+
+def node_problems(gpus: int, model: str) -> tuple[int, list[str]]:
+    """The GPUs this node shows, and its problems: fewer than ``gpus``, or a safetensors file of
+    ``model`` that cannot be read (one line naming it)."""
+    # lazy: checked by check_imports first
+    import torch
+
+    # is_available first: on a CPU-only host the CPU shim (compat/cpu.py) makes device_count say 1.
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    problems = [f"{have} GPU(s) visible, the node's ranks need {gpus}"] if have < gpus else []
+    return have, problems + safetensors_header.directory_problems(model)
+
+
+def server_report(model: str, gpus: int) -> str:
+    """``--server``: a rollout-server node of a disaggregated job (rollout/remote/server.py):
+    torch and vLLM within their pins, torch a CUDA build of vLLM's CUDA on a GPU node, the GPUs,
+    the weights (``--model``) readable."""
+    found, problems = check_imports({"torch": ("torch",), **VLLM}, ranges(vllm=True))
+    if not problems:
+        if gpus and (problem := cuda_problem(vllm=True)):
+            problems.append(problem)
+        have, more = node_problems(gpus, model)
+        problems += more
+    if problems:
+        raise PreflightError("\n".join(problems))
+    return f"preflight ok (rollout server): {', '.join(found)}, {have} GPU(s)"
 
 
 def image_report() -> str:
@@ -200,6 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--image", action="store_true", help="check the job image's packages against the pins"
     )
+    ap.add_argument(
+        "--server", action="store_true", help="a rollout-server node: vLLM, GPUs, --model"
+    )
+    ap.add_argument("--model", help="--server: the served HF checkpoint directory")
     ap.add_argument("--world-size", type=int, default=1, help="ranks in the whole job")
     ap.add_argument("--config", action="append", default=[], metavar="FILE")
     ap.add_argument("overrides", nargs="*", metavar="a.b=c")
@@ -209,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.image:
             print(image_report(), flush=True)
+        elif args.server:
+            print(server_report(args.model or "", args.gpus), flush=True)
         else:
             print(preflight(args.config, args.overrides, args.gpus, args.world_size), flush=True)
     except ConfigError as e:

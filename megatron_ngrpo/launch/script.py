@@ -17,7 +17,7 @@ def slurm(
     partition: str | None,
     container_image: str | None = None,
     mounts: Sequence[str] = (),
-    env: dict[str, str] | None = None,
+    env: dict[str, str | None] | None = None,
     models_dir: str = "/models",
     nodes: int | None = None,
     overrides: Sequence[str] = (),
@@ -26,7 +26,7 @@ def slurm(
     argv: Sequence[str] = (),
 ) -> int:
     """``ngrpo-launch run RECIPE --executor slurm --config <the recipe's YAML> ...``; returns its
-    exit code."""
+    exit code. ``env``: a value of None passes this environment's (``--env NAME``)."""
     args = [
         "run",
         recipe,
@@ -39,7 +39,8 @@ def slurm(
     args += ["--partition", partition] if partition else []
     args += ["--container-image", container_image] if container_image else []
     args += [a for m in mounts for a in ("--mount", m)]
-    args += [a for k, v in (env or {}).items() for a in ("--env", f"{k}={v}")]
+    # None: passed through from this environment, not written into the script (credentials).
+    args += [a for k, v in (env or {}).items() for a in ("--env", k if v is None else f"{k}={v}")]
     args += ["--nodes", str(nodes)] if nodes else []
     args += ["--disaggregated"] if disaggregated else []
     args += ["--rollout-nodes", str(rollout_nodes)] if rollout_nodes else []
