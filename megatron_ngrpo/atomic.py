@@ -1,10 +1,18 @@
-"""Atomic writes: a file or directory appears whole under its final name or not at all, so a killed
-run never leaves a half-written checkpoint, report or weight file behind (written to a temporary
-sibling, then renamed: a rename within one directory is atomic on POSIX file systems)."""
+"""Atomic, durable writes: a file or directory appears whole under its final name or not at all, so
+a killed run never leaves a half-written checkpoint, report or weight file behind (written to a
+temporary sibling, then renamed: a rename within one directory is atomic on POSIX file systems).
+
+A rename alone is atomic against a killed process, not against a node crash: the file system may
+persist the rename before the data. So the data are fsynced before the rename and the parent
+directory after it; a crash then leaves the old name or the complete new one (and a later write
+that names it, e.g. a checkpoint's ``latest``, is only made after that). A committed directory can
+carry a manifest (every file's size, :func:`read_manifest`) that a reader checks to find a
+checkpoint truncated or missing a file."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 from pathlib import Path
@@ -23,7 +31,9 @@ def atomic_file(path: str | Path):
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    fsync_path(tmp)
     os.replace(tmp, path)
+    fsync_path(path.parent)
 
 
 def atomic_write(path: str | Path, data: str | bytes) -> None:
@@ -33,11 +43,14 @@ def atomic_write(path: str | Path, data: str | bytes) -> None:
 
 
 @contextlib.contextmanager
-def atomic_directory(final: str | Path, overwrite: bool = False, collective: bool = True):
+def atomic_directory(
+    final: str | Path, overwrite: bool = False, collective: bool = True, manifest: str = ""
+):
     """Yield an empty temporary sibling of ``final``; rename it to ``final`` when the block ends
     without error, remove it otherwise. ``collective``: every rank enters (rank 0 manages the
     directory; barriers around), else only the calling process. Raises FileExistsError when
-    ``final`` exists and not ``overwrite``."""
+    ``final`` exists and not ``overwrite``. ``manifest``: a file name to list the directory's
+    files in (:func:`commit_directory`)."""
     tmp = begin_directory(final, overwrite, collective)
     manager = is_rank0() or not collective
     try:
@@ -48,7 +61,7 @@ def atomic_directory(final: str | Path, overwrite: bool = False, collective: boo
         if manager:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    commit_directory(tmp, final, collective)
+    commit_directory(tmp, final, collective, manifest)
 
 
 def begin_directory(final: str | Path, overwrite: bool = False, collective: bool = True) -> Path:
@@ -68,15 +81,57 @@ def begin_directory(final: str | Path, overwrite: bool = False, collective: bool
     return tmp
 
 
-def commit_directory(tmp: Path, final: str | Path, collective: bool = True) -> None:
-    """Rename the complete ``tmp`` (from :func:`begin_directory`) to ``final``, replacing it."""
+def commit_directory(
+    tmp: Path, final: str | Path, collective: bool = True, manifest: str = ""
+) -> None:
+    """Rename the complete ``tmp`` (from :func:`begin_directory`) to ``final``, replacing it:
+    its files and folders fsynced first (and, with ``manifest``, listed with their sizes in a
+    file of that name), the parent directory after."""
     final = Path(final)
     if is_rank0() or not collective:
+        sizes = {}
+        for f in sorted(tmp.rglob("*")):
+            fsync_path(f)
+            if f.is_file():
+                sizes[f.relative_to(tmp).as_posix()] = f.stat().st_size
+        if manifest:
+            with atomic_file(tmp / manifest) as t:
+                t.write_text(json.dumps({"files": sizes}, indent=0) + "\n")
+        fsync_path(tmp)
         old = final.parent / f".{final.name}.old"
         if final.exists():
             shutil.rmtree(old, ignore_errors=True)
             final.rename(old)
         tmp.rename(final)
+        fsync_path(final.parent)
         shutil.rmtree(old, ignore_errors=True)
     if collective:
         barrier()
+
+
+def read_manifest(directory: str | Path, manifest: str) -> str | None:
+    """None when every file ``directory/manifest`` lists is there with its size; else what is
+    wrong, naming the file (the manifest itself when missing or unreadable)."""
+    directory = Path(directory)
+    try:
+        sizes = json.loads((directory / manifest).read_text())["files"]
+    except FileNotFoundError:
+        return f"{directory / manifest}: missing"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{directory / manifest}: unreadable ({type(e).__name__})"
+    for name, size in sizes.items():
+        f = directory / name
+        if not f.is_file():
+            return f"{f}: missing"
+        if f.stat().st_size != size:
+            return f"{f}: {f.stat().st_size} bytes, {size} written"
+    return None
+
+
+def fsync_path(path: str | Path) -> None:
+    """Flush a file's or directory's data and metadata to stable storage."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -3,7 +3,10 @@ than one process): N-GRPO training.
 
 The configuration is loaded and checked before any process group starts; a bad value exits with
 status 2 and one line naming the field; dynamic sampling running out of informative groups
-(``on_exhausted: error``) exits with status 3 and one line.
+(``on_exhausted: error``) exits with status 3 and one line. A planned stop (SIGUSR1/SIGTERM or
+the allocation's deadline, training/stop.py) saves and exits with status 75 (run again to
+continue); a complete run exits 0. Each exit after the trainer is built appends a line to
+``run_dir/allocations.jsonl``.
 """
 
 from __future__ import annotations
@@ -56,24 +59,35 @@ def main(argv: list[str] | None = None) -> int:
     # lazy: keeps train free of megatron-core, torch at import (start-up)
     from megatron_ngrpo.training.trainer import Trainer
 
-    trainer = Trainer(cfg)
-    try:
-        trainer.setup()
-    except ConfigError as e:  # the data (DataError): checked before any process group starts
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
-        trainer.run()
-    except DynamicSamplingExhausted as e:  # raised on every rank (the count is all-reduced)
-        print(f"error: {e}", file=sys.stderr)
-        return 3
+    return _train(Trainer(cfg))
+
+
+def _train(trainer) -> int:
+    """Set up and run ``trainer``; its exit status, recorded in ``allocations.jsonl``."""
     # lazy: keeps train free of torch at import (start-up)
     import torch.distributed as dist
 
+    from megatron_ngrpo.training.stop import EXIT_CONTINUE, error_reason
+
+    code, reason = 0, "done"
+    try:
+        trainer.setup()  # the data and run directory (ConfigError): before process groups
+        trainer.run()
+        if trainer.stopped:
+            code, reason = EXIT_CONTINUE, trainer.stopped
+    except (ConfigError, DynamicSamplingExhausted) as e:  # raised on every rank
+        print(f"error: {e}", file=sys.stderr)
+        code, reason = (2 if isinstance(e, ConfigError) else 3), error_reason(e)
+        return code
+    except BaseException as e:
+        code, reason = 1, error_reason(e)
+        raise
+    finally:
+        trainer.stop.record(trainer.cfg.train.run_dir, reason, code)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-    return 0
+    return code
 
 
 if __name__ == "__main__":

@@ -228,6 +228,11 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "train.async_save": _t("tests/test_train.py::test_sigkill_and_resume_is_bit_identical"),
     "train.keep_last": _t("tests/test_train.py::test_sigkill_and_resume_is_bit_identical"),
     "train.resume": _t(OUTPUTS),
+    "train.stop.enabled": _t("tests/test_stop.py::test_switched_off_nothing_is_handled"),
+    "train.stop.margin_s": _t(
+        "tests/test_train.py::test_the_deadline_saves_before_it_and_a_broken_latest_falls_back"
+    ),
+    "train.stop.time_limit_s": _t("tests/test_stop.py::test_deadline_comes_from_the_allocation"),
     "train.log_every": _t(ORDER),
     "train.tensorboard": _t(OUTPUTS),
     "train.trackers.wandb": _t(

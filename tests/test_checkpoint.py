@@ -21,13 +21,23 @@ what was lost before) moves the next loss by ≈ 7e-5 relative and parameters by
 from __future__ import annotations
 
 import math
+import os
 import random
 from pathlib import Path
 
 import pytest
 import torch
 
-from megatron_ngrpo.training.checkpoint import _blocks, latest_checkpoint
+from megatron_ngrpo import atomic
+from megatron_ngrpo.atomic import commit_directory
+from megatron_ngrpo.conversion.checkpoint import MANIFEST_FILE, META_FILE, write_latest
+from megatron_ngrpo.training.checkpoint import (
+    RunDirError,
+    _blocks,
+    latest_checkpoint,
+    prune,
+    resume_point,
+)
 from tests.harness.checkpoint import written_bytes
 from tests.harness.multiproc import check, launch
 
@@ -134,3 +144,147 @@ def test_resume_without_optimizer_state_differs(results):
     assert got["state"] != want["state"]
     assert abs(got["loss"] - want["loss"]) > 10 * LOSS_RTOL * abs(want["loss"])
     assert _max_param_diff(got["params"], want["params"]) > 10 * PARAM_ATOL
+
+
+# ---- a run's history: broken pointers, verification, fresh starts, pruning, durability ---------
+def _fake_checkpoint(run_dir: Path, step: int) -> Path:
+    """A checkpoint folder as the trainer commits it (metadata, a shard, the manifest)."""
+    tmp = run_dir / f".iter_{step:07d}.partial"
+    tmp.mkdir(parents=True)
+    (tmp / META_FILE).write_text(f'{{"step": {step}}}')
+    (tmp / "__0_0.distcp").write_bytes(bytes(range(200)) * step)
+    commit_directory(tmp, run_dir / f"iter_{step:07d}", collective=False, manifest=MANIFEST_FILE)
+    return run_dir / f"iter_{step:07d}"
+
+
+def _history(run_dir: Path) -> Path:
+    """iter_2, iter_4 and iter_6 (``latest``) with metrics rows 1-6."""
+    for step in (2, 4, 6):
+        _fake_checkpoint(run_dir, step)
+    write_latest(run_dir, "iter_0000006")
+    (run_dir / "metrics.jsonl").write_text("".join(f'{{"step": {s}}}\n' for s in range(1, 7)))
+    return run_dir
+
+
+def _snapshot(run_dir: Path) -> dict:
+    return {
+        p.relative_to(run_dir).as_posix(): p.read_bytes()
+        for p in sorted(run_dir.rglob("*"))
+        if p.is_file() and p.name != "latest"
+    }
+
+
+BROKEN = {
+    "empty latest": (lambda r: (r / "latest").write_text(""), "iter_0000006", "is empty"),
+    "latest names a missing iter": (
+        lambda r: write_latest(r, "iter_0000009"),
+        "iter_0000006",
+        "iter_0000009/megatron_ngrpo.json: missing",
+    ),
+    "truncated newest shard": (
+        lambda r: (r / "iter_0000006" / "__0_0.distcp").write_bytes(b"\0" * 10),
+        "iter_0000004",
+        "iter_0000006/__0_0.distcp: 10 bytes, 1200 written",
+    ),
+    "missing shard": (
+        lambda r: (r / "iter_0000006" / "__0_0.distcp").unlink(),
+        "iter_0000004",
+        "iter_0000006/__0_0.distcp: missing",
+    ),
+    "invalid metadata": (
+        lambda r: (r / "iter_0000006" / META_FILE).write_text('{"step": 6'),
+        "iter_0000004",
+        "iter_0000006/megatron_ngrpo.json: unreadable (JSONDecodeError",
+    ),
+    "no latest": (lambda r: (r / "latest").unlink(), "iter_0000006", "latest is missing"),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_broken_latest_falls_back_to_the_newest_verified(tmp_path, caplog, case):
+    """The pointer empty, naming a missing checkpoint, or a checkpoint with a truncated or
+    missing shard or unreadable metadata: the newest verified one, with one warning naming what
+    was wrong; nothing in the run directory changes."""
+    run = _history(tmp_path / "run")
+    breaks, want, why = BROKEN[case]
+    breaks(run)
+    before = _snapshot(run)
+    with caplog.at_level("WARNING"):
+        assert resume_point(run) == run / want
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and why in lines[0] and f"resuming from {want}" in lines[0], lines
+    assert _snapshot(run) == before
+
+
+def test_intact_latest_resumes_silently(tmp_path, caplog):
+    run = _history(tmp_path / "run")
+    with caplog.at_level("WARNING"):
+        assert resume_point(run) == latest_checkpoint(run) == run / "iter_0000006"
+    assert not caplog.records
+
+
+def test_a_run_directory_with_history_is_not_started_over(tmp_path):
+    """No verified checkpoint in a directory holding a run: one line naming it; told to start
+    over (train.resume false): allowed; an empty or new directory: a new run."""
+    assert resume_point(tmp_path / "new") is None
+    run = _history(tmp_path / "run")
+    for step in (2, 4, 6):
+        (run / f"iter_{step:07d}" / "__0_0.distcp").write_bytes(b"")
+    with pytest.raises(RunDirError) as e:
+        resume_point(run)
+    message = str(e.value)
+    assert "\n" not in message and str(run) in message and "train.resume=false" in message
+    assert "iter_0000002/__0_0.distcp: 0 bytes" in message
+    assert resume_point(run, resume=False) is None
+    only_metrics = tmp_path / "metrics_only"
+    only_metrics.mkdir()
+    (only_metrics / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(RunDirError, match="metrics.jsonl: True"):
+        resume_point(only_metrics)
+
+
+def test_pruning_keeps_the_verified_and_the_newer(tmp_path):
+    """keep_last 2 after saving iter_5 in a run resumed from iter_3 whose iter_4 and iter_6
+    survive from before: iter_3 (the newest verified older one) stays, iter_1 and the broken
+    iter_2 go, iter_6 (newer) stays. A kept checkpoint failing verification prunes nothing."""
+    run = tmp_path / "run"
+    for step in (1, 2, 3, 5, 6):
+        _fake_checkpoint(run, step)
+    (run / "iter_0000002" / "__0_0.distcp").write_bytes(b"")
+    prune(run, "iter_0000005", keep_last=2)
+    assert sorted(p.name for p in run.glob("iter_*")) == [
+        "iter_0000003",
+        "iter_0000005",
+        "iter_0000006",
+    ]
+    (run / "iter_0000005" / "__0_0.distcp").unlink()
+    prune(run, "iter_0000005", keep_last=1)
+    assert len(list(run.glob("iter_*"))) == 3
+
+
+def test_files_and_directories_are_fsynced_before_latest_moves(tmp_path, monkeypatch):
+    """Every file of a committed checkpoint, the checkpoint folder and the run directory are
+    fsynced before ``latest`` is replaced, and ``latest``'s own data before its rename."""
+    events = []
+    fsync, replace = atomic.os.fsync, atomic.os.replace
+
+    def recording_fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    def recording_replace(src, dst):
+        events.append(("replace", str(dst)))
+        replace(src, dst)
+
+    monkeypatch.setattr(atomic.os, "fsync", recording_fsync)
+    monkeypatch.setattr(atomic.os, "replace", recording_replace)
+    run = tmp_path / "run"
+    ckpt = _fake_checkpoint(run, 1)
+    write_latest(run, ckpt.name)
+    synced = [p for kind, p in events if kind == "fsync"]
+    moved = events.index(("replace", str(run / "latest")))
+    for f in (META_FILE, "__0_0.distcp"):  # the data (in the folder's temporary name)
+        assert str(run / f".{ckpt.name}.partial" / f) in synced[:moved], synced
+    assert str(run) in [p for kind, p in events[:moved] if kind == "fsync"]  # the rename
+    assert ("fsync", str(run / ".latest.tmp")) in events[:moved]
+    assert events[moved + 1 :] == [("fsync", str(run))]  # the pointer's rename

@@ -1,6 +1,7 @@
 """The training entry point: configuration errors (one line each, before any process group), and
-2-process runs of configs/tiny_test.yaml that are SIGKILLed after a checkpoint and resumed, which
-must end bit-identical (fp32, CPU) to uninterrupted runs."""
+2-process runs of configs/tiny_test.yaml that are SIGKILLed after a checkpoint, or stopped by a
+signal or the allocation's deadline (training/stop.py), and resumed, which must end bit-identical
+(fp32, CPU) to uninterrupted runs."""
 
 from __future__ import annotations
 
@@ -12,17 +13,20 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
 from megatron_ngrpo.config_loader import ConfigError
 from megatron_ngrpo.parallel import free_port
 from megatron_ngrpo.training.job_config import load_config
+from megatron_ngrpo.training.stop import ALLOCATIONS_FILE, EXIT_CONTINUE
 from tests.harness.checkpoint import written_bytes
 from tests.support.probed_train import GATE_VAR, SaveGatekeeper
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny_test.yaml"
+STEPS = ("train.max_steps=6", "train.save_every=2")
 
 
 @pytest.fixture(scope="module")
@@ -348,7 +352,6 @@ def _launch(
 def _sigkill(proc: subprocess.Popen) -> None:
     """SIGKILL torchrun and every process under it, by id (torchrun starts its workers in
     sessions of their own, so a process-group kill would miss them)."""
-    import psutil
 
     try:
         family = psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]
@@ -390,6 +393,42 @@ def _losses(run_dir: Path) -> list[tuple]:
     return [(r["step"], r["loss"], r["grad_norm"], r["reward/mean"]) for r in rows]
 
 
+def _allocations(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / ALLOCATIONS_FILE).read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def straight(task, tmp_path_factory):
+    """Uninterrupted 6-step runs (saves every 2 steps) by their overrides, each run once."""
+    runs = {}
+
+    def run(*overrides: str) -> Path:
+        if overrides not in runs:
+            run_dir = tmp_path_factory.mktemp("straight") / "run"
+            run_dir.mkdir()
+            _finish(_launch(task, run_dir, *STEPS, *overrides), run_dir)
+            runs[overrides] = run_dir
+        return runs[overrides]
+
+    return run
+
+
+def _same_run(straight: Path, resumed: Path, scratch: Path, what: str) -> None:
+    """The final checkpoints' tensors (model, both optimizers' state) and the metrics rows."""
+    assert _latest(straight) == _latest(resumed) == "iter_0000006"
+    a = _tensors(straight / "iter_0000006", scratch)
+    b = _tensors(resumed / "iter_0000006", scratch)
+    assert a.keys() == b.keys() and len(a) > 0
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    # (step, loss, grad norm, mean reward) of both runs: where a (rare, untraced) difference starts
+    assert not different, (
+        f"{what}: tensors differ after resume: {different[:5]}; "
+        f"straight {_losses(straight)}, resumed {_losses(resumed)}"
+    )
+    assert any(k.startswith("optimizer.state.exp_avg.") for k in a)  # both optimizers, model space
+    assert _losses(straight) == _losses(resumed)
+
+
 def _gated(run_dir: Path) -> tuple[dict, SaveGatekeeper]:
     """``_launch`` arguments holding the checkpoint writers of a 6-step run with saves every 2
     steps (tests/support/probed_train.py), and the gatekeeper that opens them."""
@@ -418,14 +457,18 @@ def _gated(run_dir: Path) -> tuple[dict, SaveGatekeeper]:
         ),
     ],
 )
-def test_sigkill_and_resume_is_bit_identical(task, tmp_path, variant, overrides):
-    steps = ("train.max_steps=6", "train.save_every=2")
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    straight.mkdir(), killed.mkdir()
+def test_sigkill_and_resume_is_bit_identical(task, tmp_path, straight, variant, overrides):
+    killed = tmp_path / "killed"
+    killed.mkdir()
     # async_save: the first launches hold each save's writers until the next step has run
     gate = _gated if variant == "async_save" else lambda run: ({}, None)
-    launch_args, keeper = gate(straight)
-    _finish(_launch(task, straight, *steps, *overrides, **launch_args), straight)
+    if variant == "async_save":
+        straight = tmp_path / "straight"
+        straight.mkdir()
+        launch_args, keeper = gate(straight)
+        _finish(_launch(task, straight, *STEPS, *overrides, **launch_args), straight)
+    else:
+        straight, keeper = straight(*overrides), None
     if keeper is not None:
         keeper.close()
         # The step after each save ran while its writers were held: written in the background
@@ -436,7 +479,7 @@ def test_sigkill_and_resume_is_bit_identical(task, tmp_path, variant, overrides)
             assert len(timeouts) >= 8 and set(timeouts.values()) == {97.0}, timeouts
 
     launch_args, keeper = gate(killed)
-    proc = _launch(task, killed, *steps, *overrides, **launch_args)
+    proc = _launch(task, killed, *STEPS, *overrides, **launch_args)
     deadline = time.time() + 300
     while _latest(killed) is None and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
@@ -447,20 +490,9 @@ def test_sigkill_and_resume_is_bit_identical(task, tmp_path, variant, overrides)
     assert at_kill in ("iter_0000002", "iter_0000004"), (
         f"kill came too late or too early: latest = {at_kill}"
     )
-    _finish(_launch(task, killed, *steps, *overrides), killed)
+    _finish(_launch(task, killed, *STEPS, *overrides), killed)
 
-    assert _latest(straight) == _latest(killed) == "iter_0000006"
-    a = _tensors(straight / "iter_0000006", tmp_path)
-    b = _tensors(killed / "iter_0000006", tmp_path)
-    assert a.keys() == b.keys() and len(a) > 0
-    different = [k for k in a if not torch.equal(a[k], b[k])]
-    # (step, loss, grad norm, mean reward) of both runs: where a (rare, untraced) difference starts
-    assert not different, (
-        f"{variant}: tensors differ after resume (killed at {at_kill}): {different[:5]}; "
-        f"straight {_losses(straight)}, killed {_losses(killed)}"
-    )
-    assert any(k.startswith("optimizer.state.exp_avg.") for k in a)  # both optimizers, model space
-    assert _losses(straight) == _losses(killed)
+    _same_run(straight, killed, tmp_path, f"{variant} (killed at {at_kill})")
     assert len(list(straight.glob("iter_*"))) == 2  # keep_last
     if variant != "async":  # DP 2: each rank wrote about half the model and optimizer tensors
         written = written_bytes(killed / "iter_0000006")
@@ -476,6 +508,92 @@ def test_sigkill_and_resume_is_bit_identical(task, tmp_path, variant, overrides)
             assert all(
                 r["logprob_gap/max_abs"] < 1e-5 and r["mixing/mixed_token_frac"] > 0 for r in rows
             ), rows
+
+
+# ---- planned stops: a signal, the deadline --------------------------------------------------------
+def _workers(proc: subprocess.Popen) -> dict[int, psutil.Process]:
+    """torchrun's worker processes by global rank."""
+    out = {}
+    for p in psutil.Process(proc.pid).children(recursive=True):
+        rank = p.environ().get("RANK")
+        if rank is not None and "megatron_ngrpo.train" in p.cmdline():
+            out[int(rank)] = p
+    return out
+
+
+def test_a_signal_saves_the_step_reached_and_the_run_resumes_identically(task, tmp_path, straight):
+    """SIGUSR1 to one of two ranks (the Slurm warning signal) mid-run: both ranks stop at the
+    same step boundary, the checkpoint of that step is published (not only the save_every
+    ones), the rank exits 75 and rank 0 records it; the next launch finishes the run as the
+    uninterrupted one did, bit for bit."""
+    stopped = tmp_path / "stopped"
+    stopped.mkdir()
+    proc = _launch(task, stopped, *STEPS)
+    deadline = time.time() + 300
+    while _latest(stopped) is None and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    _workers(proc)[1].send_signal(signal.SIGUSR1)
+    try:
+        proc.wait(timeout=300)
+    except subprocess.TimeoutExpired:
+        _sigkill(proc)
+        raise
+    log = (tmp_path / "stopped.log").read_text()
+    (line,) = _allocations(stopped)
+    assert (line["reason"], line["exit_code"]) == ("signal:SIGUSR1", EXIT_CONTINUE), log[-3000:]
+    # torchrun reports its workers' status 75 as a failure of its own (the chain reads this line)
+    assert log.count(f"exitcode  : {EXIT_CONTINUE}") >= 1 and proc.returncode != 0
+    reached = line["last_step"]
+    assert line["first_step"] == 1 and 2 <= reached < 6 and line["steps_gained"] == reached
+    assert _latest(stopped) == f"iter_{reached:07d}"
+    assert [r[0] for r in _losses(stopped)] == list(range(1, reached + 1))
+    _finish(_launch(task, stopped, *STEPS), stopped)
+    _same_run(straight(), stopped, tmp_path, f"stopped by SIGUSR1 after step {reached}")
+    assert [(a["reason"], a["first_step"]) for a in _allocations(stopped)] == [
+        ("signal:SIGUSR1", 1),
+        ("done", reached + 1),
+    ]
+
+
+def _plain(task: Path, run_dir: Path, *overrides: str, env: dict | None = None):
+    """``python -m megatron_ngrpo.train`` in one process (no torchrun): (status, its output)."""
+    cmd = [sys.executable, "-m", "megatron_ngrpo.train", "--config", str(TINY)]
+    cmd += ["--config", str(task / "paths.yaml"), f"train.run_dir={run_dir}", *overrides]
+    done = subprocess.run(
+        cmd,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return done.returncode, done.stdout + done.stderr
+
+
+def test_the_deadline_saves_before_it_and_a_broken_latest_falls_back(task, tmp_path):
+    """A job ending (SLURM_JOB_END_TIME) within the margin: the process saves the step it
+    reached and exits 75 before the end. Then ``latest`` is broken (names a missing checkpoint):
+    the next run says so in one line and resumes from the newest verified checkpoint, its
+    metrics rows contiguous."""
+    run = tmp_path / "run"
+    end = time.time() + 3600
+    code, out = _plain(
+        task,
+        run,
+        "train.max_steps=2",
+        "train.stop.margin_s=3600",
+        env={"SLURM_JOB_END_TIME": str(int(end))},
+    )
+    assert code == EXIT_CONTINUE, out[-3000:]
+    (line,) = _allocations(run)
+    assert (line["reason"], line["last_step"]) == ("deadline", 1) and line["ended"] < end
+    assert _latest(run) == "iter_0000001"
+    (run / "latest").write_text("iter_0000009\n")
+    code, out = _plain(task, run, "train.max_steps=2")
+    assert code == 0, out[-3000:]
+    warned = [ln for ln in out.splitlines() if "iter_0000009" in ln]
+    assert len(warned) == 1 and "resuming from iter_0000001" in warned[0], out[-3000:]
+    assert [r[0] for r in _losses(run)] == [1, 2] and _latest(run) == "iter_0000002"
 
 
 # ---- colocated vLLM rollouts in multi-rank jobs -------------------------------------------------

@@ -4,7 +4,8 @@ A checkpoint directory holds ``megatron_ngrpo.json`` (metadata: HF config dict, 
 padded vocab, ...), ``config.json`` (the HF config, so the directory builds its own model), the
 tokenizer / generation-config files when known, and a megatron ``dist_checkpointing`` checkpoint of
 ``{"model": chunk.sharded_state_dict()}`` (VPP: ``model0``, ``model1``, ...) plus any extra sharded
-entries (optimizer, RNG, ...). A run directory holds ``iter_0000010/``... and a ``latest`` file
+entries (optimizer, RNG, ...), and ``manifest.json`` (every file's size, written last). A run
+directory holds ``iter_0000010/``... and a ``latest`` file
 naming the newest complete one. Everything is written to a hidden sibling directory and renamed
 into place, so a directory that exists is complete.
 
@@ -40,6 +41,8 @@ from megatron_ngrpo.parallel import is_rank0
 
 META_FILE = "megatron_ngrpo.json"
 LATEST_FILE = "latest"
+# every file's size, written at the commit (atomic.py): a reader finds a truncated checkpoint
+MANIFEST_FILE = "manifest.json"
 FORMAT_VERSION = 1
 _VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
@@ -140,7 +143,7 @@ def save_megatron_checkpoint(
 
     directory = Path(directory)
     state = _checkpoint_state(model_chunks, meta, extra)
-    with atomic_directory(directory, overwrite=overwrite) as tmp:
+    with atomic_directory(directory, overwrite=overwrite, manifest=MANIFEST_FILE) as tmp:
         dist_checkpointing.save(state, str(tmp), sharded_strategy=_save_strategy(parallel_save))
         _write_files(tmp, directory, meta, aux_from)
     return directory
@@ -168,7 +171,7 @@ def save_megatron_checkpoint_async(
         state, str(tmp), sharded_strategy=_save_strategy(True), async_sharded_save=True
     )
     _write_files(tmp, directory, meta, None)
-    request.add_finalize_fn(lambda: commit_directory(tmp, directory))
+    request.add_finalize_fn(lambda: commit_directory(tmp, directory, manifest=MANIFEST_FILE))
     return request
 
 

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.tensorboard import SummaryWriter
 
+from megatron_ngrpo.atomic import atomic_write
 from megatron_ngrpo.grpo.trackers import Trackers, TrackersConfig
 
 
@@ -118,11 +119,12 @@ class MetricsWriter:
                     keep.append(ln)
             except (json.JSONDecodeError, KeyError, TypeError):
                 pass  # a line cut short by a kill; its step is re-run
-        self.path.write_text("".join(ln + "\n" for ln in keep))
+        atomic_write(self.path, "".join(ln + "\n" for ln in keep))
 
-    def close(self) -> None:
+    def close(self, stopped: str | None = None) -> None:
+        """``stopped``: the reason of a planned stop (training/stop.py), told to the trackers."""
         if self._tb is not None:
             self._tb.close()
         if self._trackers is not None:
-            self._trackers.close()
+            self._trackers.close(stopped)
             self._trackers = None

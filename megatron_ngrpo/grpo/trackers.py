@@ -117,10 +117,18 @@ class Trackers:
                 metrics=[Metric(mlflow_key(k), float(v), now, step) for k, v in metrics.items()],
             )
 
-    def close(self) -> None:
+    def close(self, stopped: str | None = None) -> None:
+        """End the tracker runs; ``stopped``: a planned stop's reason (training/stop.py), recorded
+        as ``stop`` (W&B summary, MLflow tag) with a ``preempted`` W&B tag, the run ending
+        cleanly (W&B exit code 0; MLflow KILLED, RUNNING again when the run resumes)."""
         if self._wandb is not None:
-            self._wandb.finish()
+            if stopped:
+                self._wandb.summary["stop"] = stopped
+                self._wandb.tags = (*(self._wandb.tags or ()), "preempted")
+            self._wandb.finish(exit_code=0)
             self._wandb = None
         if self._mlflow is not None:
-            self._mlflow.set_terminated(self._mlflow_run)
+            if stopped:
+                self._mlflow.set_tag(self._mlflow_run, "stop", stopped)
+            self._mlflow.set_terminated(self._mlflow_run, "KILLED" if stopped else "FINISHED")
             self._mlflow = None

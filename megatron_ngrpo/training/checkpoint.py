@@ -30,7 +30,10 @@ the param groups), the tensors are copied into the optimizer's own shards afterw
 from __future__ import annotations
 
 import functools
+import json
+import logging
 import math
+import os
 import random
 import shutil
 from dataclasses import replace
@@ -40,8 +43,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_ngrpo.atomic import read_manifest
+from megatron_ngrpo.config_loader import ConfigError
 from megatron_ngrpo.conversion.checkpoint import (
     LATEST_FILE,
+    MANIFEST_FILE,
     META_FILE,
     _sharded_state_dict,
     checkpoint_meta,
@@ -55,16 +61,26 @@ from megatron_ngrpo.conversion.checkpoint import (
 
 # ``param_state_sharding_type`` of the distributed optimizer's entry (docstring above)
 DISTOPT_FORMAT = "model_space_dp_blocks"
+METRICS_FILE = "metrics.jsonl"
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
+    "RunDirError",
     "checkpoint_meta",
     "iter_dir",
     "latest_checkpoint",
     "load_training_checkpoint",
+    "resume_point",
     "save_training_checkpoint",
     "read_meta",
     "resolve_checkpoint",
+    "verify_checkpoint",
 ]
+
+
+class RunDirError(ConfigError):
+    """A run directory this run may not continue or start in (one line)."""
 
 
 def iter_dir(run_dir: str | Path, step: int) -> Path:
@@ -78,6 +94,61 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
         return None
     path = Path(run_dir) / f.read_text().strip()
     return path if (path / META_FILE).is_file() else None
+
+
+def verify_checkpoint(path: str | Path) -> str | None:
+    """None when ``path`` is a complete checkpoint: its metadata parses and every file its
+    manifest lists is there with the size written (checkpoints from before manifests: the
+    metadata only); else one line naming the file at fault."""
+    path = Path(path)
+    meta = path / META_FILE
+    try:
+        json.loads(meta.read_text())
+    except FileNotFoundError:
+        return f"{meta}: missing"
+    except (OSError, ValueError) as e:
+        return f"{meta}: unreadable ({type(e).__name__}: {str(e).splitlines()[0]})"
+    if not (path / MANIFEST_FILE).is_file() and not _has_manifests(path.parent):
+        return None  # written before manifests existed
+    return read_manifest(path, MANIFEST_FILE)
+
+
+def resume_point(run_dir: str | Path, resume: bool = True) -> Path | None:
+    """The checkpoint a run in ``run_dir`` continues from, or None to start at step 0.
+
+    ``latest`` names a verified checkpoint: that one. ``latest`` missing, empty or naming a
+    checkpoint that is missing or fails :func:`verify_checkpoint`: the newest verified
+    ``iter_*``, with one warning naming what was wrong. Nothing verified in a run directory that
+    holds a run's history (``iter_*``, ``metrics.jsonl``): :class:`RunDirError`, one line, as
+    starting at step 0 there would rewrite the history. ``resume`` False (told to start over):
+    None. Reads files only (every rank, before any process group)."""
+    run_dir = Path(run_dir)
+    if not resume:
+        return None
+    pointer = run_dir / LATEST_FILE
+    named = pointer.read_text().strip() if pointer.is_file() else None
+    if named:
+        problem = verify_checkpoint(run_dir / named)
+        if problem is None:
+            return run_dir / named
+        problem = f"{pointer} names {named}: {problem}"
+    else:
+        problem = f"{pointer} is empty" if named is not None else f"{pointer} is missing"
+    found = _iter_dirs(run_dir)
+    skipped = []
+    for path in reversed(found):
+        bad = verify_checkpoint(path)
+        if bad is None:
+            _warn(f"{problem}; resuming from {path.name}, the newest verified{_listed(skipped)}")
+            return path
+        skipped.append(bad)
+    if named is None and not found and not (run_dir / METRICS_FILE).is_file():
+        return None  # a new run
+    raise RunDirError(
+        f"{run_dir} holds a run ({len(found)} iter_* folder(s), "
+        f"{METRICS_FILE}: {(run_dir / METRICS_FILE).is_file()}) but no checkpoint to resume: "
+        f"{problem}{_listed(skipped)}; set train.resume=false to start it over"
+    )
 
 
 def save_training_checkpoint(
@@ -133,11 +204,24 @@ def _publish(run_dir: str | Path, name: str, keep_last: int, protect: tuple[str,
     if dist.get_rank() == 0:
         write_latest(run_dir, name)
         if keep_last:
-            done = sorted(p for p in Path(run_dir).glob("iter_*") if (p / META_FILE).is_file())
-            for p in done[:-keep_last]:
-                if p.name not in protect:
-                    shutil.rmtree(p, ignore_errors=True)
+            prune(run_dir, name, keep_last, protect)
     dist.barrier()
+
+
+def prune(run_dir: str | Path, kept: str, keep_last: int, protect: tuple[str, ...] = ()) -> None:
+    """Delete the ``iter_*`` folders older than the just written ``kept`` but the newest
+    ``keep_last - 1`` verified ones and those in ``protect``. Nothing is deleted when ``kept``
+    fails verification (the older ones are then the run's last good state), and nothing newer
+    than ``kept`` (a run resumed from an older checkpoint rewrites those itself)."""
+    run_dir = Path(run_dir)
+    if verify_checkpoint(run_dir / kept) is not None:
+        return
+    older = [p for p in _iter_dirs(run_dir) if p.name < kept]
+    verified = [p for p in older if verify_checkpoint(p) is None]
+    keep = set(verified[len(verified) - keep_last + 1 :]) if keep_last > 1 else set()
+    for p in older:
+        if p not in keep and p.name not in protect:
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def load_training_checkpoint(path: str | Path, chunks: list, optimizer) -> dict:
@@ -180,6 +264,27 @@ def load_training_checkpoint(path: str | Path, chunks: list, optimizer) -> dict:
 
 
 # ---- internals -----------------------------------------------------------------------------
+def _iter_dirs(run_dir: Path) -> list[Path]:
+    """The run's ``iter_<step>`` folders, oldest first."""
+    return sorted(p for p in run_dir.glob("iter_*") if p.is_dir() and p.name[5:].isdigit())
+
+
+def _has_manifests(run_dir: Path) -> bool:
+    """Whether this run writes manifests (any of its checkpoints has one): then a checkpoint
+    without one lost it."""
+    return any((p / MANIFEST_FILE).is_file() for p in _iter_dirs(run_dir))
+
+
+def _listed(skipped: list[str]) -> str:
+    return f" (skipped: {'; '.join(skipped)})" if skipped else ""
+
+
+def _warn(line: str) -> None:
+    """One warning, from the first rank only (every rank reads the same files)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        logger.warning(line)
+
+
 def _rank_object(sharded_object, key: str, data):
     """This rank's own ``data`` as one shard of a [world] object (restored only at the same size)."""
     world, rank = dist.get_world_size(), dist.get_rank()

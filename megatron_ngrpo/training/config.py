@@ -83,6 +83,26 @@ class AsyncConfig:
 
 
 @dataclass
+class StopConfig:
+    """``train.stop``: planned stops at signals and at the allocation's deadline."""
+
+    # Handle SIGUSR1/SIGTERM and the deadline (false: a signal ends the process at once).
+    enabled: bool = True
+    # Seconds kept free before the deadline beyond the measured step and save times.
+    margin_s: float = 60.0
+    # Seconds after the allocation's start (SLURM_JOB_START_TIME, else this process's start)
+    # by which the run must have stopped; 0 = the job's end time Slurm reports (none outside
+    # Slurm).
+    time_limit_s: int = 0
+
+    def validate(self) -> None:
+        if self.margin_s < 0:
+            fail("margin_s", self.margin_s, "must be >= 0")
+        if self.time_limit_s < 0:
+            fail("time_limit_s", self.time_limit_s, "must be >= 0 (0 = from Slurm)")
+
+
+@dataclass
 class TrainConfig:
     """The loop: batch arithmetic, schedule, checkpoints and logs."""
 
@@ -115,8 +135,12 @@ class TrainConfig:
     # per rank); a checkpoint becomes `latest` once every rank's writer finished.
     async_save: bool = False
     keep_last: int = 3
-    # Resume from run_dir/latest when it exists.
+    # Resume from run_dir/latest (or, when that is broken, the newest verified iter_*); a run
+    # directory holding a run but no resumable checkpoint is refused. false: start over at step
+    # 0 in run_dir, rewriting its checkpoints (metrics.jsonl is appended to).
     resume: bool = True
+    # Planned stops: a signal or the allocation's deadline saves and exits 75 (training/stop.py).
+    stop: StopConfig = field(default_factory=StopConfig)
     log_every: int = 1
     tensorboard: bool = True
     # Weights & Biases / MLflow beside metrics.jsonl and TensorBoard (grpo/trackers.py).

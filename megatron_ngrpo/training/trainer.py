@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -57,8 +58,8 @@ from megatron_ngrpo.training.async_rollout import build_rollouts
 from megatron_ngrpo.training.checkpoint import (
     checkpoint_meta,
     iter_dir,
-    latest_checkpoint,
     load_training_checkpoint,
+    resume_point,
     save_training_checkpoint,
 )
 from megatron_ngrpo.training.job_config import NGRPOConfig
@@ -68,6 +69,7 @@ from megatron_ngrpo.training.optimizer import build_optimizer, ddp_config
 from megatron_ngrpo.training.reference import ReferencePolicy
 from megatron_ngrpo.training.rollout_stage import RolloutStage
 from megatron_ngrpo.training.step_metrics import dump_generations, rollout_metrics
+from megatron_ngrpo.training.stop import StopControl
 from megatron_ngrpo.training.validation import BEST_FILE, Validator, best_decision
 from megatron_ngrpo.training.warmstart import warm_start_policy
 
@@ -102,6 +104,9 @@ class Trainer:
         self.best: dict | None = None
         self.async_saves = None  # megatron AsyncCallsQueue with train.async_save
         self.timer = PhaseTimer()
+        self.stop = StopControl(cfg.train.stop)  # signal handlers from here on
+        self.stopped: str | None = None  # the reason of a planned stop
+        self.saved_step = 0  # the step of the newest checkpoint (published or in the queue)
 
     # ---- set-up ----------------------------------------------------------------------------
     def setup(self) -> None:
@@ -109,9 +114,8 @@ class Trainer:
         self._init_parallel()
         self._build_policy()
         self._build_stages()
-        latest = latest_checkpoint(self.run_dir) if self.cfg.train.resume else None
-        if latest is not None:
-            self._resume(latest)
+        if self.resume_from is not None:
+            self._resume(self.resume_from)
 
     def _load_inputs(self) -> None:
         """The tokenizer and data first: a bad row or prompt is one line (DataError) before any
@@ -127,6 +131,7 @@ class Trainer:
         self.examples = load_train_set(cfg.data, self.tokenizer)
         v = cfg.validation
         self.val_benchmarks = load_benchmarks(v.benchmarks, v.limit) if v.every else []
+        self.resume_from = resume_point(cfg.train.run_dir, cfg.train.resume)
 
     def _init_parallel(self) -> None:
         cfg = self.cfg
@@ -263,6 +268,11 @@ class Trainer:
         )
         try:
             while self.step < self.total_steps:
+                self.stopped = self.stop.agreed()  # the step boundary: every rank, one collective
+                if self.stopped:
+                    self._planned_stop()
+                    break
+                started = time.perf_counter()
                 metrics = self.train_step()
                 self.step += 1
                 validating = self.validator.due(self.step, self.total_steps)
@@ -282,12 +292,13 @@ class Trainer:
                 bar.update()
                 if self.async_saves is not None:  # publish a background save once it is written
                     self.async_saves.maybe_finalize_async_calls(blocking=False)
+                self.stop.step_done(self.step, time.perf_counter() - started)
             if self.async_saves is not None:
                 self.async_saves.maybe_finalize_async_calls(blocking=True)
                 self.async_saves.close()
         finally:
             bar.close()
-            self.metrics.close()
+            self.metrics.close(self.stopped)
             self.rollouts.close()
 
     def train_step(self) -> dict[str, float]:
@@ -369,12 +380,21 @@ class Trainer:
         return True
 
     # ---- checkpoints -------------------------------------------------------------------------
-    def save(self) -> Path:
+    def _planned_stop(self) -> None:
+        """Publish a checkpoint of the step reached (written now, whatever train.async_save)."""
+        logger.warning("planned stop (%s) at step %d: saving", self.stopped, self.step)
+        if self.async_saves is not None:  # the queued save is published first
+            self.async_saves.maybe_finalize_async_calls(blocking=True)
+        if self.step > self.saved_step:
+            self.save(sync=True)
+
+    def save(self, sync: bool = False) -> Path:
+        """Checkpoint the step reached (``sync``: written before returning even with
+        train.async_save); its time is the stop margin's save time."""
+        started = time.perf_counter()
         meta = checkpoint_meta(self.cfg.model, config=dataclasses.asdict(self.cfg))
         protect = (self.best["checkpoint"],) if self.best else ()
-        if (
-            self.async_saves is not None
-        ):  # one save in flight at a time: keep_last counts complete ones
+        if self.async_saves is not None:  # one save in flight: keep_last counts complete ones
             self.async_saves.maybe_finalize_async_calls(blocking=True)
         state = {
             "step": self.step,
@@ -394,15 +414,18 @@ class Trainer:
             self.cfg.train.keep_last,
             protect,
             rank_state=self.rollouts.state_dict(),
-            async_queue=self.async_saves,
+            async_queue=None if sync else self.async_saves,
         )
-        if self.async_saves is not None:
+        if self.async_saves is not None and not sync:
             logger.info("checkpoint %s: written in the background", path.name)
+        self.saved_step = self.step
+        self.stop.save_s = time.perf_counter() - started
         return path
 
     def _resume(self, path: Path) -> None:
         state = load_training_checkpoint(path, self.chunks, self.optimizer)
         self.step, self.updates = int(state["step"]), int(state["updates"])
+        self.saved_step = self.step
         self.prompts.load_state_dict(state["data"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.neighbors.load_state_dict(state)
