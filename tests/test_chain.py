@@ -174,7 +174,9 @@ def test_begin_queues_the_successor_and_records_the_allocation(tmp_path, capsys)
     assert (
         "starts at step 3; next allocation queued: job 13 (excluding n2)" in capsys.readouterr().out
     )
-    # An allocation on an excluded node queues its successor and trains nothing.
+    # An allocation on an excluded node queues its successor and trains nothing; an exclusion
+    # stays after the record that named it is gone.
+    (run_dir / "allocations.jsonl").write_text("")
     env = {"SLURM_JOB_ID": "13", "SLURM_JOB_NODELIST": "n2"}
     run = fake_slurm({"sacct": "", "scontrol show": "n2\n", "sbatch": "14\n"}, calls)
     assert chain.begin(args, env, run) == chain.STOPPED
@@ -201,7 +203,7 @@ def test_begin_stops_after_idle_allocations_and_when_complete(tmp_path, capsys):
 def test_end_puts_nodes_named_during_the_allocation_on_the_successor(tmp_path):
     args = _args(tmp_path)
     (Path(args.job_dir) / chain.CHAIN_FILE).write_text(
-        json.dumps({"job_id": "31", "step": 0, "next": "32"}) + "\n"
+        json.dumps({"job_id": "31", "step": 0, "next": "32", "started": 0.0}) + "\n"
     )
     calls = []
     run = fake_slurm({"scontrol update": ""}, calls)
@@ -211,6 +213,11 @@ def test_end_puts_nodes_named_during_the_allocation_on_the_successor(tmp_path):
     )
     assert chain.end(args, run) == 0
     assert calls == [["scontrol", "update", "JobId=32", "ExcNodeList=n3"]]
+    # the watchdog's report of the hang (training/watchdog.py): the hosts of the missing ranks
+    (Path(args.run_dir) / "hang").mkdir()
+    (Path(args.run_dir) / chain.HANG_REPORT).write_text(json.dumps({"missing_hosts": ["n4"]}))
+    assert chain.end(args, run) == 0
+    assert calls[-1] == ["scontrol", "update", "JobId=32", "ExcNodeList=n3,n4"]
 
 
 def test_status_shows_the_chain_and_its_goodput(tmp_path):

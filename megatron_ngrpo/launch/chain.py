@@ -15,9 +15,11 @@ The successor starts only when this job ends in any state but COMPLETED: the tra
 (a planned stop with a checkpoint, :mod:`megatron_ngrpo.training.stop`), 76 (the watchdog), any
 failure, a time limit, ``scancel`` or a node failure. A trainer that reached ``train.max_steps``
 exits 0, the job COMPLETES and Slurm drops the successor (its dependency can never be met).
-Nodes are excluded where something names them as failed: a trainer record's ``failed_hosts``, or
-the nodes of a NODE_FAIL job that Slurm now lists as down, drained or failing; the batch script's
-EXIT trap (``end``) puts nodes learnt during the allocation on the queued successor.
+Nodes are excluded where something names them as failed: the watchdog's hang report
+(``<run_dir>/hang/report.json``: the hosts of the ranks that did not arrive), a trainer record's
+``failed_hosts``, or the nodes of a NODE_FAIL job that Slurm now lists as down, drained or
+failing; excluded once, excluded for the rest of the chain. The batch script's EXIT trap
+(``end``) puts nodes learnt during the allocation on the queued successor.
 
 The chain's own record is ``<job_dir>/chain.jsonl`` (one line per allocation: job id, nodes,
 checkpoint step at its start, successor); with the trainer's ``<run_dir>/allocations.jsonl``
@@ -41,6 +43,7 @@ from pathlib import Path
 
 CHAIN_FILE = "chain.jsonl"
 ALLOCATIONS_FILE = "allocations.jsonl"  # written by megatron_ngrpo.training.stop
+HANG_REPORT = "hang/report.json"  # written by megatron_ngrpo.training.watchdog (exit 76)
 # ``begin``'s exit codes: start the trainer; nothing left to do; the chain stops.
 RUN, NOTHING_LEFT, STOPPED = 0, 3, 4
 EXIT_CONTINUE, EXIT_WATCHDOG = 75, 76
@@ -104,6 +107,18 @@ def failed_hosts(records: list[dict], failed_jobs_nodes: list[str]) -> list[str]
     return sorted(hosts | set(failed_jobs_nodes))
 
 
+def hang_hosts(run_dir: Path, since: float) -> list[str]:
+    """The hosts of the ranks that did not arrive at the watchdog's last hang (its report's
+    ``missing_hosts``), if that report was written after ``since`` (epoch seconds)."""
+    path = run_dir / HANG_REPORT
+    try:
+        if path.stat().st_mtime < since:
+            return []
+        return list(json.loads(path.read_text()).get("missing_hosts") or [])
+    except (OSError, ValueError):
+        return []
+
+
 def slurm_failed_nodes(entries: list[dict], run: Runner = _slurm) -> list[str]:
     """Nodes of this chain's NODE_FAIL jobs that Slurm lists as down, drained or failing."""
     ids = [str(e["job_id"]) for e in entries]
@@ -151,18 +166,23 @@ def begin(args: argparse.Namespace, env=os.environ, run: Runner = _slurm) -> int
     job_dir, run_dir = Path(args.job_dir), Path(args.run_dir)
     entries = read_jsonl(job_dir / CHAIN_FILE)
     step = checkpoint_step(run_dir)
+    known = (
+        entries[-1].get("exclude", []) + hang_hosts(run_dir, entries[-1].get("started", 0.0))
+        if entries
+        else []
+    )
     d = decide(
         entries,
         read_jsonl(run_dir / ALLOCATIONS_FILE),
         step,
         args.max_steps,
         args.max_idle,
-        slurm_failed_nodes(entries, run),
+        slurm_failed_nodes(entries, run) + known,
     )
     job = env["SLURM_JOB_ID"]
     nodes = run(["scontrol", "show", "hostnames", env["SLURM_JOB_NODELIST"]]).split()
     entry = {"job_id": job, "nodes": nodes, "step": step, "started": time.time(), "next": None}
-    entry["run_dir"] = str(run_dir)
+    entry.update(run_dir=str(run_dir), exclude=d.exclude)
     on_excluded = sorted(set(nodes) & set(d.exclude))
     if d.code == RUN:
         entry["next"] = submit_successor(args.script, job, d.exclude, run)
@@ -204,8 +224,10 @@ def end(args: argparse.Namespace, run: Runner = _slurm) -> int:
     entries = read_jsonl(job_dir / CHAIN_FILE)
     if not entries or not entries[-1].get("next"):
         return 0
-    exclude = failed_hosts(read_jsonl(run_dir / ALLOCATIONS_FILE), [])
-    if exclude:
+    this = entries[-1]
+    learnt = hang_hosts(run_dir, this["started"]) + this.get("exclude", [])
+    exclude = failed_hosts(read_jsonl(run_dir / ALLOCATIONS_FILE), learnt)
+    if set(exclude) - set(this.get("exclude", [])):
         nxt = entries[-1]["next"]
         run(["scontrol", "update", f"JobId={nxt}", f"ExcNodeList={','.join(exclude)}"])
         print(f"chain: next allocation (job {nxt}) excludes {','.join(exclude)}", flush=True)
