@@ -200,7 +200,7 @@ def test_begin_stops_after_idle_allocations_and_when_complete(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == "chain: run complete at step 8"
 
 
-def test_end_puts_nodes_named_during_the_allocation_on_the_successor(tmp_path):
+def test_end_excludes_nodes_named_during_the_allocation_or_cancels_when_done(tmp_path):
     args = _args(tmp_path)
     (Path(args.job_dir) / chain.CHAIN_FILE).write_text(
         json.dumps({"job_id": "31", "step": 0, "next": "32", "started": 0.0}) + "\n"
@@ -218,6 +218,10 @@ def test_end_puts_nodes_named_during_the_allocation_on_the_successor(tmp_path):
     (Path(args.run_dir) / chain.HANG_REPORT).write_text(json.dumps({"missing_hosts": ["n4"]}))
     assert chain.end(args, run) == 0
     assert calls[-1] == ["scontrol", "update", "JobId=32", "ExcNodeList=n3,n4"]
+    # the run complete: the queued successor is cancelled, whatever Slurm's kill_invalid_depend
+    (Path(args.run_dir) / "latest").write_text("iter_0000008")
+    run = fake_slurm({"scancel": ""}, calls)
+    assert chain.end(args, run) == 0 and calls[-1] == ["scancel", "32"]
 
 
 def test_status_shows_the_chain_and_its_goodput(tmp_path):

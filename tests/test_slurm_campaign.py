@@ -3,7 +3,7 @@ cluster: real slurmctld, three slurmd, CPU, the tiny model), through ``ngrpo-lau
 --until-done``. Marked ``slurm_campaign`` and left out of the default run (pytest.ini): several
 allocations of minutes each; run them with ``pytest -m slurm_campaign tests/test_slurm_campaign.py``.
 
-(a) a 9-step run under a 3-minute time limit per job completes over >= 3 allocations by itself
+(a) a 9-step run under a 5-minute time limit per job completes over >= 3 allocations by itself
     (each allocation: the chain queues its successor, the trainer trains, stops at the warning
     signal or its deadline with a checkpoint and exits 75; at most 3 steps each, see
     tests/support/pace); its final weights, optimizer state and metrics.jsonl (steps 1..9, none
@@ -121,7 +121,7 @@ def test_run_completes_over_allocations_by_itself(cluster, task, straight, tmp_p
         "chain",
         {"NGRPO_STEPS_PER_ALLOCATION": "3"},
         "--time",
-        "3",
+        "5",
         "--signal-lead",
         "20",
         "train.stop.margin_s=10",

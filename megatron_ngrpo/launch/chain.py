@@ -218,13 +218,18 @@ def submit_successor(script: str, job: str, exclude: list[str], run: Runner = _s
 
 
 def end(args: argparse.Namespace, run: Runner = _slurm) -> int:
-    """The batch script's EXIT trap: nodes learnt as failed during this allocation go onto the
-    queued successor's exclude list."""
+    """The batch script's EXIT trap: a complete run cancels the queued successor; nodes learnt
+    as failed during this allocation go onto its exclude list."""
     job_dir, run_dir = Path(args.job_dir), Path(args.run_dir)
     entries = read_jsonl(job_dir / CHAIN_FILE)
     if not entries or not entries[-1].get("next"):
         return 0
     this = entries[-1]
+    if args.max_steps and checkpoint_step(run_dir) >= args.max_steps:
+        # Slurm drops a successor whose afternotok can never be met only with kill_invalid_depend
+        run(["scancel", str(this["next"])])
+        print(f"chain: run complete; queued job {this['next']} cancelled", flush=True)
+        return 0
     learnt = hang_hosts(run_dir, this["started"]) + this.get("exclude", [])
     exclude = failed_hosts(read_jsonl(run_dir / ALLOCATIONS_FILE), learnt)
     if set(exclude) - set(this.get("exclude", [])):

@@ -482,6 +482,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     exp = experiment.load(args.experiment)
     for job in exp.jobs:
         exp.cancel(job.id)
+    until_done.cancel(exp)
     return 0
 
 

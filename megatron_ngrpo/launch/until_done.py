@@ -5,6 +5,7 @@ and the one-line note when ``train.save_every`` steps do not fit one allocation.
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 from collections.abc import Callable
 
@@ -90,3 +91,15 @@ def follow(exp, status: dict, wait: bool) -> int:
     table, ok = chain.summary(job_dir)
     print(table)
     return 0 if ok else 1
+
+
+def cancel(exp) -> None:
+    """``ngrpo-launch cancel`` of an --until-done run: the chain's allocations after the first
+    (NeMo-Run knows only the first), the queued one included."""
+    # lazy: keeps launch.cli free of NeMo-Run at import (start-up)
+    from megatron_ngrpo.launch import experiment
+
+    entries = chain.read_jsonl(experiment.job_dir(exp) / chain.CHAIN_FILE)
+    ids = {str(e["job_id"]) for e in entries} | {str(e["next"]) for e in entries if e.get("next")}
+    if ids:
+        subprocess.run(["scancel", *sorted(ids)], check=False, timeout=60)
