@@ -283,11 +283,11 @@ def test_until_done_and_signal_lead_reach_the_script(tmp_path, monkeypatch, caps
         cli.main([*argv, "--until-done", "--signal-lead", "45", "--max-idle-allocations", "4"]) == 0
     )
     script = capsys.readouterr().out
-    assert "#SBATCH --signal=USR1@60" in plain and "launch.chain" not in plain
+    assert "#SBATCH --signal=USR1@60" in plain and "chain.py" not in plain
     assert "#SBATCH --signal=USR1@45" in script and "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=45" in script
     assert "export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in script
-    begin = next(line for line in script.splitlines() if " launch.chain begin " in line)
+    begin = next(line for line in script.splitlines() if "chain.py begin " in line)
     assert '--run-dir /shared/run --max-steps 9 --max-idle 4 --script "$0"' in begin
-    assert begin.startswith(f"PYTHONPATH={REPO} python3 -m megatron_ngrpo.launch.chain begin")
-    assert script.index(" launch.chain begin ") < script.index("launch.preflight")
-    assert "trap '" in script and " launch.chain end " in script
+    assert begin.startswith(f"python3 {REPO}/megatron_ngrpo/launch/chain.py begin --job-dir")
+    assert script.index("chain.py begin ") < script.index("launch.preflight")
+    assert "trap '" in script and "chain.py end " in script

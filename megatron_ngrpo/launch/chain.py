@@ -1,8 +1,9 @@
 """``ngrpo-launch run ... --executor slurm --until-done``: one training run continued across Slurm
 allocations by a self-chaining job, until ``train.max_steps``.
 
-At the start of every allocation the batch script runs ``begin`` (on the batch host, outside any
-container: this module needs the standard library only):
+At the start of every allocation the batch script runs this file's ``begin`` (``python3
+<code>/megatron_ngrpo/launch/chain.py``, on the batch host, outside any container: it needs the
+standard library only):
 
 * the run's checkpoint step (``<run_dir>/latest``) at or past ``train.max_steps``: nothing is left,
   the script ends (exit 0) without starting the trainer;
@@ -251,13 +252,14 @@ class ChainSpec:
 
 def chain_lines(code_root: str, job_dir: str, spec: ChainSpec) -> list[str]:
     """The batch script's lines that make it a link of the chain (before the pre-flight)."""
+    # Run as a file: no PYTHONPATH of its own, which the successor it submits would inherit.
     cmd = (
-        f"PYTHONPATH={code_root} python3 -m megatron_ngrpo.launch.chain {{}} --job-dir {job_dir} "
+        f"python3 {code_root}/megatron_ngrpo/launch/chain.py {{}} --job-dir {job_dir} "
         f"--run-dir {spec.run_dir} --max-steps {spec.max_steps} --max-idle {spec.max_idle} "
         '--script "$0"'
     )
     return [
-        "# --until-done: continue the run in a new allocation (python -m megatron_ngrpo.launch.chain)",
+        "# --until-done: continue the run in a new allocation (megatron_ngrpo/launch/chain.py)",
         cmd.format("begin"),
         "chain_rc=$?",
         f"[ $chain_rc -eq {NOTHING_LEFT} ] && exit 0",
@@ -374,7 +376,7 @@ def _hms(seconds: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megatron_ngrpo.launch.chain")
+    p = argparse.ArgumentParser(prog="python3 megatron_ngrpo/launch/chain.py")
     p.add_argument("action", choices=("begin", "end"))
     p.add_argument("--job-dir", required=True)
     p.add_argument("--run-dir", required=True)
@@ -382,6 +384,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-idle", type=int, required=True)
     p.add_argument("--script", required=True)
     args = p.parse_args(argv)
+    # The successor inherits this environment: without the script's own PYTHONPATH entry again
+    # (it exports <code>:$PYTHONPATH), one more copy per allocation.
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(entry for entry in paths if entry))
     try:
         return begin(args) if args.action == "begin" else end(args)
     except (OSError, KeyError, subprocess.SubprocessError) as e:
