@@ -378,4 +378,7 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "launch.cluster.mem": _t(CLUSTER),
     "launch.cluster.group_start_wait": _t(CLUSTER),
     "launch.cluster.group_monitor_wait": _t(CLUSTER),
+    "launch.cluster.signal_lead_s": _t(
+        "tests/test_chain.py::test_until_done_and_signal_lead_reach_the_script"
+    ),
 }

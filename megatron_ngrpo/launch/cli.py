@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 from megatron_ngrpo.config_loader import ConfigError
-from megatron_ngrpo.launch import job_files, passthrough, plan, recipes
+from megatron_ngrpo.launch import job_files, passthrough, plan, recipes, time_limit, until_done
 from megatron_ngrpo.launch.memory import GIB
 from megatron_ngrpo.rollout.config import EngineName
 
@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run a recipe's task (train, eval, conversion)")
     _add_run_options(r)
     _add_slurm_options(r.add_argument_group("slurm"))
+    until_done.add_options(r.add_argument_group("runs longer than one allocation (slurm)"))
     _add_experiment_commands(sub)
     return p
 
@@ -67,6 +68,9 @@ def _add_memory_and_plan(sub) -> None:
     pl.add_argument("overrides", nargs="*", metavar="a.b=c", help="training config overrides")
     pl.add_argument("--nodes", type=int)
     pl.add_argument("--config", help="training config (default: the recipe's)")
+    pl.add_argument("--partition", help="Slurm partition whose MaxTime --time must fit")
+    pl.add_argument("--time", help="time limit per allocation (default: the recipe's)")
+    until_done.add_step_time(pl)
 
 
 def _add_run_options(r: argparse.ArgumentParser) -> None:
@@ -238,12 +242,16 @@ def memory_table(recipe: recipes.Recipe, nodes: int | None = None) -> str:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     recipe = recipes.get(args.recipe)
+    time = args.time or recipe.time
+    time_limit.check_time(time, args.partition)
     try:
         layout = plan.plan_layout(recipe, args.nodes, tuple(args.overrides), args.config)
+        cfg = plan.recipe_config(recipe, layout.nodes, tuple(args.overrides), args.config)
     except plan.PlanError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(plan.format_plan(layout))
+    until_done.note_save_interval(time, cfg.train, args.step_time)
     return 0
 
 
@@ -270,6 +278,8 @@ def make_plan(args: argparse.Namespace):
         recipes.check_configs(recipe, args.config, args.overrides)
     if runs_trainer(args):
         check_not_run(args.config, trainer_overrides(args, recipe, hf_path))
+    if args.executor == "slurm":
+        time_limit.check_time(args.time or recipe.time, args.partition)
     return experiment.Plan(
         title=args.title or f"ngrpo-{recipe.name}-{args.task}",
         tasks=tasks,
@@ -277,6 +287,9 @@ def make_plan(args: argparse.Namespace):
         cluster=_cluster(args, recipe, hf_path, packager),
         time=recipe.time,
         configs=[Path(c) for c in args.config],
+        until_done=until_done.spec(
+            args, runs_trainer(args), lambda: trainer_overrides(args, recipe, hf_path), recipe.time
+        ),
     )
 
 
@@ -368,6 +381,7 @@ def _cluster(args: argparse.Namespace, recipe: recipes.Recipe, hf_path: str, pac
         rdzv_port=args.rdzv_port,
         exclusive=args.exclusive,
         mem=args.mem,
+        signal_lead_s=args.signal_lead,
         **{name: value for name, value in waits.items() if value is not None},
     )
 
@@ -417,6 +431,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0
     for f in experiment.log_files(experiment.load(exp_id)):
         print(f"log: {f}")
+    if plan.until_done:
+        return until_done.follow(experiment.load(exp_id), status, wait=True)
     bad = experiment.failed(status)
     if bad:
         print(f"error: job(s) {', '.join(bad)} did not succeed", file=sys.stderr)
@@ -431,11 +447,13 @@ def _print_status(exp_id: str, status: dict) -> None:
 
 def cmd_status(args: argparse.Namespace) -> int:
     # lazy: keeps launch.cli free of NeMo-Run at import (start-up)
-    from megatron_ngrpo.launch import experiment
+    from megatron_ngrpo.launch import chain, experiment
 
     exp = experiment.load(args.experiment)
     status = experiment.wait_for(exp) if args.wait else experiment.statuses(exp)
     _print_status(exp._id, status)
+    if (experiment.job_dir(exp) / chain.CHAIN_FILE).is_file():
+        return until_done.follow(exp, status, args.wait)
     if args.wait:
         return 1 if experiment.failed(status) else 0
     ended_badly = [
@@ -469,6 +487,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     exp = experiment.load(args.experiment)
     for job in exp.jobs:
         exp.cancel(job.id)
+    until_done.cancel(exp)
     return 0
 
 

@@ -46,6 +46,9 @@ CPU_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 # torchrun's c10d store lives on the job's own head node, so a constant rendezvous id cannot meet
 # another job's (NeMo-Run would draw a random one, which makes rendered scripts unreproducible).
 RDZV_ID = 1
+# The trainer's warning before the time limit: Slurm sends SIGUSR1 this many seconds before it
+# (up to 60 s earlier: Slurm's event resolution), to every process of the job's steps.
+SIGNAL_LEAD_S = {"gpu": 300, "cpu": 60}
 
 
 @dataclass
@@ -71,6 +74,8 @@ class Cluster:
     # Seconds the hetjob monitor waits (NeMo-Run defaults 30 / 60 suit long jobs).
     group_start_wait: int = 30
     group_monitor_wait: int = 60
+    # Seconds before the time limit the trainer gets SIGUSR1 (None: SIGNAL_LEAD_S by device).
+    signal_lead_s: int | None = None
 
     def code_root(self) -> str:
         return PACKAGED_CODE if self.packager == "git" else str(REPO)
@@ -87,6 +92,21 @@ class Cluster:
 def job_env(task: TaskSpec, cluster: Cluster, pythonpath: str) -> dict[str, str]:
     base = GPU_ENV if task.gpus_per_node else CPU_ENV
     return {**base, "PYTHONPATH": pythonpath, **task.env, **cluster.env}
+
+
+def signal_lead(task: TaskSpec, cluster: Cluster) -> int:
+    return cluster.signal_lead_s or SIGNAL_LEAD_S["gpu" if task.gpus_per_node else "cpu"]
+
+
+def stop_signal_env(task: TaskSpec, cluster: Cluster) -> dict[str, str]:
+    """torchrun's side of a planned stop. Slurm signals every process of a step, torchrun too:
+    torchrun dies of SIGUSR1 unless it handles it (PET_ = its own options from the environment),
+    then passes it on to the workers and waits for them as long as the warning lasts, not its
+    default 30 s, before SIGKILL: the trainer finishes its step and saves (training/stop.py)."""
+    return {
+        "PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(signal_lead(task, cluster)),
+    }
 
 
 def local_executor(task: TaskSpec, cluster: Cluster) -> run.LocalExecutor:
@@ -116,6 +136,9 @@ def slurm_executor(
     nproc = task.procs_per_node
     gpu = bool(task.gpus_per_node)
     exclusive = cluster.exclusive if cluster.exclusive is not None else gpu
+    # Only the trainer saves on a signal: other jobs (rollout servers, conversions) would die of it.
+    trainer = runs_preflight(task)
+    env = job_env(task, cluster, f"{cluster.code_root()}${{PYTHONPATH:+:$PYTHONPATH}}")
     return run.SlurmExecutor(
         account=cluster.account,
         # Slurm job name <prefix><task>; NeMo-Run reads the task back after the last ".".
@@ -130,7 +153,8 @@ def slurm_executor(
         mem=cluster.mem if cluster.mem is not None else ("0" if gpu else None),
         container_image=cluster.container_image,
         container_mounts=cluster.mounts(),
-        env_vars=job_env(task, cluster, f"{cluster.code_root()}${{PYTHONPATH:+:$PYTHONPATH}}"),
+        env_vars={**env, **stop_signal_env(task, cluster), **cluster.env} if trainer else env,
+        signal=f"USR1@{signal_lead(task, cluster)}" if trainer else None,
         launcher=run.Torchrun(rdzv_port=cluster.rdzv_port, rdzv_id=RDZV_ID) if launcher else None,
         packager=cluster.packager_obj(),
         tunnel=run.LocalTunnel(job_dir=os.path.join(run.config.get_nemorun_home(), "experiments")),

@@ -6,6 +6,7 @@ check :func:`failed` on the statuses returned here.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import threading
@@ -17,7 +18,9 @@ from typing import BinaryIO
 import nemo_run as run
 
 from megatron_ngrpo.launch import passthrough
+from megatron_ngrpo.launch.chain import ChainSpec, chain_lines
 from megatron_ngrpo.launch.executors import (
+    REPO,
     Cluster,
     local_executor,
     preflight_line,
@@ -45,6 +48,8 @@ class Plan:
     cluster: Cluster = field(default_factory=Cluster)
     time: str = "01:00:00"
     configs: list[Path] = field(default_factory=list)
+    # --until-done (Slurm, the trainer): the job continues the run in new allocations.
+    until_done: ChainSpec | None = None
 
     @property
     def heterogeneous(self) -> bool:
@@ -117,7 +122,7 @@ def _add(exp: run.Experiment, plan: Plan) -> list[str]:
         task = plan.tasks[0]
         executor = slurm_executor(task, plan.cluster, plan.time, launcher=not task.command.per_node)
         exp.add(_script(task.command), executor=executor, name=task.name)
-        _add_preflight(exp, plan, {None: task})
+        _add_setup(exp, plan, {None: task})
         return [task.name]
     scripts, executors = [], []
     # The training group finds the rollout group's servers by their registrations in the job
@@ -134,14 +139,15 @@ def _add(exp: run.Experiment, plan: Plan) -> list[str]:
         )
     name = "-".join(t.name for t in plan.tasks)
     exp.add(scripts, executor=executors, name=name)
-    _add_preflight(exp, plan, dict(enumerate(plan.tasks)))
+    _add_setup(exp, plan, dict(enumerate(plan.tasks)))
     return [name]
 
 
-def _add_preflight(exp: run.Experiment, plan: Plan, tasks: dict[int | None, TaskSpec]) -> None:
-    """The pre-flight lines (executors.preflight_line) of the trainer's group in the job's setup,
-    and the checks that ``--env NAME`` variables arrived (launch/passthrough.py). The job
-    directory is known once the job is added, hence after ``exp.add``."""
+def _add_setup(exp: run.Experiment, plan: Plan, tasks: dict[int | None, TaskSpec]) -> None:
+    """The job's setup: with ``plan.until_done`` the chain's lines (launch/chain.py), then the
+    pre-flight lines (executors.preflight_line) of the trainer's group and the checks that
+    ``--env NAME`` variables arrived (launch/passthrough.py). The job directory is known once the
+    job is added, hence after ``exp.add``."""
     job = exp.jobs[-1]
     # A hetjob's JobGroup holds the groups merged into one executor.
     executor = job.executors if hasattr(job, "executors") else job.executor
@@ -155,6 +161,9 @@ def _add_preflight(exp: run.Experiment, plan: Plan, tasks: dict[int | None, Task
     if plan.cluster.passthrough:
         lines += ["# --env passed through (values not written here)"]
         lines += passthrough.check_lines(plan.cluster.passthrough)
+    if plan.until_done:  # on the batch host, outside any container: the code as the host sees it
+        code = os.path.join(executor.job_dir, "code") if plan.cluster.packager == "git" else REPO
+        lines = [*chain_lines(str(code), executor.job_dir, plan.until_done), *lines]
     if lines:
         executor.setup_lines = "\n".join(lines)
 
@@ -252,6 +261,12 @@ def failed(status: dict[str, JobStatus]) -> list[str]:
     return [name for name, s in status.items() if s.state != TERMINAL_OK] or (
         [] if status else ["<none>"]
     )
+
+
+def job_dir(exp: run.Experiment) -> Path:
+    """The first job's folder (a hetjob's JobGroup holds its groups' merged executor)."""
+    job = exp.jobs[0]
+    return Path((job.executors if hasattr(job, "executors") else job.executor).job_dir)
 
 
 def log_files(exp: run.Experiment, job: str | None = None) -> list[Path]:
