@@ -370,6 +370,9 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "launch.cluster.container_image": _t(GOLDEN),
     "launch.cluster.container_mounts": _t(GOLDEN),
     "launch.cluster.env": _t(GOLDEN),
+    "launch.cluster.passthrough": _t(
+        "tests/test_env_passthrough.py::test_passed_through_value_is_in_no_script_and_no_file"
+    ),
     "launch.cluster.packager": _t(
         "tests/test_launchers.py::test_local_conversion_job_with_packager_none"
     ),

@@ -137,7 +137,7 @@ def slurm_executor(
     gpu = bool(task.gpus_per_node)
     exclusive = cluster.exclusive if cluster.exclusive is not None else gpu
     # Only the trainer saves on a signal: other jobs (rollout servers, conversions) would die of it.
-    trainer = runs_preflight(task)
+    trainer = task.command.argv[:3] == ("python", "-m", TRAIN_MODULE)
     env = job_env(task, cluster, f"{cluster.code_root()}${{PYTHONPATH:+:$PYTHONPATH}}")
     return run.SlurmExecutor(
         account=cluster.account,
@@ -153,7 +153,7 @@ def slurm_executor(
         mem=cluster.mem if cluster.mem is not None else ("0" if gpu else None),
         container_image=cluster.container_image,
         container_mounts=cluster.mounts(),
-        env_vars={**env, **stop_signal_env(task, cluster), **cluster.env} if trainer else env,
+        env_vars={**env, **(stop_signal_env(task, cluster) if trainer else {}), **cluster.env},
         signal=f"USR1@{signal_lead(task, cluster)}" if trainer else None,
         launcher=run.Torchrun(rdzv_port=cluster.rdzv_port, rdzv_id=RDZV_ID) if launcher else None,
         packager=cluster.packager_obj(),

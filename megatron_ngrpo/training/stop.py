@@ -4,8 +4,9 @@ Two triggers, both acted on at a step boundary only (the update of the step in f
 finished; no rollout is in flight between steps, except the one-step-off producer's, which the
 checkpoint holds as on every save):
 
-* SIGUSR1 or SIGTERM (Slurm's warning signal ``--signal=B:USR1@N`` forwarded by the job script,
-  ``scancel``, preemption, torchrun passing on its own SIGTERM): the handler only sets a flag.
+* SIGUSR1 or SIGTERM (Slurm's warning signal ``--signal=USR1@N``, sent to every process of the
+  job step, ``scancel``, preemption, torchrun passing on its own SIGTERM): the handler only sets
+  a flag.
 * The allocation's deadline (:func:`allocation_deadline`) closer than the margin: the longest
   recent step plus the last save, times :data:`SAFETY`, plus ``train.stop.margin_s`` (checked
   from the first step this process completes on: before, nothing is measured and nothing new
