@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from datetime import datetime
 
@@ -120,3 +121,29 @@ def test_each_exit_appends_one_line(tmp_path, control, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     c.record(tmp_path, "done", 0)  # other ranks write nothing
     assert len((tmp_path / ALLOCATIONS_FILE).read_text().splitlines()) == 2
+
+
+def test_a_save_holds_the_signals_its_helpers_would_die_of(control):
+    """Slurm signals every process of the step: a helper started during a save (megatron's
+    checkpoint writer) keeps the signals blocked, the trainer gets its signal after the save."""
+    c = control()
+    sleeper = [sys.executable, "-c", "import time; time.sleep(30)"]
+    with c.signals_held():
+        helper = subprocess.Popen(sleeper)
+        os.kill(os.getpid(), signal.SIGUSR1)  # pending, not acted on inside the save
+        time.sleep(0.2)
+        assert c.signal_name is None
+    time.sleep(0.2)
+    assert c.signal_name == "SIGUSR1"
+    outside = subprocess.Popen(sleeper)
+    try:
+        time.sleep(0.5)  # both interpreters started
+        for p in (helper, outside):
+            p.send_signal(signal.SIGUSR1)
+        assert outside.wait(timeout=10) == -signal.SIGUSR1
+        time.sleep(0.5)
+        assert helper.poll() is None, "the helper started inside the save died of SIGUSR1"
+    finally:
+        for p in (helper, outside):
+            p.kill()
+            p.wait()

@@ -23,6 +23,7 @@ Every exit the process can still act on appends one line to ``run_dir/allocation
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -107,6 +108,21 @@ class StopControl:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._previous = {}
+
+    @contextlib.contextmanager
+    def signals_held(self):
+        """Hold the stop signals pending (blocked, not ignored) while the body runs.
+
+        Slurm's warning signal and ``scancel`` reach every process of the job step, the helper
+        processes megatron's checkpoint writer starts during a save too, and those die of it (the
+        save then fails). A blocked mask is inherited by fork and kept across exec, so helpers
+        started in the body never see the signals; the trainer gets them when the body ends."""
+        held = set(self._previous) if self._previous else set()
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
     def step_done(self, step: int, seconds: float) -> None:
         """Step ``step`` (1-based) completed in ``seconds`` (its save included)."""

@@ -415,7 +415,7 @@ class Trainer:
             **self.neighbors.state_dict(),
             "best": self.best,
         }
-        with self.watchdog.stage("save", self.step):
+        with self.watchdog.stage("save", self.step), self.stop.signals_held():
             path = save_training_checkpoint(
                 self.run_dir,
                 self.step,
