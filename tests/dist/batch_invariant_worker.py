@@ -10,15 +10,14 @@ reports the gap with the mode off (the default kernels) and asserts ``torch.equa
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
-import shutil
 
 import torch
 import torch.distributed as dist
 
 from tests.harness.multiproc import case, run_cases, shared_tmpdir
+from tests.harness.tiny import tiny_checkpoint
 
 VOCAB, NUM_REAL, K = 500, 480, 3
 PROMPTS = [[5, 17, 33, 2, 9, 41, 7], [300, 12], [77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87], [401]]
@@ -33,36 +32,8 @@ def _model_cfg(tp: int, dtype: str, pp: int = 1):
 
 
 def _checkpoint() -> str:
-    if "ckpt" in _STATE:
-        return _STATE["ckpt"]
-    from megatron.core import dist_checkpointing
-
-    from megatron_ngrpo.models.provider import build_model
-    from megatron_ngrpo.parallel import initialize_model_parallel
-    from tests.harness.tiny import write_tiny_hf
-
-    root = shared_tmpdir("batch_invariant_")
-    if dist.get_rank() == 0:
-        atexit.register(shutil.rmtree, root, ignore_errors=True)
-    _STATE["hf"] = str(
-        write_tiny_hf(
-            os.path.join(root, "hf"),
-            weights=False,
-            vocab_size=VOCAB,
-            num_heads=8,
-            num_kv_heads=4,
-            initializer_range=0.05,
-        )
-    )
-    initialize_model_parallel(1, 1, seed=1234)
-    chunks = build_model(_model_cfg(1, "float32"))
-    ckpt = os.path.join(root, "ckpt")
-    if dist.get_rank() == 0:
-        os.makedirs(ckpt)
-    dist.barrier()
-    dist_checkpointing.save({"model": chunks[0].sharded_state_dict()}, ckpt)
-    _STATE["ckpt"] = ckpt
-    return ckpt
+    """The TP=1 weights as a megatron distributed checkpoint (written once)."""
+    return tiny_checkpoint(_STATE, "batch_invariant_", VOCAB, lambda: _model_cfg(1, "float32"))
 
 
 def model(tp: int, dtype: str, pp: int = 1) -> list:

@@ -9,15 +9,12 @@ forwards through megatron's forward-only pipeline schedule, and the trainer's
 
 from __future__ import annotations
 
-import atexit
-import os
-import shutil
-
 import torch
 import torch.distributed as dist
 
-from tests.harness.multiproc import case, run_cases, shared_tmpdir
+from tests.harness.multiproc import case, run_cases
 from tests.harness.records import sequence_mixes
+from tests.harness.tiny import tiny_checkpoint
 
 VOCAB, NUM_REAL, K = 500, 480, 3
 LAYOUTS = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)]
@@ -41,28 +38,7 @@ def _model_cfg(tp: int, pp: int, vpp: int | None = None, attention: str = "sdpa"
 
 def _checkpoint() -> str:
     """The TP=1 weights as a megatron distributed checkpoint (written once)."""
-    if "ckpt" in _STATE:
-        return _STATE["ckpt"]
-    from megatron.core import dist_checkpointing
-
-    from megatron_ngrpo.models.provider import build_model
-    from megatron_ngrpo.parallel import initialize_model_parallel
-    from tests.harness.tiny import write_tiny_hf
-
-    root = shared_tmpdir("megatron_engine_")
-    if dist.get_rank() == 0:
-        atexit.register(shutil.rmtree, root, ignore_errors=True)
-    _STATE["hf"] = str(write_tiny_hf(os.path.join(root, "hf"), weights=False, vocab_size=VOCAB,
-                                     num_heads=8, num_kv_heads=4, initializer_range=0.05))
-    initialize_model_parallel(1, 1, seed=1234)
-    chunks = build_model(_model_cfg(1, 1))
-    ckpt = os.path.join(root, "ckpt")
-    if dist.get_rank() == 0:
-        os.makedirs(ckpt)
-    dist.barrier()
-    dist_checkpointing.save({"model": chunks[0].sharded_state_dict()}, ckpt)
-    _STATE["ckpt"] = ckpt
-    return ckpt
+    return tiny_checkpoint(_STATE, "megatron_engine_", VOCAB, lambda: _model_cfg(1, 1))
 
 
 def layout(tp: int, pp: int, vpp: int | None = None, attention: str = "sdpa") -> list:

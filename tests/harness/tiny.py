@@ -6,7 +6,11 @@ Shapes keep vLLM's CPU attention happy (head_dim 32) and TP up to 4 / PP up to 2
 
 from __future__ import annotations
 
+import atexit
 import json
+import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 _ARCH = {
@@ -122,3 +126,42 @@ def in_megatron_ddp(module, tp: int):
     return DistributedDataParallel(
         cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module
     )
+
+
+def tiny_checkpoint(state: dict, prefix: str, vocab_size: int, model_cfg: Callable) -> str:
+    """A torchrun worker's tiny model (8 heads, 4 KV heads, HF folder without weights) as a TP=1
+    megatron distributed checkpoint, written once per launch (``state["hf"]``, ``state["ckpt"]``)
+    in a folder every rank sees and rank 0 removes at exit; its path. ``model_cfg()``: the TP=1
+    ModelConfig, read after ``state["hf"]`` is set (collective)."""
+    if "ckpt" in state:
+        return state["ckpt"]
+    # lazy: keeps tests.harness.tiny free of torch.distributed and megatron-core at import
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    from megatron_ngrpo.models.provider import build_model
+    from megatron_ngrpo.parallel import initialize_model_parallel
+    from tests.harness.multiproc import shared_tmpdir
+
+    root = shared_tmpdir(prefix)
+    if dist.get_rank() == 0:
+        atexit.register(shutil.rmtree, root, ignore_errors=True)
+    state["hf"] = str(
+        write_tiny_hf(
+            os.path.join(root, "hf"),
+            weights=False,
+            vocab_size=vocab_size,
+            num_heads=8,
+            num_kv_heads=4,
+            initializer_range=0.05,
+        )
+    )
+    initialize_model_parallel(1, 1, seed=1234)
+    chunks = build_model(model_cfg())
+    ckpt = os.path.join(root, "ckpt")
+    if dist.get_rank() == 0:
+        os.makedirs(ckpt)
+    dist.barrier()
+    dist_checkpointing.save({"model": chunks[0].sharded_state_dict()}, ckpt)
+    state["ckpt"] = ckpt
+    return ckpt
