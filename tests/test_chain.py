@@ -291,3 +291,16 @@ def test_until_done_and_signal_lead_reach_the_script(tmp_path, monkeypatch, caps
     assert begin.startswith(f"python3 {REPO}/megatron_ngrpo/launch/chain.py begin --job-dir")
     assert script.index("chain.py begin ") < script.index("launch.preflight")
     assert "trap '" in script and "chain.py end " in script
+
+
+def test_the_chain_reads_the_files_the_trainer_writes():
+    """launch/chain.py runs on the batch host without torch, so it names the trainer's files
+    itself: they must stay the ones training/stop.py and training/watchdog.py write."""
+    from megatron_ngrpo.training import stop, watchdog
+
+    assert chain.ALLOCATIONS_FILE == stop.ALLOCATIONS_FILE
+    assert chain.HANG_REPORT == f"{watchdog.HANG_DIR}/{watchdog.REPORT_FILE}"
+    assert (chain.EXIT_CONTINUE, chain.EXIT_WATCHDOG) == (
+        stop.EXIT_CONTINUE,
+        watchdog.EXIT_WATCHDOG,
+    )
