@@ -17,7 +17,8 @@ product hook):
   hyperparameters, the elements it updates and the norm of the (clipped) gradient it applies;
 - ``calls``: each engine call's prompts, sampling settings and response lengths.
 The mismatch runs also shift the built-in engine's log-probs (:func:`_shift`), a known
-rollout/trainer gap.
+rollout/trainer gap. Runs with the same data settings share one tokenised training set
+(:func:`train_set_memo`).
 
 Run under torchrun with 2 processes.
 """
@@ -39,6 +40,7 @@ from tests.harness.multiproc import case, run_cases, shared_tmpdir
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny_test.yaml"
 STATE: dict = {}
+TRAIN_SETS: dict = {}  # (data settings, tokenizer) → the training prompts (train_set_memo)
 
 
 def tmp() -> Path:
@@ -70,6 +72,7 @@ def observed(name: str, *overrides: str, shift: bool = False, run: str | None = 
         model_forwards(seen["forwards"]),
         optimizer_steps(seen["steps"]),
         engine_calls(seen["calls"], seen["shifted"] if shift else None),
+        train_set_memo(),
         contextlib.redirect_stderr(err),
     ):
         trainer = Trainer(cfg)
@@ -193,6 +196,28 @@ def optimizer_steps(seen: list):
         yield
     finally:
         handle.remove()
+
+
+@contextlib.contextmanager
+def train_set_memo():
+    """The trainer's ``load_train_set`` run once per data settings and tokenizer in this process:
+    tokenising the task's 17,904 prompts is ~1.5 s of CPU per run and rank, repeated unchanged by
+    the ~38 runs (test time, not coverage: a run with other ``data.*`` settings loads its own)."""
+    from megatron_ngrpo.training import trainer
+
+    original = trainer.load_train_set
+
+    def load_train_set(cfg, tokenizer):
+        key = (repr(cfg), tokenizer.name_or_path)
+        if key not in TRAIN_SETS:
+            TRAIN_SETS[key] = original(cfg, tokenizer)
+        return list(TRAIN_SETS[key])  # a run's own list of the (frozen) examples
+
+    trainer.load_train_set = load_train_set
+    try:
+        yield
+    finally:
+        trainer.load_train_set = original
 
 
 def _global_counts(counts: dict) -> dict:
