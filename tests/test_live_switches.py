@@ -2,10 +2,11 @@
 flipped by a named test that sees what the trainer, an engine, the evaluation or the launcher then
 does differently, or as validated only (with the reason); a field without an entry fails here.
 
-The trainer runs behind many entries are here: one 2-process launch of
-tests/dist/trainer_switches_worker.py runs short trainer jobs (``Trainer(cfg).setup(); .run()``
-on configs/tiny_test.yaml) with switches flipped and reports their metrics, outputs and what
-test-side instruments saw (model forwards, optimizer steps, engine calls)."""
+The trainer runs behind many entries are here: two 2-process launches of
+tests/dist/trainer_switches_worker.py, side by side, run short trainer jobs
+(``Trainer(cfg).setup(); .run()`` on configs/tiny_test.yaml) with switches flipped and report
+their metrics, outputs and what test-side instruments saw (model forwards, optimizer steps,
+engine calls)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import ast
 import dataclasses
 import math
 import typing
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -111,9 +113,55 @@ def test_the_walker_sees_nested_listed_and_optional_dataclasses():
 
 
 # ---- trainer runs --------------------------------------------------------------------------------
+# The worker's cases in two launches side by side (2 processes each, one thread per process): one
+# launch kept the 2 cores about half busy (~160 s of user CPU in CI's 176 s), its ranks waiting on
+# each other, on start-up and on their reward workers; the other launch's runs use that time.
+# Cases that share a run (the baseline step; the checkpoint of ``outputs_and_starts`` that
+# ``validation_and_evaluation`` evaluates) stay in one launch, in the worker's order.
+LAUNCHES = (
+    (
+        "mismatch_corrections",
+        "batch_arithmetic",
+        "dra",
+        "warm_start",
+        "stale_rollouts",
+        "prompt_order_and_epochs",
+        "mixing_defaults",
+    ),
+    (
+        "micro_batches",
+        "optimizer_settings",
+        "model_layouts",
+        "objective",
+        "embedding_gradient_and_table_refresh",
+        "outputs_and_starts",
+        "validation_and_evaluation",
+    ),
+)
+
+
 @pytest.fixture(scope="module")
 def runs(task):
-    return launch(WORKER, nproc=2, timeout=1500, env={"NGRPO_TASK": str(task)})
+    env = {"NGRPO_TASK": str(task)}
+    with ThreadPoolExecutor(len(LAUNCHES)) as pool:
+        parts = pool.map(
+            lambda only: launch(WORKER, nproc=2, timeout=1500, env=env, only=list(only)), LAUNCHES
+        )
+        return {name: result for part in parts for name, result in part.items()}
+
+
+def test_every_worker_case_is_launched():
+    """A case added to tests/dist/trainer_switches_worker.py without a place in LAUNCHES would
+    never run (its test would fail with "did not run"): say so here, by name."""
+    tree = ast.parse(WORKER.read_text())
+    cases = {
+        f.name
+        for f in tree.body
+        if isinstance(f, ast.FunctionDef)
+        and any(getattr(d, "id", "") == "case" for d in f.decorator_list)
+    }
+    launched = [name for names in LAUNCHES for name in names]
+    assert sorted(launched) == sorted(cases), (sorted(cases - set(launched)), launched)
 
 
 def _row(run: dict, i: int = 0) -> dict:
