@@ -201,8 +201,9 @@ def optimizer_steps(seen: list):
 @contextlib.contextmanager
 def train_set_memo():
     """The trainer's ``load_train_set`` run once per data settings and tokenizer in this process:
-    tokenising the task's 17,904 prompts is ~1.5 s of CPU per run and rank, repeated unchanged by
-    the ~38 runs (test time, not coverage: a run with other ``data.*`` settings loads its own)."""
+    reading and tokenising the task's 17,904 prompts, ~1 s of CPU per run and rank, was repeated
+    unchanged by the ~38 runs (test time, not coverage: a run with other ``data.*`` settings loads
+    its own)."""
     from megatron_ngrpo.training import trainer
 
     original = trainer.load_train_set
