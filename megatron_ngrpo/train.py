@@ -6,7 +6,8 @@ status 2 and one line naming the field; dynamic sampling running out of informat
 (``on_exhausted: error``) exits with status 3 and one line. A planned stop (SIGUSR1/SIGTERM or
 the allocation's deadline, training/stop.py) saves and exits with status 75 (run again to
 continue); a complete run exits 0. Each exit after the trainer is built appends a line to
-``run_dir/allocations.jsonl``.
+``run_dir/allocations.jsonl``. torchrun turns a worker's 75 into its own 1:
+``python -m megatron_ngrpo.launch.torchrun`` (torchrun's options) keeps it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import sys
 
 from megatron_ngrpo.config_loader import ConfigError
 from megatron_ngrpo.grpo.dynamic_sampling import DynamicSamplingExhausted
+from megatron_ngrpo.training import outcome
 
 
 class HeadEveryLine(logging.Formatter):
@@ -85,6 +87,7 @@ def _train(trainer) -> int:
         raise
     finally:
         trainer.stop.record(trainer.cfg.train.run_dir, reason, code)
+        outcome.write(code)  # for launch/torchrun.py: torchrun itself would say 1
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.metadata as md
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -224,3 +225,52 @@ def test_the_trainer_refuses_another_vllm_before_it_builds_anything(task, monkey
         f"config field 'rollout.engine' = 'vllm': vLLM 0.31.0+cpu is installed; the mixing hook "
         f"patches vLLM {pins.VLLM}'s private runner internals (install vllm=={pins.VLLM})"
     )
+
+
+def _fake_slurm(bin_dir: Path, **outputs: str) -> None:
+    """Executables ``sinfo``, ``squeue``, ... that print the given output."""
+    bin_dir.mkdir(exist_ok=True)
+    for name, out in outputs.items():
+        exe = bin_dir / name
+        exe.write_text(f"#!/bin/sh\nprintf '%s\\n' {shlex.quote(out)}\n")
+        exe.chmod(0o755)
+
+
+def test_the_jobs_time_against_max_time_and_the_save_interval(task, tmp_path, monkeypatch, capsys):
+    """Inside an allocation (fake ``squeue``/``sinfo`` on PATH): the job's limit above the
+    partition's MaxTime is one failure line; ``train.save_every`` steps of the step time measured
+    in the run's allocations.jsonl that do not fit the limit are one note, the check still ok."""
+    bin_dir = tmp_path / "bin"
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    for var in ("SLURM_JOB_START_TIME", "SLURM_JOB_END_TIME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "123")
+    monkeypatch.setenv("SLURM_JOB_PARTITION", "gpu")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "allocations.jsonl").write_text('{"steps_gained": 2, "step_seconds": 7200.0}\n')
+    argv = ["--gpus", "0", "--config", str(TINY), "--config", str(task)]
+    argv += [f"train.run_dir={run_dir}", "train.save_every=5"]
+
+    _fake_slurm(bin_dir, squeue="2-00:00:00", sinfo="4:00:00")
+    assert preflight.main(argv) == 1
+    out = capsys.readouterr()
+    assert out.err.strip().splitlines() == [
+        "preflight failed: --time 2-00:00:00: above partition gpu's MaxTime 04:00:00; ask for "
+        "--time 04:00:00 or less (--until-done continues the run in the next allocation)"
+    ], out.err
+
+    _fake_slurm(bin_dir, squeue="4:00:00")
+    assert preflight.main(argv) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("preflight ok: ") and len(out.out.splitlines()) == 1
+    assert out.err.strip().splitlines() == [
+        "preflight note: train.save_every=5 × 3600 s per step = 05:00:00 does not fit one "
+        "allocation of 4:00:00: only a signal or deadline save checkpoints; train.save_every=3 "
+        "would"
+    ], out.err
+
+    # Given by hand before the job queues: --time, --partition, --step-time.
+    manual = [*argv, "--time", "8:00:00", "--partition", "gpu", "--step-time", "60"]
+    assert preflight.main(manual) == 1
+    assert "--time 8:00:00: above partition gpu's MaxTime" in capsys.readouterr().err

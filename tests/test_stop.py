@@ -16,6 +16,8 @@ from datetime import datetime
 import pytest
 import torch.distributed as dist
 
+from megatron_ngrpo.launch.torchrun import node_status
+from megatron_ngrpo.training import outcome
 from megatron_ngrpo.training.config import StopConfig
 from megatron_ngrpo.training.stop import (
     ALLOCATIONS_FILE,
@@ -25,6 +27,7 @@ from megatron_ngrpo.training.stop import (
     allocation_deadline,
     error_reason,
 )
+from megatron_ngrpo.training.watchdog import EXIT_WATCHDOG
 
 
 @pytest.fixture
@@ -145,3 +148,18 @@ def test_a_save_holds_the_signals_its_helpers_would_die_of(control):
         for p in (helper, outside):
             p.kill()
             p.wait()
+
+
+def test_the_torchrun_wrapper_maps_its_workers_statuses(tmp_path):
+    """launch/torchrun.py: every worker of the node at 75 is 75, any 76 (the watchdog) is 76,
+    anything else leaves torchrun's own status; the statuses come from training/outcome.py."""
+    for rank, code in ((0, EXIT_CONTINUE), (1, EXIT_CONTINUE)):
+        env = {outcome.OUTCOME_ENV: str(tmp_path), "RANK": str(rank)}
+        outcome.write(code, env)
+    outcome.write(1, {"RANK": "2"})  # no directory set: nothing written
+    codes = outcome.read(tmp_path)
+    assert codes == {0: EXIT_CONTINUE, 1: EXIT_CONTINUE}
+    assert node_status(codes, 2) == EXIT_CONTINUE
+    assert node_status(codes, 4) is None  # two workers said nothing: torchrun's status stands
+    assert node_status({0: EXIT_CONTINUE, 1: 1}, 2) is None
+    assert node_status({0: EXIT_WATCHDOG}, 2) == EXIT_WATCHDOG

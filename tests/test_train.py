@@ -22,11 +22,14 @@ from megatron_ngrpo.parallel import free_port
 from megatron_ngrpo.training.job_config import load_config
 from megatron_ngrpo.training.stop import ALLOCATIONS_FILE, EXIT_CONTINUE
 from tests.harness.checkpoint import written_bytes
-from tests.support.probed_train import GATE_VAR, SaveGatekeeper
+from tests.support.probed_train import GATE_VAR, SIGNAL_VAR, SaveGatekeeper
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny_test.yaml"
 STEPS = ("train.max_steps=6", "train.save_every=2")
+PROBED = "tests.support.probed_train"
+# TP 2, one-step-off rollouts: a checkpoint holds the in-flight batch and its weights
+ONE_STEP_OFF = ("train.async.max_staleness=1", "model.tensor_parallel=2")
 
 
 @pytest.fixture(scope="module")
@@ -319,11 +322,12 @@ def _launch(
     *overrides: str,
     module: str = "megatron_ngrpo.train",
     env: dict | None = None,
+    launcher: str = "torch.distributed.run",
 ) -> subprocess.Popen:
     cmd = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        launcher,
         "--nproc-per-node",
         "2",
         "--master-addr",
@@ -435,15 +439,14 @@ def _gated(run_dir: Path) -> tuple[dict, SaveGatekeeper]:
     gate = run_dir.parent / f"{run_dir.name}_gate"
     gate.mkdir()
     keeper = SaveGatekeeper(run_dir, gate, saves=[2, 4, 6], last=6)
-    return dict(module="tests.support.probed_train", env={GATE_VAR: str(gate)}), keeper
+    return dict(module=PROBED, env={GATE_VAR: str(gate)}), keeper
 
 
 @pytest.mark.parametrize(
     "variant,overrides",
     [
         ("adam", ()),  # DP 2, sharded (reshardable) optimizer state
-        # TP 2, one-step-off rollouts: the checkpoint holds the in-flight batch and its weights
-        ("async", ("train.async.max_staleness=1", "model.tensor_parallel=2")),
+        ("async", ONE_STEP_OFF),
         # DP 2, checkpoints written in the background (megatron's async save, published when done)
         # with the distributed optimizer (the GPU configs' combination); the job's own collective
         # timeout (its process groups are read by tests/support/probed_train.py)
@@ -553,6 +556,92 @@ def test_a_signal_saves_the_step_reached_and_the_run_resumes_identically(task, t
         ("signal:SIGUSR1", 1),
         ("done", reached + 1),
     ]
+
+
+def test_a_planned_stop_keeps_the_one_step_off_rollout_in_flight(task, tmp_path, straight):
+    """SIGUSR1 to rank 1 during step 3's update, while the producer generates step 4's batch
+    with step 3's weights (tests/support/probed_train.py): the stop waits for that batch and
+    keeps it, with its weights, in the checkpoint of step 3 (not a save_every step); the resumed
+    run trains step 4 on it (staleness 1, as the uninterrupted run) and ends bit-identical.
+    Dropping it instead would leave two choices, both worse: regenerate it with step 4's weights
+    (another run: staleness 0 at step 4) or save step 3's weights to regenerate it, which is what
+    keeping the finished batch costs, plus its generation again (docs/LAUNCHING.md)."""
+    stopped = tmp_path / "stopped"
+    stopped.mkdir()
+    env = {SIGNAL_VAR: "1:3"}
+    proc = _launch(task, stopped, *STEPS, *ONE_STEP_OFF, module=PROBED, env=env)
+    try:
+        proc.wait(timeout=600)
+    except subprocess.TimeoutExpired:
+        _sigkill(proc)
+        raise
+    log = (tmp_path / "stopped.log").read_text()
+    (line,) = _allocations(stopped)
+    assert (line["reason"], line["exit_code"], line["last_step"]) == (
+        "signal:SIGUSR1",
+        EXIT_CONTINUE,
+        3,
+    ), log[-3000:]
+    assert _latest(stopped) == "iter_0000003"
+    _finish(_launch(task, stopped, *STEPS, *ONE_STEP_OFF), stopped, timeout=600)
+    rows = [json.loads(x) for x in (stopped / "metrics.jsonl").read_text().splitlines()]
+    assert [r["async/staleness"] for r in rows] == [0, 1, 1, 1, 1, 1], rows
+    _same_run(straight(*ONE_STEP_OFF), stopped, tmp_path, "one-step-off, stopped after step 3")
+
+
+def _wait_for_row(proc: subprocess.Popen, run_dir: Path) -> None:
+    """Until step 1's metrics row is written (the run is past start-up)."""
+    deadline = time.time() + 600
+    rows = run_dir / "metrics.jsonl"
+    while not (rows.exists() and rows.read_text().endswith("\n")) and proc.poll() is None:
+        if time.time() > deadline:
+            _sigkill(proc)
+            raise AssertionError("no metrics row after 600 s")
+        time.sleep(0.05)
+
+
+def _stopped_at(run_dir: Path, reason: str) -> int:
+    """The step a planned stop saved, after checking its allocations line and ``latest``."""
+    (line,) = _allocations(run_dir)
+    assert (line["reason"], line["exit_code"]) == (reason, EXIT_CONTINUE), line
+    assert _latest(run_dir) == f"iter_{line['last_step']:07d}"
+    assert [r[0] for r in _losses(run_dir)] == list(range(1, line["last_step"] + 1))
+    return line["last_step"]
+
+
+def test_a_signal_to_torchrun_saves_and_the_wrapper_exits_75(task, tmp_path):
+    """SIGUSR1 to torchrun itself, as a user would send it (not to its workers): torchrun passes
+    it on (launch/torchrun.py handles SIGUSR1), both workers save the step reached and exit 75,
+    and ``python -m megatron_ngrpo.launch.torchrun`` exits 75 where torchrun says 1."""
+    run = tmp_path / "run"
+    run.mkdir()
+    proc = _launch(task, run, "train.max_steps=4", launcher="megatron_ngrpo.launch.torchrun")
+    _wait_for_row(proc, run)
+    proc.send_signal(signal.SIGUSR1)
+    try:
+        code = proc.wait(timeout=600)
+    except subprocess.TimeoutExpired:
+        _sigkill(proc)
+        raise
+    log = (tmp_path / "run.log").read_text()
+    assert code == EXIT_CONTINUE, log[-3000:]
+    assert 1 <= _stopped_at(run, "signal:SIGUSR1") < 4
+    assert "torchrun: the workers stopped as planned (SignalException): exit 75" in log
+
+
+def test_a_signal_to_a_plain_process_saves_the_step_reached(task, tmp_path):
+    """SIGTERM to a plain ``python -m megatron_ngrpo.train`` (no torchrun): it saves the step it
+    reached and exits 75."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "megatron_ngrpo.train", "--config", str(TINY)]
+    cmd += ["--config", str(task / "paths.yaml"), f"train.run_dir={run}", "train.max_steps=4"]
+    with open(tmp_path / "run.log", "w") as log:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    _wait_for_row(proc, run)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=600) == EXIT_CONTINUE, (tmp_path / "run.log").read_text()[-3000:]
+    assert 1 <= _stopped_at(run, "signal:SIGTERM") < 4
 
 
 def _plain(task: Path, run_dir: Path, *overrides: str, env: dict | None = None):

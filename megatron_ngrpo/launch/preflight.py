@@ -7,7 +7,11 @@ dependency the config needs (vLLM for ``rollout.engine=vllm``, Transformer Engin
 against :mod:`megatron_ngrpo.pins`, which the code carries (a job's code comes by NeMo-Run's git
 packager: there is no package metadata of megatron_ngrpo to read), checks that torch is a CUDA
 build of the CUDA vLLM needs on a GPU node, counts the GPUs the node's ranks need and runs the
-trainer's start-up refusals (``check_device``). Output: ``preflight ok: ...`` (exit 0), or one
+trainer's start-up refusals (``check_device``). Inside an allocation (or given ``--time``) it
+compares the job's time limit with the partition's MaxTime and says in one ``preflight note:``
+line when ``train.save_every`` steps of the step time (``--step-time``, else as measured in the
+run directory's ``allocations.jsonl``) cannot fit one allocation (launch/time_limit.py, as ``plan``
+and ``run`` do before the job queues). Output: ``preflight ok: ...`` (exit 0), or one
 ``preflight failed: ...`` line per problem (exit 1; a config error exits 2, as the trainer does).
 No process group starts.
 
@@ -23,6 +27,7 @@ import importlib
 import importlib.metadata as md
 import os
 import sys
+from dataclasses import dataclass
 
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
@@ -31,6 +36,7 @@ from packaging.utils import canonicalize_name
 from megatron_ngrpo import pins
 from megatron_ngrpo.config_loader import ConfigError
 from megatron_ngrpo.conversion import safetensors_header
+from megatron_ngrpo.launch import time_limit
 
 # Import name -> the distribution names it may be installed under, of what every training job
 # imports.
@@ -143,7 +149,40 @@ def cuda_problem(vllm: bool) -> str | None:
     return None
 
 
-def preflight(configs: list[str], overrides: list[str], gpus: int, world_size: int) -> str:
+@dataclass(frozen=True)
+class TimeLimit:
+    """The job's time (None: inside an allocation, its own limit), its partition (None:
+    ``SLURM_JOB_PARTITION``) and the seconds per step (None: as measured in the run directory)."""
+
+    time: str | None = None
+    partition: str | None = None
+    step_time: float | None = None
+
+
+def time_problems(train, limit: TimeLimit, env=os.environ) -> list[str]:
+    """The job's time against its partition's MaxTime (one problem line), and the one-line note
+    on stderr when ``train.save_every`` steps do not fit it. Nothing without a time or a Slurm to
+    ask (sinfo, squeue)."""
+    time = limit.time or time_limit.job_time_limit(env)
+    if not time:
+        return []
+    try:
+        time_limit.check_time(time, limit.partition or env.get("SLURM_JOB_PARTITION"))
+    except ConfigError as e:
+        return [str(e)]
+    step_time = limit.step_time or time_limit.measured_step_seconds(train.run_dir)
+    if note := time_limit.save_interval_note(time, train.save_every, step_time):
+        print(f"preflight {note}", file=sys.stderr, flush=True)
+    return []
+
+
+def preflight(
+    configs: list[str],
+    overrides: list[str],
+    gpus: int,
+    world_size: int,
+    limit: TimeLimit = TimeLimit(),
+) -> str:
     """The one-line report; raises PreflightError (its lines) or ConfigError."""
     # The job's interpreter is the image's, not the one setup.py's python_requires was checked on.
     if sys.version_info < (3, 11):  # noqa: UP036
@@ -167,7 +206,7 @@ def preflight(configs: list[str], overrides: list[str], gpus: int, world_size: i
     if gpus and (problem := cuda_problem(vllm)):
         problems.append(problem)
     have, more_problems = node_problems(gpus, cfg.model.hf_path)
-    problems += more_problems
+    problems += more_problems + time_problems(cfg.train, limit)
     if problems:
         raise PreflightError("\n".join(problems))
     check_device(cfg, gpu=gpus > 0)
@@ -236,6 +275,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--model", help="--server: the served HF checkpoint directory")
     ap.add_argument("--world-size", type=int, default=1, help="ranks in the whole job")
+    ap.add_argument(
+        "--time", help="the job's time limit (default: inside an allocation, the job's own)"
+    )
+    ap.add_argument("--partition", help="its Slurm partition (default: $SLURM_JOB_PARTITION)")
+    ap.add_argument(
+        "--step-time",
+        type=float,
+        help="seconds per training step (default: as measured in the run's allocations.jsonl)",
+    )
     ap.add_argument("--config", action="append", default=[], metavar="FILE")
     ap.add_argument("overrides", nargs="*", metavar="a.b=c")
     args = ap.parse_args(argv)
@@ -247,7 +295,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.server:
             print(server_report(args.model or "", args.gpus), flush=True)
         else:
-            print(preflight(args.config, args.overrides, args.gpus, args.world_size), flush=True)
+            limit = TimeLimit(args.time, args.partition, args.step_time)
+            report = preflight(args.config, args.overrides, args.gpus, args.world_size, limit)
+            print(report, flush=True)
     except ConfigError as e:
         print(f"preflight failed: {e}", file=sys.stderr)
         return 2

@@ -1,5 +1,6 @@
 """A Slurm job's time limit against its partition's ``MaxTime``, and the checkpoint interval
-against the time limit, checked before anything queues (``ngrpo-launch plan`` and ``run``).
+against the time limit, checked before anything queues (``ngrpo-launch plan`` and ``run``) and
+by pre-flight inside the allocation (launch/preflight.py, the job's own limit).
 
 * A requested ``--time`` above the partition's MaxTime (``sinfo -h -p P -o %l``) is refused by
   ``sbatch`` only after the configs are staged; here it is one line naming both values and
@@ -11,6 +12,7 @@ against the time limit, checked before anything queues (``ngrpo-launch plan`` an
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -53,6 +55,7 @@ Runner = Callable[[list[str]], str]
 
 
 def _sinfo(argv: list[str]) -> str:
+    """A Slurm query's output (``sinfo``, ``squeue``)."""
     return subprocess.run(argv, capture_output=True, text=True, timeout=30, check=True).stdout
 
 
@@ -90,6 +93,23 @@ def check_time(time: str, partition: str | None, run: Runner | None = None) -> N
             f"for --time {format_seconds(limit)} or less (--until-done continues the run in the "
             f"next allocation)"
         )
+
+
+def job_time_limit(env=os.environ, run: Runner | None = None) -> str | None:
+    """Inside an allocation, the job's time limit as a Slurm time string: its end less its start
+    (``SLURM_JOB_END_TIME``, ``SLURM_JOB_START_TIME``), else ``squeue -h -j JOB -o %l``; None
+    outside a job or where neither answers (a container without Slurm's commands)."""
+    start, end = env.get("SLURM_JOB_START_TIME", ""), env.get("SLURM_JOB_END_TIME", "")
+    if start.isdigit() and end.isdigit():
+        return format_seconds(int(end) - int(start))
+    job = env.get("SLURM_JOB_ID")
+    if not job or (run is None and not shutil.which("squeue")):
+        return None
+    try:
+        out = (run or _sinfo)(["squeue", "-h", "-j", job, "-o", "%l"]).strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out or None
 
 
 def measured_step_seconds(run_dir: str) -> float | None:

@@ -2,7 +2,8 @@
 
 Two triggers, both acted on at a step boundary only (the update of the step in flight is
 finished; no rollout is in flight between steps, except the one-step-off producer's, which the
-checkpoint holds as on every save):
+checkpoint holds as on every save: kept, not dropped, so the resumed run trains on it as the
+uninterrupted one does; docs/LAUNCHING.md "Planned stops" says why):
 
 * SIGUSR1 or SIGTERM (Slurm's warning signal ``--signal=USR1@N``, sent to every process of the
   job step, ``scancel``, preemption, torchrun passing on its own SIGTERM): the handler only sets

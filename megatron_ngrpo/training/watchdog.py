@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Literal, get_args
 
 from megatron_ngrpo.config_loader import fail
+from megatron_ngrpo.training import outcome
 
 EXIT_WATCHDOG = 76
 Stage = Literal["rollout", "weight_sync", "update", "save", "validation"]
@@ -342,6 +343,7 @@ class Watchdog:
         report = self.report(late)
         _write_json(self.dir / REPORT_FILE, report)
         print(report["line"], file=sys.stderr, flush=True)
+        outcome.write(EXIT_WATCHDOG)
         os._exit(EXIT_WATCHDOG)
 
     def _follow(self, reason: str = "") -> None:
@@ -353,6 +355,7 @@ class Watchdog:
             if (_read_json(self.dir / REPORT_FILE) or {}).get("session") == self.session:
                 break
             time.sleep(0.2)
+        outcome.write(EXIT_WATCHDOG)
         os._exit(EXIT_WATCHDOG)
 
     def report(self, late: _Open) -> dict:

@@ -10,6 +10,9 @@ entry point under two test-side probes.
   opens the gates from the test process.
 - Process-group timeouts: when ``Trainer.run`` returns, each rank writes the timeout of every
   process group it holds to ``<run_dir>/group_timeouts.<rank>.json``.
+- A signal at a known point (``$NGRPO_SIGNAL_AT`` = ``<rank>:<step>``): rank ``<rank>`` sends
+  itself SIGUSR1 as step ``<step>``'s update starts, i.e. after the step's rollout stage launched
+  the one-step-off producer's next batch, while it is generated.
 """
 
 from __future__ import annotations
@@ -17,12 +20,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import sys
 import threading
 import time
 from pathlib import Path
 
 GATE_VAR = "NGRPO_SAVE_GATE"
+SIGNAL_VAR = "NGRPO_SIGNAL_AT"
 
 
 class SaveGatekeeper:
@@ -99,10 +104,27 @@ def _record_group_timeouts() -> None:
     Trainer.run = recorded
 
 
+def _signal_at(rank: int, step: int) -> None:
+    import torch.distributed as dist
+
+    from megatron_ngrpo.training.trainer import Trainer
+
+    update = Trainer._update
+
+    def signalled(self, batch):
+        if dist.get_rank() == rank and self.step + 1 == step:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return update(self, batch)
+
+    Trainer._update = signalled
+
+
 if __name__ == "__main__":
     from megatron_ngrpo.train import main
 
     if GATE_VAR in os.environ:
         _hold_writers(Path(os.environ[GATE_VAR]))
+    if SIGNAL_VAR in os.environ:
+        _signal_at(*map(int, os.environ[SIGNAL_VAR].split(":")))
     _record_group_timeouts()
     sys.exit(main(sys.argv[1:]))
