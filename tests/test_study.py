@@ -183,3 +183,14 @@ def test_passk_plot_has_three_panels(tmp_path):
     heldout = {arm: {s: {0: 0.1, 5: 0.2 + s / 10} for s in range(2)} for arm in curves}
     passk_study.plot(agg, heldout, tmp_path / "passk.png", "synthetic")
     assert (tmp_path / "passk.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_smollm2_validates_an_even_share_of_each_list_length(tmp_path):
+    """``--heldout-per-level`` strides the chat task's 64 held-out problems per list length: every
+    length keeps the same share (a plain limit would keep the shortest lists only)."""
+    run_study.write_smollm2(tmp_path, "maxmin", 8)
+    rows = [json.loads(r) for r in (tmp_path / "heldout_study.jsonl").read_text().splitlines()]
+    levels = sorted({r["level"] for r in rows})
+    assert len(levels) == 3 and [sum(r["level"] == lv for r in rows) for lv in levels] == [8] * 3
+    with pytest.raises(SystemExit, match="--heldout-per-level in"):
+        run_study.write_smollm2(tmp_path, "maxmin", 12)

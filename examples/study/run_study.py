@@ -78,15 +78,25 @@ def write_tiny(task_dir: Path, task: str, heldout_per_level: int) -> dict:
     }
 
 
+# The chat task's held-out set: 64 problems per list length, in order of length; validating every
+# s-th keeps the lengths balanced (a validation.limit would take the shortest lists only).
+CHAT_STRIDES = {64 // s: s for s in (1, 2, 4, 8)}
+
+
 def write_smollm2(task_dir: Path, task: str, heldout_per_level: int) -> dict:
-    """The real model's chat task; validation on every other held-out problem (32 per list length)
-    sampled as the rollouts are (n = 4, T = 1), so that pass@n and the diversity metrics mean
-    something and one validation costs about 3 minutes on one core."""
-    if task != "maxmin" or heldout_per_level != 64:
-        raise SystemExit("--recipe smollm2: only --task maxmin --heldout-per-level 64")
+    """The real model's chat task; validation on ``heldout_per_level`` of the 64 held-out problems
+    of each list length (evenly strided; default 32, every other one), sampled as the rollouts are
+    (n = 4, T = 1), so that pass@n and the diversity metrics mean something and one validation
+    costs about 3 minutes on one core."""
+    if task != "maxmin" or heldout_per_level not in CHAT_STRIDES:
+        raise SystemExit(
+            f"--recipe smollm2: only --task maxmin and --heldout-per-level in {sorted(CHAT_STRIDES)}"
+            f" (a divisor of the chat task's 64 per list length), got {task}, {heldout_per_level}"
+        )
     write_chat_task(task_dir)
     rows = (task_dir / "heldout.jsonl").read_text().splitlines()
-    (task_dir / "heldout_study.jsonl").write_text("".join(r + "\n" for r in rows[::2]))
+    picked = rows[:: CHAT_STRIDES[heldout_per_level]]
+    (task_dir / "heldout_study.jsonl").write_text("".join(r + "\n" for r in picked))
     return {
         "data": {"train": [{"path": str(task_dir / "train.jsonl")}]},
         "validation": {
@@ -98,17 +108,19 @@ def write_smollm2(task_dir: Path, task: str, heldout_per_level: int) -> dict:
     }
 
 
-# Recipe → (config, task writer returning its config paths, plot title).
+# Recipe → (config, task writer returning its config paths, plot title), default held-out per level.
 RECIPES = {
     "tiny": (
         "configs/tiny_cpu.yaml",
         write_tiny,
         "{task} task (examples/arithmetic), tiny Qwen2, CPU: mean ± 1 std over seeds",
+        64,
     ),
     "smollm2": (
         "configs/smollm2_135m_arith.yaml",
         write_smollm2,
         "chat max / min task, SmolLM2-135M-Instruct, CPU: mean ± 1 std over seeds",
+        32,
     ),
 }
 
@@ -334,7 +346,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--recipe", choices=list(RECIPES), default="tiny")
     ap.add_argument("--task", choices=sorted(TASKS), default="maxmin", help="the tiny task")
     ap.add_argument(
-        "--heldout-per-level", type=int, default=64, help="held-out problems per task level"
+        "--heldout-per-level",
+        type=int,
+        help="held-out problems per task level (default: tiny 64, smollm2 32 of its 64)",
     )
     ap.add_argument(
         "--n", type=int, help="validation samples per problem (default: the recipe's config)"
@@ -408,7 +422,7 @@ def passk_curves(run_dir: Path, curve: dict[int, float]) -> dict[str, dict]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    config, write, title = RECIPES[args.recipe]
+    config, write, title, per_level = RECIPES[args.recipe]
     title = title.format(task="max / min" if args.task == "maxmin" else args.task)
     out = args.out.resolve()
     # Seed-major order: the arms of one seed run side by side, under the same load.
@@ -417,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         dirs = [out / "runs" / f"{arm}_seed{seed}" for arm, seed in jobs]
     else:
         paths = out / "task_paths.yaml"
-        task_paths = write(out / "task", args.task, args.heldout_per_level)
+        task_paths = write(out / "task", args.task, args.heldout_per_level or per_level)
         paths.write_text(yaml.safe_dump(task_paths))
         with ThreadPoolExecutor(args.parallel) as pool:
             dirs = list(
