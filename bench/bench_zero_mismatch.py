@@ -3,7 +3,9 @@
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 1 -m bench.bench_zero_mismatch [--max-seconds 240]
 
 One process (TP 1), configs/tiny_test.yaml on the arithmetic task of ``examples/arithmetic``
-(mixing on, ρ = 0.3, the built-in engine). One ``Trainer``; its chunks and engine are switched
+(mixing on, ρ = 0.3, the built-in engine); ``--model DIR`` puts an HF folder's weights and
+tokenizer in place of the tiny model (the SmolLM2 shape: ``--model
+~/.cache/megatron_ngrpo/models/SmolLM2-135M-Instruct``, scripts/setup_real_model.sh builds it). One ``Trainer``; its chunks and engine are switched
 between the two forwards (``models.batch_invariant.enable/disable_batch_invariant``) before each
 timed call, so both see the same weights drift:
 
@@ -31,6 +33,11 @@ def main() -> None:
     ap.add_argument("--max-seconds", type=float, default=240.0)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument(
+        "--model",
+        type=Path,
+        help="an HF folder (e.g. SmolLM2-135M-Instruct): its weights and tokenizer",
+    )
     args = ap.parse_args()
 
     import torch.distributed as dist
@@ -49,7 +56,8 @@ def main() -> None:
     write_arithmetic_task(root, hidden_size=args.hidden, num_layers=args.layers)
     cfg = load_config(
         [repo / "configs" / "tiny_test.yaml", root / "paths.yaml"],
-        [f"train.run_dir={root / 'run'}", "train.max_steps=100000", "train.save_every=0"],
+        [f"train.run_dir={root / 'run'}", "train.max_steps=100000", "train.save_every=0"]
+        + ([f"model.hf_path={args.model}", f"tokenizer={args.model}"] if args.model else []),
     )
     trainer = Trainer(cfg)
     trainer.setup()

@@ -5,12 +5,14 @@ the all-layout and leak cases are ``slow`` (minutes; ``pytest -m slow tests/test
 """
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from megatron_ngrpo.config_loader import ConfigError
-from megatron_ngrpo.models.batch_invariant import BLOCK_ROWS, row_blocks
+from megatron_ngrpo.models.batch_invariant import BLOCK_ROWS, TiledAttention, row_blocks
 from megatron_ngrpo.models.invariant_logsoftmax import gathered_logprobs, ordered_merge, shard_stats
 from megatron_ngrpo.training.job_config import load_config
 from tests import test_train
@@ -87,6 +89,31 @@ def test_fixed_row_blocks_make_a_gemm_row_independent_of_m():
     assert blocked.shape == full.shape and BLOCK_ROWS > 1
     for i in range(37):
         assert torch.equal(blocked[i], row_blocks(x[i : i + 1], lambda b: b @ w.t())[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiled_attention_decode_row_is_the_prefill_row(dtype):
+    """A decode step (one query against the cache), alone or in a batch, gives the bits of the
+    same row of a prefill over 2 tiles (and of a shorter prefill); the result is attention."""
+    torch.manual_seed(2)
+    s, b, heads, groups, hn = 40, 3, 4, 2, 8
+    q = torch.randn(s, b, heads, hn).to(dtype)
+    k, v = (torch.randn(s, b, groups, hn).to(dtype) for _ in range(2))
+    attn = SimpleNamespace(softmax_scale=hn**-0.5)
+
+    def run(q, k, v):
+        return TiledAttention.forward(attn, q, k, v, None)
+
+    full = run(q, k, v)
+    for i in range(s):
+        assert torch.equal(run(q[i : i + 1], k[: i + 1], v[: i + 1]), full[i : i + 1]), i
+        one = run(q[i : i + 1, 1:2], k[: i + 1, 1:2], v[: i + 1, 1:2])
+        assert torch.equal(one, full[i : i + 1, 1:2]), i
+    assert torch.equal(run(q[:33], k[:33], v[:33]), full[:33])
+    heads_kv = [t.permute(1, 2, 0, 3).float().repeat_interleave(heads // groups, 1) for t in (k, v)]
+    ref = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3).float(), *heads_kv, is_causal=True)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(full.float(), ref.permute(2, 0, 1, 3).reshape(s, b, -1), atol=tol)
 
 
 def test_gathered_logprobs_are_the_shards_merged_in_rank_order():

@@ -10,10 +10,11 @@ names and the checkpoints are untouched):
   output layer) multiplies fixed blocks of :data:`BLOCK_ROWS` rows, the last one zero-padded
   (:func:`row_blocks`): a CPU GEMM picks its kernel and summation order by M (an fp32 row of
   M = 1 differs from the same row in M = 37, tests/test_batch_invariant.py), a fixed M does not;
-* core attention becomes :class:`RowwiseAttention`: each query row against exactly its keys
-  (0 … its position), one small fp32 matmul-softmax-matmul per (row, position) with the same
-  shapes in a prefill and in a decode step against the KV cache (torch SDPA gives another
-  summation for sq = 1 than for the same row of a causal prefill);
+  their backward is the plain GEMMs (gradients need not be batch-invariant);
+* core attention becomes :class:`TiledAttention`: fixed query tiles and key blocks aligned to
+  absolute positions, so a query row meets the same kernels with the same operands in a prefill,
+  in a decode step against the KV cache and in the replay (torch SDPA gives another summation
+  for sq = 1 than for the same row of a causal prefill);
 * the log-prob becomes one function on both sides (:mod:`megatron_ngrpo.models.invariant_logsoftmax`).
 
 Unchanged because already row-local and shape-independent on CPU (measured, see the tests):
@@ -23,17 +24,17 @@ reductions: a TP 2 all-reduce adds two operands, a + b = b + a bit for bit, so i
 cannot change the sum; TP > 2 would need an ordered all-gather + sum and is refused, as is
 sequence parallelism (reduce-scatter has no fixed order).
 
-CPU reference path: slow (Python loop over attention rows) and meant for parity, not speed; a GPU
-would use megatron-core's batch-invariant kernels instead (not run here).
+CPU reference path (a Python loop over key blocks and row blocks; cost in
+bench/results/zero_mismatch.md); a GPU would use megatron-core's batch-invariant kernels instead
+(not run here).
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
@@ -42,8 +43,9 @@ from megatron_ngrpo.models.config import BATCH_INVARIANT_MAX_TP
 
 # Rows per GEMM call: every linear (and log-prob block) runs on exactly this many rows.
 BLOCK_ROWS = 16
-# (row, head) pairs per attention matmul: every call has this batch, padded.
-ATTENTION_BLOCK = 64
+# Query rows per attention tile and keys per key block: every attention matmul is [T, hn] × [hn, T]
+# or [T, T] × [T, hn]; T·T a multiple of the widest vector (no scalar tail in an elementwise exp).
+ATTENTION_TILE = 32
 
 
 def row_blocks(x: torch.Tensor, fn) -> torch.Tensor:
@@ -56,22 +58,63 @@ def row_blocks(x: torch.Tensor, fn) -> torch.Tensor:
     return torch.cat(out)[:m]
 
 
-def _blocked_forward_impl(module, input, weight, *args, **kwargs):  # noqa: A002 (megatron's name)
-    """megatron's linear ``_forward_impl`` on fixed row blocks of ``input`` [..., K]."""
-    impl = type(module)._forward_impl
-    flat = input.reshape(-1, input.shape[-1])
-    out = row_blocks(flat, lambda blk: impl(module, blk, weight, *args, **kwargs))
-    return out.view(*input.shape[:-1], out.shape[-1])
+class _BlockedMatmul(torch.autograd.Function):
+    """x [M, K] @ weight [N, K]ᵀ → [M, N], the forward on fixed row blocks (:func:`row_blocks`);
+    the backward is the two plain GEMMs: only forward values have to be batch-invariant."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return row_blocks(x, lambda blk: blk @ weight.t())
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_w = grad.t() @ x if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w
 
 
-class RowwiseAttention(DotProductAttention):
-    """Core attention computed per query row against exactly the keys it attends to.
+def _blocked_forward_impl(
+    input,  # noqa: A002 (megatron's name)
+    weight,
+    bias=None,
+    gradient_accumulation_fusion=False,
+    allreduce_dgrad=False,
+    sequence_parallel=False,
+    grad_output_buffer=None,
+    tp_group=None,
+    **kwargs,
+):
+    """megatron's linear ``_forward_impl`` (input [..., K] → [..., N]) with the GEMM on fixed row
+    blocks; the input-gradient all-reduce of a column-parallel layer goes through megatron's
+    ``copy_to_tensor_model_parallel_region``."""
+    if gradient_accumulation_fusion or sequence_parallel or grad_output_buffer is not None:
+        raise ValueError(
+            "rollout.batch_invariant: no gradient-accumulation fusion, sequence parallelism or "
+            "deferred weight gradients in the blocked linears"
+        )
+    if allreduce_dgrad:
+        input = copy_to_tensor_model_parallel_region(input, group=tp_group)  # noqa: A001
+    out = _BlockedMatmul.apply(input.reshape(-1, input.shape[-1]), weight)
+    out = out.view(*input.shape[:-1], out.shape[-1])
+    return out if bias is None else out + bias
 
-    query [sq, b, np, hn], key / value [sk, b, ng, hn]; causal: query i sees keys
-    0 … sk − sq + i (a prefill: sq = sk; a decode step: sq = 1 against the cache). Per query
-    position, the (row, head) pairs go through fixed batches of :data:`ATTENTION_BLOCK` (padded):
-    scores, softmax and the weighted sum in fp32, rounded once to the input dtype.
-    Output [sq, b, np·hn].
+
+class TiledAttention(DotProductAttention):
+    """Causal core attention in fixed tiles aligned to absolute positions, so a query row meets
+    the same kernels with the same operands in a prefill, in a KV-cached decode step and in the
+    trainer's replay.
+
+    query [sq, b, np, hn], key / value [sk, b, ng, hn]; query i (position sk − sq + i) sees keys
+    0 … its position. Queries go into tiles of :data:`ATTENTION_TILE` rows (tile t holds positions
+    t·T … t·T + T − 1, so a decode row sits where the prefill had it; the tile's other rows are
+    zeros or other queries), keys into blocks of T. Per (row, head) pair and tile, in fp32: the
+    scores of every key block ([T, hn] × [hn, T], masked with −inf past the row), the row max
+    over all blocks (exact, order-free), then per block in order e^(s − max), its sum and its
+    [T, T] × [T, hn] product added on. A block past a row's position adds exact zeros, so a
+    prefill's extra blocks leave the row's bits as in a decode step. Rounded once to the input
+    dtype. Output [sq, b, np·hn].
     """
 
     def forward(
@@ -90,37 +133,49 @@ class RowwiseAttention(DotProductAttention):
             or attention_bias is not None
         ):
             raise ValueError(
-                "RowwiseAttention (rollout.batch_invariant): causal attention without an "
+                "TiledAttention (rollout.batch_invariant): causal attention without an "
                 "explicit mask only (no packing)"
             )
         sq, b, heads, hn = query.shape
-        sk = key.shape[0]
+        sk, tile = key.shape[0], ATTENTION_TILE
+        first = sk - sq  # the position of query row 0
+        t0 = first // tile
+        nt, nk = (sk - 1) // tile - t0 + 1, -(-sk // tile)
+        q = _tiles(query, heads, first - t0 * tile, nt)  # [P, nt, T, hn]
+        k, v = _tiles(key, heads, 0, nk), _tiles(value, heads, 0, nk)  # [P, nk, T, hn]
+        pairs = q.shape[0]
+        q = q.reshape(pairs * nt, tile, hn)
+        qpos = torch.arange(t0 * tile, (t0 + nt) * tile, device=q.device).view(nt, tile, 1)
+        kpos = torch.arange(nk * tile, device=q.device).view(nk, 1, tile)
 
-        def pairs(t):  # [s, b, g, hn] -> [b·np, s, hn] fp32, padded to whole blocks
-            t = t.permute(1, 2, 0, 3).repeat_interleave(heads // t.shape[2], 1)
-            t = t.reshape(b * heads, t.shape[2], hn).float()
-            return F.pad(t, (0, 0, 0, 0, 0, (-b * heads) % ATTENTION_BLOCK))
+        def block(t, j):  # block j of t [P, nk, T, hn], repeated per query tile: [P·nt, T, hn]
+            return t[:, j, None].expand(pairs, nt, tile, hn).reshape(pairs * nt, tile, hn)
 
-        q, k, v = pairs(query), pairs(key), pairs(value)
-        cols = []
-        for i in range(sq):
-            n = sk - sq + i + 1
-            out = [
-                self._block(
-                    q[a : a + ATTENTION_BLOCK, i : i + 1],
-                    k[a : a + ATTENTION_BLOCK, :n],
-                    v[a : a + ATTENTION_BLOCK, :n],
-                )
-                for a in range(0, q.shape[0], ATTENTION_BLOCK)
-            ]
-            cols.append(torch.cat(out)[: b * heads])
-        return torch.stack(cols).to(query.dtype).view(sq, b, heads * hn)
+        scores = [
+            torch.bmm(q, block(k, j).transpose(1, 2))
+            .view(pairs, nt, tile, tile)
+            .masked_fill(kpos[j] > qpos, float("-inf"))
+            for j in range(nk)
+        ]
+        top = torch.stack([s.amax(-1) for s in scores]).amax(0).unsqueeze(-1)
+        total, acc = 0.0, 0.0
+        for j, s in enumerate(scores):
+            p = ((s - top) * self.softmax_scale).exp()
+            total = total + p.sum(-1, keepdim=True)
+            acc = acc + torch.bmm(p.view(pairs * nt, tile, tile), block(v, j)).view(
+                p.shape[:3] + (hn,)
+            )
+        out = (acc / total).view(b, heads, nt * tile, hn)[:, :, first - t0 * tile :][:, :, :sq]
+        return out.permute(2, 0, 1, 3).to(query.dtype).reshape(sq, b, heads * hn)
 
-    def _block(self, q, k, v):
-        """[B, 1, hn], [B, n, hn] × 2 (one fixed block) → [B, hn] fp32."""
-        k, v = k.contiguous(), v.contiguous()
-        p = torch.softmax(torch.bmm(q.contiguous(), k.transpose(1, 2)) * self.softmax_scale, -1)
-        return torch.bmm(p, v).squeeze(1)
+
+def _tiles(t: torch.Tensor, heads: int, offset: int, n: int) -> torch.Tensor:
+    """[s, b, g, hn] → [b·heads, n, T, hn] fp32 (each KV group repeated for its query heads),
+    the s rows placed from row ``offset`` on, zeros elsewhere (a new contiguous buffer)."""
+    s, b, g, hn = t.shape
+    out = t.new_zeros(b, heads, n * ATTENTION_TILE, hn, dtype=torch.float32)
+    out[:, :, offset : offset + s] = t.permute(1, 2, 0, 3).repeat_interleave(heads // g, 1)
+    return out.view(b * heads, n, ATTENTION_TILE, hn)
 
 
 def enable_batch_invariant(chunks) -> None:
@@ -141,13 +196,13 @@ def enable_batch_invariant(chunks) -> None:
         linears = 0
         for mod in inner.modules():
             if isinstance(mod, ColumnParallelLinear | RowParallelLinear):
-                mod._forward_impl = functools.partial(_blocked_forward_impl, mod)
+                mod._forward_impl = _blocked_forward_impl
                 linears += 1
             elif isinstance(mod, DotProductAttention):
                 if mod.attn_mask_type != AttnMaskType.causal:
                     raise ValueError("rollout.batch_invariant: causal attention only")
                 mod._default_class = type(mod)
-                mod.__class__ = RowwiseAttention
+                mod.__class__ = TiledAttention
             elif type(mod).__module__.startswith("megatron.core.extensions.transformer_engine"):
                 raise ValueError(
                     "rollout.batch_invariant: Transformer Engine layers (use megatron's local spec)"
@@ -164,6 +219,6 @@ def disable_batch_invariant(chunks) -> None:
         inner = unwrap(chunk)
         for mod in inner.modules():
             mod.__dict__.pop("_forward_impl", None)
-            if isinstance(mod, RowwiseAttention):
+            if isinstance(mod, TiledAttention):
                 mod.__class__ = mod._default_class
         inner.batch_invariant = False

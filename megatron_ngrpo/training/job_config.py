@@ -157,7 +157,7 @@ class NGRPOConfig:
             fail(
                 "train.pack_sequences",
                 True,
-                "rollout.batch_invariant: its row-wise attention takes no packing mask",
+                "rollout.batch_invariant: its tiled attention takes no packing mask",
             )
         if use_te(m):
             fail("model.layer_spec", m.layer_spec, "rollout.batch_invariant: the local spec only")

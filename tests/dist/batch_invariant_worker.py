@@ -156,7 +156,7 @@ def reverted(chunks, op: str):
     from megatron_ngrpo.architecture import unwrap
     from megatron_ngrpo.grpo import token_logprobs as tl
     from megatron_ngrpo.models.attention import SDPAttention
-    from megatron_ngrpo.models.batch_invariant import RowwiseAttention
+    from megatron_ngrpo.models.batch_invariant import TiledAttention
     from megatron_ngrpo.rollout.megatron_engine import MegatronEngine
 
     undo = []
@@ -168,9 +168,9 @@ def reverted(chunks, op: str):
                 undo.append(lambda m=m, f=impl: setattr(m, "_forward_impl", f))
     elif op == "attention":
         for m in mods:
-            if isinstance(m, RowwiseAttention):
+            if isinstance(m, TiledAttention):
                 m.__class__ = SDPAttention
-                undo.append(lambda m=m: setattr(m, "__class__", RowwiseAttention))
+                undo.append(lambda m=m: setattr(m, "__class__", TiledAttention))
     elif op == "engine_logsoftmax":
         undo.append(lambda f=MegatronEngine._token_logprobs: setattr(
             MegatronEngine, "_token_logprobs", f))
