@@ -1,0 +1,239 @@
+"""The core's arithmetic by value against float64 references written out here element by element
+(KL estimators, group advantages, the clipped surrogate and its aggregation): the tests that kill
+the mutants scripts/mutation_score.sh found surviving (bench/results/mutation_score.md). Fast,
+single-process."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+import torch
+
+from megatron_ngrpo.grpo.advantages import (
+    compute_advantages,
+    group_ids,
+    group_stats,
+    zero_variance_groups,
+)
+from megatron_ngrpo.grpo.config import GRPOConfig
+from megatron_ngrpo.grpo.kl import kl_estimate
+from megatron_ngrpo.grpo.loss import aggregation_weights, micro_batch_loss, policy_loss
+from megatron_ngrpo.grpo.loss_inputs import LossInputs
+
+
+def _k3_64(d: float, clamp: float) -> float:
+    d = min(max(d, -20.0), 20.0)
+    return min(max(math.exp(d) - d - 1.0, -clamp), clamp)
+
+
+def test_kl_defaults_are_k3_clamped_at_10():
+    lp, ref = torch.tensor([0.0, 0.0, -1.0]), torch.tensor([0.5, 30.0, -3.0])
+    want = [_k3_64(r - x, 10.0) for x, r in zip(lp.tolist(), ref.tolist())]
+    assert kl_estimate(lp, ref).tolist() == pytest.approx(want, rel=1e-6)
+    assert want[1] == 10.0
+
+
+@pytest.mark.parametrize("d", [-25.0, -20.5, 20.5, 25.0])
+def test_k3_log_ratio_is_clamped_at_20_both_ways(d):
+    """δ outside ±20 is clamped before exp (k3 = e^δ − δ − 1 at δ = ±20), with a clamp on the
+    estimate large enough not to hide it."""
+    got = float(
+        kl_estimate(
+            torch.tensor([0.0], dtype=torch.float64), torch.tensor([d]).double(), "k3", 1e12
+        )
+    )
+    assert got == pytest.approx(_k3_64(d, 1e12), rel=1e-12)
+
+
+def test_k3_estimate_clamp_is_symmetric_and_k1_k2_are_unclamped():
+    lp, ref = torch.zeros(2, dtype=torch.float64), torch.tensor([3.0, -15.0], dtype=torch.float64)
+    assert kl_estimate(lp, ref, "k3", 2.5).tolist() == [2.5, 2.5]
+    assert kl_estimate(lp, ref, "k3", 100.0).tolist() == pytest.approx(
+        [_k3_64(3.0, 100.0), _k3_64(-15.0, 100.0)], rel=1e-12
+    )
+    assert kl_estimate(lp, ref, "k1", 1.0).tolist() == [-3.0, 15.0]
+    assert kl_estimate(lp, ref, "k2", 1.0).tolist() == [4.5, 112.5]
+    with pytest.raises(ValueError, match="'k4'"):
+        kl_estimate(lp, ref, "k4")
+
+
+# ---- advantages --------------------------------------------------------------------------------
+REWARDS = [1.0, 0.0, 0.5, 2.0, 3.0, 7.0, 1.0, 1.0]
+PROMPTS = [5, 5, 5, 9, 9, 2, 4, 4]  # groups of 3, 2, 1, 2 (the last two equal)
+
+
+def _stats64(rewards, prompts):
+    """Per response: its group's mean, unbiased std (a group of one: 0 and 1) and size."""
+    out = []
+    for p in prompts:
+        g = [r for r, q in zip(rewards, prompts) if q == p]
+        out.append(
+            (statistics.fmean(g), statistics.stdev(g), len(g)) if len(g) > 1 else (0.0, 1.0, 1)
+        )
+    return out
+
+
+def test_group_ids_number_groups_by_prompt():
+    assert group_ids(PROMPTS).tolist() == [2, 2, 2, 3, 3, 0, 1, 1]
+    assert group_ids(torch.tensor(PROMPTS)).dtype == torch.long
+
+
+def test_group_stats_and_advantages_against_float64():
+    r, g = torch.tensor(REWARDS), group_ids(PROMPTS)
+    mean, std, count = group_stats(r, g)
+    ref = _stats64(REWARDS, PROMPTS)
+    assert mean.tolist() == pytest.approx([m for m, _, _ in ref], rel=1e-12, abs=1e-12)
+    assert std.tolist() == pytest.approx([s for _, s, _ in ref], rel=1e-12, abs=1e-12)
+    assert count.tolist() == [c for _, _, c in ref]
+    for eps in (1e-6, 0.5):
+        want = [(x - m) / (s + eps) for x, (m, s, _) in zip(REWARDS, ref)]
+        got = compute_advantages(r, g, "grpo", eps)
+        assert got.dtype == torch.float32
+        assert got.tolist() == pytest.approx(want, rel=1e-6, abs=1e-7)
+    default = [(x - m) / (s + 1e-6) for x, (m, s, _) in zip(REWARDS, ref)]
+    assert compute_advantages(r, g).tolist() == pytest.approx(default, rel=1e-6, abs=1e-7)
+    dr = [x - m for x, (m, _, _) in zip(REWARDS, ref)]
+    assert compute_advantages(r, g, "dr_grpo").tolist() == pytest.approx(dr, abs=1e-7)
+    with pytest.raises(ValueError, match="'gspo'"):
+        compute_advantages(r, g, "gspo")
+
+
+def test_zero_variance_groups_need_two_equal_rewards():
+    assert zero_variance_groups(torch.tensor(REWARDS), group_ids(PROMPTS)).tolist() == [
+        False, False, False, False, False, False, True, True,
+    ]  # fmt: skip
+
+
+# ---- policy loss and aggregation ---------------------------------------------------------------
+def _surrogate64(lp, old, adv, cfg):
+    """One token's clipped surrogate, clipped flag and ratio (token mode)."""
+    lr = min(max(lp - old, -cfg.log_ratio_clamp), cfg.log_ratio_clamp)
+    r = math.exp(lr)
+    l1, l2 = -adv * r, -adv * min(max(r, 1 - cfg.clip_low), 1 + cfg.clip_high)
+    loss, clipped = max(l1, l2), l2 > l1
+    if cfg.dual_clip is not None and adv < 0:
+        clipped = clipped or loss > -adv * cfg.dual_clip
+        loss = min(loss, -adv * cfg.dual_clip)
+    return loss, clipped, r
+
+
+LP = [[-0.2, -1.5, 0.9, -3.0], [-0.4, 0.6, -0.1, 1.7]]
+OLD = [[-0.5, -1.0, -0.3, -0.5], [-0.3, -0.6, -0.1, -0.4]]
+MASK = [[True, True, True, False], [True, True, True, True]]
+
+
+@pytest.mark.parametrize("adv", [[1.5, -0.7], [-2.0, 0.4]])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        GRPOConfig(),
+        GRPOConfig(clip_low=0.1, clip_high=0.35, dual_clip=1.5, log_ratio_clamp=1.0),
+        GRPOConfig(dual_clip=None, log_ratio_clamp=0.5),
+    ],
+    ids=["defaults", "tight", "no-dual"],
+)
+def test_policy_loss_per_token_against_float64(cfg, adv):
+    lp, old = torch.tensor(LP, dtype=torch.float64), torch.tensor(OLD, dtype=torch.float64)
+    loss, clipped, ratio = policy_loss(
+        lp, old, torch.tensor(adv, dtype=torch.float64), torch.tensor(MASK), cfg
+    )
+    for i in range(2):
+        for t in range(4):
+            want = _surrogate64(LP[i][t], OLD[i][t], adv[i], cfg)
+            assert float(loss[i, t]) == pytest.approx(want[0], rel=1e-12, abs=1e-15)
+            assert bool(clipped[i, t]) == want[1], (i, t)
+            assert float(ratio[i, t]) == pytest.approx(want[2], rel=1e-12)
+
+
+def test_gspo_ratio_is_the_masked_mean_log_ratio_clamped():
+    cfg = GRPOConfig(loss_mode="gspo", log_ratio_clamp=0.3)
+    lp, old = torch.tensor(LP, dtype=torch.float64), torch.tensor(OLD, dtype=torch.float64)
+    _, _, ratio = policy_loss(lp, old, torch.tensor([1.0, 1.0]), torch.tensor(MASK), cfg)
+    for i in range(2):
+        d = [LP[i][t] - OLD[i][t] for t in range(4) if MASK[i][t]]
+        want = math.exp(min(max(sum(d) / len(d), -0.3), 0.3))
+        assert ratio[i].tolist() == pytest.approx([want] * 4, rel=1e-12)
+    empty = torch.zeros(1, 2, dtype=torch.bool)  # no response token: log-ratio 0, not 0/0
+    _, _, ratio = policy_loss(lp[:1, :2], old[:1, :2], torch.tensor([1.0]), empty, cfg)
+    assert ratio.tolist() == [[1.0, 1.0]]
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_aggregation_weights_against_float64(mode):
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]]).bool()
+    active = torch.tensor([True, True, False, True])
+    lengths = [3, 1, 0, 0]  # active response tokens per row
+    n_tok, n_seq = sum(lengths), sum(n > 0 for n in lengths)
+    w, norm = aggregation_weights(mask, active, mode, max_len=7)
+    want_norm = {"token-mean": n_tok, "seq-mean-token-mean": n_seq}.get(mode, n_seq * 7)
+    assert norm == want_norm
+    for i, n in enumerate(lengths):
+        per = 1 / (n_seq * n) if mode == "seq-mean-token-mean" and n else 1 / want_norm
+        assert w[i].tolist() == pytest.approx([per if t < n else 0.0 for t in range(5)], rel=1e-6)
+    w, norm = aggregation_weights(mask, torch.zeros(4, dtype=torch.bool), mode, max_len=7)
+    assert norm == 0.0 and not w.any()
+    with pytest.raises(ValueError, match="'mean'"):
+        aggregation_weights(mask, active, "mean", 7)
+
+
+@pytest.mark.parametrize("kl_mode", ["loss", "metric"])
+def test_micro_batch_loss_and_stats_against_float64(kl_mode):
+    cfg = GRPOConfig(kl_mode=kl_mode, kl_coef=0.25, kl_estimator="k2", clip_high=0.3)
+    lp, old = torch.tensor(LP, dtype=torch.float64), torch.tensor(OLD, dtype=torch.float64)
+    ref = old - 0.5
+    adv, tis = [0.8, -1.2], torch.tensor([[0.5, 1.0, 2.0, 1.0], [1.0, 0.25, 1.0, 3.0]]).double()
+    weight = torch.tensor([[0.1, 0.2, 0.3, 0.0], [0.05, 0.1, 0.15, 0.2]]).double()
+    ent = torch.arange(8, dtype=torch.float64).view(2, 4)
+    inputs = LossInputs(
+        old,
+        torch.tensor(adv, dtype=torch.float64),
+        torch.ones(2, dtype=torch.bool),
+        ref,
+        tis,
+        None,
+        weight,
+    )
+    loss, stats = micro_batch_loss(lp, ent, inputs, torch.tensor(MASK), cfg)
+    pg = kl = total = 0.0
+    want = dict.fromkeys(("tokens", "clipped", "kl", "entropy", "ratio", "abs_log_ratio"), 0.0)
+    want["ratio_max"] = -math.inf
+    for i in range(2):
+        for t in range(4):
+            s, c, r = _surrogate64(LP[i][t], OLD[i][t], adv[i], cfg)
+            k = 0.5 * (float(ref[i, t]) - LP[i][t]) ** 2
+            w = float(weight[i, t])
+            pg += s * float(tis[i, t]) * w
+            kl += k * w
+            if MASK[i][t]:
+                for key, v in zip(want, (1, c, k, float(ent[i, t]), r, abs(LP[i][t] - OLD[i][t]))):
+                    want[key] += v
+                want["ratio_max"] = max(want["ratio_max"], r)
+    total = pg + (0.25 * kl if kl_mode == "loss" else 0.0)
+    assert float(loss) == pytest.approx(total, rel=1e-12)
+    assert float(stats["loss"]) == pytest.approx(total, rel=1e-12)
+    assert float(stats["pg_loss"]) == pytest.approx(pg, rel=1e-12)
+    assert float(stats["kl_loss"]) == pytest.approx(
+        0.25 * kl if kl_mode == "loss" else 0.0, rel=1e-12
+    )
+    for key, v in want.items():
+        assert float(stats[key]) == pytest.approx(v, rel=1e-12), key
+    assert all(v.dtype == torch.float64 for v in stats.values())
+
+
+def test_micro_batch_loss_without_reference_or_entropy():
+    cfg = GRPOConfig(kl_coef=0.5)
+    lp, old = torch.tensor(LP, dtype=torch.float64), torch.tensor(OLD, dtype=torch.float64)
+    weight = torch.full((2, 4), 0.125, dtype=torch.float64)
+    inputs = LossInputs(
+        old, torch.tensor([1.0, -1.0]), torch.ones(2, dtype=torch.bool), token_weight=weight
+    )
+    loss, stats = micro_batch_loss(lp, None, inputs, torch.tensor(MASK), cfg)
+    pg = sum(
+        _surrogate64(LP[i][t], OLD[i][t], [1.0, -1.0][i], cfg)[0] * 0.125
+        for i in range(2)
+        for t in range(4)
+    )
+    assert float(loss) == pytest.approx(pg, rel=1e-12)
+    assert float(stats["kl"]) == float(stats["kl_loss"]) == float(stats["entropy"]) == 0.0
