@@ -21,6 +21,7 @@ from megatron_ngrpo.grpo.config import GRPOConfig
 from megatron_ngrpo.grpo.kl import kl_estimate
 from megatron_ngrpo.grpo.loss import aggregation_weights, micro_batch_loss, policy_loss
 from megatron_ngrpo.grpo.loss_inputs import LossInputs
+from megatron_ngrpo.mixing.records import MixRecord
 
 
 def _k3_64(d: float, clamp: float) -> float:
@@ -237,3 +238,115 @@ def test_micro_batch_loss_without_reference_or_entropy():
     )
     assert float(loss) == pytest.approx(pg, rel=1e-12)
     assert float(stats["kl"]) == float(stats["kl_loss"]) == float(stats["entropy"]) == 0.0
+
+
+# ---- mix records ------------------------------------------------------------------------------
+def _record(seq, pos, ids, weights, num_seqs, noise=None):
+    return MixRecord(
+        torch.tensor(seq),
+        torch.tensor(pos),
+        torch.tensor(ids),
+        torch.tensor(weights),
+        num_seqs,
+        None if noise is None else torch.tensor(noise),
+    )
+
+
+def test_record_empty_cat_pads_k_and_offsets_sequences():
+    e = MixRecord.empty(3, 2)
+    assert (len(e), e.k, e.num_seqs, e.noise) == (0, 2, 3, None)
+    assert (e.seq.dtype, e.pos.dtype, e.ids.dtype, e.weights.dtype) == (
+        torch.long, torch.long, torch.long, torch.float32,
+    )  # fmt: skip
+    a = _record([1, 0], [4, 2], [[5, 6], [7, 8]], [[0.75, 0.25], [0.5, 0.5]], 2)
+    b = _record([0], [1], [[9, 3, 2]], [[0.5, 0.25, 0.25]], 2)
+    c = MixRecord.cat([a, e, b])
+    assert c.num_seqs == 7 and c.k == 3 and c.noise is None
+    assert c.seq.tolist() == [1, 0, 5] and c.pos.tolist() == [4, 2, 1]
+    assert c.ids.tolist() == [[5, 6, 0], [7, 8, 0], [9, 3, 2]]
+    assert c.weights.tolist() == [[0.75, 0.25, 0.0], [0.5, 0.5, 0.0], [0.5, 0.25, 0.25]]
+    with pytest.raises(ValueError, match="at least one"):
+        MixRecord.cat([])
+
+
+def test_record_cat_keeps_noise_and_refuses_mixing_with_and_without():
+    a = _record([0], [1], [[1, 2]], [[0.5, 0.5]], 1, [[0.5, -1.0]])
+    b = _record([0], [0], [[3, 4]], [[1.0, 0.0]], 1, [[2.0, 3.0]])
+    c = MixRecord.cat([a, MixRecord.empty(2, 2), b])  # an empty record without noise is fine
+    assert c.noise.tolist() == [[0.5, -1.0], [2.0, 3.0]] and c.seq.tolist() == [0, 3]
+    with pytest.raises(ValueError, match="with and without noise"):
+        MixRecord.cat([a, _record([0], [0], [[3, 4]], [[1.0, 0.0]], 1)])
+
+
+def test_record_sorted_select_and_flat_positions():
+    noise = [[float(i)] for i in range(5)]
+    r = _record(
+        [2, 0, 2, 1, 0], [0, 3, 1, 9, 0], [[i, 0] for i in range(5)], [[1.0, 0.0]] * 5, 3, noise
+    )
+    s = r.sorted()
+    assert s.seq.tolist() == [0, 0, 1, 2, 2] and s.pos.tolist() == [0, 3, 9, 0, 1]
+    assert s.ids[:, 0].tolist() == [4, 1, 3, 0, 2] and s.noise[:, 0].tolist() == [
+        4.0,
+        1.0,
+        3.0,
+        0.0,
+        2.0,
+    ]
+    assert MixRecord.empty(2, 2).sorted().num_seqs == 2
+    sel = r.select([2, 0])  # renumbered in the given order, then sorted
+    assert (
+        sel.num_seqs == 2 and sel.seq.tolist() == [0, 0, 1, 1] and sel.pos.tolist() == [0, 1, 0, 3]
+    )
+    assert sel.ids[:, 0].tolist() == [0, 2, 4, 1] and sel.noise[:, 0].tolist() == [
+        0.0,
+        2.0,
+        4.0,
+        1.0,
+    ]
+    assert len(MixRecord.empty(3, 2).select([1])) == 0
+    flat = s.flat_positions(torch.tensor([2, 0, 1]), 12)
+    assert flat.tolist() == [2, 5, 12 + 9, 24 + 1, 24 + 2]
+    s.flat_positions(torch.tensor([2, 2, 1]), 12)  # column 11: the last one
+    with pytest.raises(ValueError, match="mix position 12 outside a batch of length 12"):
+        s.flat_positions(torch.tensor([2, 3, 1]), 12)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(num_seqs=3), "records for 3 sequences, 2 responses given"),
+        (dict(seq=[0, 2]), "sequence index out of range"),
+        (dict(seq=[-1, 1]), "sequence index out of range"),
+        (dict(pos=[4, 0]), "mix at seq 0 pos 4 outside a response of 4 tokens"),
+        (dict(pos=[0, -1]), "mix at seq 1 pos -1 outside a response of 2 tokens"),
+        (dict(ids=[[0, 10], [1, 2]]), r"mix ids outside the vocabulary \[0, 10\)"),
+        (dict(ids=[[0, -1], [1, 2]]), "mix ids outside"),
+        (dict(weights=[[0.5, 0.5], [0.5, 0.4998]]), "do not sum to 1"),
+        (dict(weights=[[0.5, 0.5], [0.5, 0.5002]]), "do not sum to 1"),
+    ],
+)
+def test_record_validate_names_what_is_wrong(change, message):
+    args = dict(
+        seq=[0, 1],
+        pos=[3, 1],
+        ids=[[0, 9], [1, 2]],
+        weights=[[0.5, 0.5], [0.5, 0.49995]],
+        num_seqs=2,
+    )
+    _record(**args).validate([4, 2], 10)  # in range, at every edge
+    MixRecord.empty(2, 2).validate([4, 2], 10)
+    with pytest.raises(ValueError, match=message):
+        _record(**{**args, **change}).validate([4, 2], 10)
+
+
+def test_record_to_json():
+    r = _record([0], [1], [[2, 3]], [[0.75, 0.25]], 4)
+    assert r.to_json() == {
+        "seq": [0],
+        "pos": [1],
+        "ids": [[2, 3]],
+        "weights": [[0.75, 0.25]],
+        "num_seqs": 4,
+    }
+    r.noise = torch.tensor([[1.5]])
+    assert r.to_json()["noise"] == [[1.5]]
