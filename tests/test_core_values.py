@@ -21,7 +21,18 @@ from megatron_ngrpo.grpo.config import GRPOConfig
 from megatron_ngrpo.grpo.kl import kl_estimate
 from megatron_ngrpo.grpo.loss import aggregation_weights, micro_batch_loss, policy_loss
 from megatron_ngrpo.grpo.loss_inputs import LossInputs
+from megatron_ngrpo.mixing.config import MixingConfig
+from megatron_ngrpo.mixing.decision import (
+    MixDecision,
+    anchors,
+    counter_uniform,
+    decide,
+    gate,
+    gate_uniform,
+    id_mask,
+)
 from megatron_ngrpo.mixing.records import MixRecord
+from megatron_ngrpo.training.neighbor_source import NeighborSource
 
 
 def _k3_64(d: float, clamp: float) -> float:
@@ -350,3 +361,101 @@ def test_record_to_json():
     }
     r.noise = torch.tensor([[1.5]])
     assert r.to_json()["noise"] == [[1.5]]
+
+
+# ---- neighbour source -------------------------------------------------------------------------
+class _TableEngine:
+    def set_neighbor_table(self, table):
+        self.table = table
+
+
+@pytest.mark.parametrize(
+    "every, due", [(0, [1, 0, 0, 0, 0]), (1, [1, 1, 1, 1, 1]), (3, [1, 0, 0, 1, 0])]
+)
+def test_neighbor_source_refreshes_when_due_and_checkpoints_its_table(every, due):
+    built = []
+
+    def build():
+        built.append(1)
+        return torch.full((4, 2), len(built))
+
+    src = NeighborSource(MixingConfig(refresh_every=every), "table", build)
+    assert src.mixing.neighbor_lookup == "table" and src.table_updates == -1
+    got = [src.refresh(u) for u in range(5)]
+    assert got == [bool(d) for d in due] and len(built) == sum(due)
+    assert src.table_updates == max(u for u, d in enumerate(due) if d)
+    engine = _TableEngine()
+    src.apply(engine)
+    assert engine.table is src.table and int(src.table[0, 0]) == len(built)
+    state = src.state_dict()
+    assert state == {"neighbor_table": src.table, "table_updates": src.table_updates}
+    other = NeighborSource(MixingConfig(refresh_every=every), "table", build)
+    other.load_state_dict({"neighbor_table": torch.ones(4, 2), "table_updates": torch.tensor(3)})
+    assert other.table_updates == 3 and isinstance(other.table_updates, int)
+    assert other.table.tolist() == [[1.0, 1.0]] * 4
+
+
+@pytest.mark.parametrize("mode", ["on_demand", "none"])
+def test_neighbor_source_without_a_table_clears_the_engines(mode):
+    src = NeighborSource(MixingConfig(), mode, lambda: pytest.fail("no table in this mode"))
+    src.table = torch.ones(2, 2)  # e.g. restored from a checkpoint of a table run
+    assert src.refresh(0) is False and src.table is None
+    engine = _TableEngine()
+    engine.table = torch.ones(2, 2)
+    src.table = torch.ones(2, 2)
+    src.apply(engine)
+    assert engine.table is None
+    # "none" passes the config through unresolved (only a disabled one reaches no engine)
+    assert src.mixing.neighbor_lookup == ("auto" if mode == "none" else mode)
+    assert NeighborSource(MixingConfig(rate=0.0), "none", list).mixing is None
+
+
+# ---- mixing decision --------------------------------------------------------------------------
+def test_decide_weights_are_the_float64_softmax_over_real_candidates():
+    logits = torch.tensor([[0.5, 2.0, -1.0, 1.5, 9.0, 0.0], [3.0, 3.0, 1.0, 0.25, 9.0, 2.0]])
+    table = torch.tensor([[0, 2, 3], [1, 3, 4], [2, 0, 1], [3, 1, 0], [4, 0, 1], [5, 0, 1]])
+    for tau in (1.0, 0.6):
+        d = decide(logits, table, tau, torch.tensor([True, False]), num_real_tokens=4)
+        assert d.anchor.tolist() == [1, 0]  # id 4 is not real; the tie 0/1 goes to the lower id
+        assert d.ids.tolist() == [[1, 3, 4], [0, 2, 3]] and d.mixed.tolist() == [True, False]
+        for b in range(2):
+            z = [float(logits[b, c]) / tau if c < 4 else -math.inf for c in d.ids[b].tolist()]
+            e = [math.exp(x - max(z)) for x in z]
+            assert d.weights[b].tolist() == pytest.approx([x / sum(e) for x in e], rel=1e-6)
+        assert d.weights.dtype == torch.float32 and float(d.weights[0, 2]) == 0.0
+    # A partition starting at id 3: its real columns are ids 3 only (num_real_tokens 4).
+    assert anchors(logits[:, 3:], 4, vocab_start=3).tolist() == [0, 0]
+    assert anchors(logits[:, 4:], 4, vocab_start=4).tolist() == [0, 0]  # none real: empty argmax
+
+
+def test_decision_select_and_unmix_anchors():
+    d = MixDecision(
+        mixed=torch.tensor([True, True, False]),
+        anchor=torch.tensor([2, 0, 2]),
+        ids=torch.tensor([[2, 1], [0, 1], [2, 0]]),
+        weights=torch.tensor([[0.5, 0.5], [0.75, 0.25], [1.0, 0.0]]),
+        noise=torch.tensor([[1.0], [2.0], [3.0]]),
+    )
+    s = d.select(torch.tensor([2, 0]))
+    assert s.anchor.tolist() == [2, 2] and s.mixed.tolist() == [False, True]
+    assert s.ids.tolist() == [[2, 0], [2, 1]] and s.weights.tolist() == [[1.0, 0.0], [0.5, 0.5]]
+    assert s.noise.tolist() == [[3.0], [1.0]]
+    d.unmix_anchors(torch.tensor([False, False, True]))
+    assert d.mixed.tolist() == [False, True, False] and d.noise.tolist() == [[0.0], [2.0], [0.0]]
+    plain = MixDecision(d.mixed, d.anchor, d.ids, d.weights).select(torch.tensor([1]))
+    assert plain.noise is None
+    assert id_mask([0, 3, 5, -1], 4).tolist() == [True, False, False, True]
+
+
+def test_gate_rate_bounds_and_counter_dimensions():
+    keys, pos = torch.arange(64).repeat_interleave(8), torch.arange(8).repeat(64)
+    u = gate_uniform(7, keys, pos)
+    assert gate(0.0, 7, keys, pos).sum() == 0 and gate(1.0, 7, keys, pos).all()
+    assert gate(0.3, 7, keys, pos).tolist() == (u < 0.3).tolist()
+    assert counter_uniform(7, keys, pos).tolist() == u.tolist()
+    assert not torch.equal(counter_uniform(8, keys, pos), u)
+    assert not torch.equal(counter_uniform(7, pos, keys), u)  # the order of counters matters
+    three = counter_uniform(7, keys, pos, torch.tensor(1))
+    assert not torch.equal(three, u) and bool((three >= 0).all() and (three < 1).all())
+    # A seed past 2**63 wraps to the same 64-bit pattern as its negative twin.
+    assert counter_uniform(2**64 - 5, 1, 2).item() == counter_uniform(-5, 1, 2).item()
