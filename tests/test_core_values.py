@@ -6,7 +6,9 @@ single-process."""
 from __future__ import annotations
 
 import math
+import re
 import statistics
+import zlib
 
 import pytest
 import torch
@@ -17,10 +19,12 @@ from megatron_ngrpo.grpo.advantages import (
     group_stats,
     zero_variance_groups,
 )
-from megatron_ngrpo.grpo.config import GRPOConfig
+from megatron_ngrpo.grpo.config import DRAConfig, GRPOConfig
+from megatron_ngrpo.grpo.dra import TfidfEmbedder, dra_rewards, similarity, text_embedder
 from megatron_ngrpo.grpo.kl import kl_estimate
 from megatron_ngrpo.grpo.loss import aggregation_weights, micro_batch_loss, policy_loss
 from megatron_ngrpo.grpo.loss_inputs import LossInputs
+from megatron_ngrpo.mixing.arithmetic import mix_rows
 from megatron_ngrpo.mixing.config import MixingConfig
 from megatron_ngrpo.mixing.decision import (
     MixDecision,
@@ -459,3 +463,89 @@ def test_gate_rate_bounds_and_counter_dimensions():
     assert not torch.equal(three, u) and bool((three >= 0).all() and (three < 1).all())
     # A seed past 2**63 wraps to the same 64-bit pattern as its negative twin.
     assert counter_uniform(2**64 - 5, 1, 2).item() == counter_uniform(-5, 1, 2).item()
+
+
+# ---- DRA and the mixed-row arithmetic ---------------------------------------------------------
+def _tfidf64(texts, ngram, dim):
+    """Dense reference: smoothed IDF log((1+N)/(1+df)) + 1 over crc32 buckets, L2-normalised."""
+    grams = []
+    for t in texts:
+        w = re.findall(r"\w+|[^\w\s]", t.lower())
+        grams.append(
+            [
+                zlib.crc32(" ".join(w[i : i + n]).encode()) % dim
+                for n in range(1, ngram + 1)
+                for i in range(len(w) - n + 1)
+            ]
+        )
+    out = torch.zeros(len(texts), dim, dtype=torch.float64)
+    for i, g in enumerate(grams):
+        for h in set(g):
+            df = sum(h in other for other in grams)
+            out[i, h] = g.count(h) * (math.log((1 + len(texts)) / (1 + df)) + 1.0)
+        out[i] /= out[i].norm() if out[i].norm() > 0 else 1.0
+    return out
+
+
+@pytest.mark.parametrize("ngram, dim", [(2, 2**18), (3, 64), (1, 5)])
+def test_tfidf_against_float64_and_cosines_sparse_equal_dense(ngram, dim):
+    texts = ["The answer is 42.", "the answer is 41, not 42", "", "x x x y", "42 is THE answer"]
+    emb = TfidfEmbedder(ngram, dim)(texts)
+    assert emb.is_sparse and emb.shape == (5, dim) and emb.dtype == torch.float64
+    want = _tfidf64(texts, ngram, dim)
+    assert torch.allclose(emb.to_dense(), want, rtol=1e-12, atol=1e-15)
+    dense = want @ want.t()
+    for i in range(5):
+        if want[i].norm() > 0:
+            dense[i] /= want[i].norm()
+            dense[:, i] /= want[i].norm()
+    assert torch.allclose(similarity(emb), dense, rtol=1e-12, atol=1e-15)
+    assert torch.allclose(similarity(want), dense, rtol=1e-12, atol=1e-15)
+    assert torch.allclose(TfidfEmbedder()(texts).to_dense(), _tfidf64(texts, 2, 2**18), rtol=1e-12)
+
+
+def test_text_embedder_by_name():
+    emb = text_embedder(DRAConfig(ngram=3, hash_dim=128))
+    assert isinstance(emb, TfidfEmbedder) and (emb.ngram, emb.dim) == (3, 128)
+    with pytest.raises(ValueError, match="'policy_hidden' does not embed texts"):
+        text_embedder(DRAConfig(embedder="policy_hidden"))
+
+
+def test_dra_rewards_against_float64():
+    sim = torch.tensor(
+        [[1.0, 0.5, -0.3, 1.4], [0.5, 1.0, 0.2, 0.9], [-0.3, 0.2, 1.0, 0.4], [1.4, 0.9, 0.4, 1.0]]
+    )
+    r = torch.tensor([1.0, 2.0, -1.0, 0.5], dtype=torch.float64)
+    clip = [
+        [min(max(float(sim[i, j]), 0.0), 1.0) if i != j else 0.0 for j in range(4)]
+        for i in range(4)
+    ]
+    groups = [0, 0, 1, 1]
+    for g in (None, torch.tensor(groups)):
+        want = [
+            float(r[i])
+            / (1 + sum(c for j, c in enumerate(clip[i]) if g is None or groups[j] == groups[i]))
+            for i in range(4)
+        ]
+        got = dra_rewards(r, sim, g)
+        assert got.dtype == torch.float32 and got.tolist() == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_mix_rows_is_the_candidate_order_sum_rounded_once(dtype):
+    g = torch.Generator().manual_seed(3)
+    cand = torch.randn(5, 4, 8, generator=g).to(dtype)
+    w = torch.softmax(torch.randn(5, 4, generator=g), -1)
+    noise = torch.randn(5, 8, generator=g)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    for nz in (None, noise):
+        want = w[:, 0, None].to(acc) * cand[:, 0].to(acc)
+        for j in range(1, 4):
+            want = want + w[:, j, None].to(acc) * cand[:, j].to(acc)
+        if nz is not None:
+            want = want + nz.to(acc)
+        got = mix_rows(cand, w, nz)
+        assert got.dtype == dtype and torch.equal(got, want.to(dtype))
+    exact = (w.double()[:, :, None] * cand.double()).sum(1)  # float64: the float64 sum, to 1e-15
+    if dtype == torch.float64:
+        assert torch.allclose(mix_rows(cand, w.double()), exact, rtol=1e-14, atol=1e-15)
