@@ -4,13 +4,15 @@
 # (bench/results/mutation_score.md has the scores). Not part of the default test run: minutes per
 # module on one core.
 #
-#   bash scripts/mutation_score.sh                      # every module, smallest first
-#   bash scripts/mutation_score.sh grpo/kl mixing/records   # some modules (paths under megatron_ngrpo/)
+#   bash scripts/mutation_score.sh                          # every module
+#   bash scripts/mutation_score.sh grpo/kl mixing/records   # some (paths under megatron_ngrpo/)
 #
 # It works in a copy of the checkout (MUTATION_WORK, default /tmp/ngrpo-mutation: tracked and
-# untracked files, no build outputs), one worker, niced, and prints killed/survived per module.
-# Re-running resumes: mutmut keeps each mutant's verdict in $MUTATION_WORK/mutants until the
-# source or the tests change.
+# untracked files, no build outputs) with one worker, niced, and prints the per-module table
+# (scripts/mutation_table.py) over every verdict kept in $MUTATION_WORK/mutants, the surviving
+# mutants' names (`cd $MUTATION_WORK && python3 -m mutmut show NAME` shows one's diff), the time,
+# commit and mutmut version. The modules named are run again in full; the others keep their
+# verdicts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -19,6 +21,8 @@ ALL=(grpo/kl mixing/arithmetic grpo/advantages training/neighbor_source grpo/mis
     mixing/records grpo/update mixing/decision grpo/dra mixing/embedding)
 MODULES=("$@")
 [ ${#MODULES[@]} -gt 0 ] || MODULES=("${ALL[@]}")
+MODULES=("${MODULES[@]//\//.}")
+MODULES=("${MODULES[@]/%/.*}")
 # The fast unit tests of these modules; left out: the torchrun cases (their module fixtures launch
 # 2-8 ranks) and the trainer runs.
 TESTS=(tests/test_grpo.py tests/test_mismatch.py tests/test_mixing_arithmetic.py tests/test_dra.py
@@ -49,14 +53,10 @@ sed 's/^pythonpath = \.$/pythonpath = mutants/' "$ROOT/pytest.ini" >pytest.ini
 unset PYTHONPATH
 export OMP_NUM_THREADS=1
 start=$(date +%s)
-for m in "${MODULES[@]}"; do
-    t0=$(date +%s)
-    nice -n 10 python3 -m mutmut run --max-children 1 "megatron_ngrpo.${m//\//.}.*" >"mutmut_${m//\//_}.log" 2>&1 || {
-        echo "$m: mutmut failed (log: $WORK/mutmut_${m//\//_}.log)"
-        continue
-    }
-    echo "$m: done in $(($(date +%s) - t0)) s"
-done
+# One mutmut run for all the modules named: its clean run, forced-fail check and test listing
+# cost minutes on a loaded machine, once instead of per module.
+nice -n 10 python3 -m mutmut run --max-children 1 "${MODULES[@]/#/megatron_ngrpo.}" >mutmut.log 2>&1 ||
+    echo "mutmut failed (log: $WORK/mutmut.log)"
 python3 -m mutmut results --all true >results.txt
 python3 "$ROOT/scripts/mutation_table.py" results.txt "${ALL[@]}"
 echo "total time: $(($(date +%s) - start)) s; commit $(git -C "$ROOT" rev-parse --short HEAD)$(git -C "$ROOT" diff --quiet HEAD || echo ' (with local changes)'); mutmut $(python3 -c 'import importlib.metadata as m; print(m.version("mutmut"))')"

@@ -20,10 +20,10 @@ def main(results: str, modules: list[str]) -> None:
             for m in modules:
                 if name.startswith(f"megatron_ngrpo.{m.replace('/', '.')}."):
                     counts[m][status] += 1
-                    if status != "killed":
+                    if status not in ("killed", "timeout", "not checked"):
                         survivors.append(f"{name}: {status}")
-    print("| module | mutants | killed | survived | other | score |")
-    print("|---|---|---|---|---|---|")
+    print("| module | mutants | run | killed | timeout | survived | no tests | score |")
+    print("|---|---|---|---|---|---|---|---|")
     total = collections.Counter()
     for m, c in counts.items():
         total.update(c)
@@ -33,10 +33,14 @@ def main(results: str, modules: list[str]) -> None:
 
 
 def _row(label: str, c: collections.Counter) -> str:
+    """Score: killed (a test failed, or the tests ran past mutmut's time limit) over mutants run;
+    "no tests": no selected test reaches the mutated function (counted as not killed)."""
     n = sum(c.values())
-    other = n - c["killed"] - c["survived"]
-    score = f"{100 * c['killed'] / n:.1f} %" if n else "not run"
-    return f"| {label} | {n} | {c['killed']} | {c['survived']} | {other} | {score} |"
+    run = n - c["not checked"]
+    dead = c["killed"] + c["timeout"]
+    score = f"{100 * dead / run:.1f} %" if run else "not run"
+    cells = [n, run, c["killed"], c["timeout"], c["survived"], c["no tests"], score]
+    return f"| {label} | " + " | ".join(map(str, cells)) + " |"
 
 
 if __name__ == "__main__":
