@@ -122,6 +122,13 @@ def test_zero_variance_groups_need_two_equal_rewards():
     ]  # fmt: skip
 
 
+def test_an_empty_batch_has_empty_advantages():
+    e, g = torch.zeros(0), torch.zeros(0, dtype=torch.long)
+    assert zero_variance_groups(e, g).tolist() == []
+    assert [t.tolist() for t in group_stats(e, g)] == [[], [], []]
+    assert compute_advantages(e, g).tolist() == []
+
+
 # ---- policy loss and aggregation ---------------------------------------------------------------
 def _surrogate64(lp, old, adv, cfg):
     """One token's clipped surrogate, clipped flag and ratio (token mode)."""
@@ -546,6 +553,12 @@ def test_mix_rows_is_the_candidate_order_sum_rounded_once(dtype):
             want = want + nz.to(acc)
         got = mix_rows(cand, w, nz)
         assert got.dtype == dtype and torch.equal(got, want.to(dtype))
+    # 16-bit weights too: each product in fp32 from the exactly widened weight, never in 16 bits
+    w16 = w.to(torch.bfloat16)
+    want = w16[:, 0, None].to(acc) * cand[:, 0].to(acc)
+    for j in range(1, 4):
+        want = want + w16[:, j, None].to(acc) * cand[:, j].to(acc)
+    assert torch.equal(mix_rows(cand, w16), want.to(dtype))
     exact = (w.double()[:, :, None] * cand.double()).sum(1)  # float64: the float64 sum, to 1e-15
     if dtype == torch.float64:
         assert torch.allclose(mix_rows(cand, w.double()), exact, rtol=1e-14, atol=1e-15)
