@@ -73,6 +73,9 @@ EXTRAS = {
         "faiss-cpu",
         "scipy>=1.11",
         "ruff>=0.17,<0.18",
+        # scripts/mutation_score.sh (the core's mutation score; not in the test run): mutmut 3's
+        # trampolines fork one process per mutant from an interpreter with torch imported.
+        "mutmut>=3.3,<4",
         _GGUF,
         _ACCELERATE,
     ],
