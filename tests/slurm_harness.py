@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,6 +62,24 @@ def start_cli(args: list[str], env: dict[str, str], log: Path) -> Launch:
             start_new_session=True,
         )
     return Launch(proc, log)
+
+
+def slurm_options(time: str) -> list[str]:
+    """``ngrpo-launch run``'s options for the test cluster: its partition and account, shared
+    nodes, the code where it is (no packaging), a time limit ``time``."""
+    return [
+        "--executor",
+        "slurm",
+        "--packager",
+        "none",
+        "--partition",
+        "batch",
+        "--account",
+        "test",
+        "--time",
+        time,
+        "--no-exclusive",
+    ]
 
 
 def experiment_id(output: str) -> str:
@@ -142,3 +161,59 @@ class SlurmCluster:
             text=True,
             timeout=120,
         )
+
+    def lose_node(self, node: str) -> list[int]:
+        """``node`` dies: SIGKILL to its slurmd and to every process of this cluster's job steps
+        on it (the nodes share this host: a step's processes carry their node's name and this
+        cluster's SLURM_CONF; their slurmstepd parents too). Slurm marks it DOWN and its jobs
+        NODE_FAIL after SlurmdTimeout. Returns the pids killed."""
+        marks = (
+            f"SLURMD_NODENAME={node}".encode(),
+            f"SLURM_CONF={self.env['SLURM_CONF']}".encode(),
+        )
+        victims = {int((self.state / "run" / f"slurmd-{node}.pid").read_text())}
+        for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+            if all(m in _proc(pid, "environ").split(b"\0") for m in marks):
+                victims.add(pid)
+                victims.update(
+                    a for a in _ancestors(pid) if _proc(a, "cmdline").startswith(b"slurmstepd")
+                )
+        for pid in victims:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return sorted(victims)
+
+    def revive_node(self, node: str, timeout_s: float = 120) -> None:
+        """Start ``node``'s slurmd again and wait until Slurm lists it idle (ReturnToService=2)."""
+        subprocess.run(["slurmd", "-N", node], env=self.env, check=True, timeout=60)
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            out = subprocess.run(
+                ["sinfo", "-h", "-n", node, "-o", "%t"],
+                env=self.env,
+                capture_output=True,
+                text=True,
+            ).stdout
+            if out.strip() == "idle":
+                return
+            time.sleep(1)
+        raise AssertionError(f"node {node} not idle {timeout_s:.0f} s after its slurmd restarted")
+
+
+def _proc(pid: int, name: str) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/{name}").read_bytes()
+    except OSError:
+        return b""
+
+
+def _ancestors(pid: int) -> list[int]:
+    out = []
+    while True:
+        stat = _proc(pid, "stat")
+        pid = int(stat.rsplit(b")", 1)[1].split()[1]) if stat else 0
+        if pid <= 1:
+            return out
+        out.append(pid)

@@ -153,7 +153,12 @@ def test_begin_queues_the_successor_and_records_the_allocation(tmp_path, capsys)
     )
     calls = []
     run = fake_slurm(
-        {"sacct": "11|FAILED|n[1-2]\n", "scontrol show": "n1\nn3\n", "sbatch": "13;cluster\n"},
+        {
+            "sacct": "11|FAILED|n[1-2]\n",
+            "scontrol show": "n1\nn3\n",
+            "scontrol update": "",
+            "sbatch": "13;cluster\n",
+        },
         calls,
     )
     env = {"SLURM_JOB_ID": "12", "SLURM_JOB_NODELIST": "n[1,3]"}
@@ -169,6 +174,8 @@ def test_begin_queues_the_successor_and_records_the_allocation(tmp_path, capsys)
             "/spool/slurm_script",
         ]
     ]
+    # not requeueable: a lost node ends it NODE_FAIL, and the queued successor takes over
+    assert ["scontrol", "update", "JobId=12", "Requeue=0"] in calls
     entry = chain.read_jsonl(Path(args.job_dir) / chain.CHAIN_FILE)[-1]
     assert entry["job_id"] == "12" and entry["step"] == 3 and entry["next"] == "13"
     assert (
@@ -178,9 +185,20 @@ def test_begin_queues_the_successor_and_records_the_allocation(tmp_path, capsys)
     # stays after the record that named it is gone.
     (run_dir / "allocations.jsonl").write_text("")
     env = {"SLURM_JOB_ID": "13", "SLURM_JOB_NODELIST": "n2"}
-    run = fake_slurm({"sacct": "", "scontrol show": "n2\n", "sbatch": "14\n"}, calls)
+    run = fake_slurm(
+        {"sacct": "", "scontrol show": "n2\n", "scontrol update": "", "sbatch": "14\n"}, calls
+    )
     assert chain.begin(args, env, run) == chain.STOPPED
-    assert calls[-1][-2:] == ["--exclude=n2", "/spool/slurm_script"]
+    assert [c for c in calls if c[0] == "sbatch"][-1][-2:] == [
+        "--exclude=n2",
+        "/spool/slurm_script",
+    ]
+    # Requeued anyway (an administrator), on n1: its successor is already queued, no second one.
+    del calls[:]
+    run = fake_slurm({"sacct": "", "scontrol show": "n1\n", "scontrol update": ""}, calls)
+    assert chain.begin(args, {**env, "SLURM_JOB_NODELIST": "n1"}, run) == chain.RUN
+    assert not [c for c in calls if c[0] == "sbatch"]
+    assert chain.read_jsonl(Path(args.job_dir) / chain.CHAIN_FILE)[-1]["next"] == "14"
 
 
 def test_begin_stops_after_idle_allocations_and_when_complete(tmp_path, capsys):

@@ -36,6 +36,7 @@ from slurm_harness import (
     SlurmCluster,
     experiment_id,
     free_port,
+    slurm_options,
     smoke_env,
     start_cli,
     write_arithmetic_task,
@@ -85,19 +86,7 @@ def jobs(cluster, tmp_path_factory):
         "NEMORUN_HOME": str(tmp / "nemorun_home"),
         "OMP_NUM_THREADS": "1",
     }
-    common = [
-        "--executor",
-        "slurm",
-        "--packager",
-        "none",
-        "--partition",
-        "batch",
-        "--account",
-        "test",
-        "--time",
-        "00:10:00",
-        "--no-exclusive",
-    ]
+    common = slurm_options("00:10:00")
     trainer = [
         "--config",
         str(TINY_CONFIG),

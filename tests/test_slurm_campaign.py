@@ -11,6 +11,13 @@ allocations of minutes each; run them with ``pytest -m slurm_campaign tests/test
 (b) ``scancel --signal=USR1`` and then a plain ``scancel`` (SIGTERM) of the running allocation:
     each next allocation starts at the step the stopped one reached and saved, and the run ends
     identical to the uninterrupted one.
+(c) the node of the running allocation is lost mid-step (its slurmd and the job's processes on it
+    SIGKILLed): Slurm marks it DOWN and the job NODE_FAIL; the queued successor resumes on the
+    other nodes at the last checkpoint, and the chain keeps its successors off the lost node.
+(d) one rank hangs inside a collective (tests/support/hung_train.py's hook, once): the watchdog
+    ends the allocation within its deadline + 30 s with every rank's stacks in <run_dir>/hang;
+    the next allocation, off the hung rank's node, continues from the last checkpoint to the end
+    (metrics.jsonl: steps contiguous, none repeated).
 """
 
 from __future__ import annotations
@@ -22,10 +29,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from slurm_harness import REPO, experiment_id, free_port, start_cli, write_arithmetic_task
+from slurm_harness import (
+    REPO,
+    experiment_id,
+    free_port,
+    slurm_options,
+    start_cli,
+    write_arithmetic_task,
+)
 from test_slurm import cluster  # noqa: F401 (the module's Slurm test cluster)
 
 from megatron_ngrpo.launch import chain
+from tests.support.hung_train import HANG_VAR, ONCE_VAR
 from tests.test_train import _finish, _launch, _losses, _tensors
 
 pytestmark = pytest.mark.slurm_campaign
@@ -51,10 +66,10 @@ def straight(task, tmp_path_factory) -> Path:
     return run_dir
 
 
-def _until_done(slurm, task: Path, tmp: Path, name: str, pace: dict, *extra: str):
+def _until_done(slurm, task: Path, tmp: Path, name: str, pace: dict, minutes: int, *extra: str):
     """``ngrpo-launch run tiny --until-done`` of the trainer on the test cluster (one node, two
-    ranks, TP 2) paced by ``pace`` (tests/support/pace), in the background; returns (launch,
-    run_dir, env)."""
+    ranks, TP 2; ``minutes`` per allocation) paced by ``pace`` (tests/support/pace), in the
+    background; returns (launch, run_dir, env)."""
     env = {
         **slurm.env,
         **pace,
@@ -76,15 +91,7 @@ def _until_done(slurm, task: Path, tmp: Path, name: str, pace: dict, *extra: str
         str(task / "paths.yaml"),
         "--hf-path",
         str(task / "model"),
-        "--executor",
-        "slurm",
-        "--packager",
-        "none",
-        "--partition",
-        "batch",
-        "--account",
-        "test",
-        "--no-exclusive",
+        *slurm_options(str(minutes)),
         "--rdzv-port",
         str(free_port()),
         "--until-done",
@@ -101,11 +108,14 @@ def _records(run_dir: Path) -> list[dict]:
     return chain.read_jsonl(run_dir / chain.ALLOCATIONS_FILE)
 
 
+def _check_steps(run_dir: Path, last: int) -> None:
+    """metrics.jsonl holds steps 1..last, contiguous, none repeated."""
+    steps = [row["step"] for row in chain.read_jsonl(run_dir / "metrics.jsonl")]
+    assert steps == list(range(1, last + 1)), steps
+
+
 def _check_same_as_straight(run_dir: Path, straight: Path, scratch: Path) -> None:
-    steps = [
-        json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-    ]
-    assert steps == list(range(1, STEPS + 1)), steps
+    _check_steps(run_dir, STEPS)
     last = f"iter_{STEPS:07d}"
     a, b = _tensors(straight / last, scratch), _tensors(run_dir / last, scratch)
     assert a.keys() == b.keys() and any(k.startswith("optimizer.state.exp_avg.") for k in a)
@@ -120,8 +130,7 @@ def test_run_completes_over_allocations_by_itself(cluster, task, straight, tmp_p
         tmp_path,
         "chain",
         {"NGRPO_STEPS_PER_ALLOCATION": "3"},
-        "--time",
-        "5",
+        5,
         "--signal-lead",
         "20",
         "train.stop.margin_s=10",
@@ -176,7 +185,7 @@ def test_scancel_usr1_and_term_resume_at_the_right_step(cluster, task, straight,
     # step would end); the planned stop writes the only checkpoints before the last.
     pace = {"NGRPO_STEP_PACE_S": "2"}
     launch, run_dir, env = _until_done(
-        cluster, task, tmp_path, "cancel", pace, "--time", "20", "train.save_every=100"
+        cluster, task, tmp_path, "cancel", pace, 20, "train.save_every=100"
     )
     try:
         first = _current(tmp_path, 0)
@@ -196,3 +205,89 @@ def test_scancel_usr1_and_term_resume_at_the_right_step(cluster, task, straight,
     assert two["reason"] == "signal:SIGTERM" and two["exit_code"] == 75, two
     assert second["step"] == one["last_step"] >= 2 and third["step"] == two["last_step"], stops
     _check_same_as_straight(run_dir, straight, tmp_path)
+
+
+def _sacct_state(job: str, env: dict) -> str:
+    out = subprocess.run(
+        ["sacct", "-X", "-n", "-P", "-o", "State", "-j", str(job)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    return out.split()[0] if out.split() else ""
+
+
+def test_a_lost_node_the_chain_resumes_on_the_others(cluster, task, tmp_path):  # noqa: F811
+    last = 6
+    launch, run_dir, env = _until_done(
+        cluster, task, tmp_path, "lost", {"NGRPO_STEP_PACE_S": "2"}, 20, f"train.max_steps={last}"
+    )
+    lost = None
+    try:
+        first = _current(tmp_path, 0)
+        _wait_for_step(run_dir, 2)
+        lost = first["nodes"][0]
+        cluster.lose_node(lost)
+        second = _current(tmp_path, 1)
+        # the queued successor, not a requeued first job; the lost node is kept off from now on
+        assert second["job_id"] == first["next"] and lost not in second["nodes"], second
+        assert second["exclude"] == [lost] and second["step"] >= 2, second
+        assert _sacct_state(first["job_id"], env) == "NODE_FAIL"
+        queued = subprocess.run(
+            ["scontrol", "show", "job", str(second["next"])],
+            env=env,
+            capture_output=True,
+            text=True,
+        ).stdout
+        assert f"ExcNodeList={lost}" in queued, queued
+        rc, out = launch.finish(timeout_s=1800)
+    finally:
+        launch.kill()
+        if lost:
+            cluster.revive_node(lost)
+    assert rc == 0, out[-4000:]
+    _check_steps(run_dir, last)
+
+
+def test_a_hung_rank_is_explained_and_the_chain_resumes(cluster, task, tmp_path):  # noqa: F811
+    last = 5
+    hook = {HANG_VAR: "1:3", ONCE_VAR: str(tmp_path / "hung-once")}
+    launch, run_dir, env = _until_done(
+        cluster,
+        task,
+        tmp_path,
+        "hung",
+        hook,
+        20,
+        f"train.max_steps={last}",
+        "mixing.refresh_every=0",  # step 3's rollout holds no collective: rank 0 gets past it
+        "train.watchdog.first_s=120",
+        "train.watchdog.floor_s=10",
+        "train.watchdog.factor=4",
+    )
+    try:
+        rc, out = launch.finish(timeout_s=1800)
+    finally:
+        launch.kill()
+    assert rc == 0, out[-4000:]
+    hang = run_dir / "hang"
+    report = json.loads((hang / "report.json").read_text())
+    expired = report["expired"]
+    assert report["missing"] == [1] and report["at"] - expired["entered_at"] <= (
+        expired["deadline_s"] + 30
+    ), report
+    for rank in (0, 1):
+        assert "Current thread" in (hang / f"stack_rank{rank}.txt").read_text()
+    assert "in next_or_hang" in (hang / "stack_rank1.txt").read_text()
+    entries = chain.read_jsonl(next((tmp_path / "nemorun_home").rglob(chain.CHAIN_FILE)))
+    first, second = entries[:2]
+    assert _sacct_state(first["job_id"], env) == "FAILED"
+    logs = "".join(
+        p.read_text(errors="replace") for p in (tmp_path / "nemorun_home").rglob("log-*.out")
+    )
+    assert report["line"] in logs and f"exitcode  : {chain.EXIT_WATCHDOG}" in logs
+    # the hung rank's node (Slurm's name for it) is excluded; the run resumes at the checkpoint
+    assert report["missing_hosts"] == first["nodes"] == second["exclude"], (report, second)
+    assert not set(second["nodes"]) & set(first["nodes"]) and second["step"] == 2, second
+    _check_steps(run_dir, last)

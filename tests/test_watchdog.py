@@ -67,6 +67,18 @@ def test_deadlines_follow_the_config(tmp_path):
         assert sorted(p.name for p in hang.glob("*")) == files if enabled else not hang.exists()
 
 
+def test_heartbeat_names_the_node_as_slurm_does(tmp_path, monkeypatch):
+    """The chain passes the hosts of a hang report to ``--exclude``: Slurm's node name, which the
+    host name need not be (the test cluster's n1..n3 share one host)."""
+    monkeypatch.setenv("SLURMD_NODENAME", "n7")
+    dog = Watchdog(WatchdogConfig(), 1000, tmp_path, 0, 1, "s")
+    dog.start()
+    with dog.stage("update", 1):
+        beat = json.loads((tmp_path / HANG_DIR / "rank0.json").read_text())
+    dog.close()
+    assert beat["host"] == "n7"
+
+
 @pytest.mark.parametrize(
     "overrides,message",
     [

@@ -19,7 +19,9 @@ exits 0, the job COMPLETES and Slurm drops the successor (its dependency can nev
 Nodes are excluded where something names them as failed: the watchdog's hang report
 (``<run_dir>/hang/report.json``: the hosts of the ranks that did not arrive), a trainer record's
 ``failed_hosts``, or the nodes of a NODE_FAIL job that Slurm now lists as down, drained or
-failing; excluded once, excluded for the rest of the chain. The batch script's EXIT trap
+failing; excluded once, excluded for the rest of the chain. ``begin`` makes its job not
+requeueable (``scontrol update Requeue=0``): a lost node ends it NODE_FAIL, its nodes are excluded
+and the successor resumes on the others. The batch script's EXIT trap
 (``end``) puts nodes learnt during the allocation on the queued successor.
 
 The chain's own record is ``<job_dir>/chain.jsonl`` (one line per allocation: job id, nodes,
@@ -186,7 +188,15 @@ def begin(args: argparse.Namespace, env=os.environ, run: Runner = _slurm) -> int
     entry.update(run_dir=str(run_dir), exclude=d.exclude)
     on_excluded = sorted(set(nodes) & set(d.exclude))
     if d.code == RUN:
-        entry["next"] = submit_successor(args.script, job, d.exclude, run)
+        requeued = bool(entries) and str(entries[-1]["job_id"]) == job
+        # A job Slurm requeued anyway (an administrator) already has its successor queued.
+        entry["next"] = (
+            entries[-1]["next"] if requeued else submit_successor(args.script, job, d.exclude, run)
+        )
+        # The chain, not Slurm, continues the run: NeMo-Run submits with --requeue, and a
+        # requeued job would wait 2 min (Slurm's delay) to start a second chain beside the queued
+        # successor; not requeued, a node failure ends it NODE_FAIL and the successor starts.
+        run(["scontrol", "update", f"JobId={job}", "Requeue=0"])
         entry["skipped"] = bool(on_excluded)
     with open(job_dir / CHAIN_FILE, "a") as f:
         f.write(json.dumps({**entry, "verdict": d.code}) + "\n")

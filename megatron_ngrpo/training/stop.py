@@ -28,7 +28,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -42,6 +41,7 @@ import torch.distributed as dist
 
 from megatron_ngrpo.compat.cpu import device
 from megatron_ngrpo.training.config import StopConfig
+from megatron_ngrpo.training.watchdog import node_name
 
 # The process saved at a planned stop before train.max_steps: run again in a new allocation
 # (BSD's EX_TEMPFAIL). 0: the run is complete; anything else: a failure.
@@ -160,7 +160,7 @@ class StopControl:
         line = {
             "job_id": os.environ.get("SLURM_JOB_ID"),
             "restart": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
-            "host": socket.gethostname(),
+            "host": node_name(),
             "started": self.started,
             "ended": time.time(),
             "first_step": self.first_step,

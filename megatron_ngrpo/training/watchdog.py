@@ -67,6 +67,12 @@ GRACE_S = 10.0  # the reporter waits this long at most for the other ranks' stac
 PY_SPY_TIMEOUT_S = 20
 
 
+def node_name() -> str:
+    """This node as Slurm names it (what ``--exclude`` takes; the host name may differ, e.g. a
+    domain, or several test nodes on one host), else the host name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
 @dataclass
 class WatchdogConfig:
     """``train.watchdog``: per-stage deadlines in seconds (0: learned, see the module docstring)."""
@@ -172,7 +178,7 @@ class Watchdog:
         self.deadlines = Deadlines(cfg, dist_timeout_s)
         self.dir = Path(run_dir) / HANG_DIR
         self.rank, self.world_size, self.session = rank, world_size, session
-        self.host = socket.gethostname()
+        self.host = node_name()
         self._open: list[_Open] = []
         self._seq = 0
         self._last: tuple[str, int] = ("", 0)  # the last stage left and its step

@@ -6,6 +6,8 @@ On PYTHONPATH, every Python process imports it; it acts in the trainer's ranks o
   for a planned stop (the warning signal, ``scancel``, or the allocation's deadline) instead of
   starting another step, so that an allocation gains at most K steps whatever the machine's
   speed.
+* ``$NGRPO_HANG_AT`` (and ``$NGRPO_HANG_ONCE``): one rank hangs in a collective
+  (tests/support/hung_train.py).
 
 The trainer is the real entry point (``python -m megatron_ngrpo.train``, so the launcher renders
 its pre-flight, signal and chain); neither changes a number the run computes."""
@@ -19,10 +21,16 @@ import sys
 import time
 
 PACE_VAR, CAP_VAR = "NGRPO_STEP_PACE_S", "NGRPO_STEPS_PER_ALLOCATION"
+HANG_VAR = "NGRPO_HANG_AT"  # tests/support/hung_train.py's (this file runs before tests/ imports)
 PATCHES = {}
 
 
 def _pace_trainer(module) -> None:
+    if os.environ.get(HANG_VAR):
+        # lazy: only in a trainer told to hang; the trainer's modules are imported by now
+        from tests.support.hung_train import hang_in_a_collective
+
+        hang_in_a_collective(*map(int, os.environ[HANG_VAR].split(":")))
     step = module.Trainer.train_step
 
     def train_step(self):
@@ -71,5 +79,5 @@ class _Patcher(importlib.abc.MetaPathFinder):
         return spec
 
 
-if os.environ.get(PACE_VAR) or os.environ.get(CAP_VAR):
+if os.environ.get(PACE_VAR) or os.environ.get(CAP_VAR) or os.environ.get(HANG_VAR):
     sys.meta_path.insert(0, _Patcher())
