@@ -6,7 +6,7 @@ it; print killed / survived per mutant (its registry entry first), the total and
     python3 scripts/mutants.py --prefix mixing. grpo.  # the entries under these prefixes
     python3 scripts/mutants.py --kind ignored          # the generic mutants only (or: patch)
     python3 scripts/mutants.py --fast                  # the mutants marked fast
-    python3 scripts/mutants.py --sample 1              # CI's draw: 1 fast mutant, by date
+    python3 scripts/mutants.py --sample 1              # CI's draw: 1 generic FAST mutant, by date
     python3 scripts/mutants.py --out bench/results/mutants_registry.md
 
 Runs go cheapest first (the fast tests, then the unit-level ones, the trainer-level
@@ -60,8 +60,8 @@ def selected(
     prefixes: list[str], sample: int, day: datetime.date, fast: bool = False, kind: str = ""
 ) -> list[tuple[str, Mutant | Ignored]]:
     """(entry, mutant) pairs under ``prefixes`` (all when empty; ``fast``: the fast ones; ``kind``:
-    one kind), cheapest first; ``sample`` > 0: that many fast ones, a window that moves by
-    ``sample`` every day."""
+    one kind), cheapest first; ``sample`` > 0: that many generic mutants of ``FAST`` tests, a
+    window that moves by ``sample`` every day."""
     pairs = [
         (name, m)
         for name in SWITCHES
@@ -71,7 +71,7 @@ def selected(
         and (not kind or isinstance(m, KINDS[kind]))
     ]
     if sample:
-        fast_ones = [p for p in pairs if p[1].fast]
+        fast_ones = [p for p in pairs if isinstance(p[1], Ignored) and p[1].fast]
         start = day.toordinal() * sample % len(fast_ones)
         return [fast_ones[(start + i) % len(fast_ones)] for i in range(min(sample, len(fast_ones)))]
     return sorted(pairs, key=_cost)
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prefix", nargs="*", default=[], help="registry entry prefixes")
     p.add_argument("--kind", choices=sorted(KINDS), default="", help="one kind of mutant")
-    p.add_argument("--sample", type=int, default=0, help="that many fast mutants, by date")
+    p.add_argument("--sample", type=int, default=0, help="that many generic FAST mutants, by date")
     p.add_argument("--fast", action="store_true", help="only the mutants marked fast")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per test run")
     p.add_argument("--out", help="also write the table here (markdown), after every run")

@@ -8,8 +8,8 @@ A :class:`Mutant` replaces ``old`` (exactly one occurrence) by ``new`` in ``file
 the tree. A mutant's test is the entry's registry test unless it names another (an implementation
 detail the trainer-level test cannot see, killed by the unit test that reads it, e.g. the
 normaliser of a mismatch correction). ``fast``: its test runs within about a minute on a loaded
-2-core machine; the generic mutants of the tests in ``FAST`` run in CI's rotating sample (about
-30 s each there). scripts/mutants.py applies them.
+2-core machine (a generic mutant: its test is in ``FAST``). CI's rotating sample draws generic
+mutants of ``FAST`` tests. scripts/mutants.py applies them.
 """
 
 from __future__ import annotations
@@ -37,11 +37,13 @@ class Ignored:
     fast: bool = False
 
 
-# Registry tests whose generic mutants CI may draw: one run (a fresh interpreter, imports and the
-# test) takes about 30 s on the loaded 2-core machine.
+# Registry tests whose generic mutants CI's rotating sample draws from: unit tests in one process,
+# about 20-30 s a run (a fresh interpreter, torch and megatron imports, the test) on an idle 2-core
+# machine.
 FAST = {
     "tests/test_grpo.py::test_clipped_surrogate_clip_higher_and_dual_clip",
-    "tests/test_rewards.py::test_reward_function_from_config",
+    "tests/test_grpo.py::test_log_ratio_and_k3_clamps_are_the_configs",
+    "tests/test_mixing.py::test_exclusion_mask_from_config",
 }
 
 
