@@ -33,8 +33,8 @@ def test_every_live_entry_carries_its_generic_mutant():
         kinds = [type(m) for m in mutants_of(name)]
         if kind == TEST and kinds[:1] != [Ignored]:
             bad.append(f"{name}: live, no generic mutant")
-        elif kind == TEST and not fields[name][1].init:
-            bad.append(f"{name}: not an __init__ argument, the generic mutant cannot reach it")
+        elif kind == TEST and fields[name][0].__dataclass_params__.frozen:
+            bad.append(f"{name}: a frozen dataclass's field, the generic mutant cannot reach it")
         elif kind != TEST and kinds:
             bad.append(f"{name}: validated only, but carries mutants")
     assert not bad, "\n".join(bad)
@@ -74,12 +74,15 @@ class Toy:
 
 
 def test_the_generic_mutant_builds_the_field_at_its_default(tmp_path):
-    """In a process with the mutant's root on its path, the dataclass gets the field's default
-    (keyword, positional or default factory) before ``__post_init__``, other fields untouched,
-    and each replaced value is recorded."""
+    """In a process with the mutant's root on its path, the dataclass's field keeps its default
+    (keyword, positional, default factory, ``replace``, assignment; ``__post_init__`` sees it),
+    other fields untouched, and each replaced value is recorded."""
     (tmp_path / "toy.py").write_text(TOY)
     (tmp_path / "sitecustomize.py").write_text(runner.SITE.read_text())
-    code = "import toy; print(toy.Toy(rate=0.9, ids=[7]).seen, toy.Toy(0.1).seen, toy.Toy().seen)"
+    code = (
+        "import dataclasses, toy; t = toy.Toy(rate=0.9, ids=[7]); t.rate, t.ids = 0.8, [8]\n"
+        "print(t.seen, toy.Toy(0.1).seen, dataclasses.replace(t, rate=0.2).seen, (t.rate, t.ids))"
+    )
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     seen = {}
     for field in ("rate", "ids"):
@@ -91,11 +94,14 @@ def test_the_generic_mutant_builds_the_field_at_its_default(tmp_path):
         assert out.returncode == 0, out.stderr[-2000:]
         seen[field] = out.stdout.strip()
     assert seen == {
-        "rate": "(0.5, [7]) (0.5, [1]) (0.5, [1])",
-        "ids": "(0.9, [1]) (0.1, [1]) (0.5, [1])",
+        "rate": "(0.5, [7]) (0.5, [1]) (0.5, [8]) (0.5, [8])",
+        "ids": "(0.9, [1]) (0.1, [1]) (0.2, [1]) (0.8, [1])",
     }
     hits = (tmp_path / "ignored_field.hits").read_text().splitlines()
-    assert hits == ["Toy.rate: 0.9 -> 0.5", "Toy.rate: 0.1 -> 0.5", "Toy.ids: [7] -> [1]"]
+    assert hits == [
+        *("Toy.rate: 0.9 -> 0.5", "Toy.rate: 0.8 -> 0.5", "Toy.rate: 0.1 -> 0.5"),
+        *("Toy.rate: 0.2 -> 0.5", "Toy.ids: [7] -> [1]", "Toy.ids: [8] -> [1]"),
+    ]
 
 
 def test_a_rotating_sample_of_mutants_is_killed():
