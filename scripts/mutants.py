@@ -127,13 +127,15 @@ def run_one(name: str, mutant: Mutant | Ignored, timeout: float) -> tuple[str, s
         except subprocess.TimeoutExpired:
             return "error", f"timed out after {timeout:.0f} s", time.monotonic() - start
         hits = root / "ignored_field.hits"
-        builds = len(hits.read_text().splitlines()) if hits.exists() else 0
+        replaced = len(hits.read_text().splitlines()) if hits.exists() else 0
     seconds = time.monotonic() - start
     tail = (out.stdout.strip().splitlines() or [""])[-1]
     if isinstance(mutant, Ignored):
-        tail += f"; {builds} builds with another value" if builds else "; never set otherwise"
+        tail += f"; {replaced} values replaced" if replaced else "; never given another value"
     if out.returncode == 1 and re.search(r"\d+ failed", tail):
-        return "killed", tail, seconds
+        # The first assertion line says what the test saw change (not a crash of its set-up).
+        seen = next((ln[1:].strip() for ln in out.stdout.splitlines() if ln.startswith("E ")), "")
+        return "killed", f"{tail}; {seen[:160]}".replace("|", "\\|"), seconds
     if out.returncode == 0 and re.search(r"\d+ passed", tail):
         return "survived", tail, seconds
     return "error", f"rc {out.returncode}: {tail}", seconds
@@ -142,7 +144,7 @@ def run_one(name: str, mutant: Mutant | Ignored, timeout: float) -> tuple[str, s
 def describe(mutant: Mutant | Ignored) -> tuple[str, str]:
     """The table's file and mutation cells."""
     if isinstance(mutant, Ignored):
-        return "(the field's dataclass)", "ignored: built at its default"
+        return "(the field's dataclass)", "ignored: kept at its default"
     change = f"`{mutant.old.strip()}` → `{mutant.new.strip()}`".replace("|", "\\|")
     return mutant.file, change
 
