@@ -9,8 +9,8 @@ it; print killed / survived per mutant (its registry entry first), the total and
     python3 scripts/mutants.py --sample 1              # CI's draw: 1 generic FAST mutant, by date
     python3 scripts/mutants.py --out bench/results/mutants_registry.md
 
-Runs go cheapest first (the fast tests, then the unit-level ones, the trainer-level
-tests/test_live_switches.py ones last); --out is rewritten after every run, so a run stopped
+Runs go in the order of the prefixes given, cheapest first under each (the fast tests, then
+the unit-level ones, the trainer-level tests/test_live_switches.py ones last); --out is rewritten after every run, so a run stopped
 early keeps its table. A patch whose text is not found once is an error (the registry went
 stale), as is a test run that neither passes nor fails (skipped, not collected, timed out). Exit
 1 unless every mutant run is killed. One mutant per run, never batched (entries that share a
@@ -60,8 +60,8 @@ def selected(
     prefixes: list[str], sample: int, day: datetime.date, fast: bool = False, kind: str = ""
 ) -> list[tuple[str, Mutant | Ignored]]:
     """(entry, mutant) pairs under ``prefixes`` (all when empty; ``fast``: the fast ones; ``kind``:
-    one kind), cheapest first; ``sample`` > 0: that many generic mutants of ``FAST`` tests, a
-    window that moves by ``sample`` every day."""
+    one kind), in the prefixes' order, cheapest first under each; ``sample`` > 0: that many
+    generic mutants of ``FAST`` tests, a window that moves by ``sample`` every day."""
     pairs = [
         (name, m)
         for name in SWITCHES
@@ -74,7 +74,8 @@ def selected(
         fast_ones = [p for p in pairs if isinstance(p[1], Ignored) and p[1].fast]
         start = day.toordinal() * sample % len(fast_ones)
         return [fast_ones[(start + i) % len(fast_ones)] for i in range(min(sample, len(fast_ones)))]
-    return sorted(pairs, key=_cost)
+    first = [next((i for i, x in enumerate(prefixes) if n.startswith(x)), 0) for n, _ in pairs]
+    return [p for _, p in sorted(zip(first, pairs), key=lambda fp: (fp[0], *_cost(fp[1])))]
 
 
 def copy_tree(dest: Path) -> None:
