@@ -134,7 +134,7 @@ def run_one(name: str, mutant: Mutant | Ignored, timeout: float) -> tuple[str, s
     if isinstance(mutant, Ignored):
         tail += f"; {replaced} values replaced" if replaced else "; never given another value"
     if out.returncode == 1 and re.search(r"\d+ failed", tail):
-        # The first assertion line says what the test saw change (not a crash of its set-up).
+        # The first error line: what the test saw change (or a crash, for the reader to judge).
         seen = next((ln[1:].strip() for ln in out.stdout.splitlines() if ln.startswith("E ")), "")
         return "killed", f"{tail}; {seen[:160]}".replace("|", "\\|"), seconds
     if out.returncode == 0 and re.search(r"\d+ passed", tail):

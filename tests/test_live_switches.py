@@ -92,10 +92,15 @@ def reads(*cases: str):
     return register
 
 
+# validation_and_evaluation evaluates the checkpoint that outputs_and_starts (run before it) saves.
+NEEDS = {"validation_and_evaluation": ("outputs_and_starts",)}
+
+
 @pytest.fixture(scope="module")
 def runs(task, request):
     selected = [i for i in request.session.items if getattr(i, "module", None) is request.module]
-    only = sorted({c for i in selected for c in CASES.get(i.originalname, ())})
+    cases = {c for i in selected for c in CASES.get(i.originalname, ())}
+    only = sorted(cases.union(*(NEEDS.get(c, ()) for c in cases)))
     return launch(WORKER, nproc=2, timeout=1500, env={"NGRPO_TASK": str(task)}, only=only)
 
 
