@@ -1,16 +1,22 @@
-"""Mutants of live switches (issue #45 item 2): per registry entry of tests/live_switches.py, small
-source patches that switch the option off (or wire it wrongly), and the test that must then fail.
+"""Mutants of live switches (issue #45 item 2): every live entry of tests/live_switches.py
+carries the generic mutant :class:`Ignored` (the option is ignored: its field is built at its
+dataclass default wherever the dataclass is instantiated), and some carry hand-written source
+patches (:class:`Mutant`) that switch the option off where the generic one cannot reach, or wire
+it wrongly; each mutant's test must then fail.
 
 A :class:`Mutant` replaces ``old`` (exactly one occurrence) by ``new`` in ``file`` of a copy of
-the tree; its ``test`` is the entry's registry test unless it names another (an implementation
+the tree. A mutant's test is the entry's registry test unless it names another (an implementation
 detail the trainer-level test cannot see, killed by the unit test that reads it, e.g. the
 normaliser of a mismatch correction). ``fast``: its test runs within about a minute on a loaded
-2-core machine, so CI's rotating sample may draw it. scripts/mutants.py applies them.
+2-core machine (a generic mutant: its test is in ``FAST``). CI's rotating sample draws generic
+mutants of ``FAST`` tests. scripts/mutants.py applies them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from tests.live_switches import SWITCHES, TEST
 
 
 @dataclass(frozen=True)
@@ -20,6 +26,25 @@ class Mutant:
     new: str
     test: str = ""  # default: the entry's registry test
     fast: bool = False
+
+
+@dataclass(frozen=True)
+class Ignored:
+    """The generic mutant: the entry's field ignored (tests/support/ignored_field/sitecustomize.py
+    in the root of the copy). A test that flips the field and checks the outcome kills it."""
+
+    test: str = ""  # default: the entry's registry test
+    fast: bool = False
+
+
+# Registry tests whose generic mutants CI's rotating sample draws from: unit tests in one process,
+# about 20-30 s a run (a fresh interpreter, torch and megatron imports, the test) on an idle 2-core
+# machine.
+FAST = {
+    "tests/test_grpo.py::test_clipped_surrogate_clip_higher_and_dual_clip",
+    "tests/test_grpo.py::test_log_ratio_and_k3_clamps_are_the_configs",
+    "tests/test_mixing.py::test_exclusion_mask_from_config",
+}
 
 
 ENGINE = "megatron_ngrpo/rollout/megatron_engine.py"
@@ -137,3 +162,10 @@ MUTANTS: dict[str, list[Mutant]] = {
         ),
     ],
 }
+
+
+def mutants_of(name: str) -> list[Mutant | Ignored]:
+    """A live entry's mutants: the generic one, then its hand-written ones."""
+    if SWITCHES[name][0] != TEST:
+        return []
+    return [Ignored(fast=SWITCHES[name][1] in FAST), *MUTANTS.get(name, [])]

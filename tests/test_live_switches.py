@@ -11,9 +11,7 @@ engine calls)."""
 from __future__ import annotations
 
 import ast
-import dataclasses
 import math
-import typing
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -21,51 +19,21 @@ import pytest
 import test_train
 import torch
 
-from megatron_ngrpo.eval.config import EvalConfig
 from megatron_ngrpo.grpo.advantages import compute_advantages, group_ids
 from megatron_ngrpo.grpo.dra import TfidfEmbedder, dra_rewards, similarity
-from megatron_ngrpo.launch.executors import Cluster
-from megatron_ngrpo.training.job_config import NGRPOConfig
+from tests.harness.config_fields import config_fields as walk_fields
 from tests.harness.multiproc import check, launch
 from tests.live_switches import SWITCHES, TEST, VALIDATED
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).parent / "dist" / "trainer_switches_worker.py"
-# The config roots and the prefix of their fields' names in the registry.
-ROOTS = {"": NGRPOConfig, "eval.": EvalConfig, "launch.cluster.": Cluster}
 task = test_train.task  # the arithmetic task fixture (module scope)
 
 
 # ---- the registry ------------------------------------------------------------------------------
-def _dataclass_in(tp) -> type | None:
-    """The dataclass a field's type holds (itself, in a list, or optional), or None."""
-    if dataclasses.is_dataclass(tp):
-        return tp
-    return next(filter(None, map(_dataclass_in, typing.get_args(tp))), None)
-
-
 def config_fields() -> dict[str, str]:
-    """Every field of every config dataclass reachable from the roots, named by its first path
-    (a dataclass reached again, e.g. the evaluation's ``model``, is not listed twice): dotted
-    name → the dataclass and field. A field whose type is a dataclass is a section (its fields are
-    listed instead); a list or optional of one is a field itself, and its fields are listed too."""
-    out: dict[str, str] = {}
-    seen: set[type] = set()
-
-    def walk(cls: type, prefix: str) -> None:
-        seen.add(cls)
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            name = prefix + f.name.removesuffix("_")  # train.async_ is written train.async
-            inner = _dataclass_in(hints[f.name])
-            if inner is None or inner is not hints[f.name]:
-                out[name] = f"{cls.__name__}.{f.name}"
-            if inner is not None and inner not in seen:
-                walk(inner, name + ".")
-
-    for prefix, root in ROOTS.items():
-        walk(root, prefix)
-    return out
+    """The registry's names of the config fields (tests/harness/config_fields.py) → "Class.field"."""
+    return {name: f"{cls.__name__}.{f.name}" for name, (cls, f) in walk_fields().items()}
 
 
 def test_every_config_field_is_registered():
@@ -113,6 +81,23 @@ def test_the_walker_sees_nested_listed_and_optional_dataclasses():
 
 
 # ---- trainer runs --------------------------------------------------------------------------------
+# The worker cases each trainer test reads (``@reads``): the fixture launches those of the tests
+# selected in this session only, so one test (a mutant run, ``-k``) costs its own cases, not all.
+CASES: dict[str, tuple[str, ...]] = {}
+
+
+def reads(*cases: str):
+    def register(test):
+        CASES[test.__name__] = cases
+        return test
+
+    return register
+
+
+# validation_and_evaluation evaluates the checkpoint that outputs_and_starts (run before it) saves.
+NEEDS = {"validation_and_evaluation": ("outputs_and_starts",)}
+
+
 # The worker's cases in two launches side by side (2 processes each, one thread per process): one
 # launch kept the 2 cores about half busy (~160 s of user CPU in CI's 176 s), its ranks waiting on
 # each other, on start-up and on their reward workers; the other launch's runs use that time.
@@ -141,11 +126,17 @@ LAUNCHES = (
 
 
 @pytest.fixture(scope="module")
-def runs(task):
+def runs(task, request):
+    """The cases of the trainer tests selected in this session, in their launches side by side."""
+    selected = [i for i in request.session.items if getattr(i, "module", None) is request.module]
+    cases = {c for i in selected for c in CASES.get(i.originalname, ())}
+    cases |= {n for c in cases for n in NEEDS.get(c, ())}
+    groups = [[c for c in names if c in cases] for names in LAUNCHES]
     env = {"NGRPO_TASK": str(task)}
     with ThreadPoolExecutor(len(LAUNCHES)) as pool:
         parts = pool.map(
-            lambda only: launch(WORKER, nproc=2, timeout=1500, env=env, only=list(only)), LAUNCHES
+            lambda only: launch(WORKER, nproc=2, timeout=1500, env=env, only=only),
+            [g for g in groups if g],
         )
         return {name: result for part in parts for name, result in part.items()}
 
@@ -177,6 +168,7 @@ def _of(forwards: list[dict], *keys: str) -> set:
     return {tuple(f[k] for k in keys) if len(keys) > 1 else f[keys[0]] for f in forwards}
 
 
+@reads("mismatch_corrections")
 def test_mismatch_corrections_act_through_the_trainer(runs):
     """The engine's log-probs shifted by ∓1 at a known third of the tokens each (ρ ≈ e, 1/e):
     each correction masks exactly the tokens its thresholds reject and changes the loss; the
@@ -204,6 +196,7 @@ def test_mismatch_corrections_act_through_the_trainer(runs):
     assert "mismatch/all/masked_frac" not in _row(r["engine_old"])
 
 
+@reads("micro_batches")
 def test_packed_and_budgeted_micro_batches_train_like_unpacked(runs):
     """train.pack_sequences: every training forward is one row, the step's numbers equal the
     unpacked step's within fp32 rounding; a token budget: rows × columns within it."""
@@ -220,6 +213,7 @@ def test_packed_and_budgeted_micro_batches_train_like_unpacked(runs):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-9), key
 
 
+@reads("batch_arithmetic", "micro_batches")
 def test_batch_arithmetic_and_rollout_switches(runs):
     """8 prompts × 2 samples in mini-batches of 4 prompts, 3 epochs, micro-batches of 4 rows;
     the sampling settings the engine gets; its own weight copy, 3 rows at a time; the model's
@@ -253,6 +247,7 @@ def test_batch_arithmetic_and_rollout_switches(runs):
     assert "generations" not in base["files"] and len(base["steps"]) == 2
 
 
+@reads("optimizer_settings")
 def test_optimizer_and_schedule_switches(runs):
     r = check(runs, "optimizer_settings")
     base, opt = r["baseline"]["steps"], r["optimizer"]["steps"]
@@ -274,6 +269,7 @@ def test_optimizer_and_schedule_switches(runs):
     ]
 
 
+@reads("model_layouts")
 def test_model_layout_switches(runs):
     """TP 2 halves each rank's embedding rows, with sequence parallelism; PP 2 gives each stage
     one of the two layers, recomputed in the backward pass, in bf16."""
@@ -291,6 +287,7 @@ def _advantages(rows: list[dict], scores: torch.Tensor, kind: str, eps: float) -
     return compute_advantages(scores, group_ids([x["prompt_index"] for x in rows]), kind, eps)
 
 
+@reads("objective", "validation_and_evaluation")
 def test_objective_switches(runs):
     """Advantages recomputed from the dumped rewards; KL coefficient and mode from the logged
     terms; the zero-variance filter; another seed draws other rollouts."""
@@ -326,6 +323,7 @@ def _dra_advantages(rows: list[dict], scope: str, ngram: int, dim: int) -> list[
     return compute_advantages(adjusted, groups, "grpo", 1e-6).tolist()
 
 
+@reads("dra")
 def test_dra_switches(runs):
     """DRA's advantages recomputed from the dumped texts and rewards (TF-IDF, group or batch
     similarities, n-grams and hash width); with the policy's hidden states, other ones."""
@@ -344,6 +342,7 @@ def test_dra_switches(runs):
     assert adv["hidden"] != pytest.approx(adv["group"], abs=1e-3)
 
 
+@reads("outputs_and_starts")
 def test_outputs_reference_and_starts(runs):
     """The reference as a second model (same KL); TensorBoard, progress bar and checkpoint
     outputs; a second start without resuming re-runs step 1; a run from a checkpoint starts from
@@ -359,6 +358,7 @@ def test_outputs_reference_and_starts(runs):
     assert _row(r["loaded"])["reward/mean"] != _row(base)["reward/mean"]
 
 
+@reads("prompt_order_and_epochs")
 def test_prompt_order_and_epoch_switches(runs):
     r = check(runs, "prompt_order_and_epochs")
     assert [x["step"] for x in r["epochs"]["rows"]] == [2]  # 2 epochs of 1 batch, log_every 2
@@ -368,6 +368,7 @@ def test_prompt_order_and_epoch_switches(runs):
     assert r["reseeded"]["calls"][0]["prompts"] == first["seed7"][:2] != first["seed1234"][:2]
 
 
+@reads("embedding_gradient_and_table_refresh")
 def test_embedding_gradient_and_table_refresh_switches(runs):
     r = check(runs, "embedding_gradient_and_table_refresh")
     base, run = _row(r["baseline"]), r["mixing"]
@@ -378,6 +379,7 @@ def test_embedding_gradient_and_table_refresh_switches(runs):
     assert [x["mixing/table_refreshed"] for x in run["rows"]] == [1, 0]
 
 
+@reads("mixing_defaults")
 def test_mixing_defaults_through_the_trainer(runs):
     """The trainer at the mixing defaults that configs/tiny_test.yaml overrides: ``auto`` with
     ``refresh_every`` 1 over 1024 vocabulary rows resolves to on-demand rows (searched at every
@@ -393,6 +395,7 @@ def test_mixing_defaults_through_the_trainer(runs):
     assert sum(c["special_anchors_mixed"] for c in special["calls"]) > 0
 
 
+@reads("validation_and_evaluation")
 def test_validation_and_evaluation_switches(runs):
     """Validation every step on 3 problems of a file, 2 samples each with its own sampling
     settings, one problem per engine call; the best checkpoint kept or not. The evaluation CLI:
@@ -416,12 +419,14 @@ def test_validation_and_evaluation_switches(runs):
     assert "results.json" in ev["files"]
 
 
+@reads("stale_rollouts")
 def test_stale_rollout_rule_reaches_the_producer(runs):
     r = check(runs, "stale_rollouts")
     assert r["drop"] == "dropped"
     assert r["error"].endswith("staleness 2 > train.async.max_staleness = 1")
 
 
+@reads("warm_start")
 def test_warm_start_switches(runs):
     """train.warmstart: 2 steps from its file at its own learning rate, 8 pairs a step (4 per DP
     rank, 2 micro-batches of 2), before the RL step's 2 updates at optim.lr."""
