@@ -6,7 +6,7 @@ A rename alone is atomic against a killed process, not against a node crash: the
 persist the rename before the data. So the data are fsynced before the rename and the parent
 directory after it; a crash then leaves the old name or the complete new one (and a later write
 that names it, e.g. a checkpoint's ``latest``, is only made after that). A committed directory can
-carry a manifest (every file's size, :func:`read_manifest`) that a reader checks to find a
+carry a manifest (every file's size, :func:`megatron_ngrpo.checkpoint_files.read_manifest`) that a reader checks to find a
 checkpoint truncated or missing a file."""
 
 from __future__ import annotations
@@ -107,25 +107,6 @@ def commit_directory(
         shutil.rmtree(old, ignore_errors=True)
     if collective:
         barrier()
-
-
-def read_manifest(directory: str | Path, manifest: str) -> str | None:
-    """None when every file ``directory/manifest`` lists is there with its size; else what is
-    wrong, naming the file (the manifest itself when missing or unreadable)."""
-    directory = Path(directory)
-    try:
-        sizes = json.loads((directory / manifest).read_text())["files"]
-    except FileNotFoundError:
-        return f"{directory / manifest}: missing"
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"{directory / manifest}: unreadable ({type(e).__name__})"
-    for name, size in sizes.items():
-        f = directory / name
-        if not f.is_file():
-            return f"{f}: missing"
-        if f.stat().st_size != size:
-            return f"{f}: {f.stat().st_size} bytes, {size} written"
-    return None
 
 
 def fsync_path(path: str | Path) -> None:

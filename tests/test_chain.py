@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from megatron_ngrpo.atomic import commit_directory
+from megatron_ngrpo.checkpoint_files import MANIFEST_FILE, META_FILE
 from megatron_ngrpo.config_loader import ConfigError
 from megatron_ngrpo.launch import chain, cli, time_limit
 
@@ -31,6 +35,23 @@ def fake_slurm(outputs: dict[str, str], calls: list | None = None):
 
 
 # ---- MaxTime and the save interval -------------------------------------------------------------
+
+
+def _checkpoint(run_dir: Path, step: int) -> Path:
+    """A checkpoint as the trainer commits it: metadata, a shard, the manifest of their sizes."""
+    tmp = run_dir / f".iter_{step:07d}.partial"
+    tmp.mkdir(parents=True)
+    (tmp / META_FILE).write_text(json.dumps({"step": step}))
+    (tmp / "__0_0.distcp").write_bytes(bytes(100))
+    final = run_dir / f"iter_{step:07d}"
+    commit_directory(tmp, final, collective=False, manifest=MANIFEST_FILE)
+    return final
+
+
+def _published(run_dir: Path, step: int) -> None:
+    """A verified checkpoint at ``step`` that ``latest`` names (what the chain counts)."""
+    _checkpoint(run_dir, step)
+    (run_dir / "latest").write_text(f"iter_{step:07d}\n")
 
 
 @pytest.mark.parametrize(
@@ -147,7 +168,7 @@ def _args(tmp_path: Path, max_steps=8, max_idle=2) -> argparse.Namespace:
 def test_begin_queues_the_successor_and_records_the_allocation(tmp_path, capsys):
     args = _args(tmp_path)
     run_dir = Path(args.run_dir)
-    (run_dir / "latest").write_text("iter_0000003")
+    _published(run_dir, 3)
     (run_dir / "allocations.jsonl").write_text(
         json.dumps(_rec("11", 3, "error: watchdog", 76, failed_hosts=["n2"])) + "\n"
     )
@@ -203,7 +224,7 @@ def test_begin_queues_the_successor_and_records_the_allocation(tmp_path, capsys)
 
 def test_begin_stops_after_idle_allocations_and_when_complete(tmp_path, capsys):
     args = _args(tmp_path, max_idle=2)
-    (Path(args.run_dir) / "latest").write_text("iter_0000004\n")
+    _published(Path(args.run_dir), 4)
     rows = [{"job_id": j, "step": 4, "next": None} for j in ("21", "22")]
     (Path(args.job_dir) / chain.CHAIN_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
     calls = []
@@ -213,7 +234,7 @@ def test_begin_stops_after_idle_allocations_and_when_complete(tmp_path, capsys):
     assert not [c for c in calls if c[0] == "sbatch"]
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and out[0].startswith("chain: stopped: 2 allocations in a row")
-    (Path(args.run_dir) / "latest").write_text("iter_0000008\n")
+    _published(Path(args.run_dir), 8)
     assert chain.begin(args, env, run) == chain.NOTHING_LEFT
     assert capsys.readouterr().out.strip() == "chain: run complete at step 8"
 
@@ -237,7 +258,7 @@ def test_end_excludes_nodes_named_during_the_allocation_or_cancels_when_done(tmp
     assert chain.end(args, run) == 0
     assert calls[-1] == ["scontrol", "update", "JobId=32", "ExcNodeList=n3,n4"]
     # the run complete: the queued successor is cancelled, whatever Slurm's kill_invalid_depend
-    (Path(args.run_dir) / "latest").write_text("iter_0000008")
+    _published(Path(args.run_dir), 8)
     run = fake_slurm({"scancel": ""}, calls)
     assert chain.end(args, run) == 0 and calls[-1] == ["scancel", "32"]
 
@@ -322,3 +343,39 @@ def test_the_chain_reads_the_files_the_trainer_writes():
         stop.EXIT_CONTINUE,
         watchdog.EXIT_WATCHDOG,
     )
+
+
+def test_the_chains_step_is_the_trainers_resume_point(tmp_path):
+    """A ``latest`` naming a missing checkpoint, with the newest one truncated: the chain counts
+    the step the trainer will resume from (the one before), not the pointer's, so the run is not
+    taken for complete (the Slurm campaign's (e) found the chain ending there)."""
+    run = tmp_path / "run"
+    for step in (4, 5):
+        _checkpoint(run, step)
+    (run / "latest").write_text("iter_0000005\n")
+    assert chain.checkpoint_step(run) == 5
+    (run / "latest").write_text("iter_0000009\n")
+    assert chain.checkpoint_step(run) == 5
+    shard = run / "iter_0000005" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:50])
+    assert chain.checkpoint_step(run) == 4
+    (run / "latest").unlink()
+    assert chain.checkpoint_step(run) == 4
+
+
+def test_the_chain_runs_as_a_file_without_the_package_installed(tmp_path):
+    """The batch host runs ``python3 <code>/megatron_ngrpo/launch/chain.py`` with nothing
+    installed: isolated mode (no PYTHONPATH, no site-packages' editable install) still imports
+    its checkpoint check, and no torch."""
+    probe = (
+        "import runpy, sys; sys.argv = ['chain.py', '--help']\n"
+        "try:\n    runpy.run_path(sys.argv_path, run_name='__main__')\n"
+        "except SystemExit:\n    pass\n"
+        "print('torch' in sys.modules)"
+    )
+    path = Path(chain.__file__).resolve()
+    code = probe.replace("sys.argv_path", repr(str(path)))
+    done = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("False"), done.stderr[-2000:]

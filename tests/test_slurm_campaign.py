@@ -18,6 +18,10 @@ allocations of minutes each; run them with ``pytest -m slurm_campaign tests/test
     ends the allocation within its deadline + 30 s with every rank's stacks in <run_dir>/hang;
     the next allocation, off the hung rank's node, continues from the last checkpoint to the end
     (metrics.jsonl: steps contiguous, none repeated).
+(e) a finished part of the run, then its newest checkpoint truncated and ``latest`` naming a missing
+    one: the next chain's allocation says so in one line and resumes from the checkpoint before;
+    the older checkpoints and metrics.jsonl's rows up to it are untouched, and the run ends
+    identical to the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -291,3 +295,33 @@ def test_a_hung_rank_is_explained_and_the_chain_resumes(cluster, task, tmp_path)
     assert report["missing_hosts"] == first["nodes"] == second["exclude"], (report, second)
     assert not set(second["nodes"]) & set(first["nodes"]) and second["step"] == 2, second
     _check_steps(run_dir, last)
+
+
+def _job_logs(tmp: Path) -> str:
+    return "".join(p.read_text(errors="replace") for p in (tmp / "nemorun_home").rglob("log-*.out"))
+
+
+def test_a_broken_newest_checkpoint_the_chain_falls_back(cluster, task, straight, tmp_path):  # noqa: F811
+    first, keep = 5, "train.keep_last=20"  # nothing pruned: every older checkpoint can be compared
+    launch, run_dir, _ = _until_done(
+        cluster, task, tmp_path, "part", {}, 20, f"train.max_steps={first}", keep
+    )
+    rc, out = launch.finish(timeout_s=1800)
+    assert rc == 0, out[-4000:]
+    shard = max((run_dir / f"iter_{first:07d}").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    (run_dir / "latest").write_text("iter_0000009\n")
+    older = {
+        p.relative_to(run_dir).as_posix(): p.read_bytes()
+        for p in sorted(run_dir.glob("iter_000000[1-4]/**/*"))
+        if p.is_file()
+    }
+    rows = (run_dir / "metrics.jsonl").read_text().splitlines()[: first - 1]
+    launch, _, _ = _until_done(cluster, task, tmp_path, "rest", {}, 20, keep)
+    rc, out = launch.finish(timeout_s=1800)
+    assert rc == 0, out[-4000:]
+    said = [ln for ln in _job_logs(tmp_path).splitlines() if "resuming from iter_0000004" in ln]
+    assert len(said) == 1 and "iter_0000009" in said[0], said
+    assert {k: (run_dir / k).read_bytes() for k in older} == older
+    assert (run_dir / "metrics.jsonl").read_text().splitlines()[: first - 1] == rows
+    _check_same_as_straight(run_dir, straight, tmp_path)

@@ -34,15 +34,12 @@ from megatron_ngrpo.atomic import (
     begin_directory,
     commit_directory,
 )
+from megatron_ngrpo.checkpoint_files import LATEST_FILE, MANIFEST_FILE, META_FILE
 from megatron_ngrpo.conversion.mapping import ConversionError, Kind, raise_if, tp_shard
 from megatron_ngrpo.models.config import ModelConfig
 from megatron_ngrpo.models.provider import params_dtype
 from megatron_ngrpo.parallel import is_rank0
 
-META_FILE = "megatron_ngrpo.json"
-LATEST_FILE = "latest"
-# every file's size, written at the commit (atomic.py): a reader finds a truncated checkpoint
-MANIFEST_FILE = "manifest.json"
 FORMAT_VERSION = 1
 _VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
 

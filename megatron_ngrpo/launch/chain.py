@@ -34,6 +34,7 @@ completed steps / seconds allocated.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -43,6 +44,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+if __package__:
+    from megatron_ngrpo import checkpoint_files
+else:  # run as a file on the batch host, where nothing is installed: the module from its path
+    _spec = importlib.util.spec_from_file_location(
+        "checkpoint_files", Path(__file__).resolve().parents[1] / "checkpoint_files.py"
+    )
+    checkpoint_files = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(checkpoint_files)
 
 CHAIN_FILE = "chain.jsonl"
 ALLOCATIONS_FILE = "allocations.jsonl"  # written by megatron_ngrpo.training.stop
@@ -78,12 +88,22 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def checkpoint_step(run_dir: Path) -> int:
-    """The step of the checkpoint ``<run_dir>/latest`` names (0: none yet)."""
+    """The step the trainer resumes from (0: none yet): the checkpoint ``<run_dir>/latest`` names
+    when it verifies, else the newest verified ``iter_*`` (training/checkpoint.py's
+    ``resume_point``, by the same ``checkpoint_files.verify_checkpoint``): a ``latest`` naming a missing or
+    truncated checkpoint must not end the chain as if the run were complete."""
     try:
-        m = _ITER.search((run_dir / "latest").read_text())
+        m = _ITER.search((run_dir / checkpoint_files.LATEST_FILE).read_text())
     except OSError:
-        return 0
-    return int(m.group(1)) if m else 0
+        m = None
+    if m and checkpoint_files.verify_checkpoint(run_dir / m.group(0)) is None:
+        return int(m.group(1))
+    verified = [
+        p
+        for p in checkpoint_files.iter_dirs(run_dir)
+        if checkpoint_files.verify_checkpoint(p) is None
+    ]
+    return int(verified[-1].name[5:]) if verified else 0
 
 
 def idle_allocations(entries: list[dict], step: int) -> int:

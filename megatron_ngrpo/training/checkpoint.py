@@ -30,7 +30,6 @@ the param groups), the tensors are copied into the optimizer's own shards afterw
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
 import os
@@ -43,11 +42,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_ngrpo.atomic import read_manifest
+from megatron_ngrpo.checkpoint_files import iter_dirs, verify_checkpoint
 from megatron_ngrpo.config_loader import ConfigError
 from megatron_ngrpo.conversion.checkpoint import (
     LATEST_FILE,
-    MANIFEST_FILE,
     META_FILE,
     _sharded_state_dict,
     checkpoint_meta,
@@ -96,23 +94,6 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return path if (path / META_FILE).is_file() else None
 
 
-def verify_checkpoint(path: str | Path) -> str | None:
-    """None when ``path`` is a complete checkpoint: its metadata parses and every file its
-    manifest lists is there with the size written (checkpoints from before manifests: the
-    metadata only); else one line naming the file at fault."""
-    path = Path(path)
-    meta = path / META_FILE
-    try:
-        json.loads(meta.read_text())
-    except FileNotFoundError:
-        return f"{meta}: missing"
-    except (OSError, ValueError) as e:
-        return f"{meta}: unreadable ({type(e).__name__}: {str(e).splitlines()[0]})"
-    if not (path / MANIFEST_FILE).is_file() and not _has_manifests(path.parent):
-        return None  # written before manifests existed
-    return read_manifest(path, MANIFEST_FILE)
-
-
 def resume_point(run_dir: str | Path, resume: bool = True) -> Path | None:
     """The checkpoint a run in ``run_dir`` continues from, or None to start at step 0.
 
@@ -134,7 +115,7 @@ def resume_point(run_dir: str | Path, resume: bool = True) -> Path | None:
         problem = f"{pointer} names {named}: {problem}"
     else:
         problem = f"{pointer} is empty" if named is not None else f"{pointer} is missing"
-    found = _iter_dirs(run_dir)
+    found = iter_dirs(run_dir)
     skipped = []
     for path in reversed(found):
         bad = verify_checkpoint(path)
@@ -216,7 +197,7 @@ def prune(run_dir: str | Path, kept: str, keep_last: int, protect: tuple[str, ..
     run_dir = Path(run_dir)
     if verify_checkpoint(run_dir / kept) is not None:
         return
-    older = [p for p in _iter_dirs(run_dir) if p.name < kept]
+    older = [p for p in iter_dirs(run_dir) if p.name < kept]
     verified = [p for p in older if verify_checkpoint(p) is None]
     keep = set(verified[len(verified) - keep_last + 1 :]) if keep_last > 1 else set()
     for p in older:
@@ -264,17 +245,6 @@ def load_training_checkpoint(path: str | Path, chunks: list, optimizer) -> dict:
 
 
 # ---- internals -----------------------------------------------------------------------------
-def _iter_dirs(run_dir: Path) -> list[Path]:
-    """The run's ``iter_<step>`` folders, oldest first."""
-    return sorted(p for p in run_dir.glob("iter_*") if p.is_dir() and p.name[5:].isdigit())
-
-
-def _has_manifests(run_dir: Path) -> bool:
-    """Whether this run writes manifests (any of its checkpoints has one): then a checkpoint
-    without one lost it."""
-    return any((p / MANIFEST_FILE).is_file() for p in _iter_dirs(run_dir))
-
-
 def _listed(skipped: list[str]) -> str:
     return f" (skipped: {'; '.join(skipped)})" if skipped else ""
 
