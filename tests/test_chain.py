@@ -379,3 +379,12 @@ def test_the_chain_runs_as_a_file_without_the_package_installed(tmp_path):
         [sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True, cwd=tmp_path
     )
     assert done.returncode == 0 and done.stdout.strip().endswith("False"), done.stderr[-2000:]
+
+
+def test_a_heterogeneous_jobs_limit_is_its_shortest_component():
+    """``squeue -o %l`` lists a hetjob's components one per line (test_slurm's rollout-server job
+    failed its pre-flight on '10:00\\n10:00'): the job's limit is the shortest of them."""
+    env = {"SLURM_JOB_ID": "7"}
+    for listed, limit in (("10:00\n10:00\n", "10:00"), ("1:00:00\n30:00\n", "30:00")):
+        assert time_limit.job_time_limit(env, fake_slurm({"squeue": listed})) == limit
+    assert time_limit.job_time_limit(env, fake_slurm({"squeue": "UNLIMITED\n"})) == "UNLIMITED"

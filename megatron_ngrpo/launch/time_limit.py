@@ -12,6 +12,7 @@ by pre-flight inside the allocation (launch/preflight.py, the job's own limit).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -106,10 +107,11 @@ def job_time_limit(env=os.environ, run: Runner | None = None) -> str | None:
     if not job or (run is None and not shutil.which("squeue")):
         return None
     try:
-        out = (run or _sinfo)(["squeue", "-h", "-j", job, "-o", "%l"]).strip()
+        out = (run or _sinfo)(["squeue", "-h", "-j", job, "-o", "%l"]).split()
     except (OSError, subprocess.SubprocessError):
         return None
-    return out or None
+    # a heterogeneous job lists each component (the rollout servers, the trainer): the shortest
+    return min(out, key=lambda t: parse_time(t) or math.inf, default=None)
 
 
 def measured_step_seconds(run_dir: str) -> float | None:
