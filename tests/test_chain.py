@@ -388,3 +388,5 @@ def test_a_heterogeneous_jobs_limit_is_its_shortest_component():
     for listed, limit in (("10:00\n10:00\n", "10:00"), ("1:00:00\n30:00\n", "30:00")):
         assert time_limit.job_time_limit(env, fake_slurm({"squeue": listed})) == limit
     assert time_limit.job_time_limit(env, fake_slurm({"squeue": "UNLIMITED\n"})) == "UNLIMITED"
+    # what is not a Slurm time comes back as read, for check_time's one line (not a traceback)
+    assert time_limit.job_time_limit(env, fake_slurm({"squeue": "n/a\n10:00\n"})) == "n/a 10:00"

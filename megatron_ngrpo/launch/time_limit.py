@@ -111,7 +111,12 @@ def job_time_limit(env=os.environ, run: Runner | None = None) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     # a heterogeneous job lists each component (the rollout servers, the trainer): the shortest
-    return min(out, key=lambda t: parse_time(t) or math.inf, default=None)
+    try:
+        return min(
+            out, key=lambda t: math.inf if parse_time(t) is None else parse_time(t), default=None
+        )
+    except ValueError:  # not a Slurm time: returned as read, check_time names it in one line
+        return " ".join(out)
 
 
 def measured_step_seconds(run_dir: str) -> float | None:
