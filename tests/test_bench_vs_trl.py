@@ -20,6 +20,8 @@ from tests.harness.tiny import write_tiny_hf
 from tests.test_real_model_train import REPO, env_for
 
 pytest.importorskip("trl", reason="TRL not installed (pip install -e '.[peer]')")
+# tests/test_gpu_bench.py runs this bench too (its GPU mode, through scripts/gpu_bench.sh --dry).
+pytestmark = pytest.mark.slow
 
 
 def test_both_sides_step_on_the_same_prompts(real_model, tmp_path):

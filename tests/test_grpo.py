@@ -44,6 +44,7 @@ CASES = [
     "layout_pp2_recompute",
     "layout_pp2_vpp2_token_budget",
 ]
+# 8 ranks on CI's 2 cores: a minute, with every axis already crossed in pairs by CASES (`slow`).
 CASES_8 = ["layout_dp2_tp2_pp2", "layout_dp2_tp2_pp2_vpp2_sequence_parallel"]
 
 
@@ -57,7 +58,7 @@ def dist_results_8():
     return launch(WORKER, nproc=8, timeout=600, only=CASES_8)
 
 
-@pytest.mark.parametrize("name", CASES + CASES_8)
+@pytest.mark.parametrize("name", CASES + [pytest.param(c, marks=pytest.mark.slow) for c in CASES_8])
 def test_loss_and_gradients_match_float64_reference(request, name):
     results = request.getfixturevalue("dist_results_8" if name in CASES_8 else "dist_results")
     value = check(results, name)

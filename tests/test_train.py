@@ -445,7 +445,9 @@ def _gated(run_dir: Path) -> tuple[dict, SaveGatekeeper]:
 @pytest.mark.parametrize(
     "variant,overrides",
     [
-        ("adam", ()),  # DP 2, sharded (reshardable) optimizer state
+        # DP 2, sharded (reshardable) optimizer state; `slow`: async_save kills and resumes DP 2
+        # too, and the signal tests resume this configuration bit for bit
+        pytest.param("adam", (), marks=pytest.mark.slow),
         ("async", ONE_STEP_OFF),
         # DP 2, checkpoints written in the background (megatron's async save, published when done)
         # with the distributed optimizer (the GPU configs' combination); the job's own collective
@@ -609,6 +611,7 @@ def _stopped_at(run_dir: Path, reason: str) -> int:
     return line["last_step"]
 
 
+@pytest.mark.slow  # the rendered scripts run plain torchrun; the workers' save is tested above
 def test_a_signal_to_torchrun_saves_and_the_wrapper_exits_75(task, tmp_path):
     """SIGUSR1 to torchrun itself, as a user would send it (not to its workers): torchrun passes
     it on (launch/torchrun.py handles SIGUSR1), both workers save the step reached and exit 75,
@@ -702,7 +705,10 @@ VLLM = ("rollout.engine=vllm", "rollout.vllm.max_model_len=64", "train.max_steps
 @pytest.mark.parametrize(
     "layout",
     [
-        ("model.tensor_parallel=2", "rollout.vllm.tensor_parallel=2"),  # vLLM TP = trainer TP
+        # vLLM TP = trainer TP; `slow`: test_vllm_engine syncs TP 2 engines under trainer TP 4
+        pytest.param(
+            ("model.tensor_parallel=2", "rollout.vllm.tensor_parallel=2"), marks=pytest.mark.slow
+        ),
         ("model.tensor_parallel=1", "rollout.vllm.tensor_parallel=1"),  # DP 2: one engine per rank
     ],
     ids=["tp2", "dp2"],
