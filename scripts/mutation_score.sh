@@ -57,6 +57,9 @@ sed 's/^pythonpath = \.$/pythonpath = mutants/' "$ROOT/pytest.ini" >pytest.ini
     # hangs in the first collective or new group (every mutant reached by an in-process
     # init_distributed test then "timed out", killed or not).
     echo "process_isolation = forkserver"
+    # A mutant's wall-time limit is (the tests' time in the stats pass + this) x 15: on a loaded
+    # machine a test that sets up a process group overran mutmut's 1 s default, killed or not.
+    echo "timeout_constant = 10"
     echo "pytest_add_cli_args = -p no:cacheprovider"
     echo "pytest_add_cli_args_test_selection ="
     printf '    %s\n' "${TESTS[@]}" -k "$DESELECT"
