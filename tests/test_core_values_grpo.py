@@ -17,11 +17,11 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
 from megatron_ngrpo.architecture import unwrap
 from megatron_ngrpo.config_loader import ConfigError
-from megatron_ngrpo.grpo import update
+from megatron_ngrpo.grpo import logprobs, update
 from megatron_ngrpo.grpo.batches import TokenBatch, split_rows
 from megatron_ngrpo.grpo.config import GRPOConfig
 from megatron_ngrpo.grpo.logprobs import batch_logprobs, token_logprobs
-from megatron_ngrpo.grpo.loss import STAT_KEYS, aggregation_weights
+from megatron_ngrpo.grpo.loss import STAT_KEYS, aggregation_weights, micro_batch_loss, policy_loss
 from megatron_ngrpo.grpo.loss_inputs import LossInputs
 from megatron_ngrpo.grpo.mismatch import (
     MISMATCH_MODES,
@@ -30,6 +30,7 @@ from megatron_ngrpo.grpo.mismatch import (
     mismatch_metrics,
     mismatch_sums,
 )
+from megatron_ngrpo.grpo.packing import pack
 from megatron_ngrpo.grpo.update import (
     UpdateSettings,
     _reduce_stats,
@@ -347,24 +348,26 @@ def _slope_and_difference(chunks, tb, inputs, cfg, eps=1e-3):
 
 def test_loss_and_grads_against_float64_with_its_step_rules(tmp_path, one_rank, monkeypatch):
     """``loss_and_grads`` on a tiny model, temperature 0.7, the padded vocabulary left out, a
-    token budget of 12 (3 micro-batches): its statistics against the float64 loss of the model's
+    token budget of 12 (3 micro-batches), packed (log-probs equal to rounding): its statistics against the float64 loss of the model's
     log-probs (read forward-only), its gradient along a random direction against the central
     difference of that loss, the normaliser counted over the DP group; no optimizer step unless
-    asked, the scheduler stepped by 1, no step (weight decay included) when nothing is active."""
+    asked, the scheduler stepped by 1, no step (weight decay included) when nothing is active
+    (and no keep mask: no correction)."""
     chunks, optimizer, tb = _tiny_update(tmp_path)
     lp, ent = _model_values(chunks, tb)
     inputs = _loss_inputs(lp, tb.mask)
     cfg = GRPOConfig(loss_agg="seq-mean-token-sum-norm", kl_coef=0.3, kl_estimator="k2",
                      dual_clip=None)  # fmt: skip
-    settings = UpdateSettings(0.7, 2, max_tokens=12, vocab_limit=60, max_response_len=6)
-    groups, calls = [], []
+    settings = UpdateSettings(0.7, 2, 12, vocab_limit=60, max_response_len=6, packing="mask")
+    groups, calls, packed = [], [], []
+    monkeypatch.setattr(logprobs, "pack", lambda *a: packed.append(a[-1]) or pack(*a))
     monkeypatch.setattr(update, "token_logprobs", lambda *a: calls.append(a) or token_logprobs(*a))
     monkeypatch.setattr(update, "aggregation_weights",
                         lambda *a: groups.append(a[4]) or aggregation_weights(*a))  # fmt: skip
     params = [p for c in chunks for p in c.parameters()]
     before = [p.detach().clone() for p in params]
     stats = loss_and_grads(chunks, tb.with_inputs(inputs), cfg, settings, optimizer)
-    assert len(calls) == len(split_rows(tb.lengths, 2, 12)) == 3
+    assert len(calls) == len(split_rows(tb.lengths, 2, 12)) == 3 and packed == ["mask"] * 3
     assert groups == [ps.get_data_parallel_group()]
     want = _loss64(lp, ent, inputs, tb.mask, cfg, 6)
     assert set(stats) == set(want) | {"grad_norm"} and stats["grad_norm"] == 0.0
@@ -380,13 +383,13 @@ def test_loss_and_grads_against_float64_with_its_step_rules(tmp_path, one_rank, 
     assert stats["grad_norm"] == pytest.approx(grad_norm, rel=1e-5) and scheduler.steps == [1]
     assert not any(torch.equal(p, q) for p, q in zip(params, before))
     stepped = [p.detach().clone() for p in params]
-    idle = replace(inputs, active=torch.zeros(4, dtype=torch.bool))
+    idle = replace(inputs, active=torch.zeros(4, dtype=torch.bool), keep=None)
     stats = loss_and_grads(chunks, tb.with_inputs(idle), cfg, settings, optimizer, step=True)
     assert stats["normaliser"] == 0.0 and stats["grad_norm"] == 0.0
     assert all(torch.equal(p, q) for p, q in zip(params, stepped))
 
 
-def test_update_step_defaults_and_the_training_wrap(tmp_path, one_rank):
+def test_update_step_defaults_and_the_training_wrap(tmp_path, one_rank, monkeypatch):
     """``update_step`` with its defaults: micro-batches of ``micro_batch_size`` rows (no token
     budget, no packing) and the optimizer stepped, its gradient norm returned; the wrap sums
     micro-batch losses (per-token mode) and finalises gradients with megatron's function."""
@@ -401,10 +404,82 @@ def test_update_step_defaults_and_the_training_wrap(tmp_path, one_rank):
         lp, _ = token_logprobs(head, mb.labels, 1.0)
         return (lp * mb.mask).sum(), torch.zeros((), dtype=torch.int), {}
 
+    packed = []
+    monkeypatch.setattr(logprobs, "pack", lambda *a: packed.append(a) or pack(*a))
     params = [p for c in chunks for p in c.parameters()]
     before = [p.detach().clone() for p in params]
     _, grad_norm = update_step(chunks, tb, loss_fn, 2, optimizer=optimizer)
-    assert rows == [2, 2]
+    assert rows == [2, 2] and not packed
     want = math.sqrt(sum(float((p.main_grad.double() ** 2).sum()) for p in params))
     assert grad_norm == pytest.approx(want, rel=1e-5) and grad_norm > 0
     assert not any(torch.equal(p, q) for p, q in zip(params, before))
+
+
+def test_aggregation_weights_count_the_tokens_and_sequences_of_every_dp_rank(monkeypatch):
+    """With a DP group of two ranks (the other one's 5 active tokens in 2 sequences arrive by the
+    emulated all-reduce) the normalisers are global; without a group they are this rank's."""
+    dp = object()
+
+    def all_reduce(t, op=dist.ReduceOp.SUM, group=None):
+        assert group is dp and op == dist.ReduceOp.SUM
+        t += torch.tensor([5.0, 2.0], dtype=t.dtype)
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 0, 0]]).bool()
+    active = torch.tensor([True, True, False])
+    lengths = [3, 1, 0]
+    for mode, norm in (
+        ("token-mean", 9),
+        ("seq-mean-token-mean", 4),
+        ("seq-mean-token-sum-norm", 24),
+    ):
+        w, n = aggregation_weights(mask, active, mode, 6, dp)
+        assert n == norm, mode
+        for i, length in enumerate(lengths):
+            per = 1 / (norm * length) if mode == "seq-mean-token-mean" and length else 1 / norm
+            want = [per if t < length else 0.0 for t in range(4)]
+            assert w[i].tolist() == pytest.approx(want, rel=1e-6), (mode, i)
+    assert aggregation_weights(mask, active, "token-mean", 6)[1] == 4
+
+
+# ---- the micro-batch loss ---------------------------------------------------------------------
+def test_micro_batch_loss_gspo_against_float64_in_the_logprobs_dtype():
+    """GSPO with a one-token response (its mean log-ratio is that token's), float64 advantages on
+    float32 log-probs (the loss stays float32), and a KL coefficient of 0 that adds nothing even
+    where the KL is infinite (a reference log-prob of −inf off the response)."""
+    cfg = GRPOConfig(loss_mode="gspo", kl_mode="loss", kl_coef=0.0, kl_estimator="k2")
+    lp = torch.tensor([[-0.5, -1.25, -0.75], [-2.0, -0.5, -1.0]])
+    old = torch.tensor([[-0.75, -1.0, -1.0], [-1.0, -0.625, -3.0]])
+    mask = torch.tensor([[True, True, True], [False, True, False]])
+    adv = torch.tensor([0.7, -1.3], dtype=torch.float64)
+    ref = torch.tensor([[-0.5, -1.0, -1.0], [-math.inf, -0.5, -1.0]])
+    weight = torch.tensor([[0.25, 0.25, 0.25], [0.0, 0.25, 0.0]])
+    inputs = LossInputs(old, adv, torch.ones(2, dtype=torch.bool), ref, token_weight=weight)
+    loss, _ = micro_batch_loss(lp, None, inputs, mask, cfg)
+    want = 0.0
+    for i in range(2):
+        d = [float(lp[i, t] - old[i, t]) for t in range(3) if mask[i, t]]
+        r = math.exp(sum(d) / len(d))
+        a = float(adv[i].float())  # the advantages in the log-probs' dtype
+        want += max(-a * r, -a * min(max(r, 0.8), 1.2)) * sum(weight[i].tolist())
+    assert loss.dtype == torch.float32 and float(loss) == pytest.approx(want, rel=1e-6)
+
+
+def test_micro_batch_loss_of_an_empty_micro_batch_is_zero():
+    empty = torch.zeros(0, 4)
+    inputs = LossInputs(empty, torch.zeros(0), torch.zeros(0, dtype=torch.bool), token_weight=empty)
+    loss, stats = micro_batch_loss(empty, None, inputs, empty.bool(), GRPOConfig())
+    assert float(loss) == 0.0 and {k: float(v) for k, v in stats.items()} == dict.fromkeys(
+        STAT_KEYS, 0.0
+    )
+
+
+def test_a_token_exactly_at_the_dual_clip_bound_is_not_clipped():
+    """A < 0 and −A·r equal to −A·c bit for bit (c set to the ratio torch computes): the dual clip
+    does not bind, and the token is not counted as clipped (``loss > loss3``, strict)."""
+    lp, old = torch.tensor([[0.9]], dtype=torch.float64), torch.tensor([[0.0]], dtype=torch.float64)
+    cfg = GRPOConfig(dual_clip=float(torch.exp(lp - old)))
+    loss, clipped, ratio = policy_loss(lp, old, torch.tensor([-1.0]), torch.ones(1, 1).bool(), cfg)
+    assert float(ratio) == cfg.dual_clip and float(loss) == cfg.dual_clip
+    assert not bool(clipped)
