@@ -7,6 +7,7 @@ mutation score (bench/results/mutation_score.md)."""
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -17,7 +18,7 @@ from megatron.core import tensor_parallel
 
 from megatron_ngrpo.architecture import unwrap
 from megatron_ngrpo.grpo.batches import MicroBatchPlan, TokenBatch
-from megatron_ngrpo.grpo.dra import ResponseHiddenMeans
+from megatron_ngrpo.grpo.dra import ResponseHiddenMeans, similarity
 from megatron_ngrpo.mixing.records import MixRecord
 from megatron_ngrpo.models.config import ModelConfig
 from megatron_ngrpo.models.provider import build_model
@@ -225,3 +226,23 @@ def test_means_without_a_replay_run_a_pass_of_their_own(process_group, tmp_path)
             want.append(seen.pop()[len(prompt) :, 0].mean(0))  # [s, 1, h]: response columns
     assert got.shape == (len(PROMPTS), 32) and got.dtype == torch.float32
     assert torch.allclose(got.double(), torch.stack(want), rtol=0, atol=1e-5)
+
+
+def test_similarity_is_the_cosine_of_unnormalised_rows():
+    """Rows of different norms (the TF-IDF embedder's are unit rows; the function takes any),
+    sparse and dense: s_ij = e_i·e_j / (|e_i| |e_j|) by a float64 reference, 0 for a zero row."""
+    rows = [[3.0, 0.0, 4.0, 0.0], [0.0, 2.0, 1.0, 0.0], [0.0] * 4, [1.0, -1.0, 0.0, 5.0]]
+    norms = [math.sqrt(sum(x * x for x in r)) for r in rows]
+    want = torch.tensor(
+        [
+            [
+                sum(x * y for x, y in zip(a, b)) / (na * nb) if na and nb else 0.0
+                for b, nb in zip(rows, norms)
+            ]
+            for a, na in zip(rows, norms)
+        ],
+        dtype=torch.float64,
+    )
+    e = torch.tensor(rows, dtype=torch.float64)
+    for emb in (e.to_sparse(), e):
+        assert torch.allclose(similarity(emb), want, rtol=1e-12, atol=1e-15)
