@@ -7,6 +7,7 @@ mutation score (bench/results/mutation_score.md)."""
 
 from __future__ import annotations
 
+import functools
 import math
 from types import SimpleNamespace
 
@@ -18,13 +19,13 @@ from megatron.core import tensor_parallel
 
 from megatron_ngrpo.architecture import unwrap
 from megatron_ngrpo.grpo.batches import MicroBatchPlan, TokenBatch
-from megatron_ngrpo.grpo.dra import ResponseHiddenMeans, similarity
+from megatron_ngrpo.grpo.dra import LocalModelEmbedder, ResponseHiddenMeans, similarity
 from megatron_ngrpo.mixing.records import MixRecord
 from megatron_ngrpo.models.config import ModelConfig
 from megatron_ngrpo.models.provider import build_model
 from megatron_ngrpo.parallel import init_distributed, initialize_model_parallel
 from megatron_ngrpo.rollout.types import RolloutBatch
-from tests.harness.tiny import write_tiny_hf
+from tests.harness.tiny import write_tiny_bert, write_tiny_hf
 
 HIDDEN = 8
 # Seven responses (one of a single token) after prompts of 1..4 tokens: rows of 3..9 tokens.
@@ -246,3 +247,26 @@ def test_similarity_is_the_cosine_of_unnormalised_rows():
     e = torch.tensor(rows, dtype=torch.float64)
     for emb in (e.to_sparse(), e):
         assert torch.allclose(similarity(emb), want, rtol=1e-12, atol=1e-15)
+
+
+def test_local_model_embedder_cuts_at_512_pools_one_token_and_takes_no_texts(tmp_path):
+    """The local embedder's default of 512 tokens per text (a text of 600 words is cut there); a
+    text of one token (a tokenizer adding no special tokens) pools to that token's hidden state;
+    no texts give [0, h]. References: the float64 model, one text at a time."""
+    emb = LocalModelEmbedder(str(write_tiny_bert(tmp_path / "bert", max_positions=520)))
+    tokenizer, long_text = emb.tokenizer, " ".join(["a", "b", "c"] * 200)
+    cut = emb([long_text])
+    emb.tokenizer = functools.partial(tokenizer, add_special_tokens=False)
+    one = emb(["four"])
+    none = emb([])
+    assert none.shape == (0, 32) and none.dtype == torch.float32
+    model64 = emb.model.double()
+    with torch.no_grad():
+        enc = tokenizer(long_text, truncation=True, max_length=512, return_tensors="pt")
+        assert enc["input_ids"].shape == (1, 512)
+        want_cut = model64(**enc).last_hidden_state[0].mean(0)
+        enc = tokenizer("four", add_special_tokens=False, return_tensors="pt")
+        assert enc["input_ids"].shape == (1, 1)
+        want_one = model64(**enc).last_hidden_state[0, 0]
+    assert torch.allclose(cut[0].double(), want_cut, rtol=0, atol=1e-5)
+    assert torch.allclose(one[0].double(), want_one, rtol=0, atol=1e-5)
