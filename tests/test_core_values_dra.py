@@ -1,9 +1,10 @@
-"""DRA's ``policy_hidden`` embedder (grpo/dra.py :class:`ResponseHiddenMeans`) by value against
-a float64 mean-pool reference, single-process: the forward pre-hook fed through a stand-in output
-layer (sequence parallelism and pipeline stages emulated, collectives replaced by fakes that play
-the other ranks), and the pass of its own on a tiny megatron model. The multi-process layouts run
-in tests/test_dra.py; these are the fast tests that reach the hook and :meth:`means` for the
-mutation score (bench/results/mutation_score.md)."""
+"""grpo/dra.py by value against float64 references, single-process (the mutation score's fast
+tests, bench/results/mutation_score.md). DRA's ``policy_hidden`` embedder
+(:class:`ResponseHiddenMeans`, mean-pooled hidden states): its forward pre-hook fed through a
+stand-in output layer (sequence parallelism and pipeline stages emulated, collectives replaced by
+fakes that play the other ranks) and its pass of its own on a tiny megatron model (the
+multi-process layouts run in tests/test_dra.py). Then the cosine similarity of unnormalised rows
+and the local sentence embedder's default cut, one-token texts and empty input."""
 
 from __future__ import annotations
 
