@@ -13,6 +13,7 @@ from megatron_ngrpo.config_loader import ConfigError, load
 from megatron_ngrpo.grpo.config import DRAConfig
 from megatron_ngrpo.grpo.dra import LocalModelEmbedder, dra_rewards, similarity, text_embedder
 from tests.harness.multiproc import check, launch
+from tests.harness.tiny import write_tiny_bert
 
 WORKER = Path(__file__).parent / "dist" / "dra_worker.py"
 CASES = [
@@ -51,30 +52,8 @@ def test_dra_multiplier_is_bounded_with_negative_similarities():
     assert dra_rewards(torch.ones(2), opposite, None).tolist() == [1.0, 1.0]
 
 
-def _tiny_bert(path: Path) -> Path:
-    from transformers import BertConfig, BertModel, BertTokenizerFast
-
-    words = "the answer is four five x y z so we get a b c".split()
-    (path).mkdir(parents=True, exist_ok=True)
-    (path / "vocab.txt").write_text(
-        "\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + words) + "\n"
-    )
-    BertTokenizerFast(vocab_file=str(path / "vocab.txt")).save_pretrained(path)
-    torch.manual_seed(0)
-    cfg = BertConfig(
-        vocab_size=5 + len(words),
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-    )
-    BertModel(cfg).save_pretrained(path)
-    return path
-
-
 def test_local_model_embedder_mean_pools_against_float64(tmp_path):
-    path = _tiny_bert(tmp_path / "bert")
+    path = write_tiny_bert(tmp_path / "bert")
     local = ["embedder=local_model", f"model_path={path}"]
     cfg = load(DRAConfig, overrides=local)
     emb = text_embedder(cfg)

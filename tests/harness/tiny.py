@@ -1,5 +1,6 @@
-"""Tiny Hugging Face models written locally (nothing downloaded): configs and random weights;
-standalone megatron modules in DDP as the trainer wraps models.
+"""Tiny Hugging Face models written locally (nothing downloaded): configs and random weights
+(and a tiny BERT sentence encoder for DRA's local embedder); standalone megatron modules in DDP
+as the trainer wraps models.
 
 Shapes keep vLLM's CPU attention happy (head_dim 32) and TP up to 4 / PP up to 2 possible.
 """
@@ -22,6 +23,33 @@ _ARCH = {
         model_type="qwen3", architectures=["Qwen3ForCausalLM"], attention_bias=False, head_dim=32
     ),
 }
+
+
+def write_tiny_bert(path: str | Path, max_positions: int = 64) -> Path:
+    """A tiny random BERT encoder (2 layers, hidden 32) and its WordPiece tokenizer over a dozen
+    words, saved to ``path`` for :class:`~megatron_ngrpo.grpo.dra.LocalModelEmbedder`."""
+    # lazy: torch and transformers take seconds to import; only this helper needs them
+    import torch
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    path = Path(path)
+    words = "the answer is four five x y z so we get a b c".split()
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "vocab.txt").write_text(
+        "\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + words) + "\n"
+    )
+    BertTokenizerFast(vocab_file=str(path / "vocab.txt")).save_pretrained(path)
+    torch.manual_seed(0)
+    cfg = BertConfig(
+        vocab_size=5 + len(words),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=max_positions,
+    )
+    BertModel(cfg).save_pretrained(path)
+    return path
 
 
 def tiny_hf_config(
