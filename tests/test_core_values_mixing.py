@@ -21,6 +21,7 @@ from megatron_ngrpo.mixing import decision
 from megatron_ngrpo.mixing.decision import (
     MixDecision,
     anchors,
+    counter_uniform,
     decide,
     gate,
     gate_uniform,
@@ -204,6 +205,36 @@ def test_gate_mixes_where_the_draw_is_strictly_below_the_rate():
     assert gate(rate, 3, [5, 6], [1, 2]).tolist() == [False, float(u[1]) < rate]
 
 
+def _splitmix_uniform(seed: int, *counters: int) -> float:
+    """The counter draw in Python integers mod 2**64: h = mix(mix(c_1·M1 + mix(… c_n)) ^ seed),
+    uniform = (h >> 11) / 2**53."""
+    mask, m1, m2 = 2**64 - 1, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+    def mix(x):
+        x = (x + 0x9E3779B97F4A7C15) & mask
+        x = ((x ^ (x >> 30)) * m1) & mask
+        x = ((x ^ (x >> 27)) * m2) & mask
+        return x ^ (x >> 31)
+
+    acc = mix(counters[-1] & mask)
+    for c in reversed(counters[:-1]):
+        acc = mix((c * m1 + acc) & mask)
+    return (mix(acc ^ (seed & mask)) >> 11) / 2**53
+
+
+def test_counter_uniform_of_three_counters_is_the_splitmix_chain():
+    assert counter_uniform(3, [5, 6], [1, 2], [9, 0]).tolist() == [
+        _splitmix_uniform(3, 5, 1, 9), _splitmix_uniform(3, 6, 2, 0),
+    ]  # fmt: skip
+
+
+def test_counter_uniform_hashes_int32_counters_as_int64_on_the_counters_device():
+    key, pos = torch.tensor([5, 6]), torch.tensor([1, 2], dtype=torch.int32)
+    assert counter_uniform(3, key, pos).tolist() == gate_uniform(3, [5, 6], [1, 2]).tolist()
+    # A host counter first, one on another device (meta) second: drawn where the latter is.
+    assert counter_uniform(3, key, pos.to("meta")).device.type == "meta"
+
+
 # ---- mix records ------------------------------------------------------------------------------
 def _record(weights, noise=None) -> MixRecord:
     n = len(weights)
@@ -242,6 +273,22 @@ def test_record_errors_say_exactly_what_is_wrong(call, message):
 def test_record_validate_sums_each_row_of_weights():
     # Rows sum to 1, columns do not (1.25 and 0.75): valid.
     _record([[1.0, 0.0], [0.25, 0.75]]).validate([1, 1], 4)
+
+
+def test_record_empty_weights_are_float32_whatever_the_default_dtype():
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert MixRecord.empty(2, 3).weights.dtype == torch.float32
+    finally:
+        torch.set_default_dtype(old)
+
+
+def test_record_sorted_and_select_carry_each_mix_s_weights():
+    r = _record([[1.0, 0.0], [0.25, 0.75], [0.5, 0.5]])
+    r.seq, r.num_seqs = torch.tensor([2, 0, 1]), 3
+    assert r.sorted().weights.tolist() == [[0.25, 0.75], [0.5, 0.5], [1.0, 0.0]]
+    assert r.select([2, 1]).weights.tolist() == [[1.0, 0.0], [0.5, 0.5]]
 
 
 def test_record_select_of_no_sequence_is_empty():
