@@ -222,9 +222,10 @@ def _splitmix_uniform(seed: int, *counters: int) -> float:
     return (mix(acc ^ (seed & mask)) >> 11) / 2**53
 
 
-def test_counter_uniform_of_three_counters_is_the_splitmix_chain():
-    assert counter_uniform(3, [5, 6], [1, 2], [9, 0]).tolist() == [
-        _splitmix_uniform(3, 5, 1, 9), _splitmix_uniform(3, 6, 2, 0),
+@pytest.mark.parametrize("seed", [3, 2**63 + 3, 2**64 + 3])  # any int: its low 64 bits
+def test_counter_uniform_of_three_counters_is_the_splitmix_chain(seed):
+    assert counter_uniform(seed, [5, 6], [1, 2], [9, 0]).tolist() == [
+        _splitmix_uniform(seed, 5, 1, 9), _splitmix_uniform(seed, 6, 2, 0),
     ]  # fmt: skip
 
 
