@@ -24,9 +24,9 @@ reductions: a TP 2 all-reduce adds two operands, a + b = b + a bit for bit, so i
 cannot change the sum; TP > 2 would need an ordered all-gather + sum and is refused, as is
 sequence parallelism (reduce-scatter has no fixed order).
 
-CPU reference path (a Python loop over key blocks and row blocks; cost in
-bench/results/zero_mismatch.md); a GPU would use megatron-core's batch-invariant kernels instead
-(not run here).
+CPU reference path (each op one bmm over its fixed blocks, the key blocks added in a Python
+loop; cost in bench/results/zero_mismatch.md); a GPU would use megatron-core's batch-invariant
+kernels instead (not run here).
 """
 
 from __future__ import annotations
