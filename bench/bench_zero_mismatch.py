@@ -1,14 +1,16 @@
 """Cost of the zero-mismatch mode (``rollout.batch_invariant``), side by side in one run.
 
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 1 -m bench.bench_zero_mismatch [--max-seconds 240]
-        [--model DIR] [--set train.prompts_per_step=2 ...] [--engine-prompts 8 --engine-new-tokens 16]
+        [--model DIR] [--set train.prompts_per_step=2 ...]
+        [--engine-prompts 8 --engine-new-tokens 16]
 
 One process (TP 1), configs/tiny_test.yaml on the arithmetic task of ``examples/arithmetic``
 (mixing on, ρ = 0.3, the built-in engine); ``--model DIR`` puts an HF folder's weights and
 tokenizer in place of the tiny model (the SmolLM2 shape: ``--model
-~/.cache/megatron_ngrpo/models/SmolLM2-135M-Instruct``, scripts/setup_real_model.sh builds it; ``--set`` overrides the config, e.g. a smaller batch for
-it). One ``Trainer``; its chunks and engine are switched
-between the two forwards (``models.batch_invariant.enable/disable_batch_invariant``) before each
+~/.cache/megatron_ngrpo/models/SmolLM2-135M-Instruct``, scripts/setup_real_model.sh builds it);
+``--set`` overrides the config (e.g. a smaller batch for that shape, as in
+bench/results/zero_mismatch.md). One ``Trainer``; its chunks and engine are switched between
+the two forwards (``models.batch_invariant.enable/disable_batch_invariant``) before each
 timed call, so both see the same weights drift:
 
 * GRPO step: the mode with ``grpo.old_logprobs = rollout`` (exact, so the old-log-prob replay is

@@ -99,7 +99,8 @@ def test_fixed_row_blocks_make_a_gemm_row_independent_of_m(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tiled_attention_decode_row_is_the_prefill_row(dtype):
     """A decode step (one query against the cache), alone or in a batch, gives the bits of the
-    same row of a prefill over several query tiles and 2 key blocks (and of a shorter prefill); the result is attention."""
+    same row of a prefill over several query tiles and 2 key blocks (and of a shorter prefill);
+    the result is attention."""
     torch.manual_seed(2)
     s, b, heads, groups, hn = 40, 3, 4, 2, 8
     q = torch.randn(s, b, heads, hn).to(dtype)

@@ -43,9 +43,9 @@ from megatron_ngrpo.models.config import BATCH_INVARIANT_MAX_TP
 
 # Rows per GEMM call: every linear (and log-prob block) runs on exactly this many rows.
 BLOCK_ROWS = 16
-# Query rows per attention tile and keys per key block: every attention matmul is [Tq, hn] × [hn, Tk]
-# or [Tq, Tk] × [Tk, hn]; Tq·Tk a multiple of the widest vector (no scalar tail in an elementwise
-# exp).
+# Query rows per attention tile and keys per key block: every attention matmul is
+# [Tq, hn] × [hn, Tk] or [Tq, Tk] × [Tk, hn]; Tq·Tk a multiple of the widest vector (no scalar
+# tail in an elementwise exp).
 QUERY_TILE = 8
 KEY_BLOCK = 32
 
@@ -64,8 +64,9 @@ def blocked_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 class _BlockedMatmul(torch.autograd.Function):
-    """x [M, K] @ weight [N, K]ᵀ → [M, N], the forward on fixed row blocks (:func:`blocked_matmul`);
-    the backward is the two plain GEMMs: only forward values have to be batch-invariant."""
+    """x [M, K] @ weight [N, K]ᵀ → [M, N], the forward on fixed row blocks
+    (:func:`blocked_matmul`); the backward is the two plain GEMMs: only forward values have to be
+    batch-invariant."""
 
     @staticmethod
     def forward(ctx, x, weight):
