@@ -1,12 +1,16 @@
 """Cost of the zero-mismatch mode (``rollout.batch_invariant``), side by side in one run.
 
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 1 -m bench.bench_zero_mismatch [--max-seconds 240]
+        [--model DIR] [--set train.prompts_per_step=2 ...]
+        [--engine-prompts 8 --engine-new-tokens 16]
 
 One process (TP 1), configs/tiny_test.yaml on the arithmetic task of ``examples/arithmetic``
 (mixing on, ρ = 0.3, the built-in engine); ``--model DIR`` puts an HF folder's weights and
 tokenizer in place of the tiny model (the SmolLM2 shape: ``--model
-~/.cache/megatron_ngrpo/models/SmolLM2-135M-Instruct``, scripts/setup_real_model.sh builds it). One ``Trainer``; its chunks and engine are switched
-between the two forwards (``models.batch_invariant.enable/disable_batch_invariant``) before each
+~/.cache/megatron_ngrpo/models/SmolLM2-135M-Instruct``, scripts/setup_real_model.sh builds it);
+``--set`` overrides the config (e.g. a smaller batch for that shape, as in
+bench/results/zero_mismatch.md). One ``Trainer``; its chunks and engine are switched between
+the two forwards (``models.batch_invariant.enable/disable_batch_invariant``) before each
 timed call, so both see the same weights drift:
 
 * GRPO step: the mode with ``grpo.old_logprobs = rollout`` (exact, so the old-log-prob replay is
@@ -38,6 +42,15 @@ def main() -> None:
         type=Path,
         help="an HF folder (e.g. SmolLM2-135M-Instruct): its weights and tokenizer",
     )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override (repeatable), e.g. train.prompts_per_step=2",
+    )
+    ap.add_argument("--engine-prompts", type=int, default=8)
+    ap.add_argument("--engine-new-tokens", type=int, default=16)
     args = ap.parse_args()
 
     import torch.distributed as dist
@@ -57,7 +70,8 @@ def main() -> None:
     cfg = load_config(
         [repo / "configs" / "tiny_test.yaml", root / "paths.yaml"],
         [f"train.run_dir={root / 'run'}", "train.max_steps=100000", "train.save_every=0"]
-        + ([f"model.hf_path={args.model}", f"tokenizer={args.model}"] if args.model else []),
+        + ([f"model.hf_path={args.model}", f"tokenizer={args.model}"] if args.model else [])
+        + args.set,
     )
     trainer = Trainer(cfg)
     trainer.setup()
@@ -98,8 +112,8 @@ def main() -> None:
         print(f"max |engine - replay| per step, mode on: {gaps[True]}, off: {gaps[False]}")
         print(steps, flush=True)
     vocab = engine.num_real_tokens
-    prompts = [[(7 * i + j) % vocab for j in range(20)] for i in range(8)]
-    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=16, seed=3)
+    prompts = [[(7 * i + j) % vocab for j in range(20)] for i in range(args.engine_prompts)]
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=args.engine_new_tokens, seed=3)
 
     def generate(on: bool):
         def run():

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_ngrpo.config_loader import ConfigError
-from megatron_ngrpo.models.batch_invariant import BLOCK_ROWS, TiledAttention, row_blocks
+from megatron_ngrpo.models.batch_invariant import BLOCK_ROWS, TiledAttention, blocked_matmul
 from megatron_ngrpo.models.invariant_logsoftmax import gathered_logprobs, ordered_merge, shard_stats
 from megatron_ngrpo.training.job_config import load_config
 from tests import test_train
@@ -78,23 +78,29 @@ def slow_results(task):
     return launch(WORKER, nproc=2, timeout=1800, env={"NGRPO_TASK": str(task)}, only=cases)
 
 
-def test_fixed_row_blocks_make_a_gemm_row_independent_of_m():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fixed_row_blocks_make_a_gemm_row_independent_of_m(dtype):
     """The CPU fp32 GEMM gives a row another summation in M = 1 than in M = 37 (why the mode
-    blocks every linear); on fixed blocks of BLOCK_ROWS rows the row is the same."""
+    blocks every linear); on fixed blocks of BLOCK_ROWS rows (one bmm) every row has the bits of
+    its block's lone GEMM, whatever M."""
     torch.manual_seed(0)
-    w, x = torch.randn(384, 128), torch.randn(37, 128)
+    w, x = torch.randn(384, 128).to(dtype), torch.randn(37, 128).to(dtype)
     full = x @ w.t()
-    assert any(not torch.equal(full[i], (x[i : i + 1] @ w.t())[0]) for i in range(37))
-    blocked = row_blocks(x, lambda b: b @ w.t())
-    assert blocked.shape == full.shape and BLOCK_ROWS > 1
+    if dtype == torch.float32:
+        assert any(not torch.equal(full[i], (x[i : i + 1] @ w.t())[0]) for i in range(37))
+    blocked = blocked_matmul(x, w)
+    padded = F.pad(x, (0, 0, 0, (-37) % BLOCK_ROWS))
+    per_block = [padded[a : a + BLOCK_ROWS] @ w.t() for a in range(0, len(padded), BLOCK_ROWS)]
+    assert BLOCK_ROWS > 1 and torch.equal(blocked, torch.cat(per_block)[:37])
     for i in range(37):
-        assert torch.equal(blocked[i], row_blocks(x[i : i + 1], lambda b: b @ w.t())[0])
+        assert torch.equal(blocked[i], blocked_matmul(x[i : i + 1], w)[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tiled_attention_decode_row_is_the_prefill_row(dtype):
     """A decode step (one query against the cache), alone or in a batch, gives the bits of the
-    same row of a prefill over 2 tiles (and of a shorter prefill); the result is attention."""
+    same row of a prefill over several query tiles and 2 key blocks (and of a shorter prefill);
+    the result is attention."""
     torch.manual_seed(2)
     s, b, heads, groups, hn = 40, 3, 4, 2, 8
     q = torch.randn(s, b, heads, hn).to(dtype)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_ngrpo.models.batch_invariant import BLOCK_ROWS, row_blocks
+from megatron_ngrpo.models.batch_invariant import BLOCK_ROWS, blocked_matmul
 from megatron_ngrpo.models.invariant_logsoftmax import ordered_merge, shard_stats
 
 # Upper bound of one float32 chunk buffer; a chunk is also at most 1/8 of the rows, so the buffers
@@ -175,7 +175,7 @@ class _InvariantLogProbs(_LinearVocabParallelLogProbs):
         step = max(BLOCK_ROWS, chunk_rows(n, weight.shape[0]) // BLOCK_ROWS * BLOCK_ROWS)
         for a in range(0, n, step):
             b = min(a + step, n)
-            z = row_blocks(hidden[a:b], lambda blk: torch.matmul(blk, weight.t()))
+            z = blocked_matmul(hidden[a:b], weight)
             stats[:, a:b] = shard_stats(z, inv_temp, local[a:b], owned[a:b], valid, with_entropy)
             del z
         if group is None:

@@ -8,7 +8,7 @@ names and the checkpoints are untouched):
 
 * every megatron ``ColumnParallelLinear`` / ``RowParallelLinear`` (QKV, projection, MLP, the
   output layer) multiplies fixed blocks of :data:`BLOCK_ROWS` rows, the last one zero-padded
-  (:func:`row_blocks`): a CPU GEMM picks its kernel and summation order by M (an fp32 row of
+  (:func:`blocked_matmul`): a CPU GEMM picks its kernel and summation order by M (an fp32 row of
   M = 1 differs from the same row in M = 37, tests/test_batch_invariant.py), a fixed M does not;
   their backward is the plain GEMMs (gradients need not be batch-invariant);
 * core attention becomes :class:`TiledAttention`: fixed query tiles and key blocks aligned to
@@ -24,9 +24,9 @@ reductions: a TP 2 all-reduce adds two operands, a + b = b + a bit for bit, so i
 cannot change the sum; TP > 2 would need an ordered all-gather + sum and is refused, as is
 sequence parallelism (reduce-scatter has no fixed order).
 
-CPU reference path (a Python loop over key blocks and row blocks; cost in
-bench/results/zero_mismatch.md); a GPU would use megatron-core's batch-invariant kernels instead
-(not run here).
+CPU reference path (each op one bmm over its fixed blocks, the key blocks added in a Python
+loop; cost in bench/results/zero_mismatch.md); a GPU would use megatron-core's batch-invariant
+kernels instead (not run here).
 """
 
 from __future__ import annotations
@@ -43,29 +43,35 @@ from megatron_ngrpo.models.config import BATCH_INVARIANT_MAX_TP
 
 # Rows per GEMM call: every linear (and log-prob block) runs on exactly this many rows.
 BLOCK_ROWS = 16
-# Query rows per attention tile and keys per key block: every attention matmul is [T, hn] × [hn, T]
-# or [T, T] × [T, hn]; T·T a multiple of the widest vector (no scalar tail in an elementwise exp).
-ATTENTION_TILE = 32
+# Query rows per attention tile and keys per key block: every attention matmul is
+# [Tq, hn] × [hn, Tk] or [Tq, Tk] × [Tk, hn]; Tq·Tk a multiple of the widest vector (no scalar
+# tail in an elementwise exp).
+QUERY_TILE = 8
+KEY_BLOCK = 32
 
 
-def row_blocks(x: torch.Tensor, fn) -> torch.Tensor:
-    """``fn`` over fixed blocks of :data:`BLOCK_ROWS` rows of ``x`` [M, K] (the last padded with
-    zeros) → [M, N]; differentiable."""
+def blocked_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]ᵀ → [M, N] as one bmm over fixed blocks of :data:`BLOCK_ROWS`
+    rows (the last padded with zeros): every block is its own [BLOCK_ROWS, K] × [K, N] GEMM, so
+    a row's bits do not depend on M (measured equal to a loop of per-block GEMMs, fp32 and
+    bf16, tests/test_batch_invariant.py; one call instead of M / BLOCK_ROWS, and no cat)."""
     m = x.shape[0]
     pad = (-m) % BLOCK_ROWS
     x = F.pad(x, (0, 0, 0, pad)) if pad else x
-    out = [fn(x[a : a + BLOCK_ROWS]) for a in range(0, m + pad, BLOCK_ROWS)]
-    return torch.cat(out)[:m]
+    blocks = x.shape[0] // BLOCK_ROWS
+    w = weight.t().expand(blocks, *weight.t().shape)
+    return torch.bmm(x.reshape(blocks, BLOCK_ROWS, x.shape[1]), w).view(-1, weight.shape[0])[:m]
 
 
 class _BlockedMatmul(torch.autograd.Function):
-    """x [M, K] @ weight [N, K]ᵀ → [M, N], the forward on fixed row blocks (:func:`row_blocks`);
-    the backward is the two plain GEMMs: only forward values have to be batch-invariant."""
+    """x [M, K] @ weight [N, K]ᵀ → [M, N], the forward on fixed row blocks
+    (:func:`blocked_matmul`); the backward is the two plain GEMMs: only forward values have to be
+    batch-invariant."""
 
     @staticmethod
     def forward(ctx, x, weight):
         ctx.save_for_backward(x, weight)
-        return row_blocks(x, lambda blk: blk @ weight.t())
+        return blocked_matmul(x, weight)
 
     @staticmethod
     def backward(ctx, grad):
@@ -107,14 +113,16 @@ class TiledAttention(DotProductAttention):
     trainer's replay.
 
     query [sq, b, np, hn], key / value [sk, b, ng, hn]; query i (position sk − sq + i) sees keys
-    0 … its position. Queries go into tiles of :data:`ATTENTION_TILE` rows (tile t holds positions
-    t·T … t·T + T − 1, so a decode row sits where the prefill had it; the tile's other rows are
-    zeros or other queries), keys into blocks of T. Per (row, head) pair and tile, in fp32: the
-    scores of every key block ([T, hn] × [hn, T], masked with −inf past the row), the row max
-    over all blocks (exact, order-free), then per block in order e^(s − max), its sum and its
-    [T, T] × [T, hn] product added on. A block past a row's position adds exact zeros, so a
-    prefill's extra blocks leave the row's bits as in a decode step. Rounded once to the input
-    dtype. Output [sq, b, np·hn].
+    0 … its position. Queries go into tiles of Tq = :data:`QUERY_TILE` rows (tile t holds
+    positions t·Tq … t·Tq + Tq − 1, so a decode row sits where the prefill had it; the tile's
+    other rows are zeros or other queries), keys into blocks of Tk = :data:`KEY_BLOCK`. Per (row,
+    head) pair and tile, in fp32: the scores of every key block ([Tq, hn] × [hn, Tk], all pairs of
+    tile and block in one bmm, masked with −inf past the row), the row max over all blocks
+    (exact, order-free), e^(s − max), then per block in order its sum and its [Tq, Tk] × [Tk, hn]
+    product added on. A block past a row's position adds exact zeros, so a prefill's extra blocks
+    leave the row's bits as in a decode step. A small Tq keeps a decode step's tile (one live
+    row) cheap; a prefill or replay computes the same scores in more, smaller tiles. Rounded once
+    to the input dtype. Output [sq, b, np·hn].
     """
 
     def forward(
@@ -137,45 +145,41 @@ class TiledAttention(DotProductAttention):
                 "explicit mask only (no packing)"
             )
         sq, b, heads, hn = query.shape
-        sk, tile = key.shape[0], ATTENTION_TILE
+        sk, tq, tk = key.shape[0], QUERY_TILE, KEY_BLOCK
         first = sk - sq  # the position of query row 0
-        t0 = first // tile
-        nt, nk = (sk - 1) // tile - t0 + 1, -(-sk // tile)
-        q = _tiles(query, heads, first - t0 * tile, nt)  # [P, nt, T, hn]
-        k, v = _tiles(key, heads, 0, nk), _tiles(value, heads, 0, nk)  # [P, nk, T, hn]
+        t0 = first // tq
+        nt, nk = (sk - 1) // tq - t0 + 1, -(-sk // tk)
+        q = _tiles(query, heads, first - t0 * tq, nt, tq)  # [P, nt, Tq, hn]
+        k, v = (_tiles(t, heads, 0, nk, tk) for t in (key, value))  # [P, nk, Tk, hn]
         pairs = q.shape[0]
-        q = q.reshape(pairs * nt, tile, hn)
-        qpos = torch.arange(t0 * tile, (t0 + nt) * tile, device=q.device).view(nt, tile, 1)
-        kpos = torch.arange(nk * tile, device=q.device).view(nk, 1, tile)
 
-        def block(t, j):  # block j of t [P, nk, T, hn], repeated per query tile: [P·nt, T, hn]
-            return t[:, j, None].expand(pairs, nt, tile, hn).reshape(pairs * nt, tile, hn)
+        def pair_up(t, dim):  # [P, n, T, hn] → [P·nt·nk, T, hn], repeated along the other axis
+            return t.unsqueeze(dim).expand(pairs, nt, nk, -1, hn).reshape(-1, t.shape[2], hn)
 
-        scores = [
-            torch.bmm(q, block(k, j).transpose(1, 2))
-            .view(pairs, nt, tile, tile)
-            .masked_fill(kpos[j] > qpos, float("-inf"))
-            for j in range(nk)
-        ]
-        top = torch.stack([s.amax(-1) for s in scores]).amax(0).unsqueeze(-1)
-        total, acc = 0.0, 0.0
-        for j, s in enumerate(scores):
-            p = ((s - top) * self.softmax_scale).exp()
-            total = total + p.sum(-1, keepdim=True)
-            acc = acc + torch.bmm(p.view(pairs * nt, tile, tile), block(v, j)).view(
-                p.shape[:3] + (hn,)
-            )
-        out = (acc / total).view(b, heads, nt * tile, hn)[:, :, first - t0 * tile :][:, :, :sq]
+        qpos = torch.arange(t0 * tq, (t0 + nt) * tq, device=q.device).view(nt, 1, tq, 1)
+        kpos = torch.arange(nk * tk, device=q.device).view(1, nk, 1, tk)
+        # every (query tile, key block) pair is one entry of one bmm
+        scores = torch.bmm(pair_up(q, 2), pair_up(k, 1).transpose(1, 2))
+        scores = scores.view(pairs, nt, nk, tq, tk).masked_fill_(kpos > qpos, float("-inf"))
+        top = scores.amax(dim=(2, 4), keepdim=True)  # the row max over all keys: exact
+        p = ((scores - top) * self.softmax_scale).exp()
+        sums = p.sum(-1, keepdim=True)  # [P, nt, nk, Tq, 1]
+        prods = torch.bmm(p.view(-1, tq, tk), pair_up(v, 1)).view(pairs, nt, nk, tq, hn)
+        # key blocks added in order (never a reduction over nk: its order could change with nk)
+        total, acc = sums[:, :, 0], prods[:, :, 0]
+        for j in range(1, nk):
+            total, acc = total + sums[:, :, j], acc + prods[:, :, j]
+        out = (acc / total).view(b, heads, nt * tq, hn)[:, :, first - t0 * tq :][:, :, :sq]
         return out.permute(2, 0, 1, 3).to(query.dtype).reshape(sq, b, heads * hn)
 
 
-def _tiles(t: torch.Tensor, heads: int, offset: int, n: int) -> torch.Tensor:
-    """[s, b, g, hn] → [b·heads, n, T, hn] fp32 (each KV group repeated for its query heads),
+def _tiles(t: torch.Tensor, heads: int, offset: int, n: int, size: int) -> torch.Tensor:
+    """[s, b, g, hn] → [b·heads, n, size, hn] fp32 (each KV group repeated for its query heads),
     the s rows placed from row ``offset`` on, zeros elsewhere (a new contiguous buffer)."""
     s, b, g, hn = t.shape
-    out = t.new_zeros(b, heads, n * ATTENTION_TILE, hn, dtype=torch.float32)
+    out = t.new_zeros(b, heads, n * size, hn, dtype=torch.float32)
     out[:, :, offset : offset + s] = t.permute(1, 2, 0, 3).repeat_interleave(heads // g, 1)
-    return out.view(b * heads, n, ATTENTION_TILE, hn)
+    return out.view(b * heads, n, size, hn)
 
 
 def enable_batch_invariant(chunks) -> None:
