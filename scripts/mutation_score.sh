@@ -33,7 +33,8 @@ MODULES=("${MODULES[@]/#/megatron_ngrpo.}")
 # 2-8 ranks) and the trainer runs.
 TESTS=(tests/test_grpo.py tests/test_mismatch.py tests/test_mixing_arithmetic.py tests/test_dra.py
     tests/test_mixing.py tests/test_neighbor_source.py tests/test_core_values.py
-    tests/test_core_values_embedding.py tests/test_core_values_grpo.py)
+    tests/test_core_values_embedding.py tests/test_core_values_grpo.py tests/test_core_values_dra.py
+    tests/test_core_values_mixing.py)
 DESELECT="not match_float64_reference and not fused_logprob_pass and not policy_hidden_means \
 and not tp_dp_equals_bruteforce and not mixing_embedding_ and not model_with_mixes \
 and not decision_vocab_parallel and not baselines_vocab_parallel and not records_replay_through \
