@@ -31,6 +31,17 @@ def real_model() -> Path:
         pytest.fail(str(e), pytrace=False)
 
 
+@pytest.fixture(scope="module")
+def single_rank():
+    """A process group of this process alone and megatron's parallel state, TP = PP = 1 (the
+    single-process value tests of tests/test_core_values_*.py)."""
+    # lazy: the other modules' collection stays free of megatron-core
+    from megatron_ngrpo.parallel import init_distributed, initialize_model_parallel
+
+    init_distributed()
+    initialize_model_parallel(1, 1, None, seed=0)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _fresh_process_groups():
     """Each test module starts without process groups. An in-process vLLM engine owns a world

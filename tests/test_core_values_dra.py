@@ -24,7 +24,6 @@ from megatron_ngrpo.grpo.dra import LocalModelEmbedder, ResponseHiddenMeans, sim
 from megatron_ngrpo.mixing.records import MixRecord
 from megatron_ngrpo.models.config import ModelConfig
 from megatron_ngrpo.models.provider import build_model
-from megatron_ngrpo.parallel import init_distributed, initialize_model_parallel
 from megatron_ngrpo.rollout.types import RolloutBatch
 from tests.harness.tiny import write_tiny_bert, write_tiny_hf
 
@@ -32,13 +31,6 @@ HIDDEN = 8
 # Seven responses (one of a single token) after prompts of 1..4 tokens: rows of 3..9 tokens.
 PROMPTS = [[3, 4], [5], [6, 7, 8], [9, 10, 11, 12], [13], [14, 15], [16, 17, 18]]
 RESPONSES = [[20, 21, 22], [23], [24, 25, 26, 27, 28], [29, 30], [31, 32, 33, 34], [35], [36, 37]]
-
-
-@pytest.fixture(scope="module")
-def process_group():
-    """A single-process group and megatron's parallel state (TP = PP = 1)."""
-    init_distributed()
-    initialize_model_parallel(1, 1, None, seed=0)
 
 
 def _batch() -> TokenBatch:
@@ -111,7 +103,7 @@ class _SequenceHalves:
     ids=["consecutive", "token_budget", "sequence_parallel"],
 )
 def test_hook_pools_each_response_of_the_replay(
-    process_group, monkeypatch, micro_batch_size, max_tokens, sequence_parallel
+    single_rank, monkeypatch, micro_batch_size, max_tokens, sequence_parallel
 ):
     """The means of the replay's micro-batches, each row's response columns only, equal the
     float64 reference; a context left without a pass leaves no hook behind, and passes beyond the
@@ -155,7 +147,7 @@ def test_context_parallelism_is_refused():
 
 
 @pytest.mark.parametrize("last", [True, False], ids=["last_stage", "first_stage"])
-def test_pipeline_stages_return_the_last_stage_means(process_group, monkeypatch, last):
+def test_pipeline_stages_return_the_last_stage_means(single_rank, monkeypatch, last):
     """Interleaved PP (2 stages × 3 virtual chunks, megatron's own overrides of the pipeline rank
     and sizes): the last stage captures through its last chunk (fixed micro-batch shapes with
     dummy rows, and a fully dummy micro-batch padding the count to a multiple of PP) and
@@ -199,7 +191,7 @@ def test_pipeline_stages_return_the_last_stage_means(process_group, monkeypatch,
     assert len(sent) == 2 and sent[0] == [last]
 
 
-def test_means_without_a_replay_run_a_pass_of_their_own(process_group, tmp_path):
+def test_means_without_a_replay_run_a_pass_of_their_own(single_rank, tmp_path):
     """Nothing captured: :meth:`means` runs a forward-only pass of its own over a tiny megatron
     model (micro-batches of 3 padded rows); the result equals the same model's output-layer input
     in float64, one unpadded sequence at a time, mean-pooled over the response tokens."""

@@ -25,7 +25,6 @@ from megatron_ngrpo.mixing.embedding import (
     mixing_inputs,
     to_device,
 )
-from megatron_ngrpo.parallel import init_distributed, initialize_model_parallel
 from tests.harness.records import mix_record
 
 V, H, K = 16, 4, 3
@@ -41,10 +40,7 @@ MIXES = [  # (batch row, column), candidate ids, weights
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _tp1():
-    init_distributed()
-    initialize_model_parallel(1, 1)
+pytestmark = pytest.mark.usefixtures("single_rank")
 
 
 def _weight(dtype=torch.float32, seed=0) -> torch.Tensor:

@@ -41,7 +41,6 @@ from megatron_ngrpo.grpo.update import (
 from megatron_ngrpo.mixing.records import MixRecord
 from megatron_ngrpo.models.config import ModelConfig
 from megatron_ngrpo.models.provider import build_model
-from megatron_ngrpo.parallel import init_distributed, initialize_model_parallel
 from megatron_ngrpo.rollout.types import RolloutBatch
 from tests.harness.tiny import write_tiny_hf
 
@@ -163,13 +162,6 @@ def test_mismatch_sums_without_mixes_or_rejections_and_a_one_token_split():
 
 
 # ---- the update's statistics ------------------------------------------------------------------
-@pytest.fixture
-def one_rank():
-    """A process group of this process alone, megatron's state TP = PP = 1."""
-    init_distributed()
-    initialize_model_parallel(1, 1, None, seed=0)
-
-
 def _stats(values: dict) -> dict:
     return {k: torch.tensor(values.get(k, 0.0), dtype=torch.float64) for k in STAT_KEYS}
 
@@ -205,7 +197,7 @@ def _expected(sums: dict, ratio_max: float, norm: float) -> dict:
     }
 
 
-def test_reduce_stats_sums_micro_batches_and_dp_ranks_and_takes_the_max(one_rank, monkeypatch):
+def test_reduce_stats_sums_micro_batches_and_dp_ranks_and_takes_the_max(single_rank, monkeypatch):
     """The last pipeline stage of a VPP layout (the schedule leaves the virtual rank anywhere:
     the stage, not the chunk, must decide) with one other DP rank, emulated by the all-reduce:
     sums over micro-batches and ranks, the per-token means over all tokens, the max of
@@ -231,7 +223,7 @@ def test_reduce_stats_sums_micro_batches_and_dp_ranks_and_takes_the_max(one_rank
         assert out[k] == pytest.approx(v, rel=1e-15, abs=0), k
 
 
-def test_reduce_stats_of_a_first_pipeline_stage_are_the_last_stages(one_rank, monkeypatch):
+def test_reduce_stats_of_a_first_pipeline_stage_are_the_last_stages(single_rank, monkeypatch):
     """A first stage of PP 2 (emulated: its statistics arrive by the broadcast from the last
     stage's rank over the pipeline group), with one token in all."""
     pp_group = object()
@@ -346,7 +338,7 @@ def _slope_and_difference(chunks, tb, inputs, cfg, eps=1e-3):
     return slope, (losses[0] - losses[1]) / (2 * eps)
 
 
-def test_loss_and_grads_against_float64_with_its_step_rules(tmp_path, one_rank, monkeypatch):
+def test_loss_and_grads_against_float64_with_its_step_rules(tmp_path, single_rank, monkeypatch):
     """``loss_and_grads`` on a tiny model, temperature 0.7, the padded vocabulary left out, a
     token budget of 12 (3 micro-batches), packed (log-probs equal to rounding): its statistics against the float64 loss of the model's
     log-probs (read forward-only), its gradient along a random direction against the central
@@ -389,7 +381,7 @@ def test_loss_and_grads_against_float64_with_its_step_rules(tmp_path, one_rank, 
     assert all(torch.equal(p, q) for p, q in zip(params, stepped))
 
 
-def test_update_step_defaults_and_the_training_wrap(tmp_path, one_rank, monkeypatch):
+def test_update_step_defaults_and_the_training_wrap(tmp_path, single_rank, monkeypatch):
     """``update_step`` with its defaults: micro-batches of ``micro_batch_size`` rows (no token
     budget, no packing) and the optimizer stepped, its gradient norm returned; the wrap sums
     micro-batch losses (per-token mode) and finalises gradients with megatron's function."""
