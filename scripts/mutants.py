@@ -4,6 +4,7 @@ it; print killed / survived per mutant (its registry entry first), the total and
 
     python3 scripts/mutants.py                         # every mutant of every live entry
     python3 scripts/mutants.py --prefix mixing. grpo.  # the entries under these prefixes
+    python3 scripts/mutants.py --exact --prefix data.train # that entry only, not data.train.split
     python3 scripts/mutants.py --kind ignored          # the generic mutants only (or: patch)
     python3 scripts/mutants.py --fast                  # the mutants marked fast
     python3 scripts/mutants.py --sample 1              # CI's draw: 1 generic FAST mutant, by date
@@ -57,16 +58,26 @@ def _cost(pair: tuple[str, Mutant | Ignored]) -> tuple[bool, bool]:
 
 
 def selected(
-    prefixes: list[str], sample: int, day: datetime.date, fast: bool = False, kind: str = ""
+    prefixes: list[str],
+    sample: int,
+    day: datetime.date,
+    fast: bool = False,
+    kind: str = "",
+    exact: bool = False,
 ) -> list[tuple[str, Mutant | Ignored]]:
-    """(entry, mutant) pairs under ``prefixes`` (all when empty; ``fast``: the fast ones; ``kind``:
-    one kind), in the prefixes' order, cheapest first under each; ``sample`` > 0: that many
-    generic mutants of ``FAST`` tests, a window that moves by ``sample`` every day."""
+    """(entry, mutant) pairs under ``prefixes`` (all when empty; ``exact``: the entries so named
+    only; ``fast``: the fast ones; ``kind``: one kind), in the prefixes' order, cheapest first
+    under each; ``sample`` > 0: that many generic mutants of ``FAST`` tests, a window that moves
+    by ``sample`` every day."""
+
+    def under(name: str, prefix: str) -> bool:
+        return name == prefix if exact else name.startswith(prefix)
+
     pairs = [
         (name, m)
         for name in SWITCHES
         for m in mutants_of(name)
-        if (not prefixes or name.startswith(tuple(prefixes)))
+        if (not prefixes or any(under(name, x) for x in prefixes))
         and (m.fast or not fast)
         and (not kind or isinstance(m, KINDS[kind]))
     ]
@@ -74,7 +85,7 @@ def selected(
         fast_ones = [p for p in pairs if isinstance(p[1], Ignored) and p[1].fast]
         start = day.toordinal() * sample % len(fast_ones)
         return [fast_ones[(start + i) % len(fast_ones)] for i in range(min(sample, len(fast_ones)))]
-    first = [next((i for i, x in enumerate(prefixes) if n.startswith(x)), 0) for n, _ in pairs]
+    first = [next((i for i, x in enumerate(prefixes) if under(n, x)), 0) for n, _ in pairs]
     return [p for _, p in sorted(zip(first, pairs), key=lambda fp: (fp[0], *_cost(fp[1])))]
 
 
@@ -153,13 +164,16 @@ def describe(mutant: Mutant | Ignored) -> tuple[str, str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prefix", nargs="*", default=[], help="registry entry prefixes")
+    p.add_argument("--exact", action="store_true", help="the prefixes are whole entry names")
     p.add_argument("--kind", choices=sorted(KINDS), default="", help="one kind of mutant")
     p.add_argument("--sample", type=int, default=0, help="that many generic FAST mutants, by date")
     p.add_argument("--fast", action="store_true", help="only the mutants marked fast")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per test run")
     p.add_argument("--out", help="also write the table here (markdown), after every run")
     args = p.parse_args(argv)
-    pairs = selected(args.prefix, args.sample, datetime.date.today(), args.fast, args.kind)
+    pairs = selected(
+        args.prefix, args.sample, datetime.date.today(), args.fast, args.kind, args.exact
+    )
     commit = subprocess.run(
         ["git", "describe", "--always", "--dirty"], cwd=REPO, capture_output=True, text=True
     ).stdout.strip()

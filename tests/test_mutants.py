@@ -110,3 +110,11 @@ def test_a_rotating_sample_of_mutants_is_killed():
     for name, mutant in pairs:
         verdict, detail, _ = runner.run_one(name, mutant, timeout=600)
         assert verdict == "killed", (name, mutant, verdict, detail)
+
+
+def test_exact_selects_the_named_entries_in_their_order():
+    day = datetime.date.today()
+    under = {name for name, _ in runner.selected(["data.train"], 0, day, kind="ignored")}
+    assert {"data.train", "data.train.split"} <= under
+    exact = runner.selected(["optim.lr", "data.train"], 0, day, kind="ignored", exact=True)
+    assert [name for name, _ in exact] == ["optim.lr", "data.train"]

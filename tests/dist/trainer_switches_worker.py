@@ -173,11 +173,20 @@ def model_forwards(seen: list):
         GPTModel.forward = original
 
 
+# More optimizer steps than any case here takes: a run past it ignored its step limit
+# (train.max_steps, train.num_epochs), and fails here instead of training on for an hour.
+MAX_UPDATES = 64
+
+
 @contextlib.contextmanager
 def optimizer_steps(seen: list):
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     def hook(opt, args, kwargs):
+        if len(seen) >= MAX_UPDATES:
+            raise RuntimeError(
+                f"more than {MAX_UPDATES} optimizer steps: the step limit is ignored"
+            )
         params = [p for g in opt.param_groups for p in g["params"]]
         grads = [p.grad.double().pow(2).sum() for p in params if p.grad is not None]
         seen.append(
