@@ -60,6 +60,14 @@ def test_mismatch_config_refuses_the_bounds_by_name(fields, message):
         MismatchConfig(**fields).validate()
 
 
+@pytest.mark.parametrize("field", ["log_ratio_clamp", "kl_clamp"])
+def test_grpo_clamps_must_be_positive(field):
+    """A clamp of 0 (or below) would zero every log-ratio or k3 value: refused by name."""
+    with pytest.raises(ConfigError, match=f"^config field '{field}' = 0.0: must be > 0$"):
+        GRPOConfig(**{field: 0.0}).validate()
+    GRPOConfig(**{field: 1e-3}).validate()
+
+
 def test_mismatch_config_takes_the_values_next_to_its_bounds():
     for fields in ({"cap": 0.5}, {"lower": 0.0}, {"lower": 0.5}, {"log_ratio_clamp": 0.5}):
         MismatchConfig(**fields).validate()

@@ -100,6 +100,8 @@ class GRPOConfig:
             fail("dual_clip", self.dual_clip, "must be > 1 (or null to disable)")
         if self.log_ratio_clamp <= 0:
             fail("log_ratio_clamp", self.log_ratio_clamp, "must be > 0")
+        if self.kl_clamp <= 0:
+            fail("kl_clamp", self.kl_clamp, "must be > 0")
         if self.kl_coef < 0:
             fail("kl_coef", self.kl_coef, "must be >= 0")
         if self.tis_cap is not None and self.tis_cap <= 0:
