@@ -296,7 +296,7 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "data.train.split": _t(DATA),
     "data.train.problem_key": _t("tests/test_data.py::test_nested_keys_and_missing_fields"),
     "data.train.answer_key": _t("tests/test_data.py::test_nested_keys_and_missing_fields"),
-    "data.train.answer_list": _t("tests/test_data.py::test_every_file_loads_with_readme_row_count"),
+    "data.train.answer_list": _t("tests/test_data.py::test_answer_list_reaches_the_problems"),
     "data.train.integer_answers": _t(
         "tests/test_data.py::test_every_file_loads_with_readme_row_count"
     ),

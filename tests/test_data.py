@@ -549,6 +549,25 @@ def test_dedup_bad_rows_cache_and_split_switches(tmp_path, r1, monkeypatch):
     assert len(load_train_set(cfg, r1)) == 2 and [a["split"] for a in asked] == ["test"]
 
 
+def test_answer_list_reaches_the_problems(tmp_path):
+    """data.train[].answer_list on a row whose answer is a list: every form accepted (the
+    default), the first only, or one joined string (no shipped file tells them apart: minerva's
+    lists take the default, olympiad_bench's hold one string each)."""
+    path = tmp_path / "lists.jsonl"
+    path.write_text(json.dumps({"problem": "Roots?", "answer": ["2\n", 3.0, "2"]}) + "\n")
+    seen = {}
+    for mode in ("", "alternatives", "first", "join"):
+        extra = f", answer_list: {mode}" if mode else ""
+        cfg = load(DataConfig, overrides=[f"train=[{{path: {path}{extra}}}]"])
+        seen[mode] = load_source(cfg.train[0])[0][0].answers
+    assert seen == {
+        "": ("2", "3"),
+        "alternatives": ("2", "3"),
+        "first": ("2",),
+        "join": ("2, 3, 2",),
+    }
+
+
 def test_data_config_errors():
     with pytest.raises(ConfigError, match=r"'train\[0\].answer_list'"):
         load(DataConfig, overrides=["train=[{name: aime24, answer_list: all}]"])
