@@ -305,7 +305,9 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "data.train.limit": _t("tests/test_data.py::test_train_set_filters_long_prompts"),
     "data.max_prompt_tokens": _t("tests/test_data.py::test_train_set_filters_long_prompts"),
     "data.dedup": _t(DATA),
-    "data.decontaminate": _t("tests/test_data.py::test_train_set_filters_long_prompts"),
+    "data.decontaminate": _t(
+        "tests/test_data.py::test_decontaminate_drops_the_named_benchmarks_only"
+    ),
     "data.max_bad_fraction": _t(DATA),
     "data.long_prompts": _t(
         "tests/test_data.py::test_ungradable_math_answer_and_long_prompt_refused"

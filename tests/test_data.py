@@ -525,6 +525,33 @@ def test_train_set_filters_long_prompts(r1):
     )
 
 
+@pytest.mark.parametrize("dedup", [True, False])
+def test_decontaminate_drops_the_named_benchmarks_only(tmp_path, r1, dedup):
+    """data.decontaminate: a training problem copied from a listed benchmark is dropped, one from
+    a benchmark left off the list (here one of the default list's) is kept, with and without
+    data.dedup (two code paths)."""
+    aime, math500 = load_source("aime24")[0][0], load_source("math500")[0][0]
+    rows = [{"problem": p.problem, "answer": p.answer} for p in (aime, math500)]
+    rows.append({"problem": "What is 1 + 1?", "answer": "2"})
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = [f"train=[{{path: {path}}}]", f"dedup={str(dedup).lower()}"]
+    kept = {
+        names: [
+            e.problem.problem
+            for e in load_train_set(
+                load(DataConfig, overrides=[*base, f"decontaminate={names}"]), r1
+            )
+        ]
+        for names in ("[math500]", "[]", "[aime24,math500]")
+    }
+    assert kept == {
+        "[math500]": [aime.problem, "What is 1 + 1?"],
+        "[]": [aime.problem, math500.problem, "What is 1 + 1?"],
+        "[aime24,math500]": ["What is 1 + 1?"],
+    }
+
+
 def test_dedup_bad_rows_cache_and_split_switches(tmp_path, r1, monkeypatch):
     """data.max_bad_fraction lets a file with a malformed row in, data.dedup off keeps a repeated
     problem, data.cache_dir is where `datasets` caches a file, and a hub source's split is the
