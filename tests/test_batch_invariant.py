@@ -20,6 +20,7 @@ from tests.harness.multiproc import check, launch
 
 WORKER = Path(__file__).parent / "dist" / "batch_invariant_worker.py"
 FAST = ["parity_tp1_float32", "parity_tp2_bfloat16", "trainer_tp1_float32"]
+FAST.append("trainer_one_step_off_tp1_float32")
 SLOW_PARITY = ["tp1_bfloat16", "tp2_float32", "pp2_bfloat16"]
 # (op switched back to its default inside the mode, layout): tokens must then differ somewhere
 # (tests/dist/batch_invariant_worker.py LEAKS; bf16 GEMMs and a 2-rank merge are M- and
@@ -75,6 +76,7 @@ def results(task):
 def slow_results(task):
     cases = [f"parity_{x}" for x in SLOW_PARITY] + ["trainer_tp2_bfloat16"]
     cases += [f"leak_{op}_{layout}" for op, layout in LEAKS]
+    cases.append("trainer_one_step_off_tp2_bfloat16")
     return launch(WORKER, nproc=2, timeout=1800, env={"NGRPO_TASK": str(task)}, only=cases)
 
 
@@ -173,6 +175,21 @@ def test_trainer_old_logprobs_from_the_engine_are_exact(results):
 @pytest.mark.slow
 def test_trainer_old_logprobs_exact_tp2_bf16(slow_results):
     check(slow_results, "trainer_tp2_bfloat16")
+
+
+def test_trainer_one_step_off_old_logprobs_are_exact(results):
+    """One step off (``train.async.max_staleness: 1``, 3 steps, mixing on): the engine samples on
+    its separate weight copy with the last step's weights while the trainer updates. With
+    ``recompute`` every step's replay under the generating weights' snapshot finds every mismatch
+    gap 0 (mixed label columns at every step, staleness 1 logged); ``grpo.old_logprobs:
+    rollout`` then computes the recompute run's every loss, ratio and KL bit for bit, its first
+    |log-ratio| the policy change of one step (0 at the synchronous first step, > 0 after)."""
+    check(results, "trainer_one_step_off_tp1_float32")
+
+
+@pytest.mark.slow
+def test_trainer_one_step_off_tp2_bf16(slow_results):
+    check(slow_results, "trainer_one_step_off_tp2_bfloat16")
 
 
 @pytest.mark.slow

@@ -275,5 +275,74 @@ for _tp, _dtype in ((1, "float32"), (2, "bfloat16")):
     case(_bound_trainer)
 
 
+# ---- one step off (train.async.max_staleness: 1) ------------------------------------------------
+# The first step synchronous, then two one step off (the second on a re-synced copy and snapshot).
+ONE_STEP_OFF_STEPS = 3
+# Row keys that timing or the recompute pass itself produce: the rest is what the steps computed.
+_NOT_COMPUTED = ("time/", "async/", "mismatch/", "logprob_gap/")
+
+
+def train_steps(name: str, *overrides: str) -> tuple[list[dict], list[int]]:
+    """:func:`train_step` for ``ONE_STEP_OFF_STEPS`` steps: every step's metrics row, and per
+    recompute pass the mixed label columns it compared (summed over DP ranks)."""
+    import json
+    from pathlib import Path
+
+    from megatron_ngrpo.grpo.metrics import dp_sums
+    from megatron_ngrpo.training.loss_stage import LossInputStage
+
+    original, mixed = LossInputStage.__dict__["_mismatch_metrics"], []
+
+    def counting(old, engine_lp, tb, keep):
+        n = float((tb.mix.mask & tb.mask).sum()) if tb.mix is not None else 0.0
+        mixed.append(int(dp_sums({"n": n})["n"]))  # collective: every DP rank runs this pass
+        return original.__func__(old, engine_lp, tb, keep)
+
+    LossInputStage._mismatch_metrics = staticmethod(counting)
+    try:
+        train_step(name, f"train.max_steps={ONE_STEP_OFF_STEPS}", *overrides)
+    finally:
+        LossInputStage._mismatch_metrics = original
+    text = (Path(_STATE["tmp"]) / name / "metrics.jsonl").read_text()
+    return [json.loads(line) for line in text.splitlines()], mixed
+
+
+def _one_step_off(tp: int, dtype: str):
+    """The mode one step off (mixing on): the engine generates step n's batch on its separate
+    weight copy with step n − 1's weights while the trainer updates. ``recompute``: every step's
+    replay under the generating weights' snapshot equals the engine's log-probs (every gap 0,
+    mixed label columns compared at every step, staleness 1 after the synchronous first step);
+    ``rollout``: the engine's log-probs are those replays' bits, so the run computes what the
+    recompute run computes, bit for bit (losses, ratios, KL, rewards, the first mini-batch's
+    |log-ratio|, which is the policy change of one step: 0 at the first step, > 0 after)."""
+    on = ("rollout.batch_invariant=true", "train.async.max_staleness=1",
+          f"model.tensor_parallel={tp}", f"model.dtype={dtype}")
+    recompute, mixed = train_steps(f"one_step_off_recompute_{tp}_{dtype}", *on)
+    rollout, _ = train_steps(f"one_step_off_rollout_{tp}_{dtype}", *on, "grpo.old_logprobs=rollout")
+    gaps = [
+        {k: v for k, v in r.items() if k.startswith(("mismatch/", "logprob_gap/")) and v}
+        for r in recompute
+    ]
+    ratio = [r["first_update/abs_log_ratio"] for r in rollout]
+    differ = [
+        {k: (r[k], o[k]) for k in o if not k.startswith(_NOT_COMPUTED) and o[k] != r[k]}
+        for r, o in zip(recompute, rollout, strict=True)
+    ]
+    staleness = [r["async/staleness"] for r in recompute]
+    assert staleness == [0] + [1] * (ONE_STEP_OFF_STEPS - 1), staleness
+    assert len(mixed) == ONE_STEP_OFF_STEPS and min(mixed) > 0, mixed
+    assert "mismatch/mixed/logprob_gap" in recompute[-1] and not any(gaps), gaps
+    assert ratio[0] == 0 and min(ratio[1:]) > 0, ratio
+    assert len(rollout) == ONE_STEP_OFF_STEPS and not any(differ), differ
+    return {"mixed_label_columns": mixed, "first_abs_log_ratio": ratio}
+
+
+for _tp, _dtype in ((1, "float32"), (2, "bfloat16")):
+    def _bound_one_step_off(tp=_tp, dtype=_dtype):
+        return _one_step_off(tp, dtype)
+    _bound_one_step_off.__name__ = f"trainer_one_step_off_tp{_tp}_{_dtype}"
+    case(_bound_one_step_off)
+
+
 if __name__ == "__main__":
     run_cases()
