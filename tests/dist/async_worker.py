@@ -14,12 +14,12 @@ import time
 import torch
 import torch.distributed as dist
 from grpo_worker import (
-    G,
-    K,
     MAX_RESPONSE,
     N_PROMPTS,
     TEMP,
     VOCAB,
+    G,
+    K,
     grpo_cfg,
     make_rollout,
     reference_advantages,
@@ -29,7 +29,9 @@ from grpo_worker import (
 
 from tests.harness.multiproc import case, run_cases, shared_tmpdir
 
-VARIANT = dict(mixes=True, loss_mode="token", agg="seq-mean-token-mean", adv="grpo", kl="k3", tis_cap=1.5)
+VARIANT = dict(
+    mixes=True, loss_mode="token", agg="seq-mean-token-mean", adv="grpo", kl="k3", tis_cap=1.5
+)
 
 
 def model_cfg(root: str, tp: int):
@@ -48,7 +50,9 @@ def build_trainer_side(root: str):
 
     initialize_model_parallel(2, 1, None, seed=7)
     chunks = wrap_for_training(build_model(model_cfg(root, 2)))
-    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=3e-3, clip_grad=1.0), chunks)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=3e-3, clip_grad=1.0), chunks
+    )
     unwrap(chunks[0]).config.grad_scale_func = optimizer.scale_loss
     return chunks, optimizer
 
@@ -76,37 +80,68 @@ def parallel_side(root: str) -> dict:
     chunks, optimizer = build_trainer_side(root)
     cfg2 = model_cfg(root, 2)
     save_megatron_checkpoint(chunks, f"{root}/w0", checkpoint_meta(cfg2))
-    engine = MegatronEngine(chunks, VOCAB, separate_copy=True, model_cfg=cfg2,
-                            groups=duplicate_model_parallel_groups())
+    engine = MegatronEngine(
+        chunks, VOCAB, separate_copy=True, model_cfg=cfg2, groups=duplicate_model_parallel_groups()
+    )
     producer = RolloutProducer(engine, max_staleness=1, on_stale="error", keep_weights=True)
     mixing = MixingConfig(rate=0.5, k=K)
-    neighbors = NeighborSource(mixing, "table", lambda: neighbor_table_for_model(chunks, mixing, VOCAB))
+    neighbors = NeighborSource(
+        mixing, "table", lambda: neighbor_table_for_model(chunks, mixing, VOCAB)
+    )
     neighbors.refresh(0)
     g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(2, VOCAB, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(N_PROMPTS)]
+    prompts = [
+        torch.randint(
+            2, VOCAB, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g
+        ).tolist()
+        for _ in range(N_PROMPTS)
+    ]
     params = SamplingParams(n=G, temperature=TEMP, max_new_tokens=MAX_RESPONSE, seed=11)
-    producer.launch(0, chunks, neighbors, prompts, params, examples=prompts,
-                    keys=list(range(N_PROMPTS)), data_before={})
+    producer.launch(
+        0,
+        chunks,
+        neighbors,
+        prompts,
+        params,
+        examples=prompts,
+        keys=list(range(N_PROMPTS)),
+        data_before={},
+    )
 
     # Meanwhile, on this thread, step 0's update (on another batch): weights W0 -> W1.
-    settings = UpdateSettings(temperature=TEMP, micro_batch_size=4, vocab_limit=VOCAB, max_response_len=MAX_RESPONSE)
+    settings = UpdateSettings(
+        temperature=TEMP, micro_batch_size=4, vocab_limit=VOCAB, max_response_len=MAX_RESPONSE
+    )
     other, rewards = make_rollout(seed=3)
     groups = group_ids(other.prompt_index)
     tb = token_batch(other)
     cfg = grpo_cfg(VARIANT)
     with torch.no_grad():
         old0 = batch_logprobs(chunks, tb, TEMP, 4, VOCAB)
-    loss_and_grads(chunks, tb.with_inputs(LossInputs(old_logprobs=old0, ref_logprobs=old0, active=torch.ones(len(other), dtype=torch.bool),
-                                                     advantages=compute_advantages(rewards, groups, "grpo", 1e-6))),
-                   cfg, settings, optimizer)
+    loss_and_grads(
+        chunks,
+        tb.with_inputs(
+            LossInputs(
+                old_logprobs=old0,
+                ref_logprobs=old0,
+                active=torch.ones(len(other), dtype=torch.bool),
+                advantages=compute_advantages(rewards, groups, "grpo", 1e-6),
+            )
+        ),
+        cfg,
+        settings,
+        optimizer,
+    )
     optimizer.step()
     overlapped = producer._job.thread is not None and producer._job.thread.is_alive()
     save_megatron_checkpoint(chunks, f"{root}/w1", checkpoint_meta(cfg2))
 
     job = producer.take(1)
     stale = job.rollout
-    assert stale.policy_version == 0 and producer.metrics(1, stale.policy_version)["async/staleness"] == 1
+    assert (
+        stale.policy_version == 0
+        and producer.metrics(1, stale.policy_version)["async/staleness"] == 1
+    )
     engine_lp = token_batch(stale).label_aligned(stale.logprobs)
     tb = token_batch(stale)
     with torch.no_grad(), job.snapshot.active(chunks):
@@ -117,17 +152,30 @@ def parallel_side(root: str) -> dict:
     moved = float(((current - engine_lp).abs() * tb.mask).max())
     assert len(stale.mixes) > 0, "no mixed positions in the stale batch"
     assert gap < 1e-5, f"replay under the generating weights vs engine log-probs: {gap}"
-    assert moved > 1e-4, f"the update did not move the policy ({moved}): the check above cannot fail"
+    assert moved > 1e-4, (
+        f"the update did not move the policy ({moved}): the check above cannot fail"
+    )
 
     rewards = torch.tensor([float(len(r) % 2) for r in stale.response_ids], dtype=torch.float64)
     adv = compute_advantages(rewards, group_ids(stale.prompt_index), "grpo", 1e-6)
-    inputs = LossInputs(old_logprobs=old, ref_logprobs=engine_lp, advantages=adv,
-                        active=torch.ones(len(stale), dtype=torch.bool),
-                        tis_weight=torch.exp(old - engine_lp).clamp(max=VARIANT["tis_cap"]) * tb.mask)
+    inputs = LossInputs(
+        old_logprobs=old,
+        ref_logprobs=engine_lp,
+        advantages=adv,
+        active=torch.ones(len(stale), dtype=torch.bool),
+        tis_weight=torch.exp(old - engine_lp).clamp(max=VARIANT["tis_cap"]) * tb.mask,
+    )
     stats = loss_and_grads(chunks, tb.with_inputs(inputs), cfg, settings, optimizer)
     producer.close()
-    return {"loss": stats["loss"], "gap": gap, "moved": moved, "rollout": stale, "rewards": rewards,
-            "overlapped": overlapped, "mixed": len(stale.mixes)}
+    return {
+        "loss": stats["loss"],
+        "gap": gap,
+        "moved": moved,
+        "rollout": stale,
+        "rewards": rewards,
+        "overlapped": overlapped,
+        "mixed": len(stale.mixes),
+    }
 
 
 @case
@@ -160,8 +208,10 @@ def stale_batch_tp2():
         engine = [torch.tensor(x, dtype=torch.float64) for x in stale.logprobs]
         adv = reference_advantages(side["rewards"], "grpo")
         ref = reference_objective(lps, old, engine, engine, adv, [True] * len(lps), VARIANT)
-        report["old_vs_float64"] = max(float((torch.tensor(a, dtype=torch.float64) - b).abs().max())
-                                       for a, b in zip(stale.logprobs, old))
+        report["old_vs_float64"] = max(
+            float((torch.tensor(a, dtype=torch.float64) - b).abs().max())
+            for a, b in zip(stale.logprobs, old)
+        )
         report["loss"], report["reference"] = side["loss"], float(ref)
         report["loss_rel_err"] = abs(side["loss"] - float(ref)) / max(abs(float(ref)), 1e-3)
         assert report["loss_rel_err"] < 1e-5, report

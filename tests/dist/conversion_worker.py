@@ -20,7 +20,9 @@ ROOT = Path(os.environ.get("NGRPO_CONV_DIR", "/tmp/ngrpo_conv"))
 MODELS = ("qwen2", "llama", "qwen3", "qwen2_tied", "llama_tied")
 # (tp, pp, vpp) on 4 ranks; TP4 > 2 KV heads exercises megatron's KV-head replication path.
 LAYOUTS = ((1, 1, None), (2, 1, None), (4, 1, None), (1, 2, None), (2, 2, None), (1, 2, 2))
-TOKENS = torch.tensor([[3, 17, 250, 9, 299, 42, 7, 100, 64, 2], [5, 5, 200, 1, 0, 33, 128, 280, 12, 99]])
+TOKENS = torch.tensor(
+    [[3, 17, 250, 9, 299, 42, 7, 100, 64, 2], [5, 5, 200, 1, 0, 33, 128, 280, 12, 99]]
+)
 _HF_LOGITS: dict[str, torch.Tensor] = {}
 
 
@@ -42,8 +44,15 @@ def hf_logits(name: str) -> torch.Tensor:
 def model_cfg(name: str, tp: int, pp: int, vpp: int | None, **kw):
     from megatron_ngrpo.models.config import ModelConfig
 
-    return ModelConfig(hf_path=str(hf_dir(name)), tensor_parallel=tp, pipeline_parallel=pp,
-                       virtual_pipeline=vpp, dtype="float32", layer_spec="local", **kw)
+    return ModelConfig(
+        hf_path=str(hf_dir(name)),
+        tensor_parallel=tp,
+        pipeline_parallel=pp,
+        virtual_pipeline=vpp,
+        dtype="float32",
+        layer_spec="local",
+        **kw,
+    )
 
 
 def use_layout(tp: int, pp: int, vpp: int | None = None) -> None:
@@ -80,8 +89,8 @@ def check_logits(chunks, name: str, tol: float = 1e-5) -> float:
 def check_export(chunks, name: str, rank0_only: bool) -> int:
     """export_hf_tensors equals the HF files exactly, in HF's order of layers; returns count."""
     from megatron_ngrpo.architecture import ArchSpec
-    from megatron_ngrpo.conversion.hf_io import HFCheckpoint
     from megatron_ngrpo.conversion.hf_export import export_hf_tensors
+    from megatron_ngrpo.conversion.hf_io import HFCheckpoint
     from megatron_ngrpo.conversion.mapping import hf_layout
 
     spec = ArchSpec.from_hf(hf_dir(name))
@@ -111,8 +120,8 @@ def check_tp_shard_export(chunks, name: str) -> int:
     from megatron.core import parallel_state as ps
 
     from megatron_ngrpo.architecture import ArchSpec
-    from megatron_ngrpo.conversion.hf_io import HFCheckpoint
     from megatron_ngrpo.conversion.hf_export import TPShard, check_tp_shards, export_hf_tensors
+    from megatron_ngrpo.conversion.hf_io import HFCheckpoint
 
     spec = ArchSpec.from_hf(hf_dir(name))
     tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
@@ -141,8 +150,8 @@ def check_tp_shard_export(chunks, name: str) -> int:
 def _layout_case(tp: int, pp: int, vpp: int | None):
     def fn():
         from megatron_ngrpo.architecture import ArchSpec
-        from megatron_ngrpo.conversion.hf_io import HFCheckpoint
         from megatron_ngrpo.conversion.hf_import import load_hf_tensors
+        from megatron_ngrpo.conversion.hf_io import HFCheckpoint
 
         errors = {}
         for name in MODELS:
@@ -168,6 +177,7 @@ for _layout in LAYOUTS:
 
 # ---------------------------------------------------------------- checkpoint files
 
+
 def fresh(name: str) -> Path:
     """An absent output path, the same on every rank."""
     path = ROOT / "out" / name
@@ -187,11 +197,15 @@ def assert_same_hf(out: Path, ref: Path, dtype: torch.dtype | None = None) -> No
 
     got, want = HFCheckpoint(out), HFCheckpoint(ref)
     assert set(got) == set(want), set(got) ^ set(want)
-    bad = [n for n in want if not torch.equal(got[n], want[n] if dtype is None else want[n].to(dtype))]
+    bad = [
+        n for n in want if not torch.equal(got[n], want[n] if dtype is None else want[n].to(dtype))
+    ]
     assert not bad, f"{out}: tensors differ from {ref}: {bad}"
     index = json.loads((out / INDEX).read_text())
     assert set(index["weight_map"]) == set(want)
-    assert (out / "generation_config.json").read_text() == (ref / "generation_config.json").read_text()
+    assert (out / "generation_config.json").read_text() == (
+        ref / "generation_config.json"
+    ).read_text()
     assert not list(out.parent.glob(".*.partial")), "temporary directory left behind"
     if dtype is None and dist.get_rank() == 0:
         from transformers import AutoModelForCausalLM
@@ -325,7 +339,10 @@ def run_directory_latest_and_dtypes():
 
 # ---------------------------------------------------------------- bad input
 
-def _write_truncated_hf(src: Path, dst: Path, drop: tuple[str, ...] = (), reshape: dict | None = None) -> None:
+
+def _write_truncated_hf(
+    src: Path, dst: Path, drop: tuple[str, ...] = (), reshape: dict | None = None
+) -> None:
     from safetensors.torch import save_file
 
     from megatron_ngrpo.conversion.hf_io import HFCheckpoint
@@ -365,22 +382,35 @@ def errors_truncated_or_mismatched():
 
     src = hf_dir("qwen2")
     trunc = fresh("trunc_hf")
-    _write_truncated_hf(src, trunc, drop=("model.layers.3.mlp.down_proj.weight", "lm_head.weight"),
-                        reshape={"model.layers.1.self_attn.k_proj.weight": torch.zeros(32, 128),
-                                 "model.layers.9.mlp.up_proj.weight": torch.zeros(2)})
+    _write_truncated_hf(
+        src,
+        trunc,
+        drop=("model.layers.3.mlp.down_proj.weight", "lm_head.weight"),
+        reshape={
+            "model.layers.1.self_attn.k_proj.weight": torch.zeros(32, 128),
+            "model.layers.9.mlp.up_proj.weight": torch.zeros(2),
+        },
+    )
     out = fresh("trunc_m")
     use_layout(2, 2)
-    msgs = [_raises(lambda: convert_hf_to_megatron(trunc, out, tp=2, pp=2, progress=False),
-                    "model.layers.3.mlp.down_proj.weight", "lm_head.weight",
-                    "model.layers.1.self_attn.k_proj.weight (32, 128) (expected (64, 128))",
-                    "model.layers.9.mlp.up_proj.weight")]
+    msgs = [
+        _raises(
+            lambda: convert_hf_to_megatron(trunc, out, tp=2, pp=2, progress=False),
+            "model.layers.3.mlp.down_proj.weight",
+            "lm_head.weight",
+            "model.layers.1.self_attn.k_proj.weight (32, 128) (expected (64, 128))",
+            "model.layers.9.mlp.up_proj.weight",
+        )
+    ]
     assert not out.exists() and not list(out.parent.glob(".trunc_m*")), "partial output written"
 
     # Megatron checkpoint of the tied model loaded as the untied one: no output layer.
     tied = fresh("tied_m")
     convert_hf_to_megatron(hf_dir("qwen2_tied"), tied, tp=2, pp=2, progress=False)
     chunks, _ = build("qwen2", 2, 2)
-    msgs.append(_raises(lambda: load_megatron_checkpoint(chunks, tied), "missing", "output_layer.weight"))
+    msgs.append(
+        _raises(lambda: load_megatron_checkpoint(chunks, tied), "missing", "output_layer.weight")
+    )
     # A checkpoint whose config.json no longer matches its tensors: wrong shapes, no HF output.
     import json
 
@@ -390,9 +420,16 @@ def errors_truncated_or_mismatched():
         (tied / "config.json").write_text(json.dumps(cfg))
     dist.barrier()
     hout = fresh("mismatch_hf")
-    msgs.append(_raises(lambda: convert_megatron_to_hf(tied, hout, tp=2, pp=2, progress=False),
-                        "decoder.layers.mlp.linear_fc1.weight", "decoder.layers.mlp.linear_fc2.weight"))
-    assert not hout.exists() and not list(hout.parent.glob(".mismatch_hf*")), "partial output written"
+    msgs.append(
+        _raises(
+            lambda: convert_megatron_to_hf(tied, hout, tp=2, pp=2, progress=False),
+            "decoder.layers.mlp.linear_fc1.weight",
+            "decoder.layers.mlp.linear_fc2.weight",
+        )
+    )
+    assert not hout.exists() and not list(hout.parent.glob(".mismatch_hf*")), (
+        "partial output written"
+    )
     return msgs
 
 

@@ -7,7 +7,6 @@ Run by tests/test_dra.py under torchrun with 2 processes.
 
 from __future__ import annotations
 
-
 import torch
 import torch.distributed as dist
 
@@ -22,21 +21,39 @@ STATE: dict = {}
 def model_cfg(tp=1, pp=1, sp=False):
     from megatron_ngrpo.models.config import ModelConfig
 
-    return ModelConfig(hf_path=STATE["hf"], tensor_parallel=tp, pipeline_parallel=pp,
-                       make_vocab_size_divisible_by=64, sequence_parallel=sp)
+    return ModelConfig(
+        hf_path=STATE["hf"],
+        tensor_parallel=tp,
+        pipeline_parallel=pp,
+        make_vocab_size_divisible_by=64,
+        sequence_parallel=sp,
+    )
 
 
 def make_rollout():
-    from megatron_ngrpo.mixing.records import MixRecord
     from megatron_ngrpo.rollout.types import RolloutBatch
 
     g = torch.Generator().manual_seed(5)
     prompts, responses = [], []
     for _ in range(7):
-        prompts.append(torch.randint(2, VOCAB, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist())
-        responses.append(torch.randint(2, VOCAB, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist())
-    return RolloutBatch(prompts, responses, [[0.0] * len(r) for r in responses], ["stop"] * 7,
-                        mix_record([[] for _ in responses], 1), list(range(7)))
+        prompts.append(
+            torch.randint(
+                2, VOCAB, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g
+            ).tolist()
+        )
+        responses.append(
+            torch.randint(
+                2, VOCAB, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g
+            ).tolist()
+        )
+    return RolloutBatch(
+        prompts,
+        responses,
+        [[0.0] * len(r) for r in responses],
+        ["stop"] * 7,
+        mix_record([[] for _ in responses], 1),
+        list(range(7)),
+    )
 
 
 def setup_reference():
@@ -55,15 +72,21 @@ def setup_reference():
     root = shared_tmpdir("dra_worker_")
     STATE["hf"] = f"{root}/hf"
     if dist.get_rank() == 0:
-        write_tiny_hf(STATE["hf"], weights=False, vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=2)
+        write_tiny_hf(
+            STATE["hf"], weights=False, vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=2
+        )
     dist.barrier()
     initialize_model_parallel(1, 1, None, seed=7)
     chunks = build_model(model_cfg())
     with torch.no_grad():  # non-trivial final norm
         for name, p in chunks[0].named_parameters():
             if "layernorm" in name:
-                p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
-    STATE["ckpt"] = str(save_megatron_checkpoint(chunks, f"{root}/weights", checkpoint_meta(model_cfg())))
+                p.add_(
+                    0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name)))
+                )
+    STATE["ckpt"] = str(
+        save_megatron_checkpoint(chunks, f"{root}/weights", checkpoint_meta(model_cfg()))
+    )
     model64 = build_model(model_cfg())[0]
     load_megatron_checkpoint([model64], STATE["ckpt"])
     batch = make_rollout()
@@ -76,8 +99,12 @@ def setup_reference():
         with torch.no_grad():
             for prompt, resp in zip(batch.prompt_ids, batch.response_ids):
                 tokens = torch.tensor([prompt + resp])
-                model64(input_ids=tokens, position_ids=torch.arange(tokens.shape[1])[None], attention_mask=None)
-                refs.append(seen.pop()[len(prompt):, 0].mean(0))  # [s, 1, h] → response columns
+                model64(
+                    input_ids=tokens,
+                    position_ids=torch.arange(tokens.shape[1])[None],
+                    attention_mask=None,
+                )
+                refs.append(seen.pop()[len(prompt) :, 0].mean(0))  # [s, 1, h] → response columns
         handle.remove()
         refs = torch.stack(refs)
     STATE["refs"], STATE["batch"] = broadcast_from_rank0(refs), batch
@@ -85,8 +112,8 @@ def setup_reference():
 
 def run_layout(tp, pp, sp=False, replay=True):
     from megatron_ngrpo.conversion.checkpoint import load_megatron_checkpoint
-    from megatron_ngrpo.grpo.dra import ResponseHiddenMeans
     from megatron_ngrpo.grpo.batches import TokenBatch
+    from megatron_ngrpo.grpo.dra import ResponseHiddenMeans
     from megatron_ngrpo.grpo.logprobs import batch_logprobs
     from megatron_ngrpo.models.provider import build_model
     from megatron_ngrpo.parallel import initialize_model_parallel

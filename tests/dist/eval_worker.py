@@ -55,26 +55,50 @@ def _prompts(benchmark, tokenizer):
     from megatron_ngrpo.eval.runner import prompt_message
 
     template = TemplateConfig()
-    return [encode_prompt(prompt_message(p, template), tokenizer, template) for p in benchmark.problems]
+    return [
+        encode_prompt(prompt_message(p, template), tokenizer, template) for p in benchmark.problems
+    ]
 
 
 def _evaluate(engine, tokenizer, benchmarks, grader, dp_group):
     from megatron_ngrpo.eval.runner import evaluate
     from megatron_ngrpo.rollout.types import SamplingParams
 
-    params = SamplingParams(n=N, temperature=1.0, top_p=1.0, max_new_tokens=MAX_NEW, seed=3,
-                            stop_token_ids=[tokenizer.eos_token_id])
+    params = SamplingParams(
+        n=N,
+        temperature=1.0,
+        top_p=1.0,
+        max_new_tokens=MAX_NEW,
+        seed=3,
+        stop_token_ids=[tokenizer.eos_token_id],
+    )
     longest = max(map(len, _prompts(benchmarks[0], tokenizer)))
-    return evaluate(engine, tokenizer, benchmarks, params, grader, max_tokens_per_call=N * (longest + MAX_NEW),
-                    dp_group=dp_group, progress=False)
+    return evaluate(
+        engine,
+        tokenizer,
+        benchmarks,
+        params,
+        grader,
+        max_tokens_per_call=N * (longest + MAX_NEW),
+        dp_group=dp_group,
+        progress=False,
+    )
 
 
 def _tiny_policy(vocab_size: int, num_real_tokens: int | None = None) -> list:
     """A tiny random Qwen2 (2 layers, h 64), the same weights on every rank (rank 0's)."""
     hf = os.path.join(shared_tmpdir("eval_worker_"), "m")
     if dist.get_rank() == 0:
-        write_tiny_hf(hf, weights=False, vocab_size=vocab_size, hidden_size=64, num_heads=2, num_kv_heads=1,
-                      intermediate_size=128, num_layers=2)
+        write_tiny_hf(
+            hf,
+            weights=False,
+            vocab_size=vocab_size,
+            hidden_size=64,
+            num_heads=2,
+            num_kv_heads=1,
+            intermediate_size=128,
+            num_layers=2,
+        )
     dist.barrier()
     model_parallel_seed(0)
     chunks = build_model(ModelConfig(hf_path=hf, num_real_tokens=num_real_tokens))
@@ -91,15 +115,24 @@ def validation_dp2_generates_like_dp1():
 
     tokenizer, benchmarks = _setup()
     chunks = _tiny_policy(vocab_size=151936)
-    engine = MegatronEngine(chunks, 151936, eos_token_ids=[tokenizer.eos_token_id],
-                            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
+    engine = MegatronEngine(
+        chunks,
+        151936,
+        eos_token_ids=[tokenizer.eos_token_id],
+        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
+    )
     calls = _spy(engine)
     with MathGrader(timeout_s=30.0, workers=1) as grader:
         split = _evaluate(engine, tokenizer, benchmarks, grader, dist.group.WORLD)
         split_calls = list(calls)
         whole = _evaluate(engine, tokenizer, benchmarks, grader, None)
-    keys = lambda result: [(r["problem"], r["sample"], r["response"], r["response_tokens"])  # noqa: E731
-                           for r in result.generations["aime24"]]
+
+    def keys(result):
+        return [
+            (r["problem"], r["sample"], r["response"], r["response_tokens"])
+            for r in result.generations["aime24"]
+        ]
+
     assert keys(split) == keys(whole) and len(keys(split)) == 5 * N
     assert split.metrics == whole.metrics
     # Each rank generated its share; rank 1 repeated problem 4 in the last call (its result dropped).
@@ -114,8 +147,13 @@ def validation_dp2_metrics_like_dp1():
     from tests.support.scripted import ScriptedEngine
 
     tokenizer, benchmarks = _setup()
-    answers = {0: ["\\boxed{204}", "\\boxed{3}"], 1: ["\\boxed{25}", "\\boxed{25}"], 2: ["no", "no"],
-               3: ["\\boxed{197}", "x"], 4: ["x", "\\boxed{110}"]}
+    answers = {
+        0: ["\\boxed{204}", "\\boxed{3}"],
+        1: ["\\boxed{25}", "\\boxed{25}"],
+        2: ["no", "no"],
+        3: ["\\boxed{197}", "x"],
+        4: ["x", "\\boxed{110}"],
+    }
     golds = [p.answers for p in benchmarks[0].problems]
     script = {tuple(p): answers[i] for i, p in enumerate(_prompts(benchmarks[0], tokenizer))}
     engine = ScriptedEngine(tokenizer, script)
@@ -158,27 +196,60 @@ def mixing_at_eval():
     tok, real = _ByteTokenizer(), 259
     chunks = _tiny_policy(vocab_size=512, num_real_tokens=real)
     engine = MegatronEngine(chunks, real, eos_token_ids=[tok.eos_token_id], decode=tok.decode)
-    benchmarks = [Benchmark("toy", [Problem("toy", i, f"What is {i} + {i}?", (str(2 * i),)) for i in range(3)])]
-    params = SamplingParams(n=N, temperature=1.0, max_new_tokens=MAX_NEW, seed=3, stop_token_ids=[tok.eos_token_id])
+    benchmarks = [
+        Benchmark(
+            "toy", [Problem("toy", i, f"What is {i} + {i}?", (str(2 * i),)) for i in range(3)]
+        )
+    ]
+    params = SamplingParams(
+        n=N, temperature=1.0, max_new_tokens=MAX_NEW, seed=3, stop_token_ids=[tok.eos_token_id]
+    )
 
     def run(mixing):
-        return evaluate(engine, tok, benchmarks, params, grader, template=TemplateConfig(kind="plain"),
-                        dp_group=dist.group.WORLD, progress=False, mixing=mixing)
+        return evaluate(
+            engine,
+            tok,
+            benchmarks,
+            params,
+            grader,
+            template=TemplateConfig(kind="plain"),
+            dp_group=dist.group.WORLD,
+            progress=False,
+            mixing=mixing,
+        )
 
     with MathGrader(timeout_s=30.0, workers=1) as grader:
         paper = run(None)
         positions = 2 * N * MAX_NEW  # this rank's 2 of the 3 problems
-        off = eval_mixing(MixingConfig(rate=1.0, at_eval=False), engine, chunks, real, [tok.eos_token_id],
-                          positions=positions)
+        off = eval_mixing(
+            MixingConfig(rate=1.0, at_eval=False),
+            engine,
+            chunks,
+            real,
+            [tok.eos_token_id],
+            positions=positions,
+        )
         assert off is None and run(off).generations == paper.generations
         assert all("mixed_steps" not in r for r in paper.generations["toy"])
         # auto, resolved as the trainer's: over 100x this rank's positions → the table; 0.5 · 24
         # positions · 40 < 512 rows → on-demand rows, the earlier table dropped
-        many = eval_mixing(MixingConfig(rate=0.5, k=3, at_eval=True), engine, chunks, real, [tok.eos_token_id],
-                           positions=100 * positions)
+        many = eval_mixing(
+            MixingConfig(rate=0.5, k=3, at_eval=True),
+            engine,
+            chunks,
+            real,
+            [tok.eos_token_id],
+            positions=100 * positions,
+        )
         assert many.neighbor_lookup == "table" and engine._fixed_table.shape == (512, 3)
-        on = eval_mixing(MixingConfig(rate=0.5, k=3, at_eval=True), engine, chunks, real, [tok.eos_token_id],
-                         positions=positions)
+        on = eval_mixing(
+            MixingConfig(rate=0.5, k=3, at_eval=True),
+            engine,
+            chunks,
+            real,
+            [tok.eos_token_id],
+            positions=positions,
+        )
         assert on.neighbor_lookup == "on_demand" and engine._fixed_table is None
         mixed = run(on)
         assert engine.neighbor_rows_searched() > 0
@@ -204,7 +275,9 @@ def keep_best_disagreement_is_decided_by_rank0():
         both = [None, None]
         dist.all_gather_object(both, decision)
         assert both[0] == both[1], both
-        assert (decision is not None) == improved_on_rank0 and (decision is None or decision["value"] == 0.5)
+        assert (decision is not None) == improved_on_rank0 and (
+            decision is None or decision["value"] == 0.5
+        )
         out.append(decision)
     return out
 

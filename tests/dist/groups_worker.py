@@ -14,7 +14,11 @@ from tests.harness.multiproc import case, group_timeouts, run_cases
 @case
 def every_group_gets_the_job_timeout():
     from megatron_ngrpo.architecture import ArchSpec
-    from megatron_ngrpo.parallel import duplicate_model_parallel_groups, free_port, initialize_model_parallel
+    from megatron_ngrpo.parallel import (
+        duplicate_model_parallel_groups,
+        free_port,
+        initialize_model_parallel,
+    )
     from megatron_ngrpo.rollout.config import RemoteConfig
     from megatron_ngrpo.rollout.remote.client import RemoteEngine, RolloutServerError
     from tests.harness.tiny import tiny_hf_config
@@ -28,25 +32,32 @@ def every_group_gets_the_job_timeout():
         RemoteEngine(RemoteConfig(urls=[url], start_timeout_s=1), spec, 64)
     except RolloutServerError:
         pass
-    assert len(dist.distributed_c10d._world.pg_map) == before + 1, "the rollout client made no group"
+    assert len(dist.distributed_c10d._world.pg_map) == before + 1, (
+        "the rollout client made no group"
+    )
     return {**group_timeouts(), **weight_transfer_pair_timeouts()}
 
 
 def weight_transfer_pair_timeouts() -> dict[str, float]:
     """A sender built as the engines build theirs (no timeout given), and the worker's side of its
     pair group, joined from the init info the sender hands it."""
-    from megatron_ngrpo.rollout.vllm.weight_transfer import WeightSender, _pair_group, register
     from vllm.distributed.weight_transfer import factory
+
+    from megatron_ngrpo.rollout.vllm.weight_transfer import WeightSender, _pair_group, register
 
     worker = {}
 
     class Worker:
         def init_weight_transfer_engine(self, info: dict) -> None:
-            worker["group"] = _pair_group(info["host"], info["port"], 1, info["timeout_s"], info["key"])
+            worker["group"] = _pair_group(
+                info["host"], info["port"], 1, info["timeout_s"], info["key"]
+            )
 
     sender = WeightSender(Worker(), "gloo", 2**20)
     register()
-    engine = factory.WeightTransferTrainerFactory.trainer_init(sender._init_info(), client=sender.client)
+    engine = factory.WeightTransferTrainerFactory.trainer_init(
+        sender._init_info(), client=sender.client
+    )
     return {
         f"weight-transfer pair ({side})": group.options._timeout.total_seconds()
         for side, group in (("trainer", engine.group), ("worker", worker["group"]))

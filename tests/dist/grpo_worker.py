@@ -30,20 +30,27 @@ STATE: dict = {}
 def model_cfg(tp=1, pp=1, vpp=None, sp=False, recompute=False):
     from megatron_ngrpo.models.config import ModelConfig
 
-    return ModelConfig(hf_path=STATE["hf"], tensor_parallel=tp, pipeline_parallel=pp,
-                       virtual_pipeline=vpp, make_vocab_size_divisible_by=64, sequence_parallel=sp,
-                       recompute=recompute)
+    return ModelConfig(
+        hf_path=STATE["hf"],
+        tensor_parallel=tp,
+        pipeline_parallel=pp,
+        virtual_pipeline=vpp,
+        make_vocab_size_divisible_by=64,
+        sequence_parallel=sp,
+        recompute=recompute,
+    )
 
 
 def make_rollout(seed: int):
     """16 responses (4 prompts × 4), mixes at ~30% of positions, group 3 has equal rewards."""
-    from megatron_ngrpo.mixing.records import MixRecord
     from megatron_ngrpo.rollout.types import RolloutBatch
 
     g = torch.Generator().manual_seed(seed)
     prompts, responses, mixes = [], [], []
-    for p in range(N_PROMPTS):
-        prompt = torch.randint(2, VOCAB, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g).tolist()
+    for _ in range(N_PROMPTS):
+        prompt = torch.randint(
+            2, VOCAB, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g
+        ).tolist()
         for _ in range(G):
             n = int(torch.randint(1, MAX_RESPONSE + 1, (1,), generator=g))
             prompts.append(prompt)
@@ -56,10 +63,16 @@ def make_rollout(seed: int):
                     entries.append((t, ids, w))
             mixes.append(entries)
     rewards = torch.randint(0, 2, (N_PROMPTS * G,), generator=g).double()
-    rewards[3 * G:] = 1.0  # a zero-variance group
+    rewards[3 * G :] = 1.0  # a zero-variance group
     rewards[0], rewards[1] = 1.0, 0.0  # group 0 has variance
-    batch = RolloutBatch(prompts, responses, [[0.0] * len(r) for r in responses], ["stop"] * len(responses),
-                         mix_record(mixes, K), [i // G for i in range(len(responses))])
+    batch = RolloutBatch(
+        prompts,
+        responses,
+        [[0.0] * len(r) for r in responses],
+        ["stop"] * len(responses),
+        mix_record(mixes, K),
+        [i // G for i in range(len(responses))],
+    )
     return batch, rewards
 
 
@@ -81,8 +94,12 @@ def reference_logprobs(model64, batch, mixes: bool) -> list[torch.Tensor]:
                 wts[0, col, : len(w)] = torch.tensor(w, dtype=torch.float64)
                 mask[0, col] = True
         emb = _lookup(weight, tokens, ids[0], wts[0], mask[0])
-        logits = model64(input_ids=None, position_ids=torch.arange(len(tokens))[None], attention_mask=None,
-                         decoder_input=emb.transpose(0, 1).contiguous())
+        logits = model64(
+            input_ids=None,
+            position_ids=torch.arange(len(tokens))[None],
+            attention_mask=None,
+            decoder_input=emb.transpose(0, 1).contiguous(),
+        )
         lp = torch.log_softmax(logits[0, :, :VOCAB].double() / TEMP, dim=-1)  # padded rows excluded
         p0 = len(prompt)
         out.append(torch.stack([lp[p0 - 1 + t, resp[t]] for t in range(len(resp))]))
@@ -117,7 +134,11 @@ def reference_objective(lps, old, ref, rollout, adv, active, v: dict) -> torch.T
                 term = term * min(math.exp(float(old[i][t] - rollout[i][t])), v["tis_cap"])
             if v["kl"] != "none":
                 d = ref[i][t] - lp[t]
-                kl = {"k1": -d, "k2": 0.5 * d * d, "k3": torch.clamp(torch.exp(d) - d - 1, -10, 10)}[v["kl"]]
+                kl = {
+                    "k1": -d,
+                    "k2": 0.5 * d * d,
+                    "k3": torch.clamp(torch.exp(d) - d - 1, -10, 10),
+                }[v["kl"]]
                 term = term + 0.05 * kl
             terms.append(term)
         per_seq.append(torch.stack(terms))
@@ -133,31 +154,60 @@ def reference_objective(lps, old, ref, rollout, adv, active, v: dict) -> torch.T
 def reference_advantages(rewards, kind):
     adv = torch.zeros_like(rewards)
     for p in range(N_PROMPTS):
-        r = rewards[p * G:(p + 1) * G]
+        r = rewards[p * G : (p + 1) * G]
         a = r - r.mean()
-        adv[p * G:(p + 1) * G] = a / (r.std() + 1e-6) if kind == "grpo" else a
+        adv[p * G : (p + 1) * G] = a / (r.std() + 1e-6) if kind == "grpo" else a
     return adv
 
 
 VARIANTS = {
-    "mix_token": dict(mixes=True, loss_mode="token", agg="seq-mean-token-mean", adv="grpo", kl="k3"),
-    "plain_token": dict(mixes=False, loss_mode="token", agg="seq-mean-token-mean", adv="grpo", kl="k3"),
+    "mix_token": dict(
+        mixes=True, loss_mode="token", agg="seq-mean-token-mean", adv="grpo", kl="k3"
+    ),
+    "plain_token": dict(
+        mixes=False, loss_mode="token", agg="seq-mean-token-mean", adv="grpo", kl="k3"
+    ),
     "gspo": dict(mixes=True, loss_mode="gspo", agg="seq-mean-token-mean", adv="grpo", kl="k3"),
-    "drgrpo": dict(mixes=True, loss_mode="token", agg="seq-mean-token-sum-norm", adv="dr_grpo", kl="k2"),
-    "tokmean_tis_filter": dict(mixes=True, loss_mode="token", agg="token-mean", adv="grpo", kl="k1",
-                               tis_cap=1.5, filter=True),
-    "all_masked": dict(mixes=True, loss_mode="token", agg="seq-mean-token-mean", adv="grpo", kl="k3",
-                       filter=True, all_equal=True),
+    "drgrpo": dict(
+        mixes=True, loss_mode="token", agg="seq-mean-token-sum-norm", adv="dr_grpo", kl="k2"
+    ),
+    "tokmean_tis_filter": dict(
+        mixes=True,
+        loss_mode="token",
+        agg="token-mean",
+        adv="grpo",
+        kl="k1",
+        tis_cap=1.5,
+        filter=True,
+    ),
+    "all_masked": dict(
+        mixes=True,
+        loss_mode="token",
+        agg="seq-mean-token-mean",
+        adv="grpo",
+        kl="k3",
+        filter=True,
+        all_equal=True,
+    ),
 }
 
 
 def grpo_cfg(v: dict):
     from megatron_ngrpo.grpo.config import GRPOConfig
 
-    return GRPOConfig(advantage=v["adv"], loss_mode=v["loss_mode"], loss_agg=v["agg"], clip_low=0.2,
-                      clip_high=0.28, dual_clip=3.0, kl_mode="loss", kl_coef=0.05,
-                      kl_estimator=v["kl"], filter_zero_variance=v.get("filter", False),
-                      tis_cap=v.get("tis_cap"))
+    return GRPOConfig(
+        advantage=v["adv"],
+        loss_mode=v["loss_mode"],
+        loss_agg=v["agg"],
+        clip_low=0.2,
+        clip_high=0.28,
+        dual_clip=3.0,
+        kl_mode="loss",
+        kl_coef=0.05,
+        kl_estimator=v["kl"],
+        filter_zero_variance=v.get("filter", False),
+        tis_cap=v.get("tis_cap"),
+    )
 
 
 def setup_reference():
@@ -186,8 +236,12 @@ def setup_reference():
     with torch.no_grad():  # non-trivial norms and biases
         for name, p in chunks[0].named_parameters():
             if "layernorm" in name or name.endswith("bias"):
-                p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
-    STATE["ckpt"] = str(save_megatron_checkpoint(chunks, f"{root}/weights", checkpoint_meta(model_cfg())))
+                p.add_(
+                    0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name)))
+                )
+    STATE["ckpt"] = str(
+        save_megatron_checkpoint(chunks, f"{root}/weights", checkpoint_meta(model_cfg()))
+    )
 
     batch, rewards = make_rollout(seed=3)
     refs = {}
@@ -199,9 +253,14 @@ def setup_reference():
         g = torch.Generator().manual_seed(11)
         with torch.no_grad():
             lp_mix = reference_logprobs(model64, batch, mixes=True)
-        noise = [(0.3 * torch.randn(len(x), generator=g, dtype=torch.float64),
-                  0.2 * torch.randn(len(x), generator=g, dtype=torch.float64),
-                  0.1 * torch.randn(len(x), generator=g, dtype=torch.float64)) for x in lp_mix]
+        noise = [
+            (
+                0.3 * torch.randn(len(x), generator=g, dtype=torch.float64),
+                0.2 * torch.randn(len(x), generator=g, dtype=torch.float64),
+                0.1 * torch.randn(len(x), generator=g, dtype=torch.float64),
+            )
+            for x in lp_mix
+        ]
         for name, v in VARIANTS.items():
             model64.zero_grad()
             lps = reference_logprobs(model64, batch, v["mixes"])
@@ -210,15 +269,26 @@ def setup_reference():
             ref = [lp.detach() + n[1] for lp, n in zip(lps, noise)]
             rollout = [o + n[2] for o, n in zip(old, noise)]
             adv = reference_advantages(r, v["adv"])
-            active = [not (v.get("filter") and float(r[(i // G) * G:(i // G + 1) * G].std()) == 0)
-                      for i in range(len(lps))]
+            active = [
+                not (v.get("filter") and float(r[(i // G) * G : (i // G + 1) * G].std()) == 0)
+                for i in range(len(lps))
+            ]
             obj = reference_objective(lps, old, ref, rollout, adv, active, v)
             if obj.requires_grad:
                 obj.backward()
-            grads = {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p))
-                     for n, p in model64.named_parameters()}
-            refs[name] = dict(loss=float(obj), grads=grads, old=old, ref=ref, rollout=rollout,
-                              lps=[x.detach() for x in lps], rewards=r)
+            grads = {
+                n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p))
+                for n, p in model64.named_parameters()
+            }
+            refs[name] = dict(
+                loss=float(obj),
+                grads=grads,
+                old=old,
+                ref=ref,
+                rollout=rollout,
+                lps=[x.detach() for x in lps],
+                rewards=r,
+            )
     STATE["refs"], STATE["batch"], STATE["rewards"] = broadcast_from_rank0(refs), batch, rewards
     STATE["setup_seconds"] = time.time() - start
 
@@ -235,9 +305,14 @@ def local_rows(n: int) -> list[int]:
 def local_batch(batch, rows):
     from megatron_ngrpo.rollout.types import RolloutBatch
 
-    return RolloutBatch([batch.prompt_ids[i] for i in rows], [batch.response_ids[i] for i in rows],
-                        [batch.logprobs[i] for i in rows], [batch.finish_reasons[i] for i in rows],
-                        batch.mixes.select(rows), [batch.prompt_index[i] for i in rows])
+    return RolloutBatch(
+        [batch.prompt_ids[i] for i in rows],
+        [batch.response_ids[i] for i in rows],
+        [batch.logprobs[i] for i in rows],
+        [batch.finish_reasons[i] for i in rows],
+        batch.mixes.select(rows),
+        [batch.prompt_index[i] for i in rows],
+    )
 
 
 def full_grads(chunks) -> dict[str, torch.Tensor]:
@@ -320,7 +395,6 @@ def run_layout(tp, pp, vpp=None, max_tokens=0, sp=False, recompute=False):
     )
     from megatron_ngrpo.grpo.batches import TokenBatch
     from megatron_ngrpo.grpo.loss_inputs import LossInputs
-    from tests.support.replay import sequence_logprobs
     from megatron_ngrpo.grpo.update import (
         UpdateSettings,
         loss_and_grads,
@@ -328,6 +402,7 @@ def run_layout(tp, pp, vpp=None, max_tokens=0, sp=False, recompute=False):
     )
     from megatron_ngrpo.models.provider import build_model
     from megatron_ngrpo.parallel import initialize_model_parallel
+    from tests.support.replay import sequence_logprobs
 
     setup_reference()
     start = time.time()
@@ -340,12 +415,21 @@ def run_layout(tp, pp, vpp=None, max_tokens=0, sp=False, recompute=False):
     lb = local_batch(batch, rows)
     report = {}
     # engine-verification API: replayed log-probs vs the float64 reference
-    lps = sequence_logprobs(chunks, lb, TEMP, micro_batch_size=3, max_tokens=max_tokens, vocab_limit=VOCAB)
-    lp_err = max(float((a.double() - refs["mix_token"]["lps"][i]).abs().max()) for a, i in zip(lps, rows))
+    lps = sequence_logprobs(
+        chunks, lb, TEMP, micro_batch_size=3, max_tokens=max_tokens, vocab_limit=VOCAB
+    )
+    lp_err = max(
+        float((a.double() - refs["mix_token"]["lps"][i]).abs().max()) for a, i in zip(lps, rows)
+    )
     assert lp_err < 2e-5, f"sequence_logprobs off by {lp_err}"
     report["logprob_err"] = lp_err
-    settings = UpdateSettings(temperature=TEMP, micro_batch_size=2, max_tokens=max_tokens,
-                              vocab_limit=VOCAB, max_response_len=MAX_RESPONSE)
+    settings = UpdateSettings(
+        temperature=TEMP,
+        micro_batch_size=2,
+        max_tokens=max_tokens,
+        vocab_limit=VOCAB,
+        max_response_len=MAX_RESPONSE,
+    )
     probe = layer_probe(chunks)
     seen = probe.__enter__()
     for name, v in VARIANTS.items():
@@ -354,11 +438,19 @@ def run_layout(tp, pp, vpp=None, max_tokens=0, sp=False, recompute=False):
         rewards = ref["rewards"][rows]
         groups = group_ids(lb.prompt_index)
         adv = compute_advantages(rewards, groups, cfg.advantage, cfg.adv_eps)
-        active = ~zero_variance_groups(rewards, groups) if cfg.filter_zero_variance else torch.ones(len(rows), dtype=torch.bool)
+        active = (
+            ~zero_variance_groups(rewards, groups)
+            if cfg.filter_zero_variance
+            else torch.ones(len(rows), dtype=torch.bool)
+        )
         tb = TokenBatch.from_rollout(lb, replay_mixes=v["mixes"])
         old = tb.label_aligned([ref["old"][i] for i in rows])
-        inputs = LossInputs(old_logprobs=old, ref_logprobs=tb.label_aligned([ref["ref"][i] for i in rows]),
-                            advantages=adv, active=active)
+        inputs = LossInputs(
+            old_logprobs=old,
+            ref_logprobs=tb.label_aligned([ref["ref"][i] for i in rows]),
+            advantages=adv,
+            active=active,
+        )
         if cfg.tis_cap:
             roll = tb.label_aligned([ref["rollout"][i] for i in rows])
             inputs.tis_weight = torch.exp(old - roll).clamp(max=cfg.tis_cap) * tb.mask
@@ -370,13 +462,24 @@ def run_layout(tp, pp, vpp=None, max_tokens=0, sp=False, recompute=False):
             assert set(grads) == set(ref["grads"]), sorted(set(grads) ^ set(ref["grads"]))
             # Padded vocab rows differ per TP size (megatron's rule): compare the real rows and
             # require zero gradient on the padded ones (they are outside the softmax).
-            grad_err = max(float((grads[n][: len(ref["grads"][n])].double() - ref["grads"][n]).abs().max())
-                           for n in grads)
-            padded = max((float(grads[n][VOCAB:].abs().max()) for n in grads if "word_emb" in n or "output" in n),
-                         default=0.0)
+            grad_err = max(
+                float((grads[n][: len(ref["grads"][n])].double() - ref["grads"][n]).abs().max())
+                for n in grads
+            )
+            padded = max(
+                (
+                    float(grads[n][VOCAB:].abs().max())
+                    for n in grads
+                    if "word_emb" in n or "output" in n
+                ),
+                default=0.0,
+            )
             assert padded == 0.0, f"{name}: gradient on padded vocab rows {padded}"
             if v.get("all_equal"):
-                assert stats["normaliser"] == 0 and stats["loss"] == 0 and grad_err == 0, (stats, grad_err)
+                assert stats["normaliser"] == 0 and stats["loss"] == 0 and grad_err == 0, (
+                    stats,
+                    grad_err,
+                )
                 rel = 0.0
             else:
                 rel = grad_err / scale
@@ -387,10 +490,12 @@ def run_layout(tp, pp, vpp=None, max_tokens=0, sp=False, recompute=False):
     # the features are on, not silently off: SP's s/TP rows, every layer forward recomputed
     split = tp if sp else 1
     assert seen["seq"] and all(s * split == full for s, full in seen["seq"]), (
-        f"(layer rows, attention rows) {sorted(seen['seq'])} with sequence_parallel={sp}, TP {tp}")
+        f"(layer rows, attention rows) {sorted(seen['seq'])} with sequence_parallel={sp}, TP {tp}"
+    )
     assert seen["grad"] > 0 and seen["no_grad"] == (seen["grad"] if recompute else 0), (
         f"layer forwards with / without gradients {seen['grad']} / {seen['no_grad']} in the "
-        f"gradient passes, recompute={recompute}")
+        f"gradient passes, recompute={recompute}"
+    )
     report["layer_rows"] = sorted(seen["seq"])
     report["recomputed_layer_forwards"] = seen["no_grad"]
     report["seconds"] = time.time() - start
@@ -430,19 +535,31 @@ def fused_logprob_pass():
         rows, group = slice(r * v_local, (r + 1) * v_local), ps.get_tensor_model_parallel_group()
         chunk_bytes, chunked.CHUNK_BYTES = chunked.CHUNK_BYTES, 4 * 4 * v_local  # 4 rows a chunk
         for dtype in (torch.float32, torch.bfloat16):
-            mine = hidden.to(dtype).requires_grad_(), torch.nn.Parameter(weight.to(dtype)[rows].clone())
-            lp, ent = token_logprobs(OutputHead(*mine, r * v_local, group), labels, TEMP, limit,
-                                     with_entropy=True)
+            mine = (
+                hidden.to(dtype).requires_grad_(),
+                torch.nn.Parameter(weight.to(dtype)[rows].clone()),
+            )
+            lp, ent = token_logprobs(
+                OutputHead(*mine, r * v_local, group), labels, TEMP, limit, with_entropy=True
+            )
             (lp * w.float()).sum().backward()
             grad_hidden = mine[0].grad.double()
             dist.all_reduce(grad_hidden, group=group)  # each rank's partial sum
             scale = [t.grad.abs().max() for t in ref]
-            errs = {"lp": float((lp.detach().double() - lp_ref.detach()).abs().max()),
-                    "entropy": float((ent.double() - ent_ref.detach()).abs().max()),
-                    "grad": max(float((grad_hidden - ref[0].grad).abs().max() / scale[0]),
-                                float((mine[1].grad.double() - ref[1].grad[rows]).abs().max() / scale[1]))}
+            errs = {
+                "lp": float((lp.detach().double() - lp_ref.detach()).abs().max()),
+                "entropy": float((ent.double() - ent_ref.detach()).abs().max()),
+                "grad": max(
+                    float((grad_hidden - ref[0].grad).abs().max() / scale[0]),
+                    float((mine[1].grad.double() - ref[1].grad[rows]).abs().max() / scale[1]),
+                ),
+            }
             grad_tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16 gradient: its own rounding
-            assert errs["lp"] < 1e-5 and errs["entropy"] < 1e-5 and errs["grad"] < grad_tol, (tp, dtype, errs)
+            assert errs["lp"] < 1e-5 and errs["entropy"] < 1e-5 and errs["grad"] < grad_tol, (
+                tp,
+                dtype,
+                errs,
+            )
             assert mine[0].grad.dtype == mine[1].grad.dtype == dtype
             report[f"tp{tp}_{str(dtype)[6:]}"] = errs
         chunked.CHUNK_BYTES = chunk_bytes

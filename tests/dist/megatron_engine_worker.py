@@ -31,9 +31,15 @@ def decode(ids) -> str:
 def _model_cfg(tp: int, pp: int, vpp: int | None = None, attention: str = "sdpa"):
     from megatron_ngrpo.models.config import ModelConfig
 
-    return ModelConfig(hf_path=_STATE["hf"], tensor_parallel=tp, pipeline_parallel=pp,
-                       virtual_pipeline=vpp, dtype="float32", num_real_tokens=NUM_REAL,
-                       attention=attention)
+    return ModelConfig(
+        hf_path=_STATE["hf"],
+        tensor_parallel=tp,
+        pipeline_parallel=pp,
+        virtual_pipeline=vpp,
+        dtype="float32",
+        num_real_tokens=NUM_REAL,
+        attention=attention,
+    )
 
 
 def _checkpoint() -> str:
@@ -55,7 +61,9 @@ def layout(tp: int, pp: int, vpp: int | None = None, attention: str = "sdpa") ->
     initialize_model_parallel(tp, pp, vpp, seed=99)
     chunks = build_model(_model_cfg(tp, pp, vpp, attention))
     names = [f"model{i}" for i in range(len(chunks))]
-    state = dist_checkpointing.load({n: c.sharded_state_dict() for n, c in zip(names, chunks)}, ckpt)
+    state = dist_checkpointing.load(
+        {n: c.sharded_state_dict() for n, c in zip(names, chunks)}, ckpt
+    )
     for n, c in zip(names, chunks):
         c.load_state_dict(state[n])
     _STATE.update(layout=(tp, pp, vpp, attention), chunks=chunks, table=None)
@@ -75,10 +83,17 @@ def neighbor_table(chunks) -> torch.Tensor:
     padded = 512
     e = torch.empty(padded, 128, dtype=torch.float32)
     if emb is not None:  # first stage: gather the vocab shards [V/tp, h] → [V, h]
-        e = gather_from_tensor_model_parallel_region(emb.weight.detach().t().contiguous()).t().contiguous()
+        e = (
+            gather_from_tensor_model_parallel_region(emb.weight.detach().t().contiguous())
+            .t()
+            .contiguous()
+        )
     if ps.get_pipeline_model_parallel_world_size() > 1:
-        dist.broadcast(e, src=ps.get_pipeline_model_parallel_first_rank(),
-                       group=ps.get_pipeline_model_parallel_group())
+        dist.broadcast(
+            e,
+            src=ps.get_pipeline_model_parallel_first_rank(),
+            group=ps.get_pipeline_model_parallel_group(),
+        )
     e = e.double()[:NUM_REAL]
     e = e / e.norm(dim=1, keepdim=True)
     sim = e @ e.t()
@@ -124,12 +139,22 @@ def full_logits(chunks, tokens: torch.Tensor, mix=None) -> torch.Tensor:
         c.eval()
     with torch.no_grad():
         res = get_forward_backward_func()(
-            forward_step_func=step, data_iterator=None, model=chunks, num_microbatches=1,
-            seq_length=length, micro_batch_size=b, forward_only=True, collect_non_loss_data=True)
+            forward_step_func=step,
+            data_iterator=None,
+            model=chunks,
+            num_microbatches=1,
+            seq_length=length,
+            micro_batch_size=b,
+            forward_only=True,
+            collect_non_loss_data=True,
+        )
     logits = res[0].float() if ps.is_pipeline_last_stage() else torch.empty(b, length, 512)
     if ps.get_pipeline_model_parallel_world_size() > 1:
-        dist.broadcast(logits, src=ps.get_pipeline_model_parallel_last_rank(),
-                       group=ps.get_pipeline_model_parallel_group())
+        dist.broadcast(
+            logits,
+            src=ps.get_pipeline_model_parallel_last_rank(),
+            group=ps.get_pipeline_model_parallel_group(),
+        )
     return logits
 
 
@@ -138,7 +163,7 @@ def greedy_reference(chunks, prompt: list[int], steps: int) -> list[int]:
     for _ in range(steps):
         z = full_logits(chunks, torch.tensor([seq]))[0, -1]
         seq.append(int(z[:NUM_REAL].argmax()))
-    return seq[len(prompt):]
+    return seq[len(prompt) :]
 
 
 def replay_logprobs(chunks, batch, temperature: float) -> list[torch.Tensor]:
@@ -167,8 +192,11 @@ def mixed_positions(batch, r: int) -> list[int]:
 
 def emitted_not_anchor(batch) -> int:
     """Mixed positions whose emitted token is not the record's anchor (ids[0])."""
-    return sum(resp[p] != ids[0] for r, resp in enumerate(batch.response_ids)
-               for p, ids, _ in sequence_mixes(batch.mixes, r))
+    return sum(
+        resp[p] != ids[0]
+        for r, resp in enumerate(batch.response_ids)
+        for p, ids, _ in sequence_mixes(batch.mixes, r)
+    )
 
 
 # ---- cases ----------------------------------------------------------------------------------
@@ -187,22 +215,26 @@ def _greedy(tp, pp):
 
 
 def _replay(tp, pp):
-    from tests.support.replay import sequence_logprobs
     from megatron_ngrpo.rollout.types import SamplingParams
+    from tests.support.replay import sequence_logprobs
 
     chunks = layout(tp, pp)
     table = neighbor_table(chunks)
     eng = engine(chunks, neighbor_table=table, eos_token_ids=[1])
     result = {}
     for name, rate, emit, temp in (("rho0.1", 0.1, "anchor", 0.8), ("rho1", 1.0, "sample", 1.3)):
-        params = SamplingParams(n=3, temperature=temp, top_p=0.9, top_k=200, max_new_tokens=14, seed=5)
+        params = SamplingParams(
+            n=3, temperature=temp, top_p=0.9, top_k=200, max_new_tokens=14, seed=5
+        )
         out = eng.generate(PROMPTS, params, mixing(rate, emit=emit), keys=[10, 11, 12, 13])
         out.validate(512)
         ids = [t for r in out.response_ids for t in r]
         assert max(ids) < NUM_REAL and int(out.mixes.ids.max()) < NUM_REAL
         assert len(out.mixes) > (30 if rate == 1.0 else 2), len(out.mixes)
         d_full = max_diff(replay_logprobs(chunks, out, temp), out.logprobs)
-        d_train = max_diff(sequence_logprobs(chunks, out, temp, 4, vocab_limit=NUM_REAL), out.logprobs)
+        d_train = max_diff(
+            sequence_logprobs(chunks, out, temp, 4, vocab_limit=NUM_REAL), out.logprobs
+        )
         assert d_full < 1e-5 and d_train < 1e-5, (name, d_full, d_train)
         # Without the mixes the replay must disagree: the check can fail.
         plain = out.__class__(**{**out.__dict__, "mixes": out.mixes.empty(len(out), K)})
@@ -210,17 +242,27 @@ def _replay(tp, pp):
         assert d_plain > 1e-3, (name, d_plain)
         key = f"replay_{name}_tp1"
         ref = _STATE.setdefault(key, out)
-        assert out.response_ids == ref.response_ids and max_diff(
-            [torch.tensor(x) for x in ref.logprobs], out.logprobs) < 1e-5
-        result[name] = dict(mixed=len(out.mixes), tokens=len(ids), d_full=d_full, d_train=d_train,
-                            d_without_mixes=d_plain, emitted_not_anchor=emitted_not_anchor(out))
+        assert (
+            out.response_ids == ref.response_ids
+            and max_diff([torch.tensor(x) for x in ref.logprobs], out.logprobs) < 1e-5
+        )
+        result[name] = dict(
+            mixed=len(out.mixes),
+            tokens=len(ids),
+            d_full=d_full,
+            d_train=d_train,
+            d_without_mixes=d_plain,
+            emitted_not_anchor=emitted_not_anchor(out),
+        )
     return result
 
 
 for _tp, _pp in LAYOUTS:
     for _fn in (_greedy, _replay):
+
         def _bound(fn=_fn, tp=_tp, pp=_pp):
             return fn(tp, pp)
+
         _bound.__name__ = f"{_fn.__name__[1:]}_tp{_tp}_pp{_pp}"
         case(_bound)
 
@@ -238,7 +280,8 @@ def unfused_attention_tp2():
     assert greedy.response_ids == _STATE["greedy_tp1"], (greedy.response_ids, _STATE["greedy_tp1"])
     params = SamplingParams(n=3, temperature=0.8, top_p=0.9, top_k=200, max_new_tokens=14, seed=5)
     out = engine(chunks, neighbor_table=neighbor_table(chunks), eos_token_ids=[1]).generate(
-        PROMPTS, params, mixing(0.1, emit="anchor"), keys=[10, 11, 12, 13])
+        PROMPTS, params, mixing(0.1, emit="anchor"), keys=[10, 11, 12, 13]
+    )
     ref = _STATE["replay_rho0.1_tp1"]
     d = max_diff([torch.tensor(x) for x in ref.logprobs], out.logprobs)
     assert out.response_ids == ref.response_ids and d < 1e-5, d
@@ -268,8 +311,8 @@ def virtual_pipeline_tp1_pp2_vpp2():
 def strategies_replay_tp2_pp2():
     """Soft Thinking, STHT (recorded noise, σ broadcast from the first stage) and Gumbel
     mixtures replay exactly through the full forward and the trainer."""
-    from tests.support.replay import sequence_logprobs
     from megatron_ngrpo.rollout.types import SamplingParams
+    from tests.support.replay import sequence_logprobs
 
     chunks = layout(2, 2)
     eng = engine(chunks)
@@ -280,18 +323,33 @@ def strategies_replay_tp2_pp2():
         out.validate(512)
         assert len(out.mixes) > 10 and (out.mixes.noise is not None) == (strategy == "stht")
         if strategy == "stht":
-            assert out.mixes.noise.shape == (len(out.mixes), 128) and float(out.mixes.noise.std()) > 0
+            assert (
+                out.mixes.noise.shape == (len(out.mixes), 128) and float(out.mixes.noise.std()) > 0
+            )
         for r, resp in enumerate(out.response_ids):
             assert all(resp[p] == ids[0] for p, ids, _ in sequence_mixes(out.mixes, r))
         d_full = max_diff(replay_logprobs(chunks, out, 1.0), out.logprobs)
-        d_train = max_diff(sequence_logprobs(chunks, out, 1.0, 4, vocab_limit=NUM_REAL), out.logprobs)
+        d_train = max_diff(
+            sequence_logprobs(chunks, out, 1.0, 4, vocab_limit=NUM_REAL), out.logprobs
+        )
         assert d_full < 1e-5 and d_train < 1e-5, (strategy, d_full, d_train)
         result[strategy] = dict(mixed=len(out.mixes), d_full=d_full, d_train=d_train)
         _STATE[strategy] = out
     # mixing.noise_scale: the same draws (seed, key, position) at twice the scale
-    louder = eng.generate(PROMPTS, params, mixing(0.5, strategy="stht", noise_scale=0.66), keys=[3, 1, 4, 1])
-    first = {(int(s), int(p)): n for s, p, n in zip(_STATE["stht"].mixes.seq, _STATE["stht"].mixes.pos, _STATE["stht"].mixes.noise)}
-    pairs = [(first[(int(s), int(p))], n) for s, p, n in zip(louder.mixes.seq, louder.mixes.pos, louder.mixes.noise) if (int(s), int(p)) in first]
+    louder = eng.generate(
+        PROMPTS, params, mixing(0.5, strategy="stht", noise_scale=0.66), keys=[3, 1, 4, 1]
+    )
+    first = {
+        (int(s), int(p)): n
+        for s, p, n in zip(
+            _STATE["stht"].mixes.seq, _STATE["stht"].mixes.pos, _STATE["stht"].mixes.noise
+        )
+    }
+    pairs = [
+        (first[(int(s), int(p))], n)
+        for s, p, n in zip(louder.mixes.seq, louder.mixes.pos, louder.mixes.noise)
+        if (int(s), int(p)) in first
+    ]
     assert len(pairs) > 5 and all(torch.allclose(2 * a, b, rtol=1e-5, atol=1e-7) for a, b in pairs)
     return result
 
@@ -317,7 +375,9 @@ def on_demand_neighbors_tp2_pp2():
     distinct = len(torch.unique(on_demand.mixes.ids[:, 0]))
     assert lookups[0].rows_computed == distinct < NUM_REAL, (lookups[0].rows_computed, distinct)
     again = eng.generate(PROMPTS, params, mixing(0.3, neighbor_lookup="on_demand"))
-    assert lookups[0].rows_computed == distinct and torch.equal(again.mixes.ids, table.mixes.ids)  # cached
+    assert lookups[0].rows_computed == distinct and torch.equal(
+        again.mixes.ids, table.mixes.ids
+    )  # cached
     eng.sync_weights(chunks)
     assert not eng._derived
     return {"mixed": len(on_demand.mixes), "rows_computed": distinct}
@@ -330,8 +390,7 @@ def determinism_gates_anchor():
     (max_batch_size) does not change the result; the engine's own table (mixing.neighbors)
     equals the brute-force one."""
     from megatron_ngrpo.mixing.decision import gate
-    from megatron_ngrpo.rollout.types import sequence_keys
-    from megatron_ngrpo.rollout.types import SamplingParams
+    from megatron_ngrpo.rollout.types import SamplingParams, sequence_keys
 
     chunks = layout(2, 1)
     eng = engine(chunks)
@@ -341,7 +400,9 @@ def determinism_gates_anchor():
     a = eng.generate(PROMPTS, params, mix)
     b = eng.generate(PROMPTS, params, mix)
     c = eng.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, max_new_tokens=20, seed=4), mix)
-    d = engine(chunks, neighbor_table=neighbor_table(chunks), max_batch_size=3).generate(PROMPTS, params, mix)
+    d = engine(chunks, neighbor_table=neighbor_table(chunks), max_batch_size=3).generate(
+        PROMPTS, params, mix
+    )
     assert a.response_ids == b.response_ids and a.logprobs == b.logprobs
     assert torch.equal(a.mixes.ids, b.mixes.ids) and torch.equal(a.mixes.weights, b.mixes.weights)
     assert a.response_ids != c.response_ids
@@ -351,7 +412,11 @@ def determinism_gates_anchor():
     assert built.response_ids == a.response_ids and torch.equal(built.mixes.ids, a.mixes.ids)
     keys = sequence_keys(range(len(PROMPTS)), 2)
     for r, resp in enumerate(a.response_ids):
-        expect = torch.nonzero(gate(0.3, 3, [keys[r]] * len(resp), list(range(len(resp))))).flatten().tolist()
+        expect = (
+            torch.nonzero(gate(0.3, 3, [keys[r]] * len(resp), list(range(len(resp)))))
+            .flatten()
+            .tolist()
+        )
         assert mixed_positions(a, r) == expect, (r, mixed_positions(a, r), expect)
         for p, ids, w in sequence_mixes(a.mixes, r):
             assert resp[p] == ids[0] and len(ids) == K and abs(sum(w) - 1) < 1e-6
@@ -363,20 +428,26 @@ def stop_after_thinking_gate():
     """No mix at the position whose token completes ``stop_after``, nor after it; before it the
     mixed positions are the gate's."""
     from megatron_ngrpo.mixing.decision import gate
-    from megatron_ngrpo.rollout.types import sequence_keys
-    from megatron_ngrpo.rollout.types import SamplingParams
+    from megatron_ngrpo.rollout.types import SamplingParams, sequence_keys
 
     chunks = layout(1, 2)
     eng = engine(chunks, neighbor_table=neighbor_table(chunks))
-    out = eng.generate(PROMPTS, SamplingParams(n=3, temperature=1.0, max_new_tokens=24, seed=8),
-                       mixing(0.5, stop_after="ab"))
+    out = eng.generate(
+        PROMPTS,
+        SamplingParams(n=3, temperature=1.0, max_new_tokens=24, seed=8),
+        mixing(0.5, stop_after="ab"),
+    )
     keys = sequence_keys(range(len(PROMPTS)), 3)
     cut_rows = 0
     for r, resp in enumerate(out.response_ids):
         text = decode(resp)
         end = text.find("ab") + 1 if "ab" in text else len(resp)  # response index completing "ab"
         cut_rows += "ab" in text
-        gated = torch.nonzero(gate(0.5, 8, [keys[r]] * len(resp), list(range(len(resp))))).flatten().tolist()
+        gated = (
+            torch.nonzero(gate(0.5, 8, [keys[r]] * len(resp), list(range(len(resp)))))
+            .flatten()
+            .tolist()
+        )
         assert mixed_positions(out, r) == [p for p in gated if p < end], (r, text)
         assert all(resp[p] == ids[0] for p, ids, _ in sequence_mixes(out.mixes, r))
     assert cut_rows >= 3, cut_rows
@@ -405,7 +476,10 @@ def stop_strings_and_ids():
     stop_id = plain.response_ids[0][3]
     ids = eng.generate(PROMPTS, SamplingParams(**{**base.__dict__, "stop_token_ids": [stop_id]}))
     first = plain.response_ids[0].index(stop_id)
-    assert ids.response_ids[0] == plain.response_ids[0][: first + 1] and ids.finish_reasons[0] == "stop"
+    assert (
+        ids.response_ids[0] == plain.response_ids[0][: first + 1]
+        and ids.finish_reasons[0] == "stop"
+    )
     eos_engine = engine(chunks, eos_token_ids=[stop_id])
     eos = eos_engine.generate(PROMPTS, base)
     assert eos.response_ids == ids.response_ids and eos.finish_reasons == ids.finish_reasons

@@ -51,8 +51,8 @@ def measure(name: str) -> dict:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from megatron_ngrpo.architecture import unwrap
-    from megatron_ngrpo.grpo.config import GRPOConfig
     from megatron_ngrpo.grpo.batches import TokenBatch
+    from megatron_ngrpo.grpo.config import GRPOConfig
     from megatron_ngrpo.grpo.loss_inputs import LossInputs
     from megatron_ngrpo.grpo.update import UpdateSettings, loss_and_grads, wrap_for_training
     from megatron_ngrpo.models.config import ModelConfig
@@ -63,31 +63,62 @@ def measure(name: str) -> dict:
     layers, hidden, ffn, heads, kv_heads, vocab, rows, seq_len = SHAPES[name]
     initialize_model_parallel(1, 1)
     hf = tempfile.mkdtemp(prefix="memory_worker_")
-    write_tiny_hf(hf, weights=False, vocab_size=vocab, hidden_size=hidden, num_layers=layers,
-                  num_heads=heads, num_kv_heads=kv_heads, intermediate_size=ffn, max_pos=4096, tied=name in TIED)
+    write_tiny_hf(
+        hf,
+        weights=False,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        intermediate_size=ffn,
+        max_pos=4096,
+        tied=name in TIED,
+    )
     gc.collect()
     base = _status("VmRSS")
-    cfg = ModelConfig(hf_path=hf, recompute=True, make_vocab_size_divisible_by=128,
-                      attention=ATTENTION.get(name, "sdpa"))
-    chunks = wrap_for_training(build_model(cfg), DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=True))
-    optimizer = get_megatron_optimizer(OptimizerConfig(
-        optimizer="adam", lr=1e-5, clip_grad=1.0, params_dtype=torch.float32,
-        use_distributed_optimizer=True), chunks)
+    cfg = ModelConfig(
+        hf_path=hf,
+        recompute=True,
+        make_vocab_size_divisible_by=128,
+        attention=ATTENTION.get(name, "sdpa"),
+    )
+    chunks = wrap_for_training(
+        build_model(cfg),
+        DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True),
+    )
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=1e-5,
+            clip_grad=1.0,
+            params_dtype=torch.float32,
+            use_distributed_optimizer=True,
+        ),
+        chunks,
+    )
     unwrap(chunks[0]).config.grad_scale_func = optimizer.scale_loss
 
     g = torch.Generator().manual_seed(dist.get_rank())
     tokens = torch.randint(0, vocab, (rows, seq_len), generator=g)
     mask = torch.zeros(rows, seq_len, dtype=torch.bool)
-    mask[:, seq_len // 4: -1] = True
-    batch = TokenBatch(tokens, torch.roll(tokens, -1, 1), mask, torch.full((rows,), seq_len // 4 + 1),
-                       torch.full((rows,), seq_len), inputs=LossInputs(
-                           old_logprobs=torch.full((rows, seq_len), -5.0),
-                           ref_logprobs=torch.full((rows, seq_len), -5.0),
-                           advantages=torch.randn(rows, generator=g, dtype=torch.float64),
-                           active=torch.ones(rows, dtype=torch.bool)))
-    settings = UpdateSettings(temperature=0.7, micro_batch_size=rows, vocab_limit=vocab,
-                              max_response_len=seq_len)
+    mask[:, seq_len // 4 : -1] = True
+    batch = TokenBatch(
+        tokens,
+        torch.roll(tokens, -1, 1),
+        mask,
+        torch.full((rows,), seq_len // 4 + 1),
+        torch.full((rows,), seq_len),
+        inputs=LossInputs(
+            old_logprobs=torch.full((rows, seq_len), -5.0),
+            ref_logprobs=torch.full((rows, seq_len), -5.0),
+            advantages=torch.randn(rows, generator=g, dtype=torch.float64),
+            active=torch.ones(rows, dtype=torch.bool),
+        ),
+    )
+    settings = UpdateSettings(
+        temperature=0.7, micro_batch_size=rows, vocab_limit=vocab, max_response_len=seq_len
+    )
     for _ in range(STEPS):
         _reset_peak()
         start = time.perf_counter()

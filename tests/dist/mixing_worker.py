@@ -39,15 +39,23 @@ def _close(a: torch.Tensor, b: torch.Tensor, what: str, tol: float = TOL) -> flo
 def _groups():
     from megatron.core import parallel_state as ps
 
-    return ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group(), ps.get_tensor_model_parallel_rank()
+    return (
+        ps.get_tensor_model_parallel_group(),
+        ps.get_data_parallel_group(),
+        ps.get_tensor_model_parallel_rank(),
+    )
 
 
 # ---- neighbour table ------------------------------------------------------------------------
 def _matrices() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(7)
     centers = torch.randn(5, 8, generator=g)
-    clusters = centers[torch.randint(0, 5, (64,), generator=g)] + 1e-3 * torch.randn(64, 8, generator=g)
-    ties = torch.randint(-1, 2, (64, 4), generator=g).float()  # many duplicate rows and equal scores
+    clusters = centers[torch.randint(0, 5, (64,), generator=g)] + 1e-3 * torch.randn(
+        64, 8, generator=g
+    )
+    ties = torch.randint(
+        -1, 2, (64, 4), generator=g
+    ).float()  # many duplicate rows and equal scores
     ties[5] = 0.0  # a zero row (cosine 0 to everything)
     return {"random": torch.randn(64, 6, generator=g), "ties": ties, "clusters": clusters}
 
@@ -66,11 +74,17 @@ def neighbor_table_matches_bruteforce():
     exclude = torch.zeros(64, dtype=torch.bool)
     exclude[[3, 17, 40, 41, 63]] = True
     refs, checked = {}, 0
-    combos = [(name, metric, 5, exclude) for name in mats for metric in ("cosine", "l2", "l1", "dot")]
+    combos = [
+        (name, metric, 5, exclude) for name in mats for metric in ("cosine", "l2", "l1", "dot")
+    ]
     combos += [("random", metric, 2, None) for metric in ("cosine", "l2", "l1", "dot")]
     auto = gemm_cpu.screen_dtype
-    for tp, screen in [(tp, screen) for tp in (1, 2, 4) for screen in (torch.float32, torch.bfloat16)]:
-        gemm_cpu.screen_dtype = lambda device, metric: screen if metric in ("cosine", "dot") else torch.float32
+    for tp, screen in [
+        (tp, screen) for tp in (1, 2, 4) for screen in (torch.float32, torch.bfloat16)
+    ]:
+        gemm_cpu.screen_dtype = lambda device, metric, screen=screen: (
+            screen if metric in ("cosine", "dot") else torch.float32
+        )
         initialize_model_parallel(tp=tp)
         tp_group, dp_group, rank = _groups()
         n = 64 // tp
@@ -78,12 +92,14 @@ def neighbor_table_matches_bruteforce():
             key = (name, metric, k)
             if key not in refs:
                 refs[key] = neighbor_table64(mats[name], k, metric, exc)
-            for dp in ((dp_group, None) if tp == 2 else (dp_group,)):
-                w = mats[name][rank * n:(rank + 1) * n]
-                got = build_neighbor_table(w, rank * n, k, metric, exc, chunk_size=24,
-                                           tp_group=tp_group, dp_group=dp)
-                assert torch.equal(got, refs[key]), \
+            for dp in (dp_group, None) if tp == 2 else (dp_group,):
+                w = mats[name][rank * n : (rank + 1) * n]
+                got = build_neighbor_table(
+                    w, rank * n, k, metric, exc, chunk_size=24, tp_group=tp_group, dp_group=dp
+                )
+                assert torch.equal(got, refs[key]), (
                     f"tp={tp} {screen} {key}: {(got != refs[key]).nonzero()[:4].tolist()}"
+                )
                 if exc is not None:
                     assert not exclude[got[:, 1:]].any()
                 checked += 1
@@ -110,16 +126,30 @@ class Dense(NamedTuple):
     def of(cls, mix) -> Dense:
         """The dense form of a MixBatch."""
         b, s = mix.shape
-        ids = torch.zeros(b * s, mix.ids.shape[1], dtype=torch.long).index_copy_(0, mix.rows, mix.ids)
+        ids = torch.zeros(b * s, mix.ids.shape[1], dtype=torch.long).index_copy_(
+            0, mix.rows, mix.ids
+        )
         weights = torch.zeros(b * s, mix.ids.shape[1]).index_copy_(0, mix.rows, mix.weights)
         noise = None
         if mix.noise is not None:
-            noise = torch.zeros(b * s, mix.noise.shape[1]).index_copy_(0, mix.rows, mix.noise).view(b, s, -1)
+            noise = (
+                torch.zeros(b * s, mix.noise.shape[1])
+                .index_copy_(0, mix.rows, mix.noise)
+                .view(b, s, -1)
+            )
         return cls(ids.view(b, s, -1), weights.view(b, s, -1), mix.mask, noise)
 
 
-def _mix_batch(vocab: int, num_real: int, hidden: int, seed: int, rate: float = 0.4, noise: bool = False,
-               b: int = B, s: int = S) -> tuple[torch.Tensor, Dense]:
+def _mix_batch(
+    vocab: int,
+    num_real: int,
+    hidden: int,
+    seed: int,
+    rate: float = 0.4,
+    noise: bool = False,
+    b: int = B,
+    s: int = S,
+) -> tuple[torch.Tensor, Dense]:
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, num_real, (b, s), generator=g)
     ids = torch.randint(0, num_real, (b, s, K), generator=g)
@@ -130,20 +160,35 @@ def _mix_batch(vocab: int, num_real: int, hidden: int, seed: int, rate: float = 
     return tokens, Dense(ids, w / w.sum(-1, keepdim=True), mask, nz)
 
 
-def _standalone_embedding(tp: int, weight: torch.Tensor, embedding_grad: bool = True,
-                          sequence_parallel: bool = False):
+def _standalone_embedding(
+    tp: int, weight: torch.Tensor, embedding_grad: bool = True, sequence_parallel: bool = False
+):
     from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
 
     from megatron_ngrpo.mixing.embedding import MixingVocabParallelEmbedding
 
-    cfg = ModelParallelConfig(tensor_model_parallel_size=tp, use_cpu_initialization=True,
-                              perform_initialization=False, sequence_parallel=sequence_parallel)
-    plain = VocabParallelEmbedding(weight.shape[0], weight.shape[1], init_method=torch.nn.init.zeros_, config=cfg,
-                                   reduce_scatter_embeddings=sequence_parallel)
-    plain.weight.data.copy_(weight[plain.vocab_start_index:plain.vocab_end_index])
-    mixing = VocabParallelEmbedding(weight.shape[0], weight.shape[1], init_method=torch.nn.init.zeros_, config=cfg,
-                                    reduce_scatter_embeddings=sequence_parallel)
+    cfg = ModelParallelConfig(
+        tensor_model_parallel_size=tp,
+        use_cpu_initialization=True,
+        perform_initialization=False,
+        sequence_parallel=sequence_parallel,
+    )
+    plain = VocabParallelEmbedding(
+        weight.shape[0],
+        weight.shape[1],
+        init_method=torch.nn.init.zeros_,
+        config=cfg,
+        reduce_scatter_embeddings=sequence_parallel,
+    )
+    plain.weight.data.copy_(weight[plain.vocab_start_index : plain.vocab_end_index])
+    mixing = VocabParallelEmbedding(
+        weight.shape[0],
+        weight.shape[1],
+        init_method=torch.nn.init.zeros_,
+        config=cfg,
+        reduce_scatter_embeddings=sequence_parallel,
+    )
     mixing.__class__ = MixingVocabParallelEmbedding
     mixing.embedding_grad = embedding_grad
     mixing.weight.data.copy_(plain.weight.data)
@@ -171,7 +216,9 @@ def embedding_matches_reference():
         no_mix = mix._replace(mask=torch.zeros_like(mix.mask)).batch()
         a, b = plain(tokens), mixing(tokens, no_mix)
         a.backward(grad), b.backward(grad)
-        assert torch.equal(a, b) and torch.equal(plain.weight.grad, mixing.weight.grad), f"tp={tp}: ρ=0 differs"
+        assert torch.equal(a, b) and torch.equal(plain.weight.grad, mixing.weight.grad), (
+            f"tp={tp}: ρ=0 differs"
+        )
 
         for with_grad in (True, False):
             _, mixing = _standalone_embedding(tp, weight, embedding_grad=with_grad)
@@ -182,11 +229,14 @@ def embedding_matches_reference():
                 ref = mixed_embedding64(w64, tokens, mix.ids, mix.weights, mix.mask, mix.noise)
             else:  # mixed rows: the detached mixture
                 plain_rows = w64[tokens] * (~mix.mask).unsqueeze(-1)
-                ref = plain_rows + mixed_embedding64(w64.detach(), tokens, mix.ids, mix.weights, mix.mask,
-                                                     mix.noise) * mix.mask.unsqueeze(-1)
+                ref = plain_rows + mixed_embedding64(
+                    w64.detach(), tokens, mix.ids, mix.weights, mix.mask, mix.noise
+                ) * mix.mask.unsqueeze(-1)
             ref.backward(grad.double())
             errs[f"tp{tp}_grad{with_grad}_fwd"] = _close(out, ref, f"tp={tp} forward")
-            errs[f"tp{tp}_grad{with_grad}_bwd"] = _close(mixing.weight.grad, w64.grad[lo:hi], f"tp={tp} weight grad")
+            errs[f"tp{tp}_grad{with_grad}_bwd"] = _close(
+                mixing.weight.grad, w64.grad[lo:hi], f"tp={tp} weight grad"
+            )
     return errs
 
 
@@ -209,14 +259,27 @@ def embedding_main_grad_under_ddp():
     for tp in (1, 2, 4):
         initialize_model_parallel(tp=tp)
         batches = [_mix_batch(v, v, h, seed=10 * tp + i, noise=i == 0) for i in range(3)]
-        batches[1] = (batches[1][0], batches[1][1]._replace(mask=torch.zeros(B, S, dtype=torch.bool)))
+        batches[1] = (
+            batches[1][0],
+            batches[1][1]._replace(mask=torch.zeros(B, S, dtype=torch.bool)),
+        )
         every_row = _mix_batch(v, v, h, seed=10 * tp + 3, b=4, s=v // 4)[1]
-        batches.append((torch.randperm(v, generator=torch.Generator().manual_seed(4)).view(4, -1), every_row))
-        grads = [torch.randn(*t.shape, h, generator=torch.Generator().manual_seed(20 + i))
-                 for i, (t, _) in enumerate(batches)]
-        probe = torch.randn(5, h, generator=torch.Generator().manual_seed(30))  # the tied consumer's input
-        for with_grad, tied, dtype in ((True, False, torch.float32), (False, False, torch.float32),
-                                       (True, True, torch.float32), (True, False, torch.bfloat16)):
+        batches.append(
+            (torch.randperm(v, generator=torch.Generator().manual_seed(4)).view(4, -1), every_row)
+        )
+        grads = [
+            torch.randn(*t.shape, h, generator=torch.Generator().manual_seed(20 + i))
+            for i, (t, _) in enumerate(batches)
+        ]
+        probe = torch.randn(
+            5, h, generator=torch.Generator().manual_seed(30)
+        )  # the tied consumer's input
+        for with_grad, tied, dtype in (
+            (True, False, torch.float32),
+            (False, False, torch.float32),
+            (True, True, torch.float32),
+            (True, False, torch.bfloat16),
+        ):
             _, mixing = _standalone_embedding(tp, weight, embedding_grad=with_grad)
             lo, hi = mixing.vocab_start_index, mixing.vocab_end_index
             ddp = in_megatron_ddp(mixing.to(dtype), tp)
@@ -228,8 +291,14 @@ def embedding_main_grad_under_ddp():
                 out = ddp(tokens, mix.batch())
                 grad = grad.to(dtype)  # the gradient reaching a bf16 output is bf16
                 loss = (out * grad).sum()
-                ref = mixed_embedding64(w64 if with_grad else w64.detach(), tokens, mix.ids, mix.weights,
-                                        mix.mask, mix.noise)
+                ref = mixed_embedding64(
+                    w64 if with_grad else w64.detach(),
+                    tokens,
+                    mix.ids,
+                    mix.weights,
+                    mix.mask,
+                    mix.noise,
+                )
                 if not with_grad:  # mixed rows: the detached mixture
                     ref = ref * mix.mask.unsqueeze(-1) + w64[tokens] * (~mix.mask).unsqueeze(-1)
                 ref_loss = (ref * grad.double()).sum()
@@ -275,11 +344,14 @@ def embedding_16bit_equals_mix_rows():
                 mixing.to(dtype)
                 out = mixing(tokens, mix.batch())
                 want = w16[tokens]
-                want[m] = mix_rows(w16[mix.ids[m]], mix.weights[m], None if mix.noise is None else mix.noise[m])
+                want[m] = mix_rows(
+                    w16[mix.ids[m]], mix.weights[m], None if mix.noise is None else mix.noise[m]
+                )
                 if sp:  # [S/TP, B, h]: this rank's sequence slice
-                    want = want.transpose(0, 1)[rank * n:(rank + 1) * n]
-                assert torch.equal(out.view(torch.int16), want.view(torch.int16)), \
+                    want = want.transpose(0, 1)[rank * n : (rank + 1) * n]
+                assert torch.equal(out.view(torch.int16), want.view(torch.int16)), (
                     f"tp={tp} {dtype} noise={noise} sp={sp}: {int((out != want).any(-1).sum())} rows differ"
+                )
                 rows_checked += int(m.sum())
                 if sp:
                     continue
@@ -296,8 +368,13 @@ def embedding_16bit_equals_mix_rows():
 def _model_cfg(tp: int, pp: int):
     from megatron_ngrpo.models.config import ModelConfig
 
-    return ModelConfig(hf_path=_S["hf"], tensor_parallel=tp, pipeline_parallel=pp, dtype="float32",
-                       num_real_tokens=NUM_REAL)
+    return ModelConfig(
+        hf_path=_S["hf"],
+        tensor_parallel=tp,
+        pipeline_parallel=pp,
+        dtype="float32",
+        num_real_tokens=NUM_REAL,
+    )
 
 
 def _inputs():
@@ -319,15 +396,25 @@ def _reference() -> dict:
     from tests.harness.tiny import write_tiny_hf
 
     _S["tmp"] = tempfile.TemporaryDirectory(prefix="mixing_worker_")  # per rank, removed at exit
-    _S["hf"] = str(write_tiny_hf(os.path.join(_S["tmp"].name, "hf"), weights=False, vocab_size=VOCAB,
-                                 initializer_range=0.05))
+    _S["hf"] = str(
+        write_tiny_hf(
+            os.path.join(_S["tmp"].name, "hf"),
+            weights=False,
+            vocab_size=VOCAB,
+            initializer_range=0.05,
+        )
+    )
     initialize_model_parallel(1, 1, seed=1234)
     model = build_model(_model_cfg(1, 1))[0].double()
     weights = full_state(model)
 
     tokens, pos, attn, mix, cot = _inputs()
     emb = model.embedding.word_embeddings
-    x = mixed_embedding64(emb.weight, tokens, mix.ids, mix.weights, mix.mask).transpose(0, 1).contiguous()
+    x = (
+        mixed_embedding64(emb.weight, tokens, mix.ids, mix.weights, mix.mask)
+        .transpose(0, 1)
+        .contiguous()
+    )
     logits = model(tokens, pos, attn, decoder_input=x)
     (logits * cot.double()).sum().backward()
     matrices = dict(emb=emb.weight.detach().clone(), out=model.output_layer.weight.detach().clone())
@@ -360,8 +447,11 @@ def _run_schedule(chunk, forward_only: bool):
     from megatron_ngrpo.mixing.embedding import mixing_inputs
 
     tokens, pos, attn, mix, cot = _inputs()
-    rank, n = ps.get_tensor_model_parallel_rank(), PADDED // ps.get_tensor_model_parallel_world_size()
-    cot = cot[..., rank * n:(rank + 1) * n]
+    rank, n = (
+        ps.get_tensor_model_parallel_rank(),
+        PADDED // ps.get_tensor_model_parallel_world_size(),
+    )
+    cot = cot[..., rank * n : (rank + 1) * n]
     captured = []
 
     def forward_step(_data, model):
@@ -375,8 +465,15 @@ def _run_schedule(chunk, forward_only: bool):
         return out, loss_func
 
     chunk.zero_grad(set_to_none=True)
-    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([None]), model=[chunk],
-                                num_microbatches=1, seq_length=S, micro_batch_size=B, forward_only=forward_only)
+    get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter([None]),
+        model=[chunk],
+        num_microbatches=1,
+        seq_length=S,
+        micro_batch_size=B,
+        forward_only=forward_only,
+    )
     return captured[0] if captured else None
 
 
@@ -397,7 +494,9 @@ def _model_case(tp: int, pp: int) -> dict:
     for forward_only in (True, False):
         logits = _run_schedule(chunk, forward_only)
         if ps.is_pipeline_last_stage():
-            errs[f"logits_fwd_only={forward_only}"] = _close(logits, ref["logits"][..., rank * n:(rank + 1) * n], "logits")
+            errs[f"logits_fwd_only={forward_only}"] = _close(
+                logits, ref["logits"][..., rank * n : (rank + 1) * n], "logits"
+            )
     for name, p in chunk.named_parameters():
         grad = p.grad if p.grad is not None else torch.zeros_like(p)
         errs[name] = _close(grad, ref_grads[name], f"grad of {name}", TOL_GRAD)
@@ -407,10 +506,18 @@ def _model_case(tp: int, pp: int) -> dict:
         table = neighbor_table_for_model(chunk, cfg, NUM_REAL, special_ids=SPECIAL)
         key = f"table_{source}_{metric}"
         if key not in _S:
-            _S[key] = neighbor_table64(ref["emb" if source == "input" else "out"], K, metric,
-                                       exclusion_mask(PADDED, cfg, NUM_REAL, SPECIAL))
-        assert torch.equal(table, _S[key]), f"neighbour table ({source}, {metric}) differs at tp={tp} pp={pp}"
-    assert not torch.equal(_S["table_input_cosine"], _S["table_input_l2"])  # the metric matters here
+            _S[key] = neighbor_table64(
+                ref["emb" if source == "input" else "out"],
+                K,
+                metric,
+                exclusion_mask(PADDED, cfg, NUM_REAL, SPECIAL),
+            )
+        assert torch.equal(table, _S[key]), (
+            f"neighbour table ({source}, {metric}) differs at tp={tp} pp={pp}"
+        )
+    assert not torch.equal(
+        _S["table_input_cosine"], _S["table_input_l2"]
+    )  # the metric matters here
     return {"compared": len(errs), "max_scaled_err": max(errs.values())}
 
 
@@ -462,8 +569,11 @@ def decision_vocab_parallel():
 
     v, real, rows = 64, 60, 48
     z = _logits(rows, v, seed=1)
-    table = neighbor_table64(torch.randn(v, 8, generator=torch.Generator().manual_seed(2)), K,
-                             exclude=torch.arange(v) >= real)
+    table = neighbor_table64(
+        torch.randn(v, 8, generator=torch.Generator().manual_seed(2)),
+        K,
+        exclude=torch.arange(v) >= real,
+    )
     mixed = torch.rand(rows, generator=torch.Generator().manual_seed(3)) < 0.5
     anchor, ids, weights = decide64(z, table, 0.7, real)
     assert anchor[0] == 2 and anchor[1] == v // 4 + 3
@@ -472,8 +582,12 @@ def decision_vocab_parallel():
         initialize_model_parallel(tp=tp)
         tp_group, _, rank = _groups()
         n = v // tp
-        dec = decide(z[:, rank * n:(rank + 1) * n], table, 0.7, mixed, real, rank * n, tp_group)
-        assert torch.equal(dec.anchor, anchor) and torch.equal(dec.ids, ids) and torch.equal(dec.mixed, mixed)
+        dec = decide(z[:, rank * n : (rank + 1) * n], table, 0.7, mixed, real, rank * n, tp_group)
+        assert (
+            torch.equal(dec.anchor, anchor)
+            and torch.equal(dec.ids, ids)
+            and torch.equal(dec.mixed, mixed)
+        )
         assert (dec.anchor < real).all()
         errs[f"tp{tp}"] = _close(dec.weights, weights, "weights")
         _close(dec.weights.sum(-1), torch.ones(rows), "weight sums")
@@ -511,7 +625,7 @@ def baselines_vocab_parallel():
         initialize_model_parallel(tp=tp)
         tp_group, _, rank = _groups()
         n = v // tp
-        zl, start = z[:, rank * n:(rank + 1) * n], rank * n
+        zl, start = z[:, rank * n : (rank + 1) * n], rank * n
         got = {
             "soft": P.soft_thinking(zl, k, 0.5, mixed, real, start, tp_group),
             "stht": P.stht(zl, k, 0.5, mixed, real, spec, 11, key, position, start, tp_group),
@@ -519,7 +633,9 @@ def baselines_vocab_parallel():
         }
         for name, dec in got.items():
             ref = full[name]
-            assert torch.equal(dec.ids, ref.ids) and torch.equal(dec.anchor, ref.anchor), f"{name} tp={tp}"
+            assert torch.equal(dec.ids, ref.ids) and torch.equal(dec.anchor, ref.anchor), (
+                f"{name} tp={tp}"
+            )
             assert torch.equal(dec.weights, ref.weights), f"{name} weights tp={tp}"
             assert (dec.noise is None) == (ref.noise is None)
             assert dec.noise is None or torch.equal(dec.noise, ref.noise)
@@ -540,16 +656,36 @@ def records_replay_through_embedding():
     weight = torch.randn(v, h, generator=torch.Generator().manual_seed(8))
     z = torch.randn(B * resp, v, generator=torch.Generator().manual_seed(9))
     seq, pos = torch.arange(B).repeat_interleave(resp), torch.arange(resp).repeat(B)
-    mixed = (pos % 2 == 1)
+    mixed = pos % 2 == 1
     errs = {}
     for tp in (1, 2, 4):
         initialize_model_parallel(tp=tp)
         tp_group, _, rank = _groups()
         n = v // tp
-        spec = P.NoiseSpec.from_embedding(weight[rank * n:(rank + 1) * n], 60, 0.33, rank * n, tp_group)
-        dec = P.stht(z[:, rank * n:(rank + 1) * n], k, 1.0, mixed, 60, spec, 3, seq, pos, rank * n, tp_group)
-        rec = MixRecord(seq=seq[mixed], pos=pos[mixed], ids=dec.ids[mixed], weights=dec.weights[mixed],
-                        num_seqs=B, noise=dec.noise[mixed])
+        spec = P.NoiseSpec.from_embedding(
+            weight[rank * n : (rank + 1) * n], 60, 0.33, rank * n, tp_group
+        )
+        dec = P.stht(
+            z[:, rank * n : (rank + 1) * n],
+            k,
+            1.0,
+            mixed,
+            60,
+            spec,
+            3,
+            seq,
+            pos,
+            rank * n,
+            tp_group,
+        )
+        rec = MixRecord(
+            seq=seq[mixed],
+            pos=pos[mixed],
+            ids=dec.ids[mixed],
+            weights=dec.weights[mixed],
+            num_seqs=B,
+            noise=dec.noise[mixed],
+        )
         offsets = torch.tensor([1, 0])  # responses start at column 1 and 0 of a [B, 8] batch
         mix = MixBatch.from_record(rec, offsets, S)
         tokens = torch.randint(0, 60, (B, S), generator=torch.Generator().manual_seed(10))

@@ -27,17 +27,20 @@ def _lookup_matches(tp: int) -> dict:
     rank, group = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
     weight = ref["weight"]
     n = weight.shape[0] // tp
-    part = weight[rank * n:(rank + 1) * n]
+    part = weight[rank * n : (rank + 1) * n]
     anchors = ref["anchors"]
     computed = {}
     for metric in ("cosine", "l2", "l1", "dot"):
         lookup = NeighborLookup(part, rank * n, 3, metric, ref["exclude"], tp_group=group)
         for b in BATCHES:
             got = lookup.rows(anchors[b])
-            assert torch.equal(got, ref[f"ref64_{metric}"][b]), \
+            assert torch.equal(got, ref[f"ref64_{metric}"][b]), (
                 f"tp={tp} {metric}: {got[(got != ref[f'ref64_{metric}'][b]).any(1)][:3].tolist()}"
+            )
             if metric == "cosine":
-                assert torch.equal(got, ref["table"][b]), f"tp={tp}: on-demand rows differ from the full table's"
+                assert torch.equal(got, ref["table"][b]), (
+                    f"tp={tp}: on-demand rows differ from the full table's"
+                )
         # only the distinct anchors were searched, each once (no silent full table)
         assert lookup.rows_computed == len(torch.unique(anchors)), lookup.rows_computed
         assert int(lookup.known.sum()) == lookup.rows_computed

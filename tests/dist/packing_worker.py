@@ -34,12 +34,19 @@ def _setup(tp: int, sp: bool, attention: str = "sdpa"):
             write_tiny_hf(STATE["hf"], weights=False, vocab_size=VOCAB, num_layers=2)
         dist.barrier()
     initialize_model_parallel(tp, 1, None, seed=7)
-    cfg = ModelConfig(hf_path=STATE["hf"], tensor_parallel=tp, make_vocab_size_divisible_by=64,
-                      sequence_parallel=sp, layer_spec="local", attention=attention)
+    cfg = ModelConfig(
+        hf_path=STATE["hf"],
+        tensor_parallel=tp,
+        make_vocab_size_divisible_by=64,
+        sequence_parallel=sp,
+        layer_spec="local",
+        attention=attention,
+    )
     chunks = wrap_for_training(build_model(cfg))
     shapes = []
     unwrap(chunks[0]).register_forward_pre_hook(
-        lambda mod, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+        lambda mod, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
     return chunks, shapes
 
 
@@ -49,22 +56,39 @@ def _batch():
     from megatron.core import parallel_state as ps
 
     from megatron_ngrpo.grpo.logprobs import TokenBatch
-    from megatron_ngrpo.mixing.records import MixRecord
     from megatron_ngrpo.rollout.types import RolloutBatch
 
     g = torch.Generator().manual_seed(5)
     prompts, responses, mixes = [], [], []
     for _ in range(8):
-        prompts.append(torch.randint(2, VOCAB, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g).tolist())
+        prompts.append(
+            torch.randint(
+                2, VOCAB, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g
+            ).tolist()
+        )
         n = int(torch.randint(1, 10, (1,), generator=g))
         responses.append(torch.randint(2, VOCAB, (n,), generator=g).tolist())
-        mixes.append([(t, torch.randperm(VOCAB, generator=g)[:3].tolist(),
-                       torch.softmax(torch.randn(3, generator=g), 0).tolist())
-                      for t in range(n) if torch.rand((), generator=g) < 0.3])
+        mixes.append(
+            [
+                (
+                    t,
+                    torch.randperm(VOCAB, generator=g)[:3].tolist(),
+                    torch.softmax(torch.randn(3, generator=g), 0).tolist(),
+                )
+                for t in range(n)
+                if torch.rand((), generator=g) < 0.3
+            ]
+        )
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     rows = list(range(rank, 8, dp))
-    batch = RolloutBatch([prompts[i] for i in rows], [responses[i] for i in rows], [[0.0] * len(responses[i]) for i in rows],
-                         ["stop"] * len(rows), mix_record([mixes[i] for i in rows], 3), list(range(len(rows))))
+    batch = RolloutBatch(
+        [prompts[i] for i in rows],
+        [responses[i] for i in rows],
+        [[0.0] * len(responses[i]) for i in rows],
+        ["stop"] * len(rows),
+        mix_record([mixes[i] for i in rows], 3),
+        list(range(len(rows))),
+    )
     return TokenBatch.from_rollout(batch)
 
 
@@ -84,9 +108,13 @@ def _compare(tp: int, sp: bool) -> dict:
     assert lp_err < 1e-5 and float(plain.abs().sum()) > 0, lp_err
 
     g = torch.Generator().manual_seed(9)
-    tb = tb.with_inputs(LossInputs(old_logprobs=plain + 0.05 * torch.randn(plain.shape, generator=g) * tb.mask,
-                                   advantages=torch.randn(tb.num_rows, generator=g),
-                                   active=torch.ones(tb.num_rows, dtype=torch.bool)))
+    tb = tb.with_inputs(
+        LossInputs(
+            old_logprobs=plain + 0.05 * torch.randn(plain.shape, generator=g) * tb.mask,
+            advantages=torch.randn(tb.num_rows, generator=g),
+            active=torch.ones(tb.num_rows, dtype=torch.bool),
+        )
+    )
     (l0, g0), (l1, g1) = (_grads(chunks, tb, packing) for packing in ("", "mask"))
     grad_err = float((g0 - g1).abs().max() / g0.abs().max())
     assert abs(l0 - l1) < 1e-6 and grad_err < 1e-5 and float(g0.abs().max()) > 0, (l0, l1, grad_err)
@@ -97,8 +125,9 @@ def _grads(chunks, tb, packing: str) -> tuple[float, torch.Tensor]:
     from megatron_ngrpo.grpo.config import GRPOConfig
     from megatron_ngrpo.grpo.update import UpdateSettings, loss_and_grads
 
-    settings = UpdateSettings(temperature=TEMP, micro_batch_size=3, vocab_limit=VOCAB, max_response_len=9,
-                              packing=packing)
+    settings = UpdateSettings(
+        temperature=TEMP, micro_batch_size=3, vocab_limit=VOCAB, max_response_len=9, packing=packing
+    )
     stats = loss_and_grads(chunks, tb, GRPOConfig(kl_mode="off"), settings)
     return stats["loss"], torch.cat([p.main_grad.flatten().clone() for p in chunks[0].parameters()])
 
@@ -111,8 +140,10 @@ def attention_sdpa_equals_unfused_tp2():
     from megatron_ngrpo.grpo.loss_inputs import LossInputs
 
     models = {a: _setup(2, False, a)[0] for a in ("sdpa", "unfused")}
-    types = {a: type(m[0].module.decoder.layers[0].self_attention.core_attention).__name__
-             for a, m in models.items()}
+    types = {
+        a: type(m[0].module.decoder.layers[0].self_attention.core_attention).__name__
+        for a, m in models.items()
+    }
     assert types == {"sdpa": "SDPAttention", "unfused": "DotProductAttention"}, types
     first = [next(m[0].parameters()) for m in models.values()]
     assert torch.equal(*first)  # same seed, same weights
@@ -121,13 +152,23 @@ def attention_sdpa_equals_unfused_tp2():
     for packing in ("", "mask"):
         lps = [batch_logprobs(m, tb, TEMP, 3, VOCAB, packing=packing) for m in models.values()]
         g = torch.Generator().manual_seed(9)
-        mb = tb.with_inputs(LossInputs(old_logprobs=lps[1] + 0.05 * torch.randn(lps[1].shape, generator=g) * tb.mask,
-                                       advantages=torch.randn(tb.num_rows, generator=g),
-                                       active=torch.ones(tb.num_rows, dtype=torch.bool)))
+        mb = tb.with_inputs(
+            LossInputs(
+                old_logprobs=lps[1] + 0.05 * torch.randn(lps[1].shape, generator=g) * tb.mask,
+                advantages=torch.randn(tb.num_rows, generator=g),
+                active=torch.ones(tb.num_rows, dtype=torch.bool),
+            )
+        )
         (l0, g0), (l1, g1) = (_grads(m, mb, packing) for m in models.values())
         lp_err = float((lps[0] - lps[1]).abs().max())
         grad_err = float((g0 - g1).abs().max() / g1.abs().max())
-        assert lp_err < 1e-5 and abs(l0 - l1) < 1e-6 and grad_err < 1e-5, (packing, lp_err, l0, l1, grad_err)
+        assert lp_err < 1e-5 and abs(l0 - l1) < 1e-6 and grad_err < 1e-5, (
+            packing,
+            lp_err,
+            l0,
+            l1,
+            grad_err,
+        )
         out[packing or "causal"] = {"logprob_err": lp_err, "grad_rel_err": grad_err}
     return out
 

@@ -17,12 +17,15 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from megatron_ngrpo.architecture import ArchSpec, unwrap
-from megatron_ngrpo.conversion.convert import convert_hf_to_megatron, convert_megatron_to_hf, current_layout
+from megatron_ngrpo.conversion.convert import (
+    convert_hf_to_megatron,
+    convert_megatron_to_hf,
+    current_layout,
+)
 from megatron_ngrpo.conversion.hf_io import HFCheckpoint, load_hf_into_megatron
 from megatron_ngrpo.data.tokenizer import load_tokenizer, special_token_ids
 from megatron_ngrpo.grpo.logprobs import TokenBatch, token_logprobs
 from megatron_ngrpo.grpo.update import update_step, wrap_for_training
-from megatron_ngrpo.training.warmstart import TokenWeights
 from megatron_ngrpo.mixing.config import MixingConfig
 from megatron_ngrpo.mixing.embedding import mixing_embedding
 from megatron_ngrpo.mixing.neighbors import build_neighbor_table, exclusion_mask
@@ -31,6 +34,7 @@ from megatron_ngrpo.models.config import ModelConfig
 from megatron_ngrpo.models.provider import build_model
 from megatron_ngrpo.parallel import initialize_model_parallel
 from megatron_ngrpo.rollout.types import RolloutBatch
+from megatron_ngrpo.training.warmstart import TokenWeights
 from tests.harness.forward import megatron_logits
 from tests.harness.multiproc import case, run_cases
 from tests.harness.real_model import SENTENCES
@@ -74,8 +78,13 @@ def hf_logits(dtype: torch.dtype) -> torch.Tensor:
 def build(tp: int, pp: int) -> list:
     if current_layout() != (tp, pp, None):
         initialize_model_parallel(tp, pp, None, seed=1234)
-    cfg = ModelConfig(hf_path=str(MODEL), tensor_parallel=tp, pipeline_parallel=pp, dtype="float32",
-                      layer_spec="local")
+    cfg = ModelConfig(
+        hf_path=str(MODEL),
+        tensor_parallel=tp,
+        pipeline_parallel=pp,
+        dtype="float32",
+        layer_spec="local",
+    )
     chunks = build_model(cfg, init_weights=False)
     with torch.no_grad():
         load_hf_into_megatron(chunks, MODEL)
@@ -89,17 +98,29 @@ def _logits_case(tp: int, pp: int):
         chunks = build(tp, pp)
         got = megatron_logits(chunks, tokens())
         out = None
-        if pp > 1:  # tied: the last stage holds a copy of the embedding (megatron's embedding group)
+        if (
+            pp > 1
+        ):  # tied: the last stage holds a copy of the embedding (megatron's embedding group)
             inner = unwrap(chunks[0])
-            w = (mixing_embedding(chunks[0]).weight if inner.pre_process
-                 else inner.shared_embedding_or_output_weight()).detach().clone()
+            w = (
+                (
+                    mixing_embedding(chunks[0]).weight
+                    if inner.pre_process
+                    else inner.shared_embedding_or_output_weight()
+                )
+                .detach()
+                .clone()
+            )
             group = ps.get_embedding_group()
             peers = [torch.empty_like(w) for _ in range(dist.get_world_size(group))]
             dist.all_gather(peers, w, group=group)
             other = peers[1 - ps.get_pipeline_model_parallel_rank()]
             assert inner.share_embeddings_and_output_weights and torch.equal(w, other)
-        first_last = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 \
+        first_last = (
+            ps.is_pipeline_last_stage()
+            and ps.get_tensor_model_parallel_rank() == 0
             and ps.get_data_parallel_rank() == 0
+        )
         if first_last:
             vocab = ArchSpec.from_hf(MODEL).vocab_size
             ref = hf_logits(torch.float64)
@@ -110,8 +131,13 @@ def _logits_case(tp: int, pp: int):
             # fp32 rounding over 30 layers in another summation order (TP partial sums, fused
             # QKV / gate-up GEMMs): the same size as transformers' own fp32 error, not 1e-6.
             assert err <= 4 * hf_err + 1e-5 and agree == 1.0, (err, hf_err, agree)
-            out = {"megatron_fp32_err": err, "hf_fp32_err": hf_err, "max_abs_logit": ref.abs().max().item(),
-                   "argmax_agreement": agree, "tokens": int(tokens().numel())}
+            out = {
+                "megatron_fp32_err": err,
+                "hf_fp32_err": hf_err,
+                "max_abs_logit": ref.abs().max().item(),
+                "argmax_agreement": agree,
+                "tokens": int(tokens().numel()),
+            }
         box = [out]
         dist.broadcast_object_list(box, src=dist.get_world_size() - 1 if pp > 1 else 0)
         return box[0]
@@ -144,7 +170,9 @@ def roundtrip_tp3():
             assert (hdir / name).read_bytes() == (MODEL / name).read_bytes(), name
         import json
 
-        assert json.loads((hdir / "config.json").read_text()) == json.loads((MODEL / "config.json").read_text())
+        assert json.loads((hdir / "config.json").read_text()) == json.loads(
+            (MODEL / "config.json").read_text()
+        )
         shutil.rmtree(mdir)
         shutil.rmtree(hdir)
     dist.barrier()
@@ -169,16 +197,26 @@ def _neighbors_case(tp: int):
             full = HFCheckpoint(MODEL)["model.embed_tokens.weight"]
         ties, rows_checked = 0, 0
         for rows in QUERY_ROWS:
-            got = build_neighbor_table(emb.weight, emb.vocab_start_index, cfg.k, "cosine", exclude,
-                                       tp_group=ps.get_tensor_model_parallel_group(),
-                                       dp_group=ps.get_data_parallel_group(), rows=rows)
+            got = build_neighbor_table(
+                emb.weight,
+                emb.vocab_start_index,
+                cfg.k,
+                "cosine",
+                exclude,
+                tp_group=ps.get_tensor_model_parallel_group(),
+                dp_group=ps.get_data_parallel_group(),
+                rows=rows,
+            )
             if full is not None:
                 ex = exclude[: full.shape[0]]
                 want = neighbor_table64(full, cfg.k, "cosine", ex, rows=range(*rows))
-                assert torch.equal(got, want), (rows, (got != want).any(1).nonzero()[:5].flatten().tolist())
+                assert torch.equal(got, want), (
+                    rows,
+                    (got != want).any(1).nonzero()[:5].flatten().tolist(),
+                )
                 w = full.double()
                 w = w / torch.linalg.vector_norm(w, dim=-1, keepdim=True)
-                s = w[rows[0]:rows[1]] @ w.T
+                s = w[rows[0] : rows[1]] @ w.T
                 s[:, ex] = -float("inf")
                 s[torch.arange(len(s)), torch.arange(*rows)] = -float("inf")
                 top = s.topk(cfg.k, dim=1).values  # the k-1 neighbours and the next one
@@ -196,11 +234,19 @@ _neighbors_case(3)
 # ---- the one tied matrix's gradient (tiny tied Llama: a float64 reference is cheap) ---------------
 TINY_VOCAB = 200  # padded to 256 rows: padded rows must get no gradient
 TIED_BATCH = RolloutBatch(
-    prompt_ids=[[5, 17, 33], [8, 9]], response_ids=[[40, 41, 42, 43, 44], [50, 51, 52, 53]],
-    logprobs=[[0.0] * 5, [0.0] * 4], finish_reasons=["length"] * 2, prompt_index=[0, 1],
-    mixes=MixRecord(seq=torch.tensor([0, 0, 1]), pos=torch.tensor([0, 2, 1]),
-                    ids=torch.tensor([[40, 7, 9], [42, 100, 199], [51, 3, 150]]),
-                    weights=torch.tensor([[0.5, 0.3, 0.2], [0.6, 0.25, 0.15], [0.4, 0.4, 0.2]]), num_seqs=2))
+    prompt_ids=[[5, 17, 33], [8, 9]],
+    response_ids=[[40, 41, 42, 43, 44], [50, 51, 52, 53]],
+    logprobs=[[0.0] * 5, [0.0] * 4],
+    finish_reasons=["length"] * 2,
+    prompt_index=[0, 1],
+    mixes=MixRecord(
+        seq=torch.tensor([0, 0, 1]),
+        pos=torch.tensor([0, 2, 1]),
+        ids=torch.tensor([[40, 7, 9], [42, 100, 199], [51, 3, 150]]),
+        weights=torch.tensor([[0.5, 0.3, 0.2], [0.6, 0.25, 0.15], [0.4, 0.4, 0.2]]),
+        num_seqs=2,
+    ),
+)
 
 
 def tied_reference(path: Path, coef: list[torch.Tensor]) -> torch.Tensor:
@@ -217,8 +263,10 @@ def tied_reference(path: Path, coef: list[torch.Tensor]) -> torch.Tensor:
         plen, tokens = len(b.prompt_ids[r]), torch.tensor(b.prompt_ids[r] + b.response_ids[r])
         rows = [emb_w[t] for t in tokens]
         for j in torch.nonzero(m.seq == r).flatten().tolist():
-            rows[plen + int(m.pos[j])] = (m.weights[j].double().unsqueeze(-1) * emb_w[m.ids[j]]).sum(0)
-        logits = model(inputs_embeds=torch.stack(rows)[None]).logits[0, plen - 1:-1]
+            rows[plen + int(m.pos[j])] = (
+                m.weights[j].double().unsqueeze(-1) * emb_w[m.ids[j]]
+            ).sum(0)
+        logits = model(inputs_embeds=torch.stack(rows)[None]).logits[0, plen - 1 : -1]
         lp = torch.log_softmax(logits, -1).gather(1, tokens[plen:, None]).squeeze(1)
         loss = loss + (coef[r].double() * lp).sum()
     loss.backward()
@@ -236,8 +284,14 @@ def _tied_grad_case(tp: int, pp: int):
             write_tiny_hf(path, "llama", vocab_size=TINY_VOCAB, tied=True, num_layers=2, seed=9)
         dist.barrier()
         initialize_model_parallel(tp, pp, None, seed=1234)
-        cfg = ModelConfig(hf_path=str(path), tensor_parallel=tp, pipeline_parallel=pp, dtype="float32",
-                          layer_spec="local", make_vocab_size_divisible_by=64)
+        cfg = ModelConfig(
+            hf_path=str(path),
+            tensor_parallel=tp,
+            pipeline_parallel=pp,
+            dtype="float32",
+            layer_spec="local",
+            make_vocab_size_divisible_by=64,
+        )
         chunks = build_model(cfg, init_weights=False)
         with torch.no_grad():
             load_hf_into_megatron(chunks, path)
@@ -249,9 +303,18 @@ def _tied_grad_case(tp: int, pp: int):
             lp, _ = token_logprobs(logits, mb.labels, 1.0, TINY_VOCAB)
             return (lp * mb.inputs.token_weight).sum(), torch.zeros((), dtype=torch.int), {}
 
-        update_step(chunks, tb.with_inputs(TokenWeights(tb.label_aligned(coef))), loss_fn, micro_batch_size=2)
+        update_step(
+            chunks,
+            tb.with_inputs(TokenWeights(tb.label_aligned(coef))),
+            loss_fn,
+            micro_batch_size=2,
+        )
         inner = unwrap(chunks[0])
-        w = mixing_embedding(chunks[0]).weight if inner.pre_process else inner.shared_embedding_or_output_weight()
+        w = (
+            mixing_embedding(chunks[0]).weight
+            if inner.pre_process
+            else inner.shared_embedding_or_output_weight()
+        )
         tp_group = ps.get_tensor_model_parallel_group()
         parts = [torch.empty_like(w.main_grad) for _ in range(tp)]
         dist.all_gather(parts, w.main_grad.contiguous(), group=tp_group)
@@ -260,7 +323,9 @@ def _tied_grad_case(tp: int, pp: int):
         dist.all_gather(grads, grad)
         out = None
         if dist.get_rank() == 0:
-            assert all(torch.equal(g, grads[0]) for g in grads), "the copies' / TP ranks' gradients differ"
+            assert all(torch.equal(g, grads[0]) for g in grads), (
+                "the copies' / TP ranks' gradients differ"
+            )
             ref = tied_reference(path, coef)
             scale = ref.abs().max().item()
             err = (grad[:TINY_VOCAB].double() - ref).abs().max().item() / scale
@@ -288,11 +353,16 @@ def special_anchors_tp1pp2():
     chunks, tok = build(1, 2), tokenizer()
     engine = MegatronEngine(chunks, len(tok), **tokenizer_kwargs(tok))
     questions = ("What is 2 + 3?", "Name a colour.", "Say hi.", "What is 10 - 4?")
-    texts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                     tokenize=False) for q in questions]
+    texts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
+        )
+        for q in questions
+    ]
     prompts = [tok(t, add_special_tokens=False).input_ids for t in texts]
-    params = SamplingParams(n=1, temperature=0.7, max_new_tokens=24, seed=1,
-                            stop_token_ids=[tok.eos_token_id])
+    params = SamplingParams(
+        n=1, temperature=0.7, max_new_tokens=24, seed=1, stop_token_ids=[tok.eos_token_id]
+    )
     special = set(special_token_ids(tok))
     anchors = {}
     for skip in (False, True):

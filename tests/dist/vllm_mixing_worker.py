@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 
-import torch
 import torch.distributed as dist
 
 from tests.harness.multiproc import case, run_cases, shared_tmpdir
@@ -22,8 +21,8 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 @case
 def bf16_tp2_mismatch_of_mixed_and_plain_tokens():
     from megatron_ngrpo.architecture import ArchSpec
-    from megatron_ngrpo.conversion.hf_io import HFCheckpoint
     from megatron_ngrpo.conversion.hf_import import load_hf_tensors
+    from megatron_ngrpo.conversion.hf_io import HFCheckpoint
     from megatron_ngrpo.grpo.batches import TokenBatch
     from megatron_ngrpo.grpo.logprobs import batch_logprobs
     from megatron_ngrpo.grpo.mismatch import mismatch_metrics, mismatch_sums
@@ -39,13 +38,19 @@ def bf16_tp2_mismatch_of_mixed_and_plain_tokens():
     initialize_model_parallel(2, 1)
     hf = shared_tmpdir("vllm_mixing_")
     if dist.get_rank() == 0:  # head_dim 32 (vLLM's CPU attention takes no smaller heads)
-        write_tiny_hf(hf, vocab_size=512, hidden_size=128, num_layers=2, seed=7,
-                      initializer_range=0.1)
+        write_tiny_hf(
+            hf, vocab_size=512, hidden_size=128, num_layers=2, seed=7, initializer_range=0.1
+        )
     dist.barrier()
     chunks = build_model(ModelConfig(hf_path=hf, tensor_parallel=2, dtype="bfloat16"))
     load_hf_tensors(chunks, ArchSpec.from_hf(hf), HFCheckpoint(hf))
-    cfg = VLLMConfig(dtype="bfloat16", max_model_len=128, kv_cache_memory_bytes=2_000_000,
-                     tensor_parallel=2, weight_transfer="gloo")
+    cfg = VLLMConfig(
+        dtype="bfloat16",
+        max_model_len=128,
+        kv_cache_memory_bytes=2_000_000,
+        tensor_parallel=2,
+        weight_transfer="gloo",
+    )
     engine = VLLMEngine(hf, cfg)
     try:
         engine.sync_weights(chunks)  # the trainer's very bf16 tensors

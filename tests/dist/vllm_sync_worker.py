@@ -26,9 +26,9 @@ def _syncs_match(trainer_tp: int, vllm_tp: int, kv_heads: int = 2) -> list[dict]
     reassembled over its TP group, equal the trainer's exactly. Where the engine syncs
     shard-to-shard, the third sync switches the workers back to full tensors."""
     from megatron_ngrpo.architecture import ArchSpec
-    from megatron_ngrpo.conversion.hf_io import HFCheckpoint
     from megatron_ngrpo.conversion.hf_export import export_hf_tensors
     from megatron_ngrpo.conversion.hf_import import load_hf_tensors
+    from megatron_ngrpo.conversion.hf_io import HFCheckpoint
     from megatron_ngrpo.models.config import ModelConfig
     from megatron_ngrpo.models.provider import build_model
     from megatron_ngrpo.parallel import initialize_model_parallel
@@ -40,17 +40,27 @@ def _syncs_match(trainer_tp: int, vllm_tp: int, kv_heads: int = 2) -> list[dict]
     initialize_model_parallel(trainer_tp, 1)
     hf = shared_tmpdir("vllm_sync_")
     if dist.get_rank() == 0:  # head_dim 32 (vLLM's CPU attention takes no smaller heads)
-        write_tiny_hf(hf, vocab_size=512, hidden_size=128, num_heads=4, num_kv_heads=kv_heads, seed=5)
+        write_tiny_hf(
+            hf, vocab_size=512, hidden_size=128, num_heads=4, num_kv_heads=kv_heads, seed=5
+        )
     dist.barrier()
     spec = ArchSpec.from_hf(hf)
     chunks = build_model(ModelConfig(hf_path=hf, tensor_parallel=trainer_tp))
     load_hf_tensors(chunks, spec, HFCheckpoint(hf))
-    cfg = VLLMConfig(max_model_len=64, kv_cache_memory_bytes=2_000_000, tensor_parallel=vllm_tp,
-                     weight_transfer="gloo", sync_bucket_mb=0.05, verify_weights=True)
+    cfg = VLLMConfig(
+        max_model_len=64,
+        kv_cache_memory_bytes=2_000_000,
+        tensor_parallel=vllm_tp,
+        weight_transfer="gloo",
+        sync_bucket_mb=0.05,
+        verify_weights=True,
+    )
     engine = VLLMEngine(hf, cfg)
     from vllm.distributed.parallel_state import get_tp_group
 
-    group = get_tp_group().cpu_group if vllm_tp > 1 else None  # the ranks of this worker's vLLM TP group
+    group = (
+        get_tp_group().cpu_group if vllm_tp > 1 else None
+    )  # the ranks of this worker's vLLM TP group
     try:
         syncs = []
         for step in range(1, 4):
