@@ -77,13 +77,14 @@ def generate(chunks, invariant: bool, rate: float, max_batch_size: int = 0, prom
     return eng.generate(prompts, params, mixing, keys=list(range(10, 10 + len(prompts))))
 
 
-def gap(chunks, out, micro_batch_size: int = 4) -> dict:
-    """Engine vs trainer replay log-probs of ``out``: max |gap|, tokens not bitwise equal, split
-    into mixed and plain tokens."""
+def gap(chunks, out, micro_batch_size: int = 4, packing: str = "") -> dict:
+    """Engine vs trainer replay log-probs of ``out`` (each micro-batch packed into one row with
+    ``packing``): max |gap|, tokens not bitwise equal, split into mixed and plain tokens."""
     from tests.harness.records import sequence_mixes
     from tests.support.replay import sequence_logprobs
 
-    replay = sequence_logprobs(chunks, out, 0.9, micro_batch_size, vocab_limit=NUM_REAL)
+    replay = sequence_logprobs(chunks, out, 0.9, micro_batch_size, vocab_limit=NUM_REAL,
+                               packing=packing)
     res = {"mixed": [0, 0, 0.0], "plain": [0, 0, 0.0]}  # tokens, unequal, max |gap|
     for r, (lp, eng) in enumerate(zip(replay, out.logprobs)):
         eng = torch.tensor(eng, dtype=torch.float32)
@@ -273,6 +274,113 @@ for _tp, _dtype in ((1, "float32"), (2, "bfloat16")):
         return _trainer(tp, dtype)
     _bound_trainer.__name__ = f"trainer_tp{_tp}_{_dtype}"
     case(_bound_trainer)
+
+
+# ---- sequence packing (train.pack_sequences: THD, each sequence tiled from its own start) -------
+@contextlib.contextmanager
+def packing_reverted(op: str):
+    """Undo one piece of the packed path: ``packed_attention`` (TiledAttention ignores
+    cu_seqlens: the packed row is one causal sequence), ``packed_rope`` (the rotary table sized
+    to the packed row, so megatron's THD RoPE takes each token's position in the packed row, not
+    in its sequence)."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from megatron_ngrpo.models import batch_invariant as bi
+
+    if op == "packed_attention":
+        owner, name = bi, "_packed"
+        patched = lambda q, k, v, params, scale: bi._tiled(  # noqa: E731
+            q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), scale)
+    elif op == "packed_rope":
+        owner, name, original = RotaryEmbedding, "get_rotary_seq_len", RotaryEmbedding.get_rotary_seq_len
+
+        def patched(self, context, block, hidden, config, packed_seq_params=None, **kw):
+            if packed_seq_params is None:
+                return original(self, context, block, hidden, config, packed_seq_params, **kw)
+            return int(packed_seq_params.cu_seqlens_q[-1])
+    else:
+        raise ValueError(op)
+    saved = getattr(owner, name)
+    setattr(owner, name, patched)
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)
+
+
+def _packed_run(chunks, revert: str = "") -> dict:
+    """Mode on, the replay packed in THD form (with piece ``revert`` of the packed path undone):
+    the engine's mixed and plain rows vs packs of 4 sequences and one pack of all 12, and the
+    packed replay vs the unpacked replay."""
+    from megatron_ngrpo.models.batch_invariant import enable_batch_invariant
+    from tests.support.replay import sequence_logprobs
+
+    enable_batch_invariant(chunks)
+    mixed, plain = generate(chunks, True, 0.3), generate(chunks, True, 0.0)
+    unpacked = sequence_logprobs(chunks, mixed, 0.9, 4, vocab_limit=NUM_REAL)
+    with packing_reverted(revert) if revert else contextlib.nullcontext():
+        res = {"mixed_rows": gap(chunks, mixed, packing="thd"),
+               "plain_rows": gap(chunks, plain, packing="thd"),
+               "one_pack": gap(chunks, mixed, micro_batch_size=len(mixed.logprobs), packing="thd")}
+        packed = sequence_logprobs(chunks, mixed, 0.9, 4, vocab_limit=NUM_REAL, packing="thd")
+    assert res["mixed_rows"]["mixed"]["tokens"] > 5, res
+    res["packed_vs_unpacked_unequal"] = sum(
+        int(not torch.equal(a[i], b[i])) for a, b in zip(packed, unpacked) for i in range(len(a)))
+    res["unequal"] = sum(_unequal(res[k]) for k in ("mixed_rows", "plain_rows", "one_pack"))
+    res["unequal"] += res["packed_vs_unpacked_unequal"]
+    return res
+
+
+def _packed_parity(tp: int, dtype: str):
+    res = _packed_run(model(tp, dtype))
+    assert res["unequal"] == 0, res
+    return res
+
+
+for _tp in (1, 2):
+    for _dtype in ("float32", "bfloat16"):
+        def _bound_packed(tp=_tp, dtype=_dtype):
+            return _packed_parity(tp, dtype)
+        _bound_packed.__name__ = f"packed_tp{_tp}_{_dtype}"
+        case(_bound_packed)
+
+
+for _op in ("packed_attention", "packed_rope"):
+    def _bound_packed_leak(op=_op):
+        res = _packed_run(model(1, "float32"), op)
+        return {k: res[k] for k in ("unequal", "packed_vs_unpacked_unequal")}
+    _bound_packed_leak.__name__ = f"leak_{_op}_tp1_float32"
+    case(_bound_packed_leak)
+
+
+@case
+def trainer_packed_tp1_float32():
+    """``train.pack_sequences`` with the mode, through the trainer: every micro-batch of the
+    replays and of the update packed in THD form (the reference a second model, ``copy``, in the
+    second run), and still every mismatch gap, k3 KL and the first mini-batch's log-ratio 0."""
+    from megatron_ngrpo.grpo import logprobs
+
+    original, modes = logprobs.pack, []
+
+    def pack(*args):
+        modes.append(args[-1])
+        return original(*args)
+
+    logprobs.pack = pack
+    try:
+        on = ("rollout.batch_invariant=true", "train.pack_sequences=true")
+        recompute = train_step("packed_recompute", *on)
+        rollout = train_step(
+            "packed_rollout", *on, "grpo.old_logprobs=rollout", "train.reference=copy")
+    finally:
+        logprobs.pack = original
+    m = recompute["metrics"]
+    assert modes and set(modes) == {"thd"}, modes
+    assert m["mismatch/mixed/logprob_gap"] == 0 and m["mismatch/plain/logprob_gap"] == 0, m
+    assert m["mismatch/mixed/kl"] == 0 and m["mismatch/plain/kl"] == 0, m
+    assert m["logprob_gap/max_abs"] == 0 and m["mixing/mixed_token_frac"] > 0, m
+    assert rollout["metrics"]["first_update/abs_log_ratio"] == 0, rollout
+    return {"recompute": recompute, "rollout": rollout, "packed_micro_batches": len(modes)}
 
 
 if __name__ == "__main__":
