@@ -124,9 +124,9 @@ MUTANTS: dict[str, list[Mutant]] = {
     ],
     "train.pack_sequences": [
         Mutant(
-            "megatron_ngrpo/training/trainer.py",
-            'packing=("thd" if use_te(cfg.model) else "mask") if t.pack_sequences else "",',
-            'packing="",',
+            "megatron_ngrpo/grpo/packing.py",
+            "    if not pack_sequences:\n",
+            "    if True:\n",
         ),
     ],
     "train.dynamic_sampling.enabled": [

@@ -10,6 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_ngrpo.config_loader import ConfigError
 from megatron_ngrpo.models.batch_invariant import BLOCK_ROWS, TiledAttention, blocked_matmul
@@ -19,8 +22,14 @@ from tests import test_train
 from tests.harness.multiproc import check, launch
 
 WORKER = Path(__file__).parent / "dist" / "batch_invariant_worker.py"
-FAST = ["parity_tp1_float32", "parity_tp2_bfloat16", "trainer_tp1_float32"]
-FAST.append("trainer_one_step_off_tp1_float32")
+# One launch for the default run's cases (the packed one included: a launch costs ~10 s of start-up).
+FAST = [
+    "parity_tp1_float32",
+    "parity_tp2_bfloat16",
+    "trainer_tp1_float32",
+    "trainer_one_step_off_tp1_float32",
+    "packed_tp1_float32",
+]
 SLOW_PARITY = ["tp1_bfloat16", "tp2_float32", "pp2_bfloat16"]
 # (op switched back to its default inside the mode, layout): tokens must then differ somewhere
 # (tests/dist/batch_invariant_worker.py LEAKS; bf16 GEMMs and a 2-rank merge are M- and
@@ -50,7 +59,6 @@ REFUSED = [
         4,
         "'model.tensor_parallel' = 4: rollout.batch_invariant: at most 2",
     ),
-    (["train.pack_sequences=true"], 1, "no packing mask"),
 ]
 
 
@@ -74,9 +82,9 @@ def results(task):
 
 @pytest.fixture(scope="module")
 def slow_results(task):
-    cases = [f"parity_{x}" for x in SLOW_PARITY] + ["trainer_tp2_bfloat16"]
+    cases = [f"parity_{x}" for x in SLOW_PARITY]
+    cases += ["trainer_tp2_bfloat16", "trainer_one_step_off_tp2_bfloat16"]
     cases += [f"leak_{op}_{layout}" for op, layout in LEAKS]
-    cases.append("trainer_one_step_off_tp2_bfloat16")
     return launch(WORKER, nproc=2, timeout=1800, env={"NGRPO_TASK": str(task)}, only=cases)
 
 
@@ -198,3 +206,142 @@ def test_leak_with_one_op_reverted(slow_results, op, layout):
     """The parity checks (bs 1 vs bs N, decode vs the replay's prefill, mixed and plain rows)
     fail when one op is switched back to its default kernel."""
     assert check(slow_results, f"leak_{op}_{layout}")["unequal"] > 0
+
+
+# ---- sequence packing with the mode (train.pack_sequences: THD) ------------------------------
+SLOW_PACKED = ["tp1_bfloat16", "tp2_float32", "tp2_bfloat16"]
+PACKED_LEAKS = ["packed_attention", "packed_rope"]
+PACKED_LENGTHS = [5, 40, 1, 33, 8, 17]  # 1 to 2 key blocks, a partly filled query tile
+
+
+@pytest.fixture(scope="module")
+def slow_packed_results(task):
+    cases = [f"packed_{x}" for x in SLOW_PACKED] + ["trainer_packed_tp1_float32"]
+    cases += [f"leak_{op}_tp1_float32" for op in PACKED_LEAKS]
+    return launch(WORKER, nproc=2, timeout=1800, env={"NGRPO_TASK": str(task)}, only=cases)
+
+
+def _cu_seqlens(lengths: list[int]) -> torch.Tensor:
+    return F.pad(torch.tensor(lengths).cumsum(0), (1, 0)).to(torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiled_attention_packed_sequences_are_their_unpacked_rows(dtype):
+    """THD form (cu_seqlens): each packed sequence's output has the bits of its row in an
+    unpacked, padded batch (whatever the other rows and the padding hold) and of the row alone,
+    wherever the packer put it; the result is attention within the sequence only."""
+    torch.manual_seed(3)
+    heads, groups, hn, s = 4, 2, 8, max(PACKED_LENGTHS)
+    q = torch.randn(s, len(PACKED_LENGTHS), heads, hn).to(dtype)
+    k, v = (torch.randn(s, len(PACKED_LENGTHS), groups, hn).to(dtype) for _ in range(2))
+    attn = SimpleNamespace(softmax_scale=hn**-0.5)
+    unpacked = TiledAttention.forward(attn, q, k, v, None)  # [s, b, heads·hn]
+    for order in (range(len(PACKED_LENGTHS)), [3, 0, 5, 2, 4, 1]):
+        lengths = [PACKED_LENGTHS[r] for r in order]
+        params = PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=_cu_seqlens(lengths), cu_seqlens_kv=_cu_seqlens(lengths)
+        )
+        packed = [torch.cat([t[:n, r] for r, n in zip(order, lengths)]) for t in (q, k, v)]
+        out = TiledAttention.forward(attn, *packed, None, packed_seq_params=params)
+        assert out.shape == (sum(lengths), 1, heads * hn)
+        rows = torch.cat([unpacked[:n, r] for r, n in zip(order, lengths)])
+        assert torch.equal(out[:, 0], rows)
+    for r, n in enumerate(PACKED_LENGTHS):
+        alone = TiledAttention.forward(
+            attn, q[:n, r : r + 1], k[:n, r : r + 1], v[:n, r : r + 1], None
+        )
+        assert torch.equal(alone[:, 0], unpacked[:n, r])
+        kv = [
+            t[:n, r].transpose(0, 1).float().repeat_interleave(heads // groups, 0) for t in (k, v)
+        ]
+        ref = F.scaled_dot_product_attention(q[:n, r].transpose(0, 1).float(), *kv, is_causal=True)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert torch.allclose(alone[:, 0].float(), ref.transpose(0, 1).reshape(n, -1), atol=tol)
+
+
+def test_tiled_attention_packed_gradients_are_the_unpacked_ones():
+    """The update's backward through the packed path: the gradients of query, key and value
+    (zero past each sequence) are the unpacked batch's."""
+    torch.manual_seed(5)
+    heads, groups, hn, s, b = 4, 2, 8, max(PACKED_LENGTHS), len(PACKED_LENGTHS)
+    q = torch.randn(s, b, heads, hn, requires_grad=True)
+    k, v = (torch.randn(s, b, groups, hn, requires_grad=True) for _ in range(2))
+    valid = torch.arange(s).unsqueeze(1) < torch.tensor(PACKED_LENGTHS)  # [s, b]
+    weight = torch.randn(s, b, heads * hn) * valid.unsqueeze(-1)
+    attn = SimpleNamespace(softmax_scale=hn**-0.5)
+    (TiledAttention.forward(attn, q, k, v, None) * weight).sum().backward()
+    unpacked = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    cu = _cu_seqlens(PACKED_LENGTHS)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    packed = [t.transpose(0, 1)[valid.t()] for t in (q, k, v)]  # sequence after sequence
+    out = TiledAttention.forward(attn, *packed, None, packed_seq_params=params)
+    (out[:, 0] * weight.transpose(0, 1)[valid.t()]).sum().backward()
+    for t, ref in zip((q, k, v), unpacked, strict=True):
+        assert ref.abs().sum() > 0 and torch.allclose(t.grad, ref, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_thd_rope_is_the_unpacked_rows_rope(single_rank, dtype):
+    """megatron's RoPE in THD form (the local spec's, plain torch) gives each packed token the
+    bits of its row unpacked (angles from the sequence's start, same elementwise ops), for any
+    micro-batch length; a rotary table as long as the packed row (megatron's offset mapping:
+    positions in the packed row) does not."""
+    rope = RotaryEmbedding(kv_channels=32, rotary_percent=1.0, rotary_base=1000000)
+    cfg = SimpleNamespace(
+        apply_rope_fusion=False, rotary_interleaved=False, multi_latent_attention=False
+    )
+    torch.manual_seed(4)
+    xs = [torch.randn(n, 3, 32).to(dtype) for n in PACKED_LENGTHS]
+    cu = _cu_seqlens(PACKED_LENGTHS)
+    packed = apply_rotary_pos_emb(
+        torch.cat(xs), rope(max(PACKED_LENGTHS), packed_seq=True), cfg, cu
+    )
+    for s in (40, 43, 64):
+        rows = torch.zeros(s, len(xs), 3, 32, dtype=dtype)
+        for r, x in enumerate(xs):
+            rows[: len(x), r] = x
+        ref = apply_rotary_pos_emb(rows, rope(s), cfg)
+        assert torch.equal(packed, torch.cat([ref[:n, r] for r, n in enumerate(PACKED_LENGTHS)]))
+    whole_row = apply_rotary_pos_emb(torch.cat(xs), rope(int(cu[-1]), packed_seq=True), cfg, cu)
+    assert not torch.equal(whole_row, packed)
+
+
+def test_the_mode_accepts_packing(task, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    cfg = load_config(
+        [test_train.TINY, task / "paths.yaml"],
+        ["rollout.batch_invariant=true", "train.pack_sequences=true"],
+    )
+    assert cfg.rollout.batch_invariant and cfg.train.pack_sequences
+
+
+def test_packed_replay_equals_the_engine_and_the_unpacked_replay(results):
+    """``train.pack_sequences`` with the mode (TP 1, fp32): mixed and plain rows, replayed in packs
+    of 4 sequences and in one pack of all 12, torch.equal the engine's log-probs, and the packed
+    replay the unpacked one."""
+    value = check(results, "packed_tp1_float32")
+    assert value["unequal"] == 0 and value["mixed_rows"]["mixed"]["tokens"] > 5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", SLOW_PACKED)
+def test_packed_replay_equals_the_engine_other_layouts(slow_packed_results, layout):
+    assert check(slow_packed_results, f"packed_{layout}")["unequal"] == 0
+
+
+@pytest.mark.slow
+def test_trainer_packed_old_logprobs_are_exact(slow_packed_results):
+    """Through the trainer: packed (THD) replays and update, every mismatch gap 0, first
+    log-ratio 0 with ``grpo.old_logprobs: rollout``."""
+    assert check(slow_packed_results, "trainer_packed_tp1_float32")["packed_micro_batches"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("op", PACKED_LEAKS)
+def test_packed_leak_with_one_piece_reverted(slow_packed_results, op):
+    """TiledAttention ignoring cu_seqlens, or RoPE at packed-row positions: tokens differ from
+    the engine's and from the unpacked replay."""
+    value = check(slow_packed_results, f"leak_{op}_tp1_float32")
+    assert value["unequal"] > 0 and value["packed_vs_unpacked_unequal"] > 0

@@ -9,9 +9,11 @@ Two ways to keep the sequences apart inside the packed row:
   as given. RoPE needs no reset: a rotary score depends only on the query-key offset, which
   packing leaves unchanged within a sequence (the absolute angles differ, so log-probs agree to
   float rounding, not bit for bit). The mask is dense: T² bytes.
-- ``thd`` (Transformer Engine spec, GPU only; written, not run here): megatron's
-  ``PackedSeqParams`` with cumulative sequence lengths, TE's fused attention in THD layout
-  (RoPE is applied per sequence there).
+- ``thd``: megatron's ``PackedSeqParams`` with cumulative sequence lengths; megatron applies
+  RoPE per sequence from position 0 (the angles of the unpacked row, bit for bit on CPU:
+  tests/test_batch_invariant.py). Taken by TE's fused attention (TE spec, GPU only; written,
+  not run here) and by the batch-invariant mode's tiled attention (``rollout.batch_invariant``,
+  local spec, run here on CPU: each sequence tiled from its own start, models/batch_invariant.py).
 
 The packed row is padded to a multiple of ``multiple`` (TP under sequence parallelism) with a
 padding block of its own. Pipeline parallelism is not supported (the stages would exchange
@@ -23,6 +25,15 @@ from __future__ import annotations
 import torch
 
 from megatron_ngrpo.mixing.embedding import MixBatch
+
+
+def packing_mode(pack_sequences: bool, te: bool, batch_invariant: bool) -> str:
+    """The mode the trainer packs its micro-batches in: "" with ``train.pack_sequences`` off,
+    ``thd`` for TE's fused attention (``te``) and the batch-invariant tiled attention (each
+    sequence tiled from its own start), else ``mask`` (the local spec's attention)."""
+    if not pack_sequences:
+        return ""
+    return "thd" if te or batch_invariant else "mask"
 
 
 def pack(
@@ -57,7 +68,6 @@ def pack(
         ).tril()
         kwargs["attention_mask"] = (~allowed).view(1, 1, total, total)
     elif mode == "thd":
-        # Imported here: megatron-core's TE packing parameters, the GPU path only.
         # lazy: keeps grpo.packing free of megatron-core at import (start-up); THD path only
         from megatron.core.packed_seq_params import PackedSeqParams
 

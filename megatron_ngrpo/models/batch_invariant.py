@@ -17,6 +17,13 @@ names and the checkpoints are untouched):
   for sq = 1 than for the same row of a causal prefill);
 * the log-prob becomes one function on both sides (:mod:`megatron_ngrpo.models.invariant_logsoftmax`).
 
+Packed micro-batches (``train.pack_sequences``: the trainer's replays and update) come in
+megatron's THD form (``grpo/packing.py``: cu_seqlens, one packed row): :class:`TiledAttention`
+puts each sequence back into its own entry of a zero-padded batch, from position 0, and tiles it
+as an unpacked row; megatron's THD RoPE takes each sequence's angles from its start (the
+unpacked row's angles through the same elementwise ops: equal bits, measured). The other ops
+are row-local, so a token's bits do not depend on where the packer put its sequence.
+
 Unchanged because already row-local and shape-independent on CPU (measured, see the tests):
 torch's RMSNorm, RoPE and the residual adds (elementwise, the same dtypes on both sides: one
 model code), the mixing embedding (``mixing/arithmetic.py``: fixed-order elementwise). TP
@@ -122,7 +129,8 @@ class TiledAttention(DotProductAttention):
     product added on. A block past a row's position adds exact zeros, so a prefill's extra blocks
     leave the row's bits as in a decode step. A small Tq keeps a decode step's tile (one live
     row) cheap; a prefill or replay computes the same scores in more, smaller tiles. Rounded once
-    to the input dtype. Output [sq, b, np·hn].
+    to the input dtype. Output [sq, b, np·hn]. Packed sequences (THD, ``packed_seq_params``):
+    each tiled from its own start (:func:`_packed`).
     """
 
     def forward(
@@ -135,42 +143,79 @@ class TiledAttention(DotProductAttention):
         attention_bias=None,
         packed_seq_params=None,
     ):
-        if (
-            attention_mask is not None
-            or packed_seq_params is not None
-            or attention_bias is not None
-        ):
+        if attention_mask is not None or attention_bias is not None:
             raise ValueError(
                 "TiledAttention (rollout.batch_invariant): causal attention without an "
-                "explicit mask only (no packing)"
+                "explicit mask only (pack in THD form: packed_seq_params)"
             )
-        sq, b, heads, hn = query.shape
-        sk, tq, tk = key.shape[0], QUERY_TILE, KEY_BLOCK
-        first = sk - sq  # the position of query row 0
-        t0 = first // tq
-        nt, nk = (sk - 1) // tq - t0 + 1, -(-sk // tk)
-        q = _tiles(query, heads, first - t0 * tq, nt, tq)  # [P, nt, Tq, hn]
-        k, v = (_tiles(t, heads, 0, nk, tk) for t in (key, value))  # [P, nk, Tk, hn]
-        pairs = q.shape[0]
+        if packed_seq_params is None:
+            return _tiled(query, key, value, self.softmax_scale)
+        return _packed(query, key, value, packed_seq_params, self.softmax_scale)
 
-        def pair_up(t, dim):  # [P, n, T, hn] → [P·nt·nk, T, hn], repeated along the other axis
-            return t.unsqueeze(dim).expand(pairs, nt, nk, -1, hn).reshape(-1, t.shape[2], hn)
 
-        qpos = torch.arange(t0 * tq, (t0 + nt) * tq, device=q.device).view(nt, 1, tq, 1)
-        kpos = torch.arange(nk * tk, device=q.device).view(1, nk, 1, tk)
-        # every (query tile, key block) pair is one entry of one bmm
-        scores = torch.bmm(pair_up(q, 2), pair_up(k, 1).transpose(1, 2))
-        scores = scores.view(pairs, nt, nk, tq, tk).masked_fill_(kpos > qpos, float("-inf"))
-        top = scores.amax(dim=(2, 4), keepdim=True)  # the row max over all keys: exact
-        p = ((scores - top) * self.softmax_scale).exp()
-        sums = p.sum(-1, keepdim=True)  # [P, nt, nk, Tq, 1]
-        prods = torch.bmm(p.view(-1, tq, tk), pair_up(v, 1)).view(pairs, nt, nk, tq, hn)
-        # key blocks added in order (never a reduction over nk: its order could change with nk)
-        total, acc = sums[:, :, 0], prods[:, :, 0]
-        for j in range(1, nk):
-            total, acc = total + sums[:, :, j], acc + prods[:, :, j]
-        out = (acc / total).view(b, heads, nt * tq, hn)[:, :, first - t0 * tq :][:, :, :sq]
-        return out.permute(2, 0, 1, 3).to(query.dtype).reshape(sq, b, heads * hn)
+def _packed(query, key, value, params, scale: float) -> torch.Tensor:
+    """:class:`TiledAttention` on packed sequences (THD): query [T, np, hn], key / value
+    [T, ng, hn], the n sequences of ``params.cu_seqlens_q`` [n + 1] concatenated. Each sequence
+    goes into its own column of a zero-padded [L, n, ·, hn] batch (L the longest), from position
+    0, and is tiled there as an unpacked row is: the padding's key blocks add exact zeros to a
+    row and its masked scores never move the row max, so a token gets the bits it has unpacked,
+    wherever the packer put its sequence. Output [T, 1, np·hn] (the [t, b = 1, h] of megatron's
+    THD attention)."""
+    cu = params.cu_seqlens_q
+    if (
+        params.qkv_format != "thd"
+        or not torch.equal(cu, params.cu_seqlens_kv)
+        or params.cu_seqlens_q_padded is not None
+        or params.cu_seqlens_kv_padded is not None
+    ):
+        raise ValueError(
+            "TiledAttention (rollout.batch_invariant): THD self-attention with one "
+            "cu_seqlens for queries and keys, unpadded"
+        )
+    lengths = (cu[1:] - cu[:-1]).to(torch.long)
+    n, longest = lengths.numel(), int(lengths.max())
+    seq = torch.repeat_interleave(torch.arange(n, device=cu.device), lengths)
+    pos = torch.arange(query.shape[0], device=cu.device) - cu[:-1].to(torch.long)[seq]
+    row = (pos * n + seq).to(query.device)  # token t's row in the [L·n] padded layout
+
+    def padded(t):  # [T, g, hn] → [L, n, g, hn], zeros past each sequence
+        out = t.new_zeros(longest * n, *t.shape[1:]).index_copy(0, row, t)
+        return out.view(longest, n, *t.shape[1:])
+
+    out = _tiled(padded(query), padded(key), padded(value), scale)
+    return out.reshape(longest * n, -1)[row].unsqueeze(1)
+
+
+def _tiled(query, key, value, scale: float) -> torch.Tensor:
+    """query [sq, b, np, hn], key / value [sk, b, ng, hn] → [sq, b, np·hn], in the tiles of
+    :class:`TiledAttention`; ``scale`` the softmax scale."""
+    sq, b, heads, hn = query.shape
+    sk, tq, tk = key.shape[0], QUERY_TILE, KEY_BLOCK
+    first = sk - sq  # the position of query row 0
+    t0 = first // tq
+    nt, nk = (sk - 1) // tq - t0 + 1, -(-sk // tk)
+    q = _tiles(query, heads, first - t0 * tq, nt, tq)  # [P, nt, Tq, hn]
+    k, v = (_tiles(t, heads, 0, nk, tk) for t in (key, value))  # [P, nk, Tk, hn]
+    pairs = q.shape[0]
+
+    def pair_up(t, dim):  # [P, n, T, hn] → [P·nt·nk, T, hn], repeated along the other axis
+        return t.unsqueeze(dim).expand(pairs, nt, nk, -1, hn).reshape(-1, t.shape[2], hn)
+
+    qpos = torch.arange(t0 * tq, (t0 + nt) * tq, device=q.device).view(nt, 1, tq, 1)
+    kpos = torch.arange(nk * tk, device=q.device).view(1, nk, 1, tk)
+    # every (query tile, key block) pair is one entry of one bmm
+    scores = torch.bmm(pair_up(q, 2), pair_up(k, 1).transpose(1, 2))
+    scores = scores.view(pairs, nt, nk, tq, tk).masked_fill_(kpos > qpos, float("-inf"))
+    top = scores.amax(dim=(2, 4), keepdim=True)  # the row max over all keys: exact
+    p = ((scores - top) * scale).exp()
+    sums = p.sum(-1, keepdim=True)  # [P, nt, nk, Tq, 1]
+    prods = torch.bmm(p.view(-1, tq, tk), pair_up(v, 1)).view(pairs, nt, nk, tq, hn)
+    # key blocks added in order (never a reduction over nk: its order could change with nk)
+    total, acc = sums[:, :, 0], prods[:, :, 0]
+    for j in range(1, nk):
+        total, acc = total + sums[:, :, j], acc + prods[:, :, j]
+    out = (acc / total).view(b, heads, nt * tq, hn)[:, :, first - t0 * tq :][:, :, :sq]
+    return out.permute(2, 0, 1, 3).to(query.dtype).reshape(sq, b, heads * hn)
 
 
 def _tiles(t: torch.Tensor, heads: int, offset: int, n: int, size: int) -> torch.Tensor:

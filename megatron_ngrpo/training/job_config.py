@@ -153,12 +153,6 @@ class NGRPOConfig:
                 f"rollout.batch_invariant: at most {BATCH_INVARIANT_MAX_TP} (a larger all-reduce is not "
                 "order-fixed)",
             )
-        if self.train.pack_sequences:
-            fail(
-                "train.pack_sequences",
-                True,
-                "rollout.batch_invariant: its tiled attention takes no packing mask",
-            )
         if use_te(m):
             fail("model.layer_spec", m.layer_spec, "rollout.batch_invariant: the local spec only")
 

@@ -7,6 +7,7 @@ import contextlib
 import torch
 
 from megatron_ngrpo.architecture import unwrap
+from megatron_ngrpo.models.batch_invariant import enable_batch_invariant
 from megatron_ngrpo.models.provider import build_model
 from megatron_ngrpo.training.snapshot import WeightSnapshot
 
@@ -33,8 +34,12 @@ class ReferencePolicy:
 
     @contextlib.contextmanager
     def active(self, chunks: list):
-        """Yield model chunks computing the reference policy (restores the policy on exit)."""
+        """Yield model chunks computing the reference policy (restores the policy on exit). A
+        ``copy`` runs the policy's forward: batch-invariant when the policy's is
+        (``rollout.batch_invariant``, whose packed micro-batches only its attention takes)."""
         if self.model is not None:
+            if getattr(unwrap(chunks[0]), "batch_invariant", False):
+                enable_batch_invariant(self.model)  # idempotent
             yield self.model
             return
         with self.saved.active(chunks):

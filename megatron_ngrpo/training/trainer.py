@@ -47,6 +47,7 @@ from megatron_ngrpo.data.tokenizer import load_tokenizer, special_token_ids
 from megatron_ngrpo.eval.runner import load_benchmarks
 from megatron_ngrpo.grpo.batches import TokenBatch
 from megatron_ngrpo.grpo.metrics import MetricsWriter, PhaseTimer, dp_max
+from megatron_ngrpo.grpo.packing import packing_mode
 from megatron_ngrpo.grpo.update import UpdateSettings, loss_and_grads, wrap_for_training
 from megatron_ngrpo.mixing.embedding import mixing_embedding
 from megatron_ngrpo.mixing.neighbor_mode import resolve_mode
@@ -243,7 +244,7 @@ class Trainer:
             max_tokens=t.max_tokens_per_micro_batch,
             vocab_limit=self.num_real_tokens,
             max_response_len=cfg.rollout.max_new_tokens,
-            packing=("thd" if use_te(cfg.model) else "mask") if t.pack_sequences else "",
+            packing=packing_mode(t.pack_sequences, use_te(cfg.model), cfg.rollout.batch_invariant),
         )
         filtering = cfg.grpo.filter_zero_variance or t.dynamic_sampling.enabled
         self.loss_inputs = LossInputStage(

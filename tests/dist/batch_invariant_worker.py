@@ -27,8 +27,13 @@ _STATE: dict = {}
 def _model_cfg(tp: int, dtype: str, pp: int = 1):
     from megatron_ngrpo.models.config import ModelConfig
 
-    return ModelConfig(hf_path=_STATE["hf"], tensor_parallel=tp, pipeline_parallel=pp,
-                       dtype=dtype, num_real_tokens=NUM_REAL)
+    return ModelConfig(
+        hf_path=_STATE["hf"],
+        tensor_parallel=tp,
+        pipeline_parallel=pp,
+        dtype=dtype,
+        num_real_tokens=NUM_REAL,
+    )
 
 
 def _checkpoint() -> str:
@@ -77,13 +82,15 @@ def generate(chunks, invariant: bool, rate: float, max_batch_size: int = 0, prom
     return eng.generate(prompts, params, mixing, keys=list(range(10, 10 + len(prompts))))
 
 
-def gap(chunks, out, micro_batch_size: int = 4) -> dict:
-    """Engine vs trainer replay log-probs of ``out``: max |gap|, tokens not bitwise equal, split
-    into mixed and plain tokens."""
+def gap(chunks, out, micro_batch_size: int = 4, packing: str = "") -> dict:
+    """Engine vs trainer replay log-probs of ``out`` (each micro-batch packed into one row with
+    ``packing``): max |gap|, tokens not bitwise equal, split into mixed and plain tokens."""
     from tests.harness.records import sequence_mixes
     from tests.support.replay import sequence_logprobs
 
-    replay = sequence_logprobs(chunks, out, 0.9, micro_batch_size, vocab_limit=NUM_REAL)
+    replay = sequence_logprobs(
+        chunks, out, 0.9, micro_batch_size, vocab_limit=NUM_REAL, packing=packing
+    )
     res = {"mixed": [0, 0, 0.0], "plain": [0, 0, 0.0]}  # tokens, unequal, max |gap|
     for r, (lp, eng) in enumerate(zip(replay, out.logprobs)):
         eng = torch.tensor(eng, dtype=torch.float32)
@@ -111,12 +118,16 @@ def _invariant_run(chunks, revert: str = "") -> dict:
     with reverted(chunks, revert) if revert else contextlib.nullcontext():
         mixed, plain = generate(chunks, True, 0.3), generate(chunks, True, 0.0)
         alone = generate(chunks, True, 0.3, max_batch_size=1)
-        res = {"mixed_rows": gap(chunks, mixed), "plain_rows": gap(chunks, plain),
-               "micro_batch_1": gap(chunks, mixed, micro_batch_size=1)}
+        res = {
+            "mixed_rows": gap(chunks, mixed),
+            "plain_rows": gap(chunks, plain),
+            "micro_batch_1": gap(chunks, mixed, micro_batch_size=1),
+        }
     assert res["mixed_rows"]["mixed"]["tokens"] > 5, res
     res["bs1_vs_bsN_unequal"] = sum(
         int(not torch.equal(torch.tensor(a), torch.tensor(b)))
-        for a, b in zip(alone.logprobs, mixed.logprobs))
+        for a, b in zip(alone.logprobs, mixed.logprobs)
+    )
     res["unequal"] = sum(_unequal(res[k]) for k in ("mixed_rows", "plain_rows", "micro_batch_1"))
     res["unequal"] += res["bs1_vs_bsN_unequal"]
     return res
@@ -125,8 +136,10 @@ def _invariant_run(chunks, revert: str = "") -> dict:
 def _parity(tp: int, dtype: str, pp: int = 1):
     """Mode off: the measured gap; mode on: every token torch.equal."""
     chunks = model(tp, dtype, pp)
-    off = {f"off_{n}": gap(chunks, generate(chunks, False, r))
-           for n, r in (("mixed_rows", 0.3), ("plain_rows", 0.0))}
+    off = {
+        f"off_{n}": gap(chunks, generate(chunks, False, r))
+        for n, r in (("mixed_rows", 0.3), ("plain_rows", 0.0))
+    }
     on = _invariant_run(chunks)
     assert on["unequal"] == 0, on
     return {**off, **{f"on_{k}": v for k, v in on.items()}}
@@ -134,8 +147,10 @@ def _parity(tp: int, dtype: str, pp: int = 1):
 
 for _tp in (1, 2):
     for _dtype in ("float32", "bfloat16"):
+
         def _bound(tp=_tp, dtype=_dtype):
             return _parity(tp, dtype)
+
         _bound.__name__ = f"parity_tp{_tp}_{_dtype}"
         case(_bound)
 
@@ -172,10 +187,12 @@ def reverted(chunks, op: str):
                 m.__class__ = SDPAttention
                 undo.append(lambda m=m: setattr(m, "__class__", TiledAttention))
     elif op == "engine_logsoftmax":
-        undo.append(lambda f=MegatronEngine._token_logprobs: setattr(
-            MegatronEngine, "_token_logprobs", f))
+        undo.append(
+            lambda f=MegatronEngine._token_logprobs: setattr(MegatronEngine, "_token_logprobs", f)
+        )
         MegatronEngine._token_logprobs = lambda self, z, scaled, token, temp: (
-            scaled.gather(1, token.unsqueeze(1)).squeeze(1) - torch.logsumexp(scaled, dim=-1))
+            scaled.gather(1, token.unsqueeze(1)).squeeze(1) - torch.logsumexp(scaled, dim=-1)
+        )
     elif op == "trainer_logsoftmax":
         undo.append(lambda f=tl._InvariantLogProbs: setattr(tl, "_InvariantLogProbs", f))
         tl._InvariantLogProbs = tl._LinearVocabParallelLogProbs
@@ -190,10 +207,16 @@ def reverted(chunks, op: str):
 
 # (op, tp, dtype): where reverting the op changes bits on this CPU (bf16 GEMMs and a 2-rank
 # merge are M- and order-free here, so ``linear`` and ``trainer_logsoftmax`` leak in fp32).
-LEAKS = [("linear", 1, "float32"), ("linear", 2, "float32"), ("attention", 1, "float32"),
-         ("attention", 2, "bfloat16"), ("engine_logsoftmax", 1, "float32"),
-         ("engine_logsoftmax", 2, "bfloat16"), ("trainer_logsoftmax", 1, "float32"),
-         ("trainer_logsoftmax", 2, "float32")]
+LEAKS = [
+    ("linear", 1, "float32"),
+    ("linear", 2, "float32"),
+    ("attention", 1, "float32"),
+    ("attention", 2, "bfloat16"),
+    ("engine_logsoftmax", 1, "float32"),
+    ("engine_logsoftmax", 2, "bfloat16"),
+    ("trainer_logsoftmax", 1, "float32"),
+    ("trainer_logsoftmax", 2, "float32"),
+]
 
 
 def _leak(tp: int, dtype: str, op: str):
@@ -202,8 +225,10 @@ def _leak(tp: int, dtype: str, op: str):
 
 
 for _op, _tp, _dtype in LEAKS:
+
     def _bound_leak(tp=_tp, dtype=_dtype, op=_op):
         return _leak(tp, dtype, op)
+
     _bound_leak.__name__ = f"leak_{_op}_tp{_tp}_{_dtype}"
     case(_bound_leak)
 
@@ -223,9 +248,16 @@ def train_step(name: str, *overrides: str) -> dict:
     run_dir = Path(_STATE.setdefault("tmp", shared_tmpdir("bi_train_"))) / name
     task = Path(os.environ["NGRPO_TASK"])
     tiny = Path(__file__).resolve().parents[2] / "configs" / "tiny_test.yaml"
-    cfg = load_config([tiny, task / "paths.yaml"], [
-        f"train.run_dir={run_dir}", "train.max_steps=1", "train.save_every=0",
-        "train.mini_batch_prompts=4", *overrides])
+    cfg = load_config(
+        [tiny, task / "paths.yaml"],
+        [
+            f"train.run_dir={run_dir}",
+            "train.max_steps=1",
+            "train.save_every=0",
+            "train.mini_batch_prompts=4",
+            *overrides,
+        ],
+    )
     original, replays = GPTModel.forward, []
 
     def forward(self, *args, **kwargs):
@@ -269,8 +301,10 @@ def _trainer(tp: int, dtype: str):
 
 
 for _tp, _dtype in ((1, "float32"), (2, "bfloat16")):
+
     def _bound_trainer(tp=_tp, dtype=_dtype):
         return _trainer(tp, dtype)
+
     _bound_trainer.__name__ = f"trainer_tp{_tp}_{_dtype}"
     case(_bound_trainer)
 
@@ -315,8 +349,12 @@ def _one_step_off(tp: int, dtype: str):
     ``rollout``: the engine's log-probs are those replays' bits, so the run computes what the
     recompute run computes, bit for bit (losses, ratios, KL, rewards, the first mini-batch's
     |log-ratio|, which is the policy change of one step: 0 at the first step, > 0 after)."""
-    on = ("rollout.batch_invariant=true", "train.async.max_staleness=1",
-          f"model.tensor_parallel={tp}", f"model.dtype={dtype}")
+    on = (
+        "rollout.batch_invariant=true",
+        "train.async.max_staleness=1",
+        f"model.tensor_parallel={tp}",
+        f"model.dtype={dtype}",
+    )
     recompute, mixed = train_steps(f"one_step_off_recompute_{tp}_{dtype}", *on)
     rollout, _ = train_steps(f"one_step_off_rollout_{tp}_{dtype}", *on, "grpo.old_logprobs=rollout")
     gaps = [
@@ -338,10 +376,132 @@ def _one_step_off(tp: int, dtype: str):
 
 
 for _tp, _dtype in ((1, "float32"), (2, "bfloat16")):
+
     def _bound_one_step_off(tp=_tp, dtype=_dtype):
         return _one_step_off(tp, dtype)
+
     _bound_one_step_off.__name__ = f"trainer_one_step_off_tp{_tp}_{_dtype}"
     case(_bound_one_step_off)
+
+
+# ---- sequence packing (train.pack_sequences: THD, each sequence tiled from its own start) -------
+@contextlib.contextmanager
+def packing_reverted(op: str):
+    """Undo one piece of the packed path: ``packed_attention`` (TiledAttention ignores
+    cu_seqlens: the packed row is one causal sequence), ``packed_rope`` (the rotary table sized
+    to the packed row, so megatron's THD RoPE takes each token's position in the packed row, not
+    in its sequence)."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from megatron_ngrpo.models import batch_invariant as bi
+
+    if op == "packed_attention":
+        owner, name = bi, "_packed"
+        patched = lambda q, k, v, params, scale: bi._tiled(  # noqa: E731
+            q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), scale
+        )
+    elif op == "packed_rope":
+        owner, name, original = (
+            RotaryEmbedding,
+            "get_rotary_seq_len",
+            RotaryEmbedding.get_rotary_seq_len,
+        )
+
+        def patched(self, context, block, hidden, config, packed_seq_params=None, **kw):
+            if packed_seq_params is None:
+                return original(self, context, block, hidden, config, packed_seq_params, **kw)
+            return int(packed_seq_params.cu_seqlens_q[-1])
+    else:
+        raise ValueError(op)
+    saved = getattr(owner, name)
+    setattr(owner, name, patched)
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)
+
+
+def _packed_run(chunks, revert: str = "") -> dict:
+    """Mode on, the replay packed in THD form (with piece ``revert`` of the packed path undone):
+    the engine's mixed and plain rows vs packs of 4 sequences and one pack of all 12, and the
+    packed replay vs the unpacked replay."""
+    from megatron_ngrpo.models.batch_invariant import enable_batch_invariant
+    from tests.support.replay import sequence_logprobs
+
+    enable_batch_invariant(chunks)
+    mixed, plain = generate(chunks, True, 0.3), generate(chunks, True, 0.0)
+    unpacked = sequence_logprobs(chunks, mixed, 0.9, 4, vocab_limit=NUM_REAL)
+    with packing_reverted(revert) if revert else contextlib.nullcontext():
+        res = {
+            "mixed_rows": gap(chunks, mixed, packing="thd"),
+            "plain_rows": gap(chunks, plain, packing="thd"),
+            "one_pack": gap(chunks, mixed, micro_batch_size=len(mixed.logprobs), packing="thd"),
+        }
+        packed = sequence_logprobs(chunks, mixed, 0.9, 4, vocab_limit=NUM_REAL, packing="thd")
+    assert res["mixed_rows"]["mixed"]["tokens"] > 5, res
+    res["packed_vs_unpacked_unequal"] = sum(
+        int(not torch.equal(a[i], b[i])) for a, b in zip(packed, unpacked) for i in range(len(a))
+    )
+    res["unequal"] = sum(_unequal(res[k]) for k in ("mixed_rows", "plain_rows", "one_pack"))
+    res["unequal"] += res["packed_vs_unpacked_unequal"]
+    return res
+
+
+def _packed_parity(tp: int, dtype: str):
+    res = _packed_run(model(tp, dtype))
+    assert res["unequal"] == 0, res
+    return res
+
+
+for _tp in (1, 2):
+    for _dtype in ("float32", "bfloat16"):
+
+        def _bound_packed(tp=_tp, dtype=_dtype):
+            return _packed_parity(tp, dtype)
+
+        _bound_packed.__name__ = f"packed_tp{_tp}_{_dtype}"
+        case(_bound_packed)
+
+
+for _op in ("packed_attention", "packed_rope"):
+
+    def _bound_packed_leak(op=_op):
+        res = _packed_run(model(1, "float32"), op)
+        return {k: res[k] for k in ("unequal", "packed_vs_unpacked_unequal")}
+
+    _bound_packed_leak.__name__ = f"leak_{_op}_tp1_float32"
+    case(_bound_packed_leak)
+
+
+@case
+def trainer_packed_tp1_float32():
+    """``train.pack_sequences`` with the mode, through the trainer: every micro-batch of the
+    replays and of the update packed in THD form (the reference a second model, ``copy``, in the
+    second run), and still every mismatch gap, k3 KL and the first mini-batch's log-ratio 0."""
+    from megatron_ngrpo.grpo import logprobs
+
+    original, modes = logprobs.pack, []
+
+    def pack(*args):
+        modes.append(args[-1])
+        return original(*args)
+
+    logprobs.pack = pack
+    try:
+        on = ("rollout.batch_invariant=true", "train.pack_sequences=true")
+        recompute = train_step("packed_recompute", *on)
+        rollout = train_step(
+            "packed_rollout", *on, "grpo.old_logprobs=rollout", "train.reference=copy"
+        )
+    finally:
+        logprobs.pack = original
+    m = recompute["metrics"]
+    assert modes and set(modes) == {"thd"}, modes
+    assert m["mismatch/mixed/logprob_gap"] == 0 and m["mismatch/plain/logprob_gap"] == 0, m
+    assert m["mismatch/mixed/kl"] == 0 and m["mismatch/plain/kl"] == 0, m
+    assert m["logprob_gap/max_abs"] == 0 and m["mixing/mixed_token_frac"] > 0, m
+    assert rollout["metrics"]["first_update/abs_log_ratio"] == 0, rollout
+    return {"recompute": recompute, "rollout": rollout, "packed_micro_batches": len(modes)}
 
 
 if __name__ == "__main__":
