@@ -358,7 +358,7 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "eval.extra_benchmarks": _t(VALIDATION),
     "eval.limit": _t(VALIDATION),
     "eval.tokenizer": _t(VALIDATION),
-    "eval.model": _t("tests/test_eval.py::test_regrade_and_cli"),
+    "eval.model": _t(VALIDATION),  # the eval CLI on the tiny model (regrade needs none)
     "eval.checkpoint": _t(REAL_EVAL),
     "eval.ks": _t("tests/test_eval.py::test_regrade_and_cli"),
     "eval.max_tokens_per_call": _t(VALIDATION),
