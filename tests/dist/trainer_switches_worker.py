@@ -310,7 +310,7 @@ def batch_arithmetic():
 @case
 def optimizer_settings():
     """The optimizer's hyperparameters, clipping and the distributed optimizer; the learning-rate
-    schedule over two steps (warm-up, then linear decay to min_lr)."""
+    schedule over three steps (warm-up, then linear decay towards min_lr)."""
     return {
         "baseline": baseline(),
         "optimizer": observed(
@@ -324,9 +324,9 @@ def optimizer_settings():
         ),
         "schedule": observed(
             "schedule",
-            "train.max_steps=2",
+            "train.max_steps=3",
             "optim.lr=2e-3",
-            "optim.warmup_steps=3",
+            "optim.warmup_steps=2",
             "optim.lr_schedule=linear",
             "optim.min_lr=1e-4",
         ),
