@@ -336,16 +336,16 @@ def test_launcher_renders_its_golden_sbatch(name, tmp_path, monkeypatch, capsys)
 
 @pytest.mark.parametrize("name", ["r1-7b", "r1-14b"])
 def test_cluster_options_reach_the_script(name, tmp_path, monkeypatch, capsys):
-    """--time, --mem, --no-exclusive, --rdzv-port and (hetjob) --group-start-wait and
-    --group-monitor-wait (told apart by their values), launch.Cluster's fields, in a one-group
-    job's and a hetjob's script (each renders its torchrun its own way), where the golden ones
-    have their defaults."""
+    """--time, --mem, --no-exclusive, --rdzv-port, --packager none and (hetjob)
+    --group-start-wait and --group-monitor-wait (told apart by their values), launch.Cluster's
+    fields, in a one-group job's and a hetjob's script (each renders its torchrun its own way),
+    where the golden ones have their defaults."""
     home = tmp_path / "nemorun_home"
     monkeypatch.setenv("NEMORUN_HOME", str(home))
     monkeypatch.setattr(nemo_run.config, "_NEMORUN_HOME", str(home))  # read at its import
     config = REPO / "configs" / f"ngrpo_{name.replace('-', '_')}.yaml"
     flags = ["--time", "02:03:04", "--mem", "100G", "--no-exclusive", "--rdzv-port", "23456"]
-    flags += ["--group-start-wait", "7", "--group-monitor-wait", "9"]
+    flags += ["--group-start-wait", "7", "--group-monitor-wait", "9", "--packager", "none"]
     argv = [*GOLDEN_CASES[name], "--config", str(config), "--dryrun", *flags]
     with (tmp_path / "stdin").open("w+") as stdin:  # git packaging reads stdin
         monkeypatch.setattr("sys.stdin", stdin)
@@ -361,6 +361,12 @@ def test_cluster_options_reach_the_script(name, tmp_path, monkeypatch, capsys):
             ("\nsleep 30\n", "\nsleep 7\n"),  # between the groups' starts
             ("    sleep 60\n", "    sleep 9\n"),  # the monitor's checks
         ]
+    # packager none: the jobs import this checkout in place, not the archive in the job directory
+    if name == "r1-7b":  # in a container: the checkout mounted at its own path
+        changes += [("PYTHONPATH=/nemo_run/code", f"PYTHONPATH={REPO}")]
+        assert f",{REPO}:{REPO}," in script and f"{REPO}:{REPO}" not in golden
+    else:
+        changes += [("/rollout-train/code${PYTHONPATH", f"PYTHONPATH={REPO}${{PYTHONPATH")]
     for default, flipped in changes:
         assert default in golden and default not in script and flipped in script, flipped
     assert "#SBATCH --exclusive" in golden and "#SBATCH --exclusive" not in script
