@@ -188,6 +188,9 @@ def test_modules_follow_the_config(task):
     cfg.rollout.engine, cfg.model.layer_spec = "vllm", "auto"
     assert {"vllm", "transformer_engine.pytorch"} <= set(preflight.needed_modules(cfg, gpus=8))
     assert "transformer_engine.pytorch" not in preflight.needed_modules(cfg, gpus=0)
+    cfg.model.layer_spec = "local"  # megatron's local spec: no TE on a GPU either
+    assert "transformer_engine.pytorch" not in preflight.needed_modules(cfg, gpus=8)
+    assert "vllm" in preflight.needed_modules(cfg, gpus=8)
 
 
 def test_layer_spec_auto_on_a_gpu_without_te_stops(tmp_path, monkeypatch):
