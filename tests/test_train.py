@@ -239,6 +239,14 @@ def test_vllm_max_model_len_defaults_to_the_models_limit(task, monkeypatch):
         vllm_max_model_len(cfg.rollout.vllm, 64) == 64
         and vllm_max_model_len(cfg.rollout.vllm, 10**5) == 4096
     )
+    # set: the vLLM engine's length (the engine, the trainer's and the eval CLI's checks ask this
+    # resolver), within the model's positions
+    cfg = _cfg(
+        task, "rollout.engine=vllm", "rollout.vllm.max_model_len=48", monkeypatch=monkeypatch
+    )
+    assert vllm_max_model_len(cfg.rollout.vllm, 64) == 48
+    with pytest.raises(ConfigError, match=r"'rollout.vllm.max_model_len' = 48: above the model's"):
+        vllm_max_model_len(cfg.rollout.vllm, 32)
 
 
 def test_model_folder_tokenizer_is_the_default(task, monkeypatch, tmp_path):
