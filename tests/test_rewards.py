@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import operator
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -433,7 +434,8 @@ def test_reward_function_from_config():
     )
     with build_reward(cfg) as reward:
         out = reward(
-            ["x</think>Answer: A \\boxed{A}", "Answer: B", "Answer: A"],
+            # The mcq grader reads the "Answer:" line (the math grader would take the box: 0).
+            ["x</think>\\boxed{B} Answer: A", "Answer: B", "Answer: A"],
             ["A", "A", "A"],
             lengths=[5, 15, 30],
         )
@@ -481,7 +483,12 @@ def test_grading_fields_reach_the_graders():
         start = time.monotonic()
         assert pool.map(time.sleep, [(60,)], default="x") == ["x"]  # killed after timeout_s
         assert time.monotonic() - start < 8
-        assert pool.map(bytearray, [(700 * 2**20,)], default="x") == ["x"]  # over memory_mb
+        # memory_mb is each worker's address-space limit (its enforcement: the pool test above).
+        limits = [
+            g._pool.map(resource.getrlimit, [(resource.RLIMIT_AS,)], None)
+            for g in (default, changed)
+        ]
+        assert limits == [[(2048 * 2**20,) * 2], [(512 * 2**20,) * 2]]
     mcq = [(r"so \boxed{A}", "A"), ("Answer: E", "E")]
     reference = ["name=mcq", "mcq_mode=reference", "mcq_letters=ABCDE"]
     assert build_grader(load(RewardConfig, overrides=["name=mcq"])).score_batch(mcq) == [0.0, 0.0]
