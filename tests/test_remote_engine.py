@@ -181,6 +181,25 @@ def _one_line_error(match: str, fn, *args, **kwargs):
     return str(e.value)
 
 
+def _within(seconds: float, fn, *args, **kwargs) -> tuple[object, float]:
+    """``fn(*args, **kwargs)`` on a thread given ``seconds``: its result (or the exception it
+    raised) and the seconds it took; fails the test when it is still running by then."""
+    out = {}
+
+    def run():
+        try:
+            out["result"] = fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - handed to the test
+            out["result"] = e
+
+    t0 = time.monotonic()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout=seconds)
+    assert not thread.is_alive(), f"{getattr(fn, '__name__', fn)} still running after {seconds:g} s"
+    return out["result"], time.monotonic() - t0
+
+
 def test_digests_name_the_first_tensor_changed_on_the_wire():
     """The servers' check of pushed tensors (``verify_weights``): a changed value is named in one
     line; names without a digest are not checked."""
@@ -624,27 +643,13 @@ def test_server_killed_during_weight_transfer_is_one_line(task, tmp_path, monkey
             return update(self, info)
 
         monkeypatch.setattr(HTTPVLLMWeightSyncClient, "update_weights", dies_before_second_bucket)
-        result = {}
-
-        def sync():
-            try:
-                engine.sync_weights(chunks)
-            except Exception as e:  # noqa: BLE001 - handed to the test
-                result["error"] = e
-
-        t0 = time.monotonic()
-        thread = threading.Thread(target=sync, daemon=True)
-        thread.start()
-        thread.join(timeout=120)
-        assert not thread.is_alive(), "weight transfer hung after its server was killed"
-        error = result.get("error")
+        error, seconds = _within(120, engine.sync_weights, chunks)  # never a hang
         assert (
             len(calls) == 2 and isinstance(error, RolloutServerError) and "\n" not in str(error)
         ), error
-        assert (
-            str(error).startswith(f"rollout server {url}: weight transfer ")
-            and time.monotonic() - t0 < 60
-        ), error
+        assert str(error).startswith(f"rollout server {url}: weight transfer ") and seconds < 60, (
+            error
+        )
         engine.close()
 
 
@@ -681,3 +686,34 @@ def test_connect_timeout_bounds_each_connection_attempt(task):
     finally:
         for c in (*queued, server):
             c.close()
+
+
+def test_request_timeout_bounds_each_call(task):
+    """rollout.remote.request_timeout_s: a server that takes the connection but never answers
+    (a listening socket nobody accepts on: the kernel completes the connection) is given up
+    after the request timeout, not the connect one (here the start-up's first call, the secret's
+    handshake). Each call runs on a thread given 30 s: one that waits longer fails the test
+    rather than hanging it."""
+    import socket
+
+    from megatron_ngrpo.rollout.remote.client import RolloutServerError
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    url = f"http://127.0.0.1:{server.getsockname()[1]}"
+    try:
+        took = {}
+        for request in (0.2, 2.0):
+            error, took[request] = _within(
+                30, _engine, task, urls=[url], start_timeout_s=0.01, request_timeout_s=request
+            )
+            assert isinstance(error, RolloutServerError) and "\n" not in str(error), error
+            assert re.fullmatch(
+                rf"rollout server {re.escape(url)}: unreachable after 0.01 s \(.*Read timed "
+                rf"out\. \(read timeout={request}\)\)",
+                str(error),
+            ), error
+        assert took[0.2] < 2.0 <= took[2.0] < 15, took
+    finally:
+        server.close()  # resets the connections it never accepted
