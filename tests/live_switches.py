@@ -160,7 +160,7 @@ SWITCHES: dict[str, tuple[str, str]] = {
         REMOTE + "test_server_killed_during_weight_transfer_is_one_line"
     ),
     "rollout.remote.verify_weights": _t(
-        REMOTE + "test_digests_name_the_first_tensor_changed_on_the_wire"
+        REMOTE + "test_verify_weights_checks_every_pushed_tensor_on_the_servers"
     ),
     "rollout.remote.secret_file": _t(
         REMOTE + "test_servers_refuse_requests_without_the_jobs_secret"
