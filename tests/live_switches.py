@@ -154,9 +154,7 @@ SWITCHES: dict[str, tuple[str, str]] = {
     "rollout.remote.connect_timeout_s": _t(
         REMOTE + "test_connect_timeout_bounds_each_connection_attempt"
     ),
-    "rollout.remote.request_timeout_s": _t(
-        REMOTE + "test_server_killed_during_weight_transfer_is_one_line"
-    ),
+    "rollout.remote.request_timeout_s": _t(REMOTE + "test_request_timeout_bounds_each_call"),
     "rollout.remote.weight_transfer": _t(REMOTE + "test_startup_errors_are_one_line"),
     "rollout.remote.transfer_host": _t(
         REMOTE + "test_transfer_host_is_where_the_servers_dial_back"
@@ -165,7 +163,7 @@ SWITCHES: dict[str, tuple[str, str]] = {
         REMOTE + "test_server_killed_during_weight_transfer_is_one_line"
     ),
     "rollout.remote.verify_weights": _t(
-        REMOTE + "test_digests_name_the_first_tensor_changed_on_the_wire"
+        REMOTE + "test_verify_weights_checks_every_pushed_tensor_on_the_servers"
     ),
     "rollout.remote.secret_file": _t(
         REMOTE + "test_servers_refuse_requests_without_the_jobs_secret"

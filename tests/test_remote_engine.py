@@ -13,13 +13,17 @@ the trainer's rollout client (rollout/remote/client.py).
   start on one), another model, another weight-transfer backend, too few registrations, a vLLM TP
   that does not divide the rollout group's GPUs, a remote engine without servers.
 * The STHT baseline's noise on the servers (σ from each server's own embedding).
+* ``verify_weights`` on HTTP pushes: a value changed on the wire fails the sync in one line
+  naming the tensor; off, it loads unchecked.
 * Servers killed while a request is in flight: the request is retried on the other server (the
   dead one is dropped); with no server left, a one-line error naming it. A server of its own
-  killed between two buckets of a weight transfer: a one-line error naming it. Never a hang.
+  killed between two buckets of a weight transfer: a one-line error naming it. A server that
+  never answers is given up after the request timeout. Never a hang.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -172,6 +176,18 @@ def _engine(task, **remote):
     return RemoteEngine(RemoteConfig(**remote), spec, spec.vocab_size)
 
 
+def _random_policy(task) -> list:
+    """The task's model as megatron chunks in this process (one rank), random weights (the task
+    has none)."""
+    from megatron_ngrpo.models.config import ModelConfig
+    from megatron_ngrpo.models.provider import build_model
+    from megatron_ngrpo.parallel import init_distributed, initialize_model_parallel
+
+    init_distributed()
+    initialize_model_parallel(1, 1)
+    return build_model(ModelConfig(hf_path=str(task / "model")))
+
+
 def _one_line_error(match: str, fn, *args, **kwargs):
     from megatron_ngrpo.rollout.remote.client import RolloutServerError
 
@@ -179,6 +195,25 @@ def _one_line_error(match: str, fn, *args, **kwargs):
         fn(*args, **kwargs)
     assert "\n" not in str(e.value)
     return str(e.value)
+
+
+def _within(seconds: float, fn, *args, **kwargs) -> tuple[object, float]:
+    """``fn(*args, **kwargs)`` on a thread given ``seconds``: its result (or the exception it
+    raised) and the seconds it took; fails the test when it is still running by then."""
+    out = {}
+
+    def run():
+        try:
+            out["result"] = fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - handed to the test
+            out["result"] = e
+
+    t0 = time.monotonic()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout=seconds)
+    assert not thread.is_alive(), f"{getattr(fn, '__name__', fn)} still running after {seconds:g} s"
+    return out["result"], time.monotonic() - t0
 
 
 def test_digests_name_the_first_tensor_changed_on_the_wire():
@@ -541,6 +576,48 @@ def test_transfer_host_is_where_the_servers_dial_back(task, servers, monkeypatch
     assert hosts == [socket.gethostname(), "10.1.2.3"]
 
 
+def test_verify_weights_checks_every_pushed_tensor_on_the_servers(task, servers, monkeypatch):
+    """rollout.remote.verify_weights (http pushes): each server checks a SHA-256 per pushed tensor
+    before loading it. A clean sync reports every tensor verified by the servers; one value
+    changed on the wire, after the trainer packed the bucket, fails the sync in one line naming
+    the server and the tensor. Off, nothing is checked: the same change loads, 0 verified."""
+    from safetensors.torch import save
+
+    from megatron_ngrpo.rollout.remote.http import ServerHTTP
+    from megatron_ngrpo.rollout.vllm import wire
+
+    _, urls, _ = servers
+    chunks = _random_policy(task)
+    target, rpc = "model.layers.0.mlp.up_proj.weight", ServerHTTP.rpc
+
+    def changed_on_the_wire(self, url, method, *args):
+        if method == "nbr_server_receive":
+            tensors, digests = wire.unpack_tensors(base64.b64decode(args[0]))
+            tensors[target].view(-1)[7] += 1
+            meta = {"sha256": json.dumps(digests)} if digests else None
+            args = (base64.b64encode(save(tensors, metadata=meta)).decode(), *args[1:])
+        return rpc(self, url, method, *args)
+
+    engine = _engine(task, urls=urls, verify_weights=True, start_timeout_s=60)
+    engine.sync_weights(chunks)
+    assert engine.last_sync["verified"] == engine.last_sync["tensors"] > 0, engine.last_sync
+    monkeypatch.setattr(ServerHTTP, "rpc", changed_on_the_wire)
+    _one_line_error(
+        rf"^rollout server {re.escape(urls[0])}: weight push failed twice: HTTP 500: .*"
+        rf"weight sync: {re.escape(target)} \[256, 128\] arrived with SHA-256 \w{{16}}…, the "
+        r"trainer sent \w{16}…",
+        engine.sync_weights,
+        chunks,
+    )
+    engine.close()
+    unchecked = _engine(task, urls=urls, start_timeout_s=60)
+    unchecked.sync_weights(chunks)
+    assert unchecked.last_sync["verified"] == 0, unchecked.last_sync
+    monkeypatch.undo()
+    unchecked.sync_weights(chunks)  # the trainer's weights again, for the tests below
+    unchecked.close()
+
+
 def test_killed_servers_retry_then_one_line_error(task, servers):
     from megatron_ngrpo.rollout.remote.client import RolloutServerError
 
@@ -589,19 +666,12 @@ def test_server_killed_during_weight_transfer_is_one_line(task, tmp_path, monkey
     """gloo weight transfer (vLLM's API) to a server that dies between two buckets of a sync: a
     one-line error naming the server within the request timeout, never a hang; the sync before it
     worked."""
-    from megatron_ngrpo.models.config import ModelConfig
-    from megatron_ngrpo.models.provider import build_model
-    from megatron_ngrpo.parallel import init_distributed, initialize_model_parallel
     from megatron_ngrpo.rollout.remote.client import RolloutServerError
 
     url_dir = tmp_path / "urls"
     url_dir.mkdir()
     with _running_servers(task, url_dir, 1) as ([url], [proc]):
-        init_distributed()
-        initialize_model_parallel(1, 1)
-        chunks = build_model(
-            ModelConfig(hf_path=str(task / "model"))
-        )  # random weights: the task has none
+        chunks = _random_policy(task)
         engine = _engine(
             task,
             urls=[url],
@@ -624,27 +694,13 @@ def test_server_killed_during_weight_transfer_is_one_line(task, tmp_path, monkey
             return update(self, info)
 
         monkeypatch.setattr(HTTPVLLMWeightSyncClient, "update_weights", dies_before_second_bucket)
-        result = {}
-
-        def sync():
-            try:
-                engine.sync_weights(chunks)
-            except Exception as e:  # noqa: BLE001 - handed to the test
-                result["error"] = e
-
-        t0 = time.monotonic()
-        thread = threading.Thread(target=sync, daemon=True)
-        thread.start()
-        thread.join(timeout=120)
-        assert not thread.is_alive(), "weight transfer hung after its server was killed"
-        error = result.get("error")
+        error, seconds = _within(120, engine.sync_weights, chunks)  # never a hang
         assert (
             len(calls) == 2 and isinstance(error, RolloutServerError) and "\n" not in str(error)
         ), error
-        assert (
-            str(error).startswith(f"rollout server {url}: weight transfer ")
-            and time.monotonic() - t0 < 60
-        ), error
+        assert str(error).startswith(f"rollout server {url}: weight transfer ") and seconds < 60, (
+            error
+        )
         engine.close()
 
 
@@ -681,3 +737,34 @@ def test_connect_timeout_bounds_each_connection_attempt(task):
     finally:
         for c in (*queued, server):
             c.close()
+
+
+def test_request_timeout_bounds_each_call(task):
+    """rollout.remote.request_timeout_s: a server that takes the connection but never answers
+    (a listening socket nobody accepts on: the kernel completes the connection) is given up
+    after the request timeout, not the connect one (here the start-up's first call, the secret's
+    handshake). Each call runs on a thread given 30 s: one that waits longer fails the test
+    rather than hanging it."""
+    import socket
+
+    from megatron_ngrpo.rollout.remote.client import RolloutServerError
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    url = f"http://127.0.0.1:{server.getsockname()[1]}"
+    try:
+        took = {}
+        for request in (0.2, 2.0):
+            error, took[request] = _within(
+                30, _engine, task, urls=[url], start_timeout_s=0.01, request_timeout_s=request
+            )
+            assert isinstance(error, RolloutServerError) and "\n" not in str(error), error
+            assert re.fullmatch(
+                rf"rollout server {re.escape(url)}: unreachable after 0.01 s \(.*Read timed "
+                rf"out\. \(read timeout={request}\)\)",
+                str(error),
+            ), error
+        assert took[0.2] < 2.0 <= took[2.0] < 15, took
+    finally:
+        server.close()  # resets the connections it never accepted
