@@ -11,6 +11,7 @@ reports the gap with the mode off (the default kernels) and asserts ``torch.equa
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 import torch
@@ -18,6 +19,18 @@ import torch.distributed as dist
 
 from tests.harness.multiproc import case, run_cases, shared_tmpdir
 from tests.harness.tiny import tiny_checkpoint
+
+ALL_LAYOUTS = [(tp, dtype) for tp in (1, 2) for dtype in ("float32", "bfloat16")]
+TRAINER_LAYOUTS = [(1, "float32"), (2, "bfloat16")]
+
+
+def cases_per_layout(fn, name: str, layouts) -> None:
+    """Register ``fn(tp, dtype)`` as one case per (tp, dtype) layout, named ``name`` formatted."""
+    for tp, dtype in layouts:
+        bound = functools.partial(fn, tp, dtype)
+        bound.__name__ = name.format(tp=tp, dtype=dtype)
+        case(bound)
+
 
 VOCAB, NUM_REAL, K = 500, 480, 3
 PROMPTS = [[5, 17, 33, 2, 9, 41, 7], [300, 12], [77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87], [401]]
@@ -145,14 +158,7 @@ def _parity(tp: int, dtype: str, pp: int = 1):
     return {**off, **{f"on_{k}": v for k, v in on.items()}}
 
 
-for _tp in (1, 2):
-    for _dtype in ("float32", "bfloat16"):
-
-        def _bound(tp=_tp, dtype=_dtype):
-            return _parity(tp, dtype)
-
-        _bound.__name__ = f"parity_tp{_tp}_{_dtype}"
-        case(_bound)
+cases_per_layout(_parity, "parity_tp{tp}_{dtype}", ALL_LAYOUTS)
 
 
 @case
@@ -300,13 +306,7 @@ def _trainer(tp: int, dtype: str):
     return {"recompute": recompute, "rollout": rollout, "default": default}
 
 
-for _tp, _dtype in ((1, "float32"), (2, "bfloat16")):
-
-    def _bound_trainer(tp=_tp, dtype=_dtype):
-        return _trainer(tp, dtype)
-
-    _bound_trainer.__name__ = f"trainer_tp{_tp}_{_dtype}"
-    case(_bound_trainer)
+cases_per_layout(_trainer, "trainer_tp{tp}_{dtype}", TRAINER_LAYOUTS)
 
 
 # ---- one step off (train.async.max_staleness: 1) ------------------------------------------------
@@ -375,13 +375,7 @@ def _one_step_off(tp: int, dtype: str):
     return {"mixed_label_columns": mixed, "first_abs_log_ratio": ratio}
 
 
-for _tp, _dtype in ((1, "float32"), (2, "bfloat16")):
-
-    def _bound_one_step_off(tp=_tp, dtype=_dtype):
-        return _one_step_off(tp, dtype)
-
-    _bound_one_step_off.__name__ = f"trainer_one_step_off_tp{_tp}_{_dtype}"
-    case(_bound_one_step_off)
+cases_per_layout(_one_step_off, "trainer_one_step_off_tp{tp}_{dtype}", TRAINER_LAYOUTS)
 
 
 # ---- sequence packing (train.pack_sequences: THD, each sequence tiled from its own start) -------
@@ -453,14 +447,7 @@ def _packed_parity(tp: int, dtype: str):
     return res
 
 
-for _tp in (1, 2):
-    for _dtype in ("float32", "bfloat16"):
-
-        def _bound_packed(tp=_tp, dtype=_dtype):
-            return _packed_parity(tp, dtype)
-
-        _bound_packed.__name__ = f"packed_tp{_tp}_{_dtype}"
-        case(_bound_packed)
+cases_per_layout(_packed_parity, "packed_tp{tp}_{dtype}", ALL_LAYOUTS)
 
 
 for _op in ("packed_attention", "packed_rope"):
