@@ -271,7 +271,12 @@ def test_model_folder_tokenizer_is_the_default(task, monkeypatch, tmp_path):
         tok.apply_chat_template([{"role": "user", "content": "max(1,2)="}], tokenize=False)
         == "Q: max(1,2)=\nA:"
     )
-    # A named tokenizer still wins over the folder's.
+    # A named tokenizer (the config's field) still wins over the folder's.
+    named = _cfg(
+        task, f"tokenizer={task / 'tokenizer'}", f"model.hf_path={model}", monkeypatch=monkeypatch
+    )
+    tok = load_tokenizer(named.tokenizer, named.model.hf_path)
+    assert tok.chat_template != template and len(tok) == len(own)
     assert len(load_tokenizer("qwen2", model)) == 151646
     r1_model = shutil.copytree(
         REPO_DATA / "tokenizers" / "deepseek-r1-distill-qwen", tmp_path / "r1"
