@@ -14,9 +14,11 @@ from megatron_ngrpo.training.snapshot import WeightSnapshot
 
 class ReferencePolicy:
     """The frozen initial weights: a CPU copy swapped into the policy's parameters for the
-    reference pass (``swap``, no extra device memory), or a second model (``copy``)."""
+    reference pass (``swap``, no extra device memory), or a second model (``copy``), which runs
+    the policy's forward: batch-invariant with ``batch_invariant`` (``rollout.batch_invariant``,
+    whose packed micro-batches only its attention takes)."""
 
-    def __init__(self, chunks: list, mode: str, model_cfg):
+    def __init__(self, chunks: list, mode: str, model_cfg, batch_invariant: bool = False):
         self.mode = mode
         if mode == "swap":
             self.saved = WeightSnapshot(chunks)
@@ -31,15 +33,13 @@ class ReferencePolicy:
                         p.copy_(q)
             for c in self.model:
                 c.requires_grad_(False)
+            if batch_invariant:
+                enable_batch_invariant(self.model)
 
     @contextlib.contextmanager
     def active(self, chunks: list):
-        """Yield model chunks computing the reference policy (restores the policy on exit). A
-        ``copy`` runs the policy's forward: batch-invariant when the policy's is
-        (``rollout.batch_invariant``, whose packed micro-batches only its attention takes)."""
+        """Yield model chunks computing the reference policy (restores the policy on exit)."""
         if self.model is not None:
-            if getattr(unwrap(chunks[0]), "batch_invariant", False):
-                enable_batch_invariant(self.model)  # idempotent
             yield self.model
             return
         with self.saved.active(chunks):

@@ -195,11 +195,11 @@ class Trainer:
             meta = checkpoint_meta(cfg.model, warmstart_nll=losses)
             save_megatron_checkpoint(self.chunks, warm_dir, meta, overwrite=True)
         # The reference policy is the policy RL starts from (after any warm-start).
-        self.reference = (
-            ReferencePolicy(self.chunks, cfg.train.reference, cfg.model)
-            if cfg.grpo.needs_reference
-            else None
-        )
+        self.reference = None
+        if cfg.grpo.needs_reference:
+            self.reference = ReferencePolicy(
+                self.chunks, cfg.train.reference, cfg.model, cfg.rollout.batch_invariant
+            )
 
     def _build_stages(self) -> None:
         cfg, t = self.cfg, self.cfg.train
