@@ -138,7 +138,9 @@ SWITCHES: dict[str, tuple[str, str]] = {
     ),
     # CUDA faked (CPU vLLM refuses sleep mode): the level reaches vllm.LLM and its sleep calls.
     "rollout.vllm.sleep_level": _t("tests/test_vllm_engine.py::test_sleep_level_reaches_vllm"),
-    "rollout.vllm.weight_transfer": _t("tests/test_vllm_engine.py::test_weight_sync_from_megatron"),
+    "rollout.vllm.weight_transfer": _t(
+        "tests/test_vllm_engine.py::test_weight_transfer_route_reaches_vllm_and_the_sync"
+    ),
     "rollout.vllm.sync_bucket_mb": _t("tests/test_vllm_engine.py::test_weight_sync_from_megatron"),
     "rollout.vllm.verify_weights": _t(
         "tests/test_vllm_engine.py::test_weight_sync_verify_catches_corruption"

@@ -476,6 +476,46 @@ def test_sleep_level_reaches_vllm(monkeypatch, level):
     assert calls == ([("sleep", level), ("wake_up",)] if level else [])
 
 
+@pytest.mark.parametrize("route", ["gloo", "reload"])
+def test_weight_transfer_route_reaches_vllm_and_the_sync(monkeypatch, route):
+    """rollout.vllm.weight_transfer as the engine uses it (no vLLM started): vLLM built with that
+    weight-transfer backend (none for reload), and sync_weights sending through a WeightSender of
+    that route in buckets of sync_bucket_mb, or reloading the exported tensors."""
+    import megatron_ngrpo.rollout.vllm.engine as engine_module
+    import megatron_ngrpo.rollout.vllm.weight_transfer as transfer
+    from megatron_ngrpo.rollout.vllm.llm import llm_arguments
+
+    cfg = VLLMConfig(weight_transfer=route, sync_bucket_mb=0.5)
+    backend = llm_arguments(cfg, "/no/model", None, 64, False, 0).get("weight_transfer_config")
+    assert backend == ({"backend": "gloo"} if route == "gloo" else None)
+    calls = []
+
+    class SpySender:
+        def __init__(self, llm, route, bucket_bytes, verify, num_workers):
+            calls.append(("sender", llm, route, bucket_bytes, verify, num_workers))
+
+        def send(self, source):
+            calls.append(("send", type(source.source).__name__))
+            return {"seconds": 1.0, "params": 7, "bytes": 28}
+
+    monkeypatch.setattr(transfer, "WeightSender", SpySender)
+    monkeypatch.setattr(engine_module, "_export", lambda chunks, spec, shards: ["exported"])
+    engine = object.__new__(engine_module.VLLMEngine)  # the sync's own steps only
+    engine.cfg, engine.llm, engine.spec, engine.tp_shards = cfg, "llm", None, None
+    engine._sender, engine.colocated = None, False
+    engine._refresh_table = lambda: 0.0
+    engine.load_weights = lambda named: (
+        calls.append(("reload", named)),
+        engine.__dict__.update(last_sync={"num_params": 7}),
+    )
+    engine.sync_weights(["chunk"])
+    if route == "gloo":
+        assert calls == [("sender", "llm", "gloo", 2**19, False, 1), ("send", "MegatronSource")]
+    else:
+        assert calls == [("reload", ["exported"])]
+    assert engine.last_sync["num_params"] == 7
+
+
 def test_engine_options_reach_vllm(engine, model_dir):
     """The fixture's VLLMConfig (not the defaults) as vLLM runs it: its KV cache holds
     rollout.vllm.kv_cache_memory_bytes (1.2 MB, not 512 MiB), its scheduler takes max_num_seqs
