@@ -234,6 +234,41 @@ def test_digests_name_the_first_tensor_changed_on_the_wire():
     assert wire.first_mismatch(tensors.items(), {"a": expected["a"]}) is None
 
 
+def test_a_failed_retry_keeps_the_first_failure_in_its_line():
+    """on_all's retry: a weight bucket after the first one fails its retry only because the
+    server dropped the sync at the first failure; the one-line error names both failures (the
+    first once when the two are the same), and a failure not worth a retry is raised at once."""
+    from megatron_ngrpo.rollout.remote.client import RolloutServerError
+    from megatron_ngrpo.rollout.remote.http import CallFailed, on_all
+
+    def failing(*messages, retry=True):
+        calls = []
+
+        def fn(url):
+            calls.append(url)
+            raise CallFailed(messages[min(len(calls), len(messages)) - 1], retry=retry)
+
+        return fn, calls
+
+    fn, calls = failing("HTTP 500: b arrived with SHA-256 1…", "HTTP 500: bucket 3 arrived alone")
+    with pytest.raises(RolloutServerError) as e:
+        on_all(["http://s:1"], "weight push", fn)
+    assert str(e.value) == (
+        "rollout server http://s:1: weight push failed twice: HTTP 500: bucket 3 arrived alone "
+        "(the first time: HTTP 500: b arrived with SHA-256 1…)"
+    )
+    assert calls == ["http://s:1"] * 2
+    fn, calls = failing("HTTP 502: down")
+    with pytest.raises(RolloutServerError) as e:
+        on_all(["http://s:1"], "weight push", fn)
+    assert str(e.value) == "rollout server http://s:1: weight push failed twice: HTTP 502: down"
+    fn, calls = failing("HTTP 403: no secret", retry=False)
+    with pytest.raises(RolloutServerError) as e:
+        on_all(["http://s:1"], "weight push", fn)
+    assert str(e.value) == "rollout server http://s:1: weight push failed: HTTP 403: no secret"
+    assert calls == ["http://s:1"]
+
+
 # ---- training through the servers --------------------------------------------------------------
 
 

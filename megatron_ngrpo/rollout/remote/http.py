@@ -99,7 +99,8 @@ class ServerHTTP:
 
 def on_all(servers: list[str], what: str, fn) -> list:
     """``fn(url)`` for every server of ``servers`` concurrently, each retried once; one-line error
-    (naming the server and ``what``) otherwise."""
+    (naming the server and ``what``, and the first failure when the retry's differs: a weight
+    bucket after the first one fails its retry for the first failure's sake) otherwise."""
 
     def call(url):
         try:
@@ -110,8 +111,9 @@ def on_all(servers: list[str], what: str, fn) -> list:
             try:
                 return fn(url)
             except CallFailed as e:
+                before = f" (the first time: {first})" if str(first) != str(e) else ""
                 raise RolloutServerError(
-                    f"rollout server {url}: {what} failed twice: {e}"
+                    f"rollout server {url}: {what} failed twice: {e}{before}"
                 ) from None
 
     with ThreadPoolExecutor(len(servers)) as pool:
