@@ -796,7 +796,8 @@ def test_request_timeout_bounds_each_call(task):
             )
             assert isinstance(error, RolloutServerError) and "\n" not in str(error), error
             assert re.fullmatch(
-                rf"rollout server {re.escape(url)}: unreachable after 0.01 s \(.*Read timed "
+                rf"rollout server {re.escape(url)}: connected but never answered after 0.01 s "
+                rf"\(.*Read timed "
                 rf"out\. \(read timeout={request}\)\)",
                 str(error),
             ), error

@@ -203,6 +203,9 @@ class RemoteEngine(RolloutEngine):
         extension's ``nbr_server_info``; retried until ``deadline`` while nothing answers or the
         hook is not installed yet (still starting). The server proves the job's secret before
         the first request (:class:`~megatron_ngrpo.rollout.remote.auth.ClientAuth`)."""
+        # lazy: HTTP client of the remote engine only
+        import requests
+
         while True:
             try:
                 r = self.http.session(url).get(f"{url}/version", timeout=self.http.timeouts())
@@ -213,8 +216,11 @@ class RemoteEngine(RolloutEngine):
                 ) from None
             except OSError as e:
                 if time.monotonic() > deadline:
+                    # a read timeout: the port took the connection (a hung or overloaded server)
+                    hung = isinstance(e, requests.ReadTimeout)
                     raise RolloutServerError(
-                        f"rollout server {url}: unreachable after "
+                        f"rollout server {url}: "
+                        f"{'connected but never answered' if hung else 'unreachable'} after "
                         f"{self.cfg.start_timeout_s:g} s ({short(e)})"
                     ) from None
                 time.sleep(0.5)
