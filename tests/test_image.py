@@ -22,6 +22,7 @@ from megatron_ngrpo import pins
 REPO = Path(__file__).resolve().parents[1]
 IMAGE = REPO / "launchers" / "image" / "Dockerfile"
 NGC_RECIPE = REPO / "tests" / "data" / "images" / "Dockerfile.ngc_2026-11-28"
+LOCK = REPO / "scripts" / "constraints.txt"  # what scripts/setup.sh installs with
 
 # What each base image brings, by distribution: vLLM's release image has the torch vLLM requires
 # (installed from the PyTorch index of its CUDA, so with a local build tag), an NGC PyTorch image
@@ -136,3 +137,20 @@ def test_the_ngc_recipe_does_not_resolve():
         f"vllm {pins.VLLM} requires torch=={pins.TORCH}; the image has 2.13.0a0+e000cf0.nv26.01"
         in (conflicts(pinned, wanted))
     )
+
+
+def test_the_test_machines_lock_holds_the_image_pins_and_the_ranges():
+    """scripts/constraints.txt, the versions scripts/setup.sh installs: the job image's pins (so
+    the suite runs the image's versions and reads their metadata above), inside every range
+    megatron_ngrpo declares, and what this machine has (a fresh machine's set-up installs them,
+    not each dependency's newest release)."""
+    lines = [x for x in LOCK.read_text().splitlines() if x and not x.startswith("#")]
+    lock = {canonicalize_name(n): v for n, v in (x.split("==") for x in lines)}
+    image = {canonicalize_name(n): v for n, v in pins.IMAGE.items() if n != "transformer-engine"}
+    assert {n: lock.get(n) for n in image} == image
+    for text in pins.requirements():
+        req = Requirement(text)
+        if canonicalize_name(req.name) in lock:
+            assert req.specifier.contains(lock[canonicalize_name(req.name)]), text
+    here = {n: md.version(n).split("+")[0] for n in lock}
+    assert {n: v for n, v in here.items() if v != lock[n]} == {}
