@@ -34,10 +34,10 @@ def installed_closure() -> dict[str, str]:
     found: dict[str, str] = {}
     while todo:
         req = todo.pop()
-        name = canonicalize_name(req.name)
-        if name in REMOVED or (name, tuple(sorted(req.extras))) in seen:
+        name, extras = canonicalize_name(req.name), sorted(req.extras)
+        if name in REMOVED or (name, tuple(extras)) in seen:
             continue
-        seen.add((name, tuple(sorted(req.extras))))
+        seen.add((name, tuple(extras)))
         try:
             found[name] = md.version(name)
             texts = md.requires(name) or []
@@ -45,8 +45,7 @@ def installed_closure() -> dict[str, str]:
             continue  # a marker that does not hold here (e.g. another platform's)
         for text in texts:
             dep = Requirement(text)
-            wanted = [""] + sorted(req.extras)
-            if not dep.marker or any(dep.marker.evaluate({"extra": e}) for e in wanted):
+            if not dep.marker or any(dep.marker.evaluate({"extra": e}) for e in ["", *extras]):
                 todo.append(dep)
     return found
 

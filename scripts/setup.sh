@@ -17,10 +17,10 @@ if command -v apt-get >/dev/null && ! command -v slurmctld >/dev/null; then
 fi
 
 # What this script installs, checked without pip: setup.py's requirements (base and the vllm, dev,
-# launch, trackers, peer extras) at their ranges, torch 2.13.0, every installed distribution the job
-# image pins (megatron_ngrpo/pins.py IMAGE) at the image's exact version, this checkout as the
-# installed megatron_ngrpo, and none of the CUDA add-ons removed below. Prints what is missing; exit
-# 0 when nothing is.
+# launch, trackers, peer extras) at their ranges, torch 2.13.0, every distribution of
+# scripts/constraints.txt at its locked version (the job image's pins among them), this checkout as
+# the installed megatron_ngrpo, and none of the CUDA add-ons removed below. Prints what is missing;
+# exit 0 when nothing is.
 missing() {
   python3 - <<'EOF'
 import importlib.metadata as md
@@ -48,16 +48,17 @@ for text in reqs:
         continue
     if not req.specifier.contains(version, prereleases=True):
         out.append(f"{text} (have {version})")
-sys.path.insert(0, ".")
-from megatron_ngrpo.pins import IMAGE  # noqa: E402  (standard library only)
-
-for name, pin in IMAGE.items():
+for line in open("scripts/constraints.txt").read().splitlines():
+    if not line or line.startswith("#"):
+        continue
+    name, pin = line.split("==")
     try:
         version = md.version(name)
-    except md.PackageNotFoundError:  # the GPU-only ones (transformer-engine)
+    except md.PackageNotFoundError:
+        out.append(line)
         continue
-    if version != pin:
-        out.append(f"{name}=={pin} (have {version})")
+    if version.split("+")[0] != pin:  # a local tag (torch's +cpu) is the same release
+        out.append(f"{line} (have {version})")
 spec = importlib.util.find_spec("megatron_ngrpo")
 here = os.path.realpath("megatron_ngrpo")
 if spec is None or os.path.realpath(list(spec.submodule_search_locations)[0]) != here:
